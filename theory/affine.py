@@ -172,6 +172,7 @@ def _concrete_proof(member: Member, sizes=((1, 2, 2), (2, 2, 3), (3, 3, 2)), see
         kind=ProofKind.EXACT_CONCRETE,
         holds=True,
         detail="exact rational/algebraic arithmetic at " + ", ".join(checked),
+        corroborates=True,
     )
 
 
@@ -254,7 +255,8 @@ def make_derivation(member: Member) -> Derivation:
 
     statement = (
         rf"{member.formula}:\quad \Delta z_i = -\eta \sum_j K_{{ij}} g_j,\quad "
-        rf"K_{{ij}} = {sp.latex(member.kernel)},\quad K_{{ii}} = {sp.latex(member.diagonal_factor)}"
+        rf"K_{{ij}} = {sp.latex(member.kernel)},\quad K_{{ii}} = {sp.latex(member.diagonal_factor)},"
+        r"\quad d = x_i \cdot x_j,\; s = \|x\|^2"
     )
     return Derivation(
         name=member.name,

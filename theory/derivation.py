@@ -31,12 +31,18 @@ class ProofKind(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Proof:
-    """One proof step: what it claims, of which kind, and whether it held."""
+    """One proof step: what it claims, of which kind, and whether it held.
+
+    A step that ``corroborates`` re-establishes a claim already proven by the other steps (for
+    instance an exact check at concrete sizes of a general symbolic theorem): it must hold, but it
+    does not weaken the derivation's proof kind.
+    """
 
     claim: str
     kind: ProofKind
     holds: bool
     detail: str = ""
+    corroborates: bool = False
 
 
 @dataclass(frozen=True)
@@ -81,8 +87,8 @@ class Derivation:
 
     @property
     def proof_kind(self) -> ProofKind:
-        """The weakest kind among the proof steps (a chain is as strong as its weakest link)."""
-        kinds = [p.kind for p in self.proof_steps()] or [ProofKind.NUMERIC_ONLY]
+        """The weakest kind among the essential proof steps (a chain is as strong as its weakest link)."""
+        kinds = [p.kind for p in self.proof_steps() if not p.corroborates] or [ProofKind.NUMERIC_ONLY]
         order = list(ProofKind)
         return max(kinds, key=order.index)
 

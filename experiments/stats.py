@@ -1,0 +1,232 @@
+"""Statistical tests of a trend of a metric against log2(batch size), with seeds as clusters.
+
+Every estimator takes flat arrays ``x`` (log2 batch size), ``y`` (metric) and ``clusters`` (seed
+labels), one entry per run, and returns an :class:`Estimate`: a point estimate, its standard error
+and the degrees of freedom of its reference distribution (``inf`` for a normal one), from which the
+one-sided, two-sided and equivalence (TOST) p-values and confidence intervals follow.
+
+* :func:`clustered_slope` — OLS of y on [1, x] with the cluster-robust sandwich variance and the CR1
+  small-sample factor G/(G-1)·(N-1)/(N-k) (k = 2), t reference with G-1 df (G = clusters).
+* :func:`mixed_slope` — linear mixed model y = a + b x + u_seed + e (REML, statsmodels MixedLM).
+* :func:`per_cluster_slopes` / :func:`mean_estimate` — the OLS slope within each seed, and the
+  one-sample t estimate of their mean (the differential test runs on these).
+* :func:`cluster_bootstrap` — percentile CI of the OLS slope from resampling whole seeds.
+* :func:`page_trend` — Page's L across batch sizes with seeds as blocks.
+* :func:`holm` — Holm's step-down adjustment of a family of p-values.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import stats as _st
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A point estimate with standard error ``se`` and a t(df) (normal if df = inf) reference."""
+
+    estimate: float
+    se: float
+    df: float
+
+    def _dist(self):
+        return _st.norm if math.isinf(self.df) else _st.t(self.df)
+
+    def _t(self, null: float) -> float:
+        if self.se > 0:
+            return (self.estimate - null) / self.se
+        # No sampling variability at all (noiseless data): the sign alone decides.
+        return math.copysign(math.inf, self.estimate - null) if self.estimate != null else 0.0
+
+    def p_less(self, null: float = 0.0) -> float:
+        """p-value of H0: parameter >= null against H1: parameter < null."""
+        return float(self._dist().cdf(self._t(null)))
+
+    def p_greater(self, null: float = 0.0) -> float:
+        """p-value of H0: parameter <= null against H1: parameter > null."""
+        return float(self._dist().sf(self._t(null)))
+
+    def p_two_sided(self, null: float = 0.0) -> float:
+        return float(min(1.0, 2.0 * min(self.p_less(null), self.p_greater(null))))
+
+    def p_equivalent(self, margin: float) -> float:
+        """TOST p-value of H0: |parameter| >= margin against H1: |parameter| < margin."""
+        if not margin > 0:
+            raise ValueError(f"the equivalence margin must be > 0, got {margin!r}")
+        return max(self.p_greater(-margin), self.p_less(margin))
+
+    def ci(self, level: float) -> tuple[float, float]:
+        """Two-sided confidence interval of coverage ``level``."""
+        half = self._dist().ppf(0.5 + level / 2.0) * self.se
+        return (self.estimate - half, self.estimate + half)
+
+
+def _check_xy(x, y, clusters=None):
+    x = np.asarray(x, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
+    if x.ndim != 1 or x.shape != y.shape:
+        raise ValueError(f"x and y must be 1-D of equal length, got shapes {x.shape} and {y.shape}")
+    if clusters is not None:
+        clusters = np.asarray(clusters)
+        if clusters.shape != x.shape:
+            raise ValueError(f"clusters must have shape {x.shape}, got {clusters.shape}")
+    if not (np.all(np.isfinite(x)) and np.all(np.isfinite(y))):
+        raise ValueError("x and y must be finite")
+    if np.ptp(x) == 0:
+        raise ValueError(f"x must take at least two distinct values to fit a slope, got only {x[0]!r}")
+    return x, y, clusters
+
+
+def clustered_slope(x, y, clusters) -> Estimate:
+    """OLS slope of y on x with the CR1 cluster-robust standard error and G-1 df.
+
+    V = c (X'X)^-1 [sum_g X_g' u_g u_g' X_g] (X'X)^-1, c = G/(G-1) · (N-1)/(N-2), X = [1, x].
+    """
+    x, y, clusters = _check_xy(x, y, clusters)
+    labels, index = np.unique(clusters, return_inverse=True)
+    n, n_clusters = x.size, labels.size
+    if n_clusters < 2:
+        raise ValueError(f"a clustered standard error needs >= 2 clusters (seeds), got {n_clusters}")
+    design = np.column_stack([np.ones_like(x), x])
+    beta, *_ = np.linalg.lstsq(design, y, rcond=None)
+    scores = design * (y - design @ beta)[:, None]
+    per_cluster = np.zeros((n_clusters, 2))
+    np.add.at(per_cluster, index, scores)
+    bread = np.linalg.inv(design.T @ design)
+    factor = n_clusters / (n_clusters - 1) * (n - 1) / (n - 2)
+    cov = factor * bread @ (per_cluster.T @ per_cluster) @ bread
+    return Estimate(float(beta[1]), float(math.sqrt(max(cov[1, 1], 0.0))), float(n_clusters - 1))
+
+
+@dataclass(frozen=True)
+class MixedFit:
+    """Fixed slope of a random-intercept model; ``seed_variance`` the REML variance of the intercepts."""
+
+    slope: Estimate
+    seed_variance: float
+    residual_variance: float
+    converged: bool
+
+
+def mixed_slope(x, y, clusters) -> MixedFit:
+    """REML fit of y = a + b x + u_seed + e, u ~ N(0, s_u^2), e ~ N(0, s^2); Wald (normal) inference on b.
+
+    y is standardised before the fit (the optimiser stalls on metrics of variance ~1e-5) and the
+    estimates are scaled back: the model is equivariant under affine maps of y.
+    """
+    from statsmodels.regression.mixed_linear_model import MixedLM
+    from statsmodels.tools.sm_exceptions import ConvergenceWarning
+
+    x, y, clusters = _check_xy(x, y, clusters)
+    scale = float(y.std()) or 1.0
+    design = np.column_stack([np.ones_like(x), x])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = MixedLM((y - y.mean()) / scale, design, groups=clusters).fit(reml=True)
+    converged = bool(result.converged) and not any(
+        issubclass(w.category, ConvergenceWarning) for w in caught
+    )
+    return MixedFit(
+        slope=Estimate(float(result.fe_params[1]) * scale, float(result.bse_fe[1]) * scale, math.inf),
+        seed_variance=float(np.asarray(result.cov_re)[0, 0]) * scale**2,
+        residual_variance=float(result.scale) * scale**2,
+        converged=converged,
+    )
+
+
+def per_cluster_slopes(x, y, clusters) -> dict:
+    """OLS slope of y on x within each cluster that has >= 2 distinct x values: {label: slope}."""
+    x = np.asarray(x, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
+    clusters = np.asarray(clusters)
+    slopes = {}
+    for label in np.unique(clusters):
+        xs, ys = x[clusters == label], y[clusters == label]
+        if np.ptp(xs) > 0:
+            xc = xs - xs.mean()
+            slopes[label.item() if hasattr(label, "item") else label] = float(xc @ (ys - ys.mean()) / (xc @ xc))
+    return slopes
+
+
+def mean_estimate(values) -> Estimate:
+    """One-sample t estimate of the mean: (mean, sd/sqrt(n), n-1 df)."""
+    values = np.asarray(values, dtype=np.float64)
+    if values.size < 2:
+        raise ValueError(f"a one-sample t test needs >= 2 values, got {values.size}")
+    return Estimate(float(values.mean()), float(values.std(ddof=1) / math.sqrt(values.size)), float(values.size - 1))
+
+
+def _cluster_sums(x, y, clusters):
+    """Per-cluster sufficient statistics [n, Sx, Sy, Sxx, Sxy] of a simple regression."""
+    labels, index = np.unique(clusters, return_inverse=True)
+    sums = np.zeros((labels.size, 5))
+    np.add.at(sums, index, np.column_stack([np.ones_like(x), x, y, x * x, x * y]))
+    return sums
+
+
+def cluster_bootstrap(x, y, clusters, *, n_boot: int, rng: np.random.Generator) -> np.ndarray:
+    """OLS slopes of ``n_boot`` datasets made of seeds drawn with replacement (whole seeds kept).
+
+    A resample is a vector of multiplicities w over the G seeds, so its slope follows from the
+    weighted per-seed sums S = w @ sums: b = (n Sxy - Sx Sy) / (n Sxx - Sx^2). Resamples whose x is
+    constant (possible only when some seeds ran a single batch size) give NaN and are dropped.
+    """
+    x, y, clusters = _check_xy(x, y, clusters)
+    sums = _cluster_sums(x, y, clusters)
+    n_clusters = sums.shape[0]
+    weights = rng.multinomial(n_clusters, np.full(n_clusters, 1.0 / n_clusters), size=n_boot)
+    n, sx, sy, sxx, sxy = (weights @ sums).T
+    denominator = n * sxx - sx * sx
+    with np.errstate(invalid="ignore", divide="ignore"):
+        slopes = (n * sxy - sx * sy) / denominator
+    return slopes[denominator > 1e-12 * np.maximum(n * sxx, 1.0)]
+
+
+def percentile_ci(samples, level: float) -> tuple[float, float]:
+    lo, hi = np.quantile(np.asarray(samples), [0.5 - level / 2.0, 0.5 + level / 2.0])
+    return float(lo), float(hi)
+
+
+@dataclass(frozen=True)
+class PageResult:
+    statistic: float
+    p_decreasing: float
+    p_increasing: float
+    n_blocks: int
+    method: str
+
+
+def page_trend(table) -> PageResult:
+    """Page's L on a (seeds × batch sizes, ascending) table: both one-sided trend p-values.
+
+    With ties inside a block the exact null distribution does not apply; the asymptotic one is used.
+    """
+    table = np.asarray(table, dtype=np.float64)
+    if table.ndim != 2 or table.shape[0] < 2 or table.shape[1] < 3:
+        raise ValueError(f"Page's L needs >= 2 complete seeds × >= 3 batch sizes, got a {table.shape} table")
+    ties = any(np.unique(row).size < row.size for row in table)
+    method = "asymptotic" if ties else "auto"
+    columns = table.shape[1]
+    up = _st.page_trend_test(table, predicted_ranks=np.arange(1, columns + 1), method=method)
+    down = _st.page_trend_test(table, predicted_ranks=np.arange(columns, 0, -1), method=method)
+    return PageResult(float(down.statistic), float(down.pvalue), float(up.pvalue), table.shape[0], down.method)
+
+
+def holm(p_values) -> np.ndarray:
+    """Holm step-down adjusted p-values: p~_(i) = max_{j<=i} min(1, (m-j+1) p_(j)); NaN entries are ignored."""
+    p = np.asarray(p_values, dtype=np.float64)
+    adjusted = np.full_like(p, np.nan)
+    valid = np.flatnonzero(~np.isnan(p))
+    if valid.size == 0:
+        return adjusted
+    if np.any((p[valid] < 0) | (p[valid] > 1)):
+        raise ValueError(f"p-values must lie in [0, 1], got {p[valid].min()}..{p[valid].max()}")
+    order = valid[np.argsort(p[valid], kind="stable")]
+    m = order.size
+    stepped = np.minimum(1.0, (m - np.arange(m)) * p[order])
+    adjusted[order] = np.maximum.accumulate(stepped)
+    return adjusted

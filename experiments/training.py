@@ -1,0 +1,227 @@
+"""One training run: a config in, its metrics and per-epoch curves out.
+
+Optimisation is plain SGD as in the paper (no weight decay, no gradient clipping); momentum SGD
+and Adam are options. The budget is explicit: ``length`` epochs or ``length`` optimizer steps,
+every step on a full batch (the last partial batch of an epoch is dropped, so every update sees
+exactly ``batch_size`` samples). The learning rate for batch size B follows ``lr_rule``:
+
+    constant   lr = base_lr
+    linear     lr = base_lr * B / ref_batch_size
+    sqrt       lr = base_lr * sqrt(B / ref_batch_size)
+    tuned      every lr in ``lr_grid`` is trained (same init, same shuffles); the one with the best
+               validation accuracy is kept, and only then is the test split evaluated, once.
+
+A run whose training or validation loss becomes non-finite is *diverged*: that is a result, not
+an error. Its test accuracy is recorded as chance, 1/num_classes (a network with non-finite
+weights predicts nothing), and ``diverged`` = 1 marks it so an analysis can also drop it.
+
+Determinism: the init is seeded by ``torch.manual_seed(seed)`` and the shuffles by their own
+``torch.Generator``; on CPU with a fixed thread count the same config gives the same numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from affdiv.experiments.models import ACTIVATIONS, METHODS, build_model, check_choice
+
+LR_RULES = ("constant", "linear", "sqrt", "tuned")
+OPTIMIZERS = ("sgd", "momentum", "adam")
+BUDGETS = ("epochs", "steps")
+_EVAL_CHUNK = 4096
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything that determines a run's numbers (its hash is the run's key in the store)."""
+
+    dataset: str
+    method: str
+    batch_size: int
+    seed: int
+    lr_rule: str = "constant"
+    depth: int = 2
+    width: int = 64
+    activation: str = "tanh"
+    optimizer: str = "sgd"
+    base_lr: float = 0.05
+    ref_batch_size: int = 32
+    lr_grid: tuple[float, ...] = ()
+    momentum: float = 0.9
+    budget: str = "epochs"
+    length: int = 10
+    data_seed: int = 0
+    val_fraction: float = 0.1
+    data_options: dict = field(default_factory=dict)
+    device: str = "cpu"
+
+    def __post_init__(self):
+        check_choice("method", self.method, METHODS)
+        check_choice("activation", self.activation, ACTIVATIONS)
+        check_choice("lr_rule", self.lr_rule, LR_RULES)
+        check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        check_choice("budget", self.budget, BUDGETS)
+        for name in ("batch_size", "ref_batch_size", "length", "depth", "width"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not self.base_lr > 0:
+            raise ValueError(f"base_lr must be > 0, got {self.base_lr!r}")
+        object.__setattr__(self, "lr_grid", tuple(float(lr) for lr in self.lr_grid))
+        if self.lr_rule == "tuned" and not self.lr_grid:
+            raise ValueError("lr_rule 'tuned' needs a non-empty lr_grid")
+        if any(not lr > 0 for lr in self.lr_grid):
+            raise ValueError(f"every lr in lr_grid must be > 0, got {self.lr_grid}")
+
+    def to_dict(self) -> dict:
+        """JSON-ready; only the grid of the tuned rule is kept (it is irrelevant to the others)."""
+        out = dataclasses.asdict(self)
+        out["lr_grid"] = list(self.lr_grid) if self.lr_rule == "tuned" else []
+        return out
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "RunConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise ValueError(f"unknown run setting(s) {unknown}; expected among: {sorted(names)}")
+        return cls(**values)
+
+
+@dataclass
+class RunResult:
+    metrics: dict
+    curves: list[dict]
+    seconds: float
+    data_fingerprint: str
+
+
+def learning_rates(config: RunConfig) -> tuple[float, ...]:
+    """The learning rate(s) to train with: one for a scaling rule, the grid for ``tuned``."""
+    ratio = config.batch_size / config.ref_batch_size
+    if config.lr_rule == "constant":
+        return (config.base_lr,)
+    if config.lr_rule == "linear":
+        return (config.base_lr * ratio,)
+    if config.lr_rule == "sqrt":
+        return (config.base_lr * math.sqrt(ratio),)
+    return config.lr_grid
+
+
+def make_optimizer(config: RunConfig, params, lr: float) -> torch.optim.Optimizer:
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.0, weight_decay=0.0)
+    if config.optimizer == "momentum":
+        return torch.optim.SGD(params, lr=lr, momentum=config.momentum, weight_decay=0.0)
+    return torch.optim.Adam(params, lr=lr, weight_decay=0.0)
+
+
+def _tensors(split, device) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.as_tensor(split.x, device=device), torch.as_tensor(split.y, device=device)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict:
+    """Mean cross-entropy and accuracy in eval mode (BatchNorm uses its running statistics)."""
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=x.device)
+    correct = 0
+    for start in range(0, len(y), _EVAL_CHUNK):
+        logits = model(x[start : start + _EVAL_CHUNK])
+        target = y[start : start + _EVAL_CHUNK]
+        loss_sum += F.cross_entropy(logits, target, reduction="sum").double()
+        correct += int((logits.argmax(dim=1) == target).sum())
+    model.train()
+    return {"loss": float(loss_sum) / len(y), "accuracy": correct / len(y)}
+
+
+def _fit(config: RunConfig, data, lr: float, train, val) -> tuple[torch.nn.Module, list[dict], bool, int]:
+    """Train one model at ``lr``; returns (model, per-epoch curves, diverged, steps taken)."""
+    (x, y), (x_val, y_val) = train, val
+    n = len(y)
+    steps_per_epoch = n // config.batch_size
+    if steps_per_epoch < 1:
+        raise ValueError(f"batch_size {config.batch_size} exceeds the {n} training samples of {config.dataset}")
+    total = config.length * steps_per_epoch if config.budget == "epochs" else config.length
+
+    torch.manual_seed(config.seed)
+    model = build_model(
+        config.method,
+        input_shape=tuple(data.input_shape),
+        num_classes=data.num_classes,
+        depth=config.depth,
+        width=config.width,
+        activation=config.activation,
+    ).to(config.device)
+    optimizer = make_optimizer(config, model.parameters(), lr)
+    shuffle = torch.Generator().manual_seed(config.seed)
+    model.train()
+
+    curves: list[dict] = []
+    step, epoch, diverged = 0, 0, False
+    while step < total and not diverged:
+        order = torch.randperm(n, generator=shuffle).to(config.device)
+        loss_sum = torch.zeros((), device=config.device)
+        taken = min(steps_per_epoch, total - step)
+        for i in range(taken):
+            batch = order[i * config.batch_size : (i + 1) * config.batch_size]
+            loss = F.cross_entropy(model(x[batch]), y[batch])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            loss_sum += loss.detach()
+        step += taken
+        epoch += 1
+        train_loss = float(loss_sum) / taken  # one device sync per epoch
+        val_metrics = evaluate(model, x_val, y_val)
+        diverged = not (math.isfinite(train_loss) and math.isfinite(val_metrics["loss"]))
+        curves.append(
+            {
+                "epoch": epoch,
+                "step": step,
+                "train_loss": train_loss,
+                "val_loss": val_metrics["loss"],
+                "val_metric": val_metrics["accuracy"],
+            }
+        )
+    return model, curves, diverged, step
+
+
+def train_run(config: RunConfig, data) -> RunResult:
+    """Train ``config`` on ``data`` (an ``affdiv.experiments.data.Dataset``) and test it once."""
+    start = time.perf_counter()
+    device = torch.device(config.device)
+    train, val = _tensors(data.train, device), _tensors(data.val, device)
+
+    best = None  # (key, lr, model, curves, diverged, steps); key orders candidates, larger = better
+    for lr in learning_rates(config):
+        model, curves, diverged, steps = _fit(config, data, lr, train, val)
+        last = curves[-1]
+        key = (not diverged, last["val_metric"] if not diverged else 0.0, -last["val_loss"] if not diverged else 0.0, -lr)
+        if best is None or key > best[0]:
+            best = (key, lr, model, curves, diverged, steps)
+    _key, lr, model, curves, diverged, steps = best
+
+    if diverged:
+        test = {"loss": float("nan"), "accuracy": 1.0 / data.num_classes}
+    else:
+        test = evaluate(model, *_tensors(data.test, device))
+    last = curves[-1]
+    metrics = {
+        "test_accuracy": test["accuracy"],
+        "test_loss": test["loss"],
+        "val_accuracy": last["val_metric"],
+        "val_loss": last["val_loss"],
+        "train_loss": last["train_loss"],
+        "diverged": int(diverged),
+        "lr": lr,
+        "steps": steps,
+        "epochs": len(curves),
+    }
+    return RunResult(metrics, curves, time.perf_counter() - start, str(data.fingerprint))

@@ -1,0 +1,85 @@
+"""Alignment of the effective update with the ideal one, per sample.
+
+With ideal update u*_i = −η g_i and effective update u_i (first order, −η Σ_j Θ_ij g_j):
+
+    scale_i            = ⟨u_i, u*_i⟩ / ‖u*_i‖²        the least-squares factor u_i ≈ scale_i u*_i
+    cosine_i           = ⟨u_i, u*_i⟩ / (‖u_i‖ ‖u*_i‖)
+    off_diagonal_share = ‖Σ_{j≠i} Θ_ij g_j‖ / ‖Θ_ii g_i‖
+
+For a single sample of an affine layer scale = ‖x‖² + 1 and cosine = 1; the corrections make the
+scale uniform; the off-diagonal share is what batch size adds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, jvp, vjp, vmap
+
+from affdiv.verify.engine import as_inputs, check_lr, parameters_of
+
+
+def _per_sample(t: Tensor) -> Tensor:
+    return t.reshape(t.shape[0], -1)
+
+
+def scale_factor(effective: Tensor, ideal: Tensor) -> Tensor:
+    u, v = _per_sample(effective), _per_sample(ideal)
+    return (u * v).sum(-1) / (v * v).sum(-1)
+
+
+def cosine(effective: Tensor, ideal: Tensor) -> Tensor:
+    return torch.nn.functional.cosine_similarity(_per_sample(effective), _per_sample(ideal), dim=-1)
+
+
+def diagonal_update(module: nn.Module, inputs: Tensor | tuple[Tensor, ...], grad_output: Tensor, lr: float) -> Tensor:
+    """−η Θ_ii g_i for every sample i: each sample's update from its own gradient alone."""
+    lr = check_lr(lr)
+    args = as_inputs(inputs)
+    params = parameters_of(module)
+
+    def one(g: Tensor, *sample: Tensor) -> Tensor:
+        def f(p):
+            return functional_call(module, p, tuple(t.unsqueeze(0) for t in sample))
+
+        _, pullback = vjp(f, params)
+        (grad,) = pullback(g.unsqueeze(0))
+        _, out = jvp(f, (params,), ({k: -lr * v for k, v in grad.items()},))
+        return out.squeeze(0)
+
+    return vmap(one)(grad_output, *args)
+
+
+def off_diagonal_share(linear: Tensor, diagonal: Tensor) -> Tensor:
+    """‖linear_i − diagonal_i‖ / ‖diagonal_i‖ per sample."""
+    off = _per_sample(linear - diagonal).norm(dim=-1)
+    return off / _per_sample(diagonal).norm(dim=-1)
+
+
+@dataclass(frozen=True)
+class Alignment:
+    scale: Tensor
+    cosine: Tensor
+    off_diagonal_share: Tensor
+
+    def summary(self) -> dict[str, float]:
+        return {
+            "scale_min": float(self.scale.min()),
+            "scale_max": float(self.scale.max()),
+            "cosine_mean": float(self.cosine.mean()),
+            "cosine_min": float(self.cosine.min()),
+            "off_diagonal_share_mean": float(self.off_diagonal_share.mean()),
+        }
+
+
+def alignment(module: nn.Module, inputs, grad_output: Tensor, lr: float, linear: Tensor) -> Alignment:
+    """All three metrics for a measured first-order update ``linear``."""
+    ideal = -lr * grad_output
+    diagonal = diagonal_update(module, inputs, grad_output, lr)
+    return Alignment(
+        scale=scale_factor(linear, ideal),
+        cosine=cosine(linear, ideal),
+        off_diagonal_share=off_diagonal_share(linear, diagonal),
+    )
