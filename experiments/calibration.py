@@ -1,0 +1,149 @@
+"""Calibration of the trend tests on simulated sweeps with a planted slope.
+
+A simulated sweep has the layout of a real one (seeds × batch sizes) and the model
+
+    metric(seed s, batch B) = base + u_s + slope · log2 B + e,   u_s ~ N(0, seed_sd²), e ~ N(0, noise_sd²),
+
+and, for the differential test, a baseline with slope 0 and its own seed effects and noise. For each
+planted slope, :func:`calibrate` counts how often each test rejects at level ``alpha`` (unadjusted,
+one test at a time — the size of each building block of the decision rule):
+
+* ``falls``        seed-clustered OLS slope, one-sided "performance falls" (the primary test);
+* ``differential`` per-seed slope of (method − baseline), one-sided t across seeds;
+* ``page``         Page's L, one-sided decreasing trend;
+* ``bootstrap``    the one-sided (1 − 2·alpha) cluster-bootstrap percentile bound lies below 0;
+* ``flat``         TOST with ``margin`` (its size is read at slope = ±margin, its power at 0);
+* ``mixed``        random-intercept REML model, Wald z (slow: only with ``include_mixed=True``).
+
+At slope 0 the rejection rate of a one-sided test is its false-positive rate; at a negative slope
+it is its power. The rates are binomial proportions over ``n_sims`` datasets: their Monte-Carlo
+standard error is sqrt(r (1 − r) / n_sims).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from affdiv.experiments import stats
+
+TESTS = ("falls", "differential", "page", "bootstrap", "flat")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The shape and noise of a simulated sweep (defaults: a smoke-sized accuracy sweep)."""
+
+    batch_sizes: tuple[int, ...] = (16, 32, 64, 128, 256)
+    n_seeds: int = 5
+    seed_sd: float = 0.01
+    noise_sd: float = 0.005
+    base: float = 0.9
+
+    def __post_init__(self):
+        if len(set(self.batch_sizes)) < 3 or min(self.batch_sizes) <= 0:
+            raise ValueError(f"need >= 3 distinct positive batch sizes, got {self.batch_sizes}")
+        if self.n_seeds < 2:
+            raise ValueError(f"need >= 2 seeds, got {self.n_seeds}")
+
+
+def simulate_table(layout: Layout, slope: float, rng: np.random.Generator) -> np.ndarray:
+    """One simulated sweep as a (seeds × batch sizes) table of the metric."""
+    x = np.log2(np.asarray(layout.batch_sizes, dtype=np.float64))
+    seed_effects = rng.normal(0.0, layout.seed_sd, size=(layout.n_seeds, 1))
+    noise = rng.normal(0.0, layout.noise_sd, size=(layout.n_seeds, x.size))
+    return layout.base + seed_effects + slope * x + noise
+
+
+def simulate_records(layout: Layout, slopes: dict[str, float], rng: np.random.Generator,
+                     **columns) -> list[dict]:
+    """Records {method, batch_size, seed, metric, **columns} of one sweep, one planted slope per method."""
+    records = []
+    for method, slope in slopes.items():
+        table = simulate_table(layout, slope, rng)
+        for s in range(layout.n_seeds):
+            for b, batch_size in enumerate(layout.batch_sizes):
+                records.append({"method": method, "batch_size": batch_size, "seed": s,
+                                "metric": float(table[s, b]), **columns})
+    return records
+
+
+def rejections(table: np.ndarray, baseline: np.ndarray, layout: Layout, *, alpha: float, margin: float,
+               rng: np.random.Generator, n_boot: int, include_mixed: bool) -> dict[str, bool]:
+    """Which tests reject on one simulated (method, baseline) pair of tables."""
+    x_row = np.log2(np.asarray(layout.batch_sizes, dtype=np.float64))
+    x = np.tile(x_row, layout.n_seeds)
+    seeds = np.repeat(np.arange(layout.n_seeds), x_row.size)
+    y = table.ravel()
+    clustered = stats.clustered_slope(x, y, seeds)
+    differences = stats.per_cluster_slopes(x, (table - baseline).ravel(), seeds)
+    boot = stats.cluster_bootstrap(x, y, seeds, n_boot=n_boot, rng=rng)
+    outcome = {
+        "falls": clustered.p_less() < alpha,
+        "differential": stats.mean_estimate(list(differences.values())).p_less() < alpha,
+        "page": stats.page_trend(table).p_decreasing < alpha,
+        "bootstrap": stats.percentile_ci(boot, 1 - 2 * alpha)[1] < 0,
+        "flat": clustered.p_equivalent(margin) < alpha,
+    }
+    if include_mixed:
+        outcome["mixed"] = stats.mixed_slope(x, y, seeds).slope.p_less() < alpha
+    return outcome
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Rejection rates: ``rates[test][i]`` at planted slope ``planted[i]``, over ``n_sims`` datasets."""
+
+    planted: tuple[float, ...]
+    rates: dict[str, tuple[float, ...]]
+    n_sims: int
+    alpha: float
+    margin: float
+    layout: Layout
+    seed: int
+
+    def rate(self, test: str, slope: float) -> float:
+        """The rejection rate of ``test`` at a planted slope (which must be one of ``planted``)."""
+        if slope not in self.planted:
+            raise ValueError(f"slope {slope} was not simulated; planted slopes are {self.planted}")
+        return self.rates[test][self.planted.index(slope)]
+
+    def mc_se(self, rate: float) -> float:
+        """Monte-Carlo standard error of a rejection rate."""
+        return float(np.sqrt(rate * (1 - rate) / self.n_sims))
+
+    def to_dict(self) -> dict:
+        return {"planted": list(self.planted), "rates": {k: list(v) for k, v in self.rates.items()},
+                "n_sims": self.n_sims, "alpha": self.alpha, "margin": self.margin,
+                "layout": asdict(self.layout), "seed": self.seed}
+
+
+def calibrate(planted: Sequence[float], *, layout: Layout = Layout(), n_sims: int = 1000, alpha: float = 0.05,
+              margin: float = 0.005, n_boot: int = 1000, seed: int = 0, include_mixed: bool = False,
+              progress: Callable[[int, int], None] | None = None) -> Calibration:
+    """Rejection rate of every test at every planted slope (metric units per doubling of B).
+
+    ``progress(done, total)`` is called after each planted slope. The data of slope i come from
+    their own seeded stream, so adding slopes does not change the rates of the others.
+    """
+    if n_sims < 1:
+        raise ValueError(f"n_sims must be >= 1, got {n_sims}")
+    planted = tuple(float(s) for s in planted)
+    tests = (*TESTS, "mixed") if include_mixed else TESTS
+    counts = {test: [] for test in tests}
+    for i, slope in enumerate(planted):
+        rng = np.random.default_rng([seed, int(np.float64(slope).view(np.uint64))])
+        hits = dict.fromkeys(tests, 0)
+        for _ in range(n_sims):
+            table = simulate_table(layout, slope, rng)
+            baseline = simulate_table(layout, 0.0, rng)
+            for test, rejected in rejections(table, baseline, layout, alpha=alpha, margin=margin, rng=rng,
+                                             n_boot=n_boot, include_mixed=include_mixed).items():
+                hits[test] += bool(rejected)
+        for test in tests:
+            counts[test].append(hits[test] / n_sims)
+        if progress is not None:
+            progress(i + 1, len(planted))
+    return Calibration(planted, {k: tuple(v) for k, v in counts.items()}, n_sims, alpha, margin, layout, seed)
