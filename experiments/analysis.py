@@ -27,7 +27,9 @@ verdict is always "no prediction".
 from __future__ import annotations
 
 import csv
+import io
 import math
+import os
 import zlib
 from collections import defaultdict
 from dataclasses import dataclass
@@ -59,33 +61,33 @@ def _as_int(value, column: str, where: str) -> int:
     return int(number)
 
 
-def validate_records(records: Sequence[Mapping], *, metric: str = "metric", source: str = "record") -> list[dict]:
+def _validate_record(record: Mapping, metric: str, where: str) -> dict:
+    missing = [c for c in (*REQUIRED_COLUMNS, metric) if c not in record or record[c] in (None, "")]
+    if missing:
+        raise ValueError(f"{where}: missing value for column(s) {missing}; expected columns "
+                         f"{[*REQUIRED_COLUMNS, metric]}, got {sorted(record)}")
+    row = dict(record)
+    row["method"] = str(record["method"]).strip()
+    row["batch_size"] = _as_int(record["batch_size"], "batch_size", where)
+    if row["batch_size"] <= 0:
+        raise ValueError(f"{where}: batch_size must be > 0, got {record['batch_size']!r}")
+    row["seed"] = _as_int(record["seed"], "seed", where)
+    try:
+        row[metric] = float(record[metric])
+    except (TypeError, ValueError):
+        row[metric] = math.nan
+    if not math.isfinite(row[metric]):
+        raise ValueError(f"{where}: column {metric!r} must be a finite number, got {record[metric]!r}")
+    return row
+
+
+def validate_records(records: Sequence[Mapping], *, metric: str = "metric") -> list[dict]:
     """Copies of ``records`` with method:str, batch_size:int > 0, seed:int, metric:finite float.
 
     Other keys are kept unchanged. Raises ValueError naming the record, the column, the expected
     and the actual value.
     """
-    rows = []
-    for number, record in enumerate(records, start=1):
-        where = f"{source} {number}"
-        missing = [c for c in (*REQUIRED_COLUMNS, metric) if c not in record or record[c] in (None, "")]
-        if missing:
-            raise ValueError(f"{where}: missing value for column(s) {missing}; expected columns "
-                             f"{[*REQUIRED_COLUMNS, metric]}, got {sorted(record)}")
-        row = dict(record)
-        row["method"] = str(record["method"]).strip()
-        row["batch_size"] = _as_int(record["batch_size"], "batch_size", where)
-        if row["batch_size"] <= 0:
-            raise ValueError(f"{where}: batch_size must be > 0, got {record['batch_size']!r}")
-        row["seed"] = _as_int(record["seed"], "seed", where)
-        try:
-            row[metric] = float(record[metric])
-        except (TypeError, ValueError):
-            row[metric] = math.nan
-        if not math.isfinite(row[metric]):
-            raise ValueError(f"{where}: column {metric!r} must be a finite number, got {record[metric]!r}")
-        rows.append(row)
-    return rows
+    return [_validate_record(record, metric, f"record {i}") for i, record in enumerate(records, start=1)]
 
 
 def read_csv(path, *, metric: str = "metric") -> list[dict]:
@@ -105,29 +107,42 @@ def read_csv(path, *, metric: str = "metric") -> list[dict]:
     if not rows:
         raise ValueError(f"{path}: no data rows below the header")
     # Line numbers count the header as line 1.
-    return [validate_records([row], metric=metric, source=f"{path} line {i}")[0] for i, row in enumerate(rows, 2)]
+    return [_validate_record(row, metric, f"{path} line {i}") for i, row in enumerate(rows, start=2)]
+
+
+def atomic_write(path, data: str | bytes) -> Path:
+    """Write to a temporary sibling and rename: a killed process never leaves a half-written file."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_bytes(data.encode() if isinstance(data, str) else data)
+    os.replace(temporary, path)
+    return path
 
 
 def write_csv(path, records: Sequence[Mapping], *, metric: str = "metric") -> Path:
-    """Write records with the required columns first, then the others in sorted order."""
-    path = Path(path)
+    """Write records with the required columns first, then the others in sorted order.
+
+    Floats are written with repr, so :func:`read_csv` gives back the same numbers bit for bit.
+    """
     extra = sorted({key for record in records for key in record} - {*REQUIRED_COLUMNS, metric})
-    with path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=[*REQUIRED_COLUMNS, metric, *extra])
-        writer.writeheader()
-        for record in records:
-            writer.writerow({key: (repr(v) if isinstance(v, float) else v) for key, v in record.items()})
-    return path
+    buffer = io.StringIO(newline="")
+    writer = csv.DictWriter(buffer, fieldnames=[*REQUIRED_COLUMNS, metric, *extra])
+    writer.writeheader()
+    for record in records:
+        writer.writerow({key: (repr(v) if isinstance(v, float) else v) for key, v in record.items()})
+    return atomic_write(path, buffer.getvalue())
 
 
 # ------------------------------------------------------------------------------- decision rule
 def default_margin(values: Sequence[float], higher_is_better: bool) -> tuple[float, str]:
-    """The equivalence margin per doubling of B used when none is given, and why."""
+    """The equivalence margin per doubling of B used when none is given, and why.
+
+    A score in [0, 1] (accuracy, as the harness records it): 0.005, half a percentage point.
+    Anything else (a loss, a percentage): 1% of the median |metric| — pass ``margin`` to do better.
+    """
     values = np.asarray(values, dtype=np.float64)
     if higher_is_better and values.min() >= 0 and values.max() <= 1:
         return 0.005, "0.5 percentage points of accuracy (metric in [0, 1]) per doubling of the batch size"
-    if higher_is_better and values.min() >= 0 and values.max() <= 100:
-        return 0.5, "0.5 percentage points of accuracy (metric in [0, 100]) per doubling of the batch size"
     scale = float(np.median(np.abs(values)))
     if scale == 0:
         raise ValueError("cannot derive an equivalence margin from a metric whose median is 0; pass margin=")
@@ -197,6 +212,8 @@ def _fit_method(rows, *, metric, sign, margin, alpha, n_boot, seed, group, metho
     batch_sizes = sorted({row["batch_size"] for row in rows})
     result = {"n_runs": len(rows), "n_seeds": int(np.unique(seeds).size), "batch_sizes": batch_sizes,
               "cells": _cells(rows, metric, 1 - alpha), "tests": {}}
+    if any("diverged" in row for row in rows):  # diverged runs count at their recorded (chance) metric
+        result["n_diverged"] = sum(int(float(row.get("diverged") or 0)) for row in rows)
     if len(batch_sizes) < 2 or result["n_seeds"] < 2:
         result["status"] = (f"insufficient data: needs >= 2 batch sizes and >= 2 seeds, got "
                             f"{len(batch_sizes)} and {result['n_seeds']}")
@@ -409,6 +426,9 @@ def analyse(records: Sequence[Mapping], *, metric: str = "metric", higher_is_bet
                              "(filter or group the other varying columns first)")
         seen.add(key)
         grouped[group][row["method"]].append(row)
+    for methods in grouped.values():  # a canonical order: the numbers never depend on the input order
+        for rows_of_method in methods.values():
+            rows_of_method.sort(key=lambda r: (r["batch_size"], r["seed"]))
 
     sign = 1.0 if higher_is_better else -1.0
     roles = {m: _role(m, corrected, baselines) for g in grouped.values() for m in g}

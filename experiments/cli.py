@@ -9,7 +9,7 @@ import time
 import tomllib
 from pathlib import Path
 
-from affdiv.experiments.store import ResultStore, config_hash, is_sqlite, write_records_csv
+from affdiv.experiments.store import ResultStore, config_hash, is_sqlite
 
 # Config fields that never name a group: the grid's own axes, and the tuned rule's grid (implied
 # by lr_rule).
@@ -159,7 +159,6 @@ def falsify_command(args) -> int:
             hashes = sorted(config_hash(c.to_dict()) for c in study.configs)
             records = store.records(hashes, metric=metric)
             study_out = out if len(studies) == 1 else out / study.name
-            write_records_csv(study_out / "results.csv", records)
             record = provenance(
                 preset=preset.name,
                 preset_settings=preset.raw,

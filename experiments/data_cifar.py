@@ -19,6 +19,7 @@ import io
 import os
 import pickle
 import tarfile
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -47,11 +48,15 @@ MEMBER_MD5 = {
 IMAGE_SHAPE = (3, 32, 32)
 NUM_CLASSES = 10
 
-_RECONSTRUCT = np.ndarray.__reduce__(np.zeros(0))[0]  # numpy's array-rebuilding function, whatever its module
+# numpy's array-rebuilding functions (pickle protocols <= 4, and 5), whatever module holds them now.
+_RECONSTRUCT = np.zeros(0).__reduce_ex__(2)[0]
+_FROMBUFFER = np.zeros(0).__reduce_ex__(5)[0]
 #: (module, name) -> object: everything a pickled uint8 ndarray needs, under numpy 1.x and 2.x names.
 _ALLOWED_GLOBALS = {
     ("numpy.core.multiarray", "_reconstruct"): _RECONSTRUCT,
     ("numpy._core.multiarray", "_reconstruct"): _RECONSTRUCT,
+    ("numpy.core.numeric", "_frombuffer"): _FROMBUFFER,
+    ("numpy._core.numeric", "_frombuffer"): _FROMBUFFER,
     ("numpy", "ndarray"): np.ndarray,
     ("numpy", "dtype"): np.dtype,
 }
@@ -69,13 +74,14 @@ class _RestrictedUnpickler(pickle.Unpickler):
 
 
 def restricted_loads(data: bytes, *, source: str) -> object:
-    """``pickle.loads`` that resolves only numpy's ndarray/dtype reconstruction (bytes keys kept as bytes)."""
+    """``pickle.loads`` that resolves only numpy's ndarray/dtype reconstruction (bytes stay bytes).
+
+    Raises ``ValueError`` naming ``source`` for any unreadable pickle or any other global it names.
+    """
     try:
         return _RestrictedUnpickler(io.BytesIO(data), encoding="bytes").load()
-    except pickle.UnpicklingError as error:
-        raise pickle.UnpicklingError(f"{source}: {error}") from None
-    except (EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as error:
-        raise ValueError(f"{source}: not a readable pickle ({type(error).__name__}: {error})") from error
+    except Exception as error:  # any failure on untrusted bytes is reported as bad data, with its cause
+        raise ValueError(f"{source}: not a readable CIFAR pickle ({type(error).__name__}: {error})") from error
 
 
 def md5_of_file(path: Path) -> str:
@@ -87,6 +93,8 @@ def md5_of_file(path: Path) -> str:
 
 
 def _check_md5(actual: str, expected: str, what: str) -> None:
+    if not isinstance(expected, str) or len(expected) != 32 or not set(expected.lower()) <= set("0123456789abcdef"):
+        raise ValueError(f"{what}: an md5 is 32 hexadecimal digits, got {expected!r}")
     if actual != expected.lower():
         raise ValueError(f"{what}: md5 mismatch, expected {expected.lower()}, actual {actual}")
 
@@ -118,7 +126,7 @@ def _read_archive(archive: Path, md5: str) -> dict[str, bytes]:
             for info in tar:  # one forward pass: seeking backwards in a gzip stream re-decompresses
                 if info.name in wanted and info.isfile():
                     members[wanted[info.name]] = tar.extractfile(info).read()
-    except (tarfile.TarError, OSError, EOFError) as error:
+    except (tarfile.TarError, OSError, EOFError, zlib.error) as error:
         raise ValueError(f"{archive}: not a readable .tar.gz ({type(error).__name__}: {error})") from error
     missing = [f"{FOLDER}/{name}" for name in MEMBERS if name not in members]
     if missing:
@@ -170,17 +178,20 @@ def _class_names(data: bytes, source: str) -> tuple[str, ...]:
 def load_cifar10(
     data_dir: str | Path | None = None,
     *,
-    md5: str = ARCHIVE_MD5,
+    md5: str | None = None,
     member_md5: Mapping[str, str] | None = None,
 ) -> RawData:
-    """The 50k training pool (batches 1-5 in order) and the 10k test batch as uint8 (N, 3, 32, 32)."""
+    """The 50k training pool (batches 1-5 in order) and the 10k test batch as uint8 (N, 3, 32, 32).
+
+    ``md5`` (tarball) and ``member_md5`` (extracted folder, one per member) default to the official sums.
+    """
     location = locate_cifar10(data_dir)
     if location.is_file():
         if member_md5 is not None:
             raise ValueError(f"{location} is a tarball: member_md5 applies to an extracted folder, use md5")
-        members = _read_archive(location, md5)
+        members = _read_archive(location, ARCHIVE_MD5 if md5 is None else md5)
     else:
-        if md5 != ARCHIVE_MD5:
+        if md5 is not None:
             raise ValueError(f"{location} is an extracted folder: md5 applies to the tarball, use member_md5")
         expected = MEMBER_MD5 if member_md5 is None else member_md5
         if set(expected) != set(MEMBERS):

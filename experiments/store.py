@@ -7,7 +7,6 @@ one. A single process (the sweep's parent) writes; readers may look at the file 
 
 from __future__ import annotations
 
-import csv
 import datetime as _dt
 import hashlib
 import json
@@ -29,9 +28,6 @@ CREATE TABLE IF NOT EXISTS runs (
 """
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
-
-# Leading CSV columns, in this order; the rest of the config and metric keys follow, sorted.
-CSV_LEADING = ("method", "batch_size", "seed", "lr_rule", "metric")
 
 
 def canonical_json(value) -> str:
@@ -145,28 +141,11 @@ class ResultStore:
         return sum(row[4] for row in self._rows(hashes))
 
     def export_csv(self, path: str | Path, hashes: Iterable[str] | None = None, *, metric: str = "test_accuracy") -> Path:
-        """Write ``records`` as CSV: method, batch_size, seed, lr_rule, metric, then the rest sorted."""
-        return write_records_csv(path, self.records(hashes, metric=metric))
+        """Write ``records`` as CSV (method, batch_size, seed, metric, then the other columns sorted)."""
+        from affdiv.experiments.analysis import write_csv
+
+        return write_csv(path, self.records(hashes, metric=metric))
 
 
 def _record_order(record: dict) -> tuple:
     return (str(record["method"]), int(record["batch_size"]), int(record["seed"]), record.get("config_hash", ""))
-
-
-def write_records_csv(path: str | Path, records: list[dict]) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    keys = sorted({key for record in records for key in record} - set(CSV_LEADING))
-    columns = [c for c in CSV_LEADING if any(c in r for r in records)] + keys
-    with open(path, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=columns, lineterminator="\n")
-        writer.writeheader()
-        for record in records:
-            writer.writerow({k: _csv_value(v) for k, v in record.items()})
-    return path
-
-
-def _csv_value(value):
-    if isinstance(value, (list, dict, tuple)):
-        return canonical_json(value)
-    return "" if value is None else value

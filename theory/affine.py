@@ -256,7 +256,9 @@ def make_derivation(member: Member) -> Derivation:
     statement = (
         rf"{member.formula}:\quad \Delta z_i = -\eta \sum_j K_{{ij}} g_j,\quad "
         rf"K_{{ij}} = {sp.latex(member.kernel)},\quad K_{{ii}} = {sp.latex(member.diagonal_factor)},"
-        r"\quad d = x_i \cdot x_j,\; s = \|x\|^2"
+        r"\quad d = x_i \cdot x_j,\; s = \|x\|^2,\; g_j = \partial L/\partial z_j"
+        r" \;(L = \textstyle\sum_j \ell_j:\ g_j = \partial \ell_j/\partial z_j;\ "
+        r"L = \frac{1}{B}\sum_j \ell_j:\ g_j = \frac{1}{B}\partial \ell_j/\partial z_j)"
     )
     return Derivation(
         name=member.name,

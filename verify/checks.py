@@ -24,8 +24,9 @@ import torch
 from torch import Tensor
 
 from affdiv.theory.derivation import Derivation
+from affdiv.theory.kernels import SitewiseDerivation
 from affdiv.verify.engine import effective_update
-from affdiv.verify.metrics import alignment, diagonal_update
+from affdiv.verify.metrics import alignment, diagonal_update, site_alignment, site_diagonal_update
 from affdiv.verify.ntk import empirical_ntk, ntk_update
 
 UNIT_ROUNDOFF = float(torch.finfo(torch.float64).eps) / 2
@@ -54,7 +55,7 @@ class CheckResult:
 
     name: str
     derivation: str
-    check: str  # update | diagonal | linearity | taylor
+    check: str  # update | diagonal | site_diagonal | linearity | taylor
     sizes: dict
     seed: int
     lr: float | list
@@ -98,6 +99,9 @@ def check_update(derivation: Derivation, sizes: Mapping[str, int], seed: int, lr
         tol = TOL + cancellation_bound(measured.output, measured.finite)
         passed = passed and errors["finite"] <= tol
     metrics = alignment(case.module, case.inputs, grad, lr, measured.linear).summary()
+    if isinstance(derivation, SitewiseDerivation) and derivation.sites is not None:
+        per_site = site_alignment(case.module, case.inputs, grad, lr, measured.linear, derivation.sites)
+        metrics.update({f"site_{k}": v for k, v in per_site.summary().items()})
     return CheckResult(
         name=f"{derivation.name}/update",
         derivation=derivation.name,
@@ -134,6 +138,30 @@ def check_diagonal(derivation: Derivation, sizes: Mapping[str, int], seed: int, 
         errors={"single_sample": err},
         proof=derivation.proof_kind.value,
         detail=f"K_ii in [{float(factor.min()):.6g}, {float(factor.max()):.6g}]",
+    )
+
+
+def check_site_diagonal(
+    derivation: SitewiseDerivation, sizes: Mapping[str, int], seed: int, lr: float = LR
+) -> CheckResult:
+    """Each site's update from its own gradient alone vs −η k_ss g_s with the derived k_ss."""
+    case, grad = _case(derivation, sizes, seed)
+    measured = site_diagonal_update(case.module, case.inputs, grad, lr, derivation.sites)
+    factor = derivation.site_diagonal(case).expand(grad.shape)
+    err = rel_err(derivation.sites(-lr * factor * grad), measured)
+    return CheckResult(
+        name=f"{derivation.name}/site_diagonal",
+        derivation=derivation.name,
+        check="site_diagonal",
+        sizes=dict(sizes),
+        seed=seed,
+        lr=lr,
+        tol=TOL,
+        passed=err <= TOL,
+        max_rel_err=err,
+        errors={"single_site": err},
+        proof=derivation.proof_kind.value,
+        detail=f"k_ss in [{float(factor.min()):.6g}, {float(factor.max()):.6g}]",
     )
 
 
@@ -202,6 +230,8 @@ def checks_for(derivation: Derivation, sizes: Mapping[str, int], seed: int) -> l
     checks = [lambda: check_update(derivation, sizes, seed)]
     if derivation.diagonal is not None:
         checks.append(lambda: check_diagonal(derivation, sizes, seed))
+    if isinstance(derivation, SitewiseDerivation) and derivation.site_diagonal is not None:
+        checks.append(lambda: check_site_diagonal(derivation, sizes, seed))
     if derivation.linear_in_params:
         checks.append(lambda: check_linearity(derivation, sizes, seed))
     else:

@@ -12,6 +12,7 @@ scale uniform; the off-diagonal share is what batch size adds.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -82,4 +83,49 @@ def alignment(module: nn.Module, inputs, grad_output: Tensor, lr: float, linear:
         scale=scale_factor(linear, ideal),
         cosine=cosine(linear, ideal),
         off_diagonal_share=off_diagonal_share(linear, diagonal),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# per site (position of a sample, token of a sequence): the same three metrics one level down.
+# ``sites`` maps an output-shaped tensor to (n_sites, features), one row per site.
+
+
+def site_diagonal_update(
+    module: nn.Module, inputs, grad_output: Tensor, lr: float, sites: Callable[[Tensor], Tensor]
+) -> Tensor:
+    """−η Θ_ss g_s for every site s, as (n_sites, features): each site's update from its own
+    gradient alone (all other sites' gradients, in every sample, set to zero)."""
+    lr = check_lr(lr)
+    args = as_inputs(inputs)
+    params = parameters_of(module)
+    index = sites(torch.arange(grad_output.numel(), device=grad_output.device).reshape(grad_output.shape))
+    masks = torch.zeros(index.shape[0], grad_output.numel(), dtype=grad_output.dtype, device=grad_output.device)
+    masks.scatter_(1, index, 1.0)
+
+    def f(p):
+        return functional_call(module, p, args)
+
+    _, pullback = vjp(f, params)
+
+    def one(mask: Tensor, rows: Tensor) -> Tensor:
+        (grad,) = pullback(grad_output * mask.reshape(grad_output.shape))
+        _, out = jvp(f, (params,), ({k: -lr * v for k, v in grad.items()},))
+        return out.reshape(-1).gather(0, rows)
+
+    return vmap(one)(masks, index)
+
+
+def site_alignment(
+    module: nn.Module, inputs, grad_output: Tensor, lr: float, linear: Tensor, sites: Callable[[Tensor], Tensor]
+) -> Alignment:
+    """Scale, cosine and off-diagonal share per site; "off-diagonal" is every other site, of the
+    same sample and of the others."""
+    ideal = sites(-lr * grad_output)
+    diagonal = site_diagonal_update(module, inputs, grad_output, lr, sites)
+    effective = sites(linear)
+    return Alignment(
+        scale=scale_factor(effective, ideal),
+        cosine=cosine(effective, ideal),
+        off_diagonal_share=off_diagonal_share(effective, diagonal),
     )

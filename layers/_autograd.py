@@ -1,0 +1,232 @@
+"""The corrected layers as autograd Functions with hand-written, twice-differentiable backwards.
+
+Every Function returns (z, scale): the layer output and the per-row (per-position) scale it
+applied, which is also the only thing it saves beyond what nn.Linear / nn.Conv save (the input
+and the weight; PatchNormConv also saves z, see ``PatchNormConv``). The scale is an output so
+that double backward sees its dependence on x: its gradient arrives as ``grad_scale``.
+
+All are ``generate_vmap_rule = True`` with ``setup_context``, so torch.func (vmap, jacrev,
+functional_call) works; the backward formulas are derived in each docstring and checked
+against autograd of the closed form by the tests (gradcheck, gradgradcheck in float64).
+Inputs are already validated and 2-D (rows) or (N, C, *spatial) by ``functional``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.autograd import Function
+
+from affdiv.layers._scale import accumulation_dtype, norm_of, rescale, rowdot, safe_exponent
+
+
+class AffineLike(Function):
+    """z = r·(x Wᵀ + b),  r = 1/√(‖x‖² + 1) per row.
+
+    Forward on x' = c·x (``rescale``): z = ρ·(x' Wᵀ + c·b), ρ = 1/hypot(‖x'‖, c), r = ρ·c.
+    Backward, with y = x Wᵀ + b:  gy = r·gz,  dW = gyᵀ x,  db = Σ_rows gy,  u = gy W,
+    dr = ⟨gz, y⟩ + g_r = (⟨u, x⟩ + ⟨gy, b⟩)/r + g_r  and  ∂r/∂x = −r³ x, so
+        dx = u − r²·(⟨u, x⟩ + ⟨gy, b⟩ + r·g_r)·x.
+    No output is saved: ⟨gz, y⟩ comes from u, which dx needs anyway.
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor]:
+        x_scaled, c = rescale(x, (-1,), floor=1.0)
+        rho = 1.0 / torch.hypot(norm_of(x_scaled, (-1,)), c)
+        r = rho * c
+        z = (x_scaled @ weight.t()).mul_(rho.to(x.dtype))
+        if bias is not None:
+            z.addcmul_(r.to(x.dtype), bias)
+        return z, r
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, bias = inputs
+        ctx.save_for_backward(x, weight, bias, output[1])
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, grad_z: Tensor | None, grad_r: Tensor | None):
+        return affine_like_grads(*ctx.saved_tensors, grad_z, grad_r, ctx.needs_input_grad[:3])
+
+
+def affine_like_grads(x, weight, bias, r, grad_z, grad_r, needs) -> tuple[Tensor | None, ...]:
+    """(dx, dW, db) of AffineLike from the saved (x, W, b, r); see ``AffineLike``."""
+    need_x, need_w, need_b = needs
+    dx = dw = db = None
+    coef = None  # r²·(...) of dx = u − coef·x, in the accumulation dtype
+    if grad_z is not None:
+        gy = grad_z * r.to(grad_z.dtype)
+        if need_w:
+            dw = gy.t() @ x
+        if need_b and bias is not None:
+            db = gy.sum(0)
+        if need_x:
+            u = gy @ weight
+            dot = rowdot(u, x) if bias is None else rowdot(u, x) + rowdot(gy, bias)
+            coef = r * (r * dot)
+            dx = u
+    if grad_r is not None and need_x:
+        extra = r * (r * (r * grad_r))
+        coef = extra if coef is None else coef + extra
+    if coef is not None:
+        dx = -coef.to(x.dtype) * x if dx is None else dx - coef.to(x.dtype) * x
+    return dx, dw, db
+
+
+class NormLike(Function):
+    """z = q·(x Wᵀ) + b,  q = k/max(‖x‖, eps) per row (k = 1 for l2, √m for rms).
+
+    An all-zero row gives z = b (it is x/max(‖x‖, eps) = 0). Forward on x' = c·x:
+    q' = k/max(‖x'‖, eps·c), z = q'·(x' Wᵀ) + b, q = q'·c. Backward: gy = q·gz, dW = gyᵀ x,
+    db = Σ_rows gz, u = gy W. Where ‖x‖ > eps (i.e. q < k/eps), ∂q/∂x = −q x/‖x‖² and with
+    p = q/k = 1/‖x‖:  dx = u − p²·(⟨u, x⟩ + q·g_q)·x;  elsewhere q is constant and dx = u.
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: Tensor, weight: Tensor, bias: Tensor | None, k: float, eps: float):
+        x_scaled, c = rescale(x, (-1,), floor=2.0 ** -safe_exponent(x.dtype))
+        q_scaled = k / torch.maximum(norm_of(x_scaled, (-1,)), eps * c)
+        y = x_scaled @ weight.t()
+        z = y.mul_(q_scaled.to(x.dtype)) if bias is None else torch.addcmul(bias, y, q_scaled.to(x.dtype))
+        return z, q_scaled * c
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, bias, k, eps = inputs
+        ctx.save_for_backward(x, weight, bias, output[1])
+        ctx.k, ctx.eps = k, eps
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, grad_z: Tensor | None, grad_q: Tensor | None):
+        x, weight, bias, q = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        p = torch.where(q < ctx.k / ctx.eps, q / ctx.k, 0.0)  # 1/‖x‖ where the norm branch is live
+        dx = dw = db = None
+        dot = None
+        if grad_z is not None:
+            gy = grad_z * q.to(grad_z.dtype)
+            if need_w:
+                dw = gy.t() @ x
+            if need_b and bias is not None:
+                db = grad_z.sum(0)
+            if need_x:
+                dx = gy @ weight
+                dot = rowdot(dx, x)
+        if grad_q is not None and need_x:
+            dot = q * grad_q if dot is None else dot + q * grad_q
+        if dot is not None:
+            coef = (p * (p * dot)).to(x.dtype)
+            dx = -coef * x if dx is None else dx - coef * x
+        return dx, dw, db, None, None
+
+
+class PatchNormConv(Function):
+    """z_{o,p} = r_{g,p}·(conv(x, W)_{o,p} + b_o),  r_{g,p} = 1/√(‖P_{g,p}‖² + 1),
+
+    P_{g,p} the receptive field of output position p restricted to the input channels of group g
+    (the group of output channel o). ‖P_{g,p}‖² = box(Σ_{c∈g} x_c²): a convolution of the
+    group's summed squares with a ones kernel of the same geometry.
+
+    Forward on x' = c·x with c per sample (``rescale`` over C and space): s' = box(Σ x'²),
+    ρ = 1/hypot(√s', c), z = ρ·(conv(x', W) + c·b), r = ρ·c.
+    Backward: gy = r·gz (broadcast over the group's output channels); dx, dW, db of the conv at
+    gy; dr = ⟨gz, y⟩_{g,p} + g_r with ⟨gz, y⟩ = ⟨gz, z⟩/r summed over the group's output
+    channels; ∂r/∂s = −r³/2, so ds = −(r²/2)·⟨gz, z⟩ − (r³/2)·g_r; dx += 2 x · boxᵀ(ds).
+    The per-position ⟨gz, y⟩ needs y (or z): it cannot come from the conv's dx, which sums
+    overlapping patches. So z is saved too (when the consumer saves z as well, e.g. a conv, a
+    linear or BatchNorm, the storage is shared), rather than recomputing the conv (+1 conv).
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, weight, bias, stride, padding, dilation, groups):
+        x_scaled, c = rescale(x, tuple(range(1, x.dim())), floor=1.0)
+        patch_sq = _box(_group_sum_sq(x_scaled, groups), weight.shape[2:], stride, padding, dilation)
+        rho = 1.0 / torch.hypot(patch_sq.clamp_min(0).sqrt(), c)
+        r = rho * c
+        y = torch.convolution(x_scaled, weight, None, stride, padding, dilation, False, _zeros(x), groups)
+        if bias is not None:
+            y.add_(c.to(x.dtype) * _channel_view(bias, x.dim()))
+        return _per_group(y, rho.to(x.dtype), groups), r
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, bias, stride, padding, dilation, groups = inputs
+        z, r = output
+        ctx.save_for_backward(x, weight, bias, r, z)
+        ctx.geometry = (stride, padding, dilation, groups)
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, grad_z, grad_r):
+        x, weight, bias, r, z = ctx.saved_tensors
+        stride, padding, dilation, groups = ctx.geometry
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        acc = accumulation_dtype(x.dtype)
+        dx = dw = db = None
+        ds = None
+        if grad_z is not None:
+            gy = _per_group(grad_z, r.to(grad_z.dtype), groups)
+            dx, dw, db = torch.ops.aten.convolution_backward(
+                gy, x, weight, None if bias is None else list(bias.shape), stride, padding, dilation,
+                False, _zeros(x), groups, [need_x, need_w, need_b and bias is not None],
+            )
+            if need_x:
+                gz_dot_z = (grad_z * z).unflatten(1, (groups, -1)).sum(2, dtype=acc)
+                ds = -0.5 * r * r * gz_dot_z
+        if grad_r is not None and need_x:
+            extra = -0.5 * r * r * r * grad_r
+            ds = extra if ds is None else ds + extra
+        if ds is not None:
+            dsq = _box_transpose(ds, x, weight.shape[2:], stride, padding, dilation, groups)
+            grad_sq = 2 * x * dsq.to(x.dtype).repeat_interleave(x.shape[1] // groups, dim=1)
+            dx = grad_sq if dx is None else dx + grad_sq
+        return dx, dw, db, None, None, None, None
+
+
+def _zeros(x: Tensor) -> list[int]:
+    return [0] * (x.dim() - 2)
+
+
+def _channel_view(bias: Tensor, ndim: int) -> Tensor:
+    return bias.reshape((1, -1) + (1,) * (ndim - 2))
+
+
+def _per_group(t: Tensor, scale: Tensor, groups: int) -> Tensor:
+    """t (N, O, *S) times scale (N, groups, *S), each group's scale over its O/groups channels."""
+    return (t.unflatten(1, (groups, -1)) * scale.unsqueeze(2)).flatten(1, 2)
+
+
+def _group_sum_sq(x: Tensor, groups: int) -> Tensor:
+    """Σ_{c∈g} x_c² per group g: (N, C, *S) -> (N, groups, *S), in the accumulation dtype."""
+    return x.square().unflatten(1, (groups, -1)).sum(2, dtype=accumulation_dtype(x.dtype))
+
+
+def _ones_kernel(groups: int, kernel: torch.Size, like: Tensor) -> Tensor:
+    return torch.ones((groups, 1, *kernel), dtype=like.dtype, device=like.device)
+
+
+def _box(sq: Tensor, kernel, stride, padding, dilation) -> Tensor:
+    """Σ over each receptive field of sq, per group (depthwise conv with a ones kernel)."""
+    groups = sq.shape[1]
+    ones = _ones_kernel(groups, kernel, sq)
+    return torch.convolution(sq, ones, None, stride, padding, dilation, False, _zeros(sq), groups)
+
+
+def _box_transpose(ds: Tensor, x: Tensor, kernel, stride, padding, dilation, groups) -> Tensor:
+    """The adjoint of ``_box``: spreads each position's ds back over its receptive field."""
+    ones = _ones_kernel(groups, kernel, ds)
+    out = torch.convolution(ds, ones, None, stride, padding, dilation, True, _zeros(x), groups)
+    missing = [n - m for n, m in zip(x.shape[2:], out.shape[2:])]  # rows/cols no window reaches
+    if any(missing):
+        pads = [p for m in reversed(missing) for p in (0, m)]
+        out = torch.nn.functional.pad(out, pads)
+    return out

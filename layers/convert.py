@@ -1,0 +1,4 @@
+from dataclasses import dataclass
+@dataclass
+class SwapRecord: pass
+def convert(): pass

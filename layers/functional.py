@@ -1,0 +1,234 @@
+"""Functional forms of the corrected layers (the modules in ``affdiv.layers`` call these).
+
+    affine_like(x, W, b)           z = (W x + b)/√(‖x‖² + 1)          over the last dim of x
+    norm_like(x, W, b, mode, eps)  z = W·k x/max(‖x‖, eps) + b          k = 1 (l2) or √m (rms)
+    patchnorm_conv1d/2d(x, W, b, stride, padding, dilation, groups)
+                                   z_{o,p} = conv(x, W, b)_{o,p}/√(‖P_{g,p}‖² + 1)
+
+(P_{g,p}: the receptive field of output position p over the input channels of o's group g.)
+Without a bias, affine_like is (W x)/√(‖x‖² + 1): the "+1" (the bias input of the augmented
+vector [x; 1]) stays, only b is absent. An all-zero row gives affine_like: b (or 0), norm_like: b.
+
+Numerics: finite output for every finite input and finite weights of moderate size, including
+|x| up to the dtype's maximum (see ``_scale``); a NaN or ±Inf in a row (sample, for the
+convolutions) makes that row's (sample's) output non-finite, as nn.Linear/nn.Conv do, and
+leaves the others untouched. Under autocast the inputs are cast like F.linear / F.conv (to the
+autocast dtype) and the norms are accumulated in float32. Gradients are exact to rounding as
+long as the squared scale r² is a normal number (fp32: ‖x‖ < 1.8e19); beyond that they stay
+finite but lose the radial term to underflow.
+
+Bad input (shape, dtype, device) raises ValueError/TypeError naming the expected and the
+actual value. On CUDA, with the optional Triton kernel available (``_triton_affine_like``),
+affine_like runs fused there; everywhere else it is the plain-torch Function in ``_autograd``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from affdiv.layers import _autograd
+
+NORM_MODES = ("l2", "rms")
+DEFAULT_EPS = 1e-12
+
+
+# --------------------------------------------------------------------------------------------
+# dense layers
+
+
+def affine_like(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """z = (x Wᵀ + b)/√(‖x‖² + 1) over the last dim; x (*, in), W (out, in), b (out,)."""
+    x, weight, bias = _prepare_dense("affine_like", x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1])
+    kernel = _gpu_kernel(rows)
+    if kernel is not None:
+        z, _ = _TritonAffineLike.apply(rows, weight, bias, kernel)
+    else:
+        z, _ = _autograd.AffineLike.apply(rows, weight, bias)
+    return z.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def norm_like(
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, mode: str = "l2", eps: float = DEFAULT_EPS
+) -> Tensor:
+    """z = W·k x/max(‖x‖, eps) + b over the last dim; k = 1 (mode "l2") or √in (mode "rms")."""
+    if mode not in NORM_MODES:
+        raise ValueError(f"norm_like: mode must be one of {NORM_MODES}, got {mode!r}")
+    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
+        raise ValueError(f"norm_like: eps must be a finite number > 0, got {eps!r}")
+    x, weight, bias = _prepare_dense("norm_like", x, weight, bias)
+    k = 1.0 if mode == "l2" else math.sqrt(x.shape[-1])
+    rows = x.reshape(-1, x.shape[-1])
+    z, _ = _autograd.NormLike.apply(rows, weight, bias, k, float(eps))
+    return z.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _prepare_dense(name, x, weight, bias):
+    _check_tensor(name, "weight", weight, dims=(2,))
+    _check_tensor(name, "input", x, min_dim=1)
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"{name}: expected input with last dimension in_features={weight.shape[1]}, "
+            f"got input of shape {tuple(x.shape)}"
+        )
+    if bias is not None:
+        _check_tensor(name, "bias", bias, dims=(1,))
+        if bias.shape[0] != weight.shape[0]:
+            raise ValueError(
+                f"{name}: expected bias of shape ({weight.shape[0]},) (out_features), got {tuple(bias.shape)}"
+            )
+    return _autocast_and_match(name, x, weight, bias)
+
+
+# --------------------------------------------------------------------------------------------
+# convolutions
+
+
+def patchnorm_conv1d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1) -> Tensor:
+    """conv1d(x, W, b) with each output position divided by √(‖patch‖² + 1), per group."""
+    return _patchnorm_conv("patchnorm_conv1d", 1, x, weight, bias, stride, padding, dilation, groups)
+
+
+def patchnorm_conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1) -> Tensor:
+    """conv2d(x, W, b) with each output position divided by √(‖patch‖² + 1), per group."""
+    return _patchnorm_conv("patchnorm_conv2d", 2, x, weight, bias, stride, padding, dilation, groups)
+
+
+def _patchnorm_conv(name, d, x, weight, bias, stride, padding, dilation, groups):
+    _check_tensor(name, "weight", weight, dims=(d + 2,))
+    _check_tensor(name, "input", x, dims=(d + 1, d + 2))
+    stride, dilation = _tuple(name, "stride", stride, d), _tuple(name, "dilation", dilation, d)
+    if not isinstance(groups, int) or groups < 1:
+        raise ValueError(f"{name}: groups must be a positive int, got {groups!r}")
+    unbatched = x.dim() == d + 1
+    if unbatched:
+        x = x.unsqueeze(0)
+    channels = x.shape[1]
+    if weight.shape[0] % groups or channels != weight.shape[1] * groups:
+        raise ValueError(
+            f"{name}: expected input with {weight.shape[1] * groups} channels (weight.shape[1]={weight.shape[1]} "
+            f"x groups={groups}) and out_channels divisible by groups, got input of shape {tuple(x.shape)} "
+            f"and weight of shape {tuple(weight.shape)}"
+        )
+    if bias is not None:
+        _check_tensor(name, "bias", bias, dims=(1,))
+        if bias.shape[0] != weight.shape[0]:
+            raise ValueError(f"{name}: expected bias of shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+    x, weight, bias = _autocast_and_match(name, x, weight, bias)
+    x, padding = _resolve_padding(name, x, padding, weight.shape[2:], stride, dilation)
+    reach = [dl * (k - 1) + 1 for dl, k in zip(dilation, weight.shape[2:])]
+    if any(n + 2 * p < e for n, p, e in zip(x.shape[2:], padding, reach)):
+        raise ValueError(
+            f"{name}: the (dilated) kernel extent {tuple(reach)} exceeds the padded input size "
+            f"{tuple(n + 2 * p for n, p in zip(x.shape[2:], padding))}"
+        )
+    z, _ = _autograd.PatchNormConv.apply(x, weight, bias, stride, padding, dilation, groups)
+    return z.squeeze(0) if unbatched else z
+
+
+def _resolve_padding(name, x, padding, kernel, stride, dilation):
+    """(x, symmetric per-side padding): "valid" = 0; "same" pads the odd extra on the right of x."""
+    d = len(kernel)
+    if isinstance(padding, str):
+        if padding == "valid":
+            return x, (0,) * d
+        if padding != "same":
+            raise ValueError(f"{name}: padding must be 'same', 'valid' or ints, got {padding!r}")
+        if any(s != 1 for s in stride):
+            raise ValueError(f"{name}: padding='same' needs stride 1, got stride={tuple(stride)}")
+        total = [dl * (k - 1) for dl, k in zip(dilation, kernel)]
+        left = tuple(t // 2 for t in total)
+        extra = [t - 2 * lt for t, lt in zip(total, left)]
+        if any(extra):
+            x = F.pad(x, [p for e in reversed(extra) for p in (0, e)])
+        return x, left
+    padding = _tuple(name, "padding", padding, d, minimum=0)
+    return x, padding
+
+
+def _tuple(name, what, value, d, minimum=1) -> tuple[int, ...]:
+    values = (value,) * d if isinstance(value, int) else tuple(value)
+    if len(values) != d or not all(isinstance(v, int) and v >= minimum for v in values):
+        raise ValueError(f"{name}: {what} must be an int >= {minimum} or {d} of them, got {value!r}")
+    return values
+
+
+# --------------------------------------------------------------------------------------------
+# shared checks, autocast
+
+
+def _check_tensor(name, what, t, dims: Sequence[int] | None = None, min_dim: int | None = None):
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name}: expected {what} to be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name}: expected {what} of a floating-point dtype, got {t.dtype}")
+    if dims is not None and t.dim() not in dims:
+        want = " or ".join(f"{n}-D" for n in dims)
+        raise ValueError(f"{name}: expected {what} to be {want}, got shape {tuple(t.shape)}")
+    if min_dim is not None and t.dim() < min_dim:
+        raise ValueError(f"{name}: expected {what} with at least {min_dim} dimension, got a 0-D tensor")
+
+
+def _autocast_and_match(name, x, weight, bias):
+    """Cast like an autocast-listed op (F.linear, F.conv*), then insist on one dtype and device."""
+    device_type = x.device.type
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    for what, t in (("weight", weight), ("bias", bias)):
+        if t is None:
+            continue
+        if t.device != x.device:
+            raise ValueError(f"{name}: expected {what} on the input's device {x.device}, got {t.device}")
+        if t.dtype != x.dtype:
+            raise TypeError(f"{name}: expected {what} of the input's dtype {x.dtype}, got {t.dtype}")
+    return x, weight, bias
+
+
+# --------------------------------------------------------------------------------------------
+# optional GPU kernel
+
+
+def _gpu_kernel(rows: Tensor):
+    """The Triton module when ``rows`` is a plain CUDA tensor and the kernel is available, else None."""
+    if not rows.is_cuda or _is_transformed(rows):
+        return None
+    try:
+        from affdiv.layers import _triton_affine_like
+    except ImportError:
+        return None
+    return _triton_affine_like if _triton_affine_like.available() else None
+
+
+def _is_transformed(t: Tensor) -> bool:
+    """True under torch.func transforms or compile tracing, where a raw kernel cannot run."""
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor(t)
+    return wrapped or torch.compiler.is_compiling()
+
+
+class _TritonAffineLike(torch.autograd.Function):
+    """affine_like through the fused kernel; double backward falls back to the torch formula."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, kernel):
+        z, r = kernel.forward(x, weight, bias)
+        ctx.save_for_backward(x, weight, bias, r)
+        ctx.kernel = kernel
+        ctx.set_materialize_grads(False)
+        return z, r
+
+    @staticmethod
+    def backward(ctx, grad_z, grad_r):
+        x, weight, bias, r = ctx.saved_tensors
+        if grad_z is not None and grad_r is None and not torch.is_grad_enabled():
+            dx, dw, db = ctx.kernel.backward(grad_z.contiguous(), x, weight, bias, r)
+            db = None if bias is None else db
+        else:  # create_graph or a gradient on r: the differentiable torch formula (same math)
+            dx, dw, db = _autograd.affine_like_grads(x, weight, bias, r, grad_z, grad_r, ctx.needs_input_grad[:3])
+        return dx, dw, db, None

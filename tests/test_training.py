@@ -1,0 +1,116 @@
+"""One training run: LR rules, budgets, the optimizers, determinism, divergence, tuning on val."""
+
+import math
+
+import pytest
+import torch
+
+from affdiv.experiments import training
+from affdiv.experiments.data import load_dataset
+from affdiv.experiments.training import RunConfig, learning_rates, make_optimizer, train_run
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_dataset("digits")
+
+
+def _config(**changes):
+    base = dict(dataset="digits", method="affine", batch_size=64, seed=0, depth=1, width=16, length=2)
+    return RunConfig(**{**base, **changes})
+
+
+def test_learning_rate_rules():
+    # Closed forms from the module docstring, at B = 4 * ref: linear x4, sqrt x2.
+    assert learning_rates(_config(lr_rule="constant", base_lr=0.1, batch_size=128, ref_batch_size=32)) == (0.1,)
+    assert learning_rates(_config(lr_rule="linear", base_lr=0.1, batch_size=128, ref_batch_size=32)) == (0.4,)
+    assert learning_rates(_config(lr_rule="sqrt", base_lr=0.1, batch_size=128, ref_batch_size=32)) == (0.2,)
+    assert learning_rates(_config(lr_rule="tuned", lr_grid=[0.3, 0.01])) == (0.3, 0.01)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam"])
+def test_first_step_of_each_optimizer(optimizer):
+    # The first update has a closed form: SGD and momentum SGD (buffer = grad at step 1):
+    # w - lr g; Adam: m/(sqrt(v)+eps) with bias correction = g/(|g|+eps), so w - lr sign(g) up to
+    # eps/|g| <= 1e-8/0.5 relative (float64; no weight decay in any case).
+    w = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0], dtype=torch.float64))
+    grad = torch.tensor([0.5, -1.5, 2.0], dtype=torch.float64)
+    opt = make_optimizer(_config(optimizer=optimizer), [w], lr=0.1)
+    w.grad = grad.clone()
+    opt.step()
+    expected = torch.tensor([1.0, -2.0, 3.0], dtype=torch.float64) - 0.1 * (
+        grad.sign() if optimizer == "adam" else grad
+    )
+    torch.testing.assert_close(w.detach(), expected, rtol=0, atol=1e-8)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"batch_size": 0}, "batch_size must be an integer >= 1, got 0"),
+        ({"batch_size": 2.5}, "batch_size must be an integer >= 1, got 2.5"),
+        ({"batch_size": True}, "batch_size must be an integer >= 1, got True"),
+        ({"method": "bn"}, "unknown method 'bn'; expected one of: affine"),
+        ({"lr_rule": "cosine"}, "unknown lr_rule 'cosine'; expected one of: constant, linear, sqrt, tuned"),
+        ({"budget": "minutes"}, "unknown budget 'minutes'"),
+        ({"lr_rule": "tuned"}, "needs a non-empty lr_grid"),
+        ({"base_lr": -1.0}, "base_lr must be > 0"),
+    ],
+)
+def test_bad_configs_are_refused(changes, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        _config(**changes)
+    with pytest.raises(ValueError, match="unknown run setting"):
+        RunConfig.from_dict({**_config().to_dict(), "weight_decay": 0.1})
+
+
+def test_same_config_same_numbers_and_the_seed_matters(digits):
+    first, second = train_run(_config(), digits), train_run(_config(), digits)
+    assert first.metrics == second.metrics and first.curves == second.curves
+    other = train_run(_config(seed=1), digits)
+    assert other.curves != first.curves
+
+
+@pytest.mark.parametrize("budget, length", [("epochs", 2), ("steps", 7), ("steps", 30)])
+def test_budget(digits, budget, length):
+    result = train_run(_config(budget=budget, length=length), digits)
+    per_epoch = len(digits.train.y) // 64  # the partial last batch is dropped
+    steps = length * per_epoch if budget == "epochs" else length
+    assert result.metrics["steps"] == steps
+    assert [c["step"] for c in result.curves][-1] == steps
+    assert len(result.curves) == math.ceil(steps / per_epoch) == result.metrics["epochs"]
+    assert result.metrics["diverged"] == 0
+    if steps >= 30:  # enough SGD steps to learn something: well above chance (0.1)
+        assert result.metrics["test_accuracy"] > 0.3
+
+
+def test_divergence_is_a_result_not_a_crash(digits):
+    result = train_run(_config(activation="identity", depth=2, base_lr=1e6), digits)
+    assert result.metrics["diverged"] == 1
+    assert result.metrics["test_accuracy"] == pytest.approx(0.1)  # chance: 1 / 10 classes
+    assert math.isnan(result.metrics["test_loss"])
+
+
+def test_tuned_picks_the_best_validation_lr_and_tests_once(digits, monkeypatch):
+    grid = (0.001, 0.3, 1e6)  # too small, reasonable, diverging
+    # Reference: each LR trained separately as a constant-rule run (same seed: same init, shuffles).
+    separate = {lr: train_run(_config(lr_rule="constant", base_lr=lr), digits) for lr in grid}
+    best = max((lr for lr in grid if not separate[lr].metrics["diverged"]),
+               key=lambda lr: separate[lr].metrics["val_accuracy"])
+
+    seen_sizes = []
+    real_evaluate = training.evaluate
+    monkeypatch.setattr(training, "evaluate", lambda m, x, y: seen_sizes.append(len(y)) or real_evaluate(m, x, y))
+    tuned = train_run(_config(lr_rule="tuned", lr_grid=grid), digits)
+
+    assert tuned.metrics["lr"] == best == 0.3
+    assert {k: v for k, v in tuned.metrics.items() if k != "lr"} == {
+        k: v for k, v in separate[best].metrics.items() if k != "lr"
+    }
+    assert seen_sizes.count(len(digits.test.y)) == 1  # the test split is evaluated once, at the end
+    assert len(digits.test.y) != len(digits.val.y)
+
+
+def test_batch_larger_than_the_training_split_is_refused(digits):
+    with pytest.raises(ValueError, match=f"batch_size 5000 exceeds the {len(digits.train.y)} training samples"):
+        train_run(_config(batch_size=5000), digits)

@@ -1,0 +1,70 @@
+"""Shared pieces of the conv, residual and attention derivations.
+
+A *site* is one output vector that the theory treats as a unit: one spatial position of one
+sample (conv: all output channels there), one token of one sequence (attention), or one sample
+(dense layers). ``SitewiseDerivation`` adds to a derivation
+
+    sites(t)          an output-shaped tensor as (n_sites, features), one row per site;
+    site_diagonal(c)  the predicted factor k_ss of every output entry (broadcastable to the output),
+                      when the site's own block Θ_ss is k_ss·I (per conv group): a site's update from
+                      its own gradient alone is then −η k_ss g_s.
+
+so that `affdiv verify` can measure per-site scale, cosine and off-diagonal share, and check k_ss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import sympy as sp
+import torch
+from torch import Tensor
+
+from affdiv.theory.derivation import Case, Derivation
+
+
+@dataclass(frozen=True)
+class SitewiseDerivation(Derivation):
+    """A derivation whose output splits into sites (positions, tokens) below the sample."""
+
+    sites: Callable[[Tensor], Tensor] | None = None
+    site_diagonal: Callable[[Case], Tensor] | None = None
+
+
+def channels_first_sites(t: Tensor) -> Tensor:
+    """(B, C, *spatial) -> (B·∏spatial, C): one row per position of each sample."""
+    return t.movedim(1, -1).reshape(-1, t.shape[1])
+
+
+def channels_last_sites(t: Tensor) -> Tensor:
+    """(B, T, C) -> (B·T, C): one row per token of each sequence."""
+    return t.reshape(-1, t.shape[-1])
+
+
+def seed_from(generator: torch.Generator) -> int:
+    """A torch seed drawn from ``generator`` (so module initialisation follows the case seed)."""
+    return int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
+
+
+def correlated_rows(shape: tuple[int, ...], generator: torch.Generator, spread: float = 1.0) -> Tensor:
+    """Float64 samples sharing a common offset (so kernels are far from diagonal), with per-sample
+    norms spread over exp(±spread) (so diagonal factors vary)."""
+    batch = shape[0]
+    scale = torch.exp(torch.empty(batch, dtype=torch.float64).uniform_(-spread, spread, generator=generator))
+    offset = torch.randn((1,) + shape[1:], dtype=torch.float64, generator=generator)
+    noise = torch.randn(shape, dtype=torch.float64, generator=generator)
+    return scale.reshape((batch,) + (1,) * (len(shape) - 1)) * (0.7 * noise + 0.5 * offset)
+
+
+def require(sizes: Mapping[str, int], *keys: str) -> None:
+    """Bad sizes name what was expected and what was given."""
+    missing = [k for k in keys if k not in sizes]
+    if missing:
+        raise ValueError(f"sizes must give {keys}; missing {missing} in {dict(sizes)}")
+
+
+def is_zero_expression(residual) -> bool:
+    """True when a sympy (matrix) expression, after .doit() and expansion, is identically zero."""
+    residual = sp.expand(residual.doit())
+    return residual == 0 or isinstance(residual, sp.ZeroMatrix)

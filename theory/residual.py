@@ -1,0 +1,369 @@
+"""Residual blocks y = x + F(x) fed by an upstream layer x = H(u), every parameter stepping.
+
+First order (chain rule; Θ_F, Θ_H the layers' own parameter kernels, M = ∂y/∂x = I + ∂F/∂x):
+
+    Δy_i = −η Σ_j [Θ_F(i,j) + M_i Θ_H(i,j) M_jᵀ] g_j + O(η²)
+
+Upstream H(u) = α(u)(V u + c), the affine (α = 1) or affine-like (α = 1/√(‖u‖²+1)) member:
+Θ_H(i,j) = k_H(u_i, u_j) I with the affine-family kernel k_H (theory.affine). Branches F:
+
+    affine       F = W x + b                Θ_F = (x_i·x_j + 1) I            M = I + W
+    affine_like  F = (W x + b)/√(‖x‖²+1)    Θ_F = cos([x_i;1],[x_j;1]) I     M = I + αW − α³(Wx+b)xᵀ
+    tanh, gelu   F = W₂ φ(W₁x + b₁) + b₂    Θ_F = (h_i·h_j + 1) I + (x_i·x_j + 1) W₂ D_i D_j W₂ᵀ
+                                            M = I + W₂ D W₁,   h = φ(a), D = diag φ'(a), a = W₁x + b₁
+
+For the affine branch on the affine upstream the block is bilinear in θ, so the real step has one
+more term and then nothing: Δy_i = first order + ΔW Δx_i exactly, Δx_i = −η Σ_j k_H(i,j) Mᵀ g_j.
+
+What a per-sample scalar correction can do inside the block: the affine-like members make
+k_H(i,i) = k_F(i,i) = 1, so the own-sample block becomes K_ii = I + M_i M_iᵀ — a matrix. Its
+eigenvalues spread with ‖∂F/∂x‖, so even a single sample's update is not along −g_i (cosine < 1)
+and no scalar (per-sample) factor removes that; ``matrix_share`` measures it.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping
+from functools import cache
+
+import sympy as sp
+import torch
+from torch import Tensor, nn
+
+from affdiv.theory import affine
+from affdiv.theory.derivation import Case, Derivation, Proof, ProofKind, register
+from affdiv.theory.exact import ETA, exact_effective_update, is_zero_matrix, random_rational_matrix
+from affdiv.theory.kernels import correlated_rows, is_zero_expression, require, seed_from
+
+_A = sp.Symbol("a", real=True)
+ACTIVATIONS = {"tanh": sp.tanh(_A), "gelu": _A / 2 * (1 + sp.erf(_A / sp.sqrt(2)))}
+_TORCH = [{"tanh": torch.tanh, "erf": torch.special.erf, "exp": torch.exp, "sqrt": math.sqrt, "pi": math.pi}, "math"]
+BRANCHES = ("affine", "affine_like", "tanh", "gelu")
+UPSTREAMS = ("affine", "affine_like")
+
+
+@cache
+def activation(name: str):
+    """(φ, φ') as torch functions, φ' derived by sympy from the definition of φ."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, got {name!r}")
+    phi = ACTIVATIONS[name]
+    return sp.lambdify(_A, phi, modules=_TORCH), sp.lambdify(_A, sp.diff(phi, _A), modules=_TORCH)
+
+
+def _member(name: str) -> affine.Member:
+    return next(m for m in affine.MEMBERS if m.name == name)
+
+
+class TwoLayer(nn.Module):
+    """F(x) = W₂ φ(W₁ x + b₁) + b₂."""
+
+    def __init__(self, width: int, hidden: int, phi: str, dtype=torch.float64):
+        super().__init__()
+        self.phi = phi
+        self.inner = nn.Linear(width, hidden, dtype=dtype)
+        self.outer = nn.Linear(hidden, width, dtype=dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.outer(activation(self.phi)[0](self.inner(x)))
+
+
+class ResidualBlock(nn.Module):
+    """Reference block: x = H(u), y = x + F(x)."""
+
+    def __init__(self, in_features: int, width: int, branch: str, upstream: str = "affine", hidden: int = 0):
+        super().__init__()
+        if branch not in BRANCHES or upstream not in UPSTREAMS:
+            raise ValueError(f"branch must be in {BRANCHES} and upstream in {UPSTREAMS}, got {branch!r}, {upstream!r}")
+        self.branch_kind, self.upstream_kind = branch, upstream
+        self.upstream = affine.ReferenceAffineFamily(upstream, in_features, width)
+        if branch in UPSTREAMS:
+            self.branch = affine.ReferenceAffineFamily(branch, width, width)
+        elif hidden < 1:
+            raise ValueError(f"a two-layer branch needs hidden ≥ 1, got {hidden}")
+        else:
+            self.branch = TwoLayer(width, hidden, branch)
+
+    def forward(self, u: Tensor) -> Tensor:
+        x = self.upstream(u)
+        return x + self.branch(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# closed form, numeric
+
+
+def _pieces(block: ResidualBlock, u: Tensor):
+    """x, k_H (B, B), M (B, n, n), and the branch's (h, D) (two-layer) at the current θ."""
+    with torch.no_grad():
+        x = block.upstream(u)
+        k_h = affine.kernel_matrix(_member(block.upstream_kind), u)
+        eye = torch.eye(x.shape[-1], dtype=x.dtype).expand(x.shape[0], -1, -1)
+        if block.branch_kind == "affine":
+            return x, k_h, eye + block.branch.linear.weight, None
+        if block.branch_kind == "affine_like":
+            w, b = block.branch.linear.weight, block.branch.linear.bias
+            alpha = torch.rsqrt((x * x).sum(-1) + 1)[:, None, None]
+            jac = alpha * w - alpha**3 * torch.einsum("bn,bm->bnm", x @ w.T + b, x)
+            return x, k_h, eye + jac, None
+        phi, dphi = activation(block.branch_kind)
+        a = block.branch.inner(x)
+        d = dphi(a)
+        w1, w2 = block.branch.inner.weight, block.branch.outer.weight
+        return x, k_h, eye + torch.einsum("nh,bh,hm->bnm", w2, d, w1), (phi(a), d)
+
+
+def branch_update(block: ResidualBlock, x: Tensor, two_layer, g: Tensor) -> Tensor:
+    """Σ_j Θ_F(i,j) g_j (the branch's own parameters), rows i."""
+    if two_layer is None:
+        return affine.kernel_matrix(_member(block.branch_kind), x) @ g
+    h, d = two_layer
+    w2 = block.branch.outer.weight
+    k_x = x @ x.T + 1
+    inner = k_x @ (d * (g @ w2))  # Σ_j (x_i·x_j + 1) D_j W₂ᵀ g_j
+    return (h @ h.T + 1) @ g + (d * inner) @ w2.T
+
+
+def predict_residual(case: Case, g: Tensor, lr: float) -> Tensor:
+    """First order: −η Σ_j [Θ_F(i,j) + M_i k_H(i,j) M_jᵀ] g_j."""
+    block, u = case.module, case.inputs[0]
+    x, k_h, m, two_layer = _pieces(block, u)
+    m_t_g = torch.einsum("jnk,jn->jk", m, g)  # M_jᵀ g_j
+    upstream = torch.einsum("ink,ik->in", m, k_h @ m_t_g)
+    return -lr * (branch_update(block, x, two_layer, g) + upstream)
+
+
+def predict_residual_second_order(case: Case, g: Tensor, lr: float) -> Tensor:
+    """Affine branch on the affine upstream: first order + ΔW Δx_i, which is the real step exactly."""
+    block, u = case.module, case.inputs[0]
+    if (block.branch_kind, block.upstream_kind) != ("affine", "affine"):
+        raise ValueError(f"the exact second-order term is derived for the affine/affine block, got {block.branch_kind}")
+    x, k_h, m, _ = _pieces(block, u)
+    delta_x = -lr * k_h @ torch.einsum("jnk,jn->jk", m, g)
+    delta_w_t = -lr * x.T @ g
+    return predict_residual(case, g, lr) + delta_x @ delta_w_t
+
+
+def diagonal_blocks(case: Case) -> Tensor:
+    """K_ii = Θ_F(i,i) + k_H(i,i) M_i M_iᵀ as (B, n, n): sample i's update from g_i alone is −η K_ii g_i."""
+    block, u = case.module, case.inputs[0]
+    x, k_h, m, two_layer = _pieces(block, u)
+    eye = torch.eye(x.shape[-1], dtype=x.dtype)
+    if two_layer is None:
+        k_f = torch.diagonal(affine.kernel_matrix(_member(block.branch_kind), x))
+        own = k_f[:, None, None] * eye
+    else:
+        h, d = two_layer
+        w2 = block.branch.outer.weight
+        own = ((h * h).sum(-1) + 1)[:, None, None] * eye + ((x * x).sum(-1) + 1)[:, None, None] * torch.einsum(
+            "nh,bh,mh->bnm", w2, d * d, w2
+        )
+    return own + torch.diagonal(k_h)[:, None, None] * m @ m.transpose(1, 2)
+
+
+def matrix_share(blocks: Tensor) -> Tensor:
+    """‖K − (tr K / n) I‖_F / ‖(tr K / n) I‖_F per sample: the part of the own-sample block that no
+    per-sample scalar factor can represent (0 for K ∝ I)."""
+    n = blocks.shape[-1]
+    mean = torch.diagonal(blocks, dim1=-2, dim2=-1).mean(-1)
+    off = blocks - mean[:, None, None] * torch.eye(n, dtype=blocks.dtype)
+    return off.flatten(1).norm(dim=-1) / (mean.abs() * math.sqrt(n))
+
+
+# ---------------------------------------------------------------------------------------------
+# proofs
+
+
+@cache
+def affine_block_theorem() -> Proof:
+    """The affine block's real step = first order + ΔW Δx_i, symbolically at general n, m."""
+    n, m = sp.symbols("n m", integer=True, positive=True)
+    W, b = sp.MatrixSymbol("W", n, n), sp.MatrixSymbol("b", n, 1)
+    V, c = sp.MatrixSymbol("V", n, m), sp.MatrixSymbol("c", n, 1)
+    u = {k: sp.MatrixSymbol(f"u_{k}", m, 1) for k in "ijk"}
+    g = {k: sp.MatrixSymbol(f"g_{k}", n, 1) for k in "jk"}
+    params = {"W": W, "b": b, "V": V, "c": c}
+
+    def x(u_, p):
+        return p["V"] * u_ + p["c"]
+
+    def y(u_, p):
+        return x(u_, p) + p["W"] * x(u_, p) + p["b"]
+
+    # ∂/∂θ term by term: sympy 1.14 returns 0 for the derivative of a sum of two such traces.
+    step = {
+        name: -ETA * sp.Add(*[sp.diff(sp.Trace(g[s].T * y(u[s], params)), sym) for s in "jk"])
+        for name, sym in params.items()
+    }
+    effective = y(u["i"], {k: params[k] + step[k] for k in params}) - y(u["i"], params)
+    mm = sp.Identity(n) + W
+    first = sp.Add(
+        *[
+            -ETA * (g[s] * (x(u[s], params).T * x(u["i"], params)) + g[s]
+                    + mm * mm.T * g[s] * (u[s].T * u["i"]) + mm * mm.T * g[s])
+            for s in "jk"
+        ]
+    )
+    delta_w = sp.Add(*[-ETA * g[s] * x(u[s], params).T for s in "jk"])
+    delta_x = sp.Add(*[-ETA * (mm.T * g[r] * (u[r].T * u["i"]) + mm.T * g[r]) for r in "jk"])
+    residual = effective - first - delta_w * delta_x
+    return Proof(
+        claim="y = (I+W)(Vu+c) + b, loss from two samples j, k: y_i(θ+Δθ) − y_i(θ) = −η Σ_s [(x_i·x_s+1) I "
+        "+ (u_i·u_s+1)(I+W)(I+W)ᵀ] g_s + ΔW Δx_i exactly, at general n, m (the update is a polynomial of "
+        "degree 2 in the g's, so pairs determine it for any batch)",
+        kind=ProofKind.SYMBOLIC_GENERAL,
+        holds=is_zero_expression(residual),
+        detail=f"sympy matrix calculus, residual expands to {sp.expand(residual.doit())}",
+    )
+
+
+def _exact_residual_forward(branch: str, upstream: str, u: sp.Matrix, hidden: int):
+    """The block on exact input rows, as a sympy function of its parameters (φ left undefined)."""
+    up = _member(upstream)
+    phi = sp.Function("phi")
+
+    def forward(p):
+        rows = []
+        for r in range(u.rows):
+            ur = u.row(r).T
+            alpha = up.factors(sum(v**2 for v in ur))[0]
+            x = alpha * (p["V"] * ur + p["c"])
+            if branch in UPSTREAMS:
+                f = _member(branch).factors(sum(v**2 for v in x))[0] * (p["W"] * x + p["b"])
+            else:
+                f = p["W2"] * (p["W1"] * x + p["b1"]).applyfunc(phi) + p["b2"]
+            rows.append((x + f).T)
+        return sp.Matrix.vstack(*rows)
+
+    return forward
+
+
+def _exact_closed_form(branch: str, upstream: str, u: sp.Matrix, p: Mapping[str, sp.Matrix], grad: sp.Matrix):
+    """−η Σ_j [Θ_F(i,j) + M_i k_H(i,j) M_jᵀ] g_j in exact arithmetic (φ undefined, φ' its derivative)."""
+    up = _member(upstream)
+    k_h = affine.exact_kernel_matrix(up, u)
+    xs, ms, own = [], [], []
+    t = sp.Symbol("t")
+    def dphi(value):
+        return sp.Function("phi")(t).diff(t).subs(t, value)
+
+    for r in range(u.rows):
+        ur = u.row(r).T
+        x = up.factors(sum(v**2 for v in ur))[0] * (p["V"] * ur + p["c"])
+        xs.append(x)
+        n = x.rows
+        if branch == "affine":
+            ms.append(sp.eye(n) + p["W"])
+        elif branch == "affine_like":
+            alpha = 1 / sp.sqrt(sum(v**2 for v in x) + 1)
+            ms.append(sp.eye(n) + alpha * p["W"] - alpha**3 * (p["W"] * x + p["b"]) * x.T)
+        else:
+            a = p["W1"] * x + p["b1"]
+            d = sp.diag(*[dphi(v) for v in a])
+            ms.append(sp.eye(n) + p["W2"] * d * p["W1"])
+            own.append((a.applyfunc(sp.Function("phi")), d))
+    k_f = affine.exact_kernel_matrix(_member(branch), sp.Matrix.vstack(*[x.T for x in xs])) if branch in UPSTREAMS else None
+    update = []
+    for i in range(u.rows):
+        total = sp.zeros(xs[i].rows, 1)
+        for j in range(u.rows):
+            g = grad.row(j).T
+            if branch in UPSTREAMS:
+                total += k_f[i, j] * g
+            else:
+                (h_i, d_i), (h_j, d_j) = own[i], own[j]
+                total += ((h_i.T * h_j)[0] + 1) * g + ((xs[i].T * xs[j])[0] + 1) * p["W2"] * d_i * d_j * p["W2"].T * g
+            total += ms[i] * k_h[i, j] * ms[j].T * g
+        update.append((-ETA * total).T)
+    return sp.Matrix.vstack(*update)
+
+
+@cache
+def exact_residual_proof(branch: str, upstream: str, seed: int = 0) -> Proof:
+    """J Δθ (exact differentiation) equals the closed form at a small size; φ is an undefined
+    function for the two-layer branch, so the identity holds for every differentiable φ."""
+    rng = random.Random(seed)
+    batch, m, n, hidden = 2, 2, 2, 2
+    u = random_rational_matrix(batch, m, rng, nonzero=True)
+    shapes = {"V": (n, m), "c": (n, 1)}
+    shapes.update({"W": (n, n), "b": (n, 1)} if branch in UPSTREAMS else
+                  {"W1": (hidden, n), "b1": (hidden, 1), "W2": (n, hidden), "b2": (n, 1)})
+    params = {k: random_rational_matrix(*s, rng) for k, s in shapes.items()}
+    grad = random_rational_matrix(batch, n, rng)
+    exact = exact_effective_update(_exact_residual_forward(branch, upstream, u, hidden), params, grad)
+    holds = is_zero_matrix(exact.linear - _exact_closed_form(branch, upstream, u, params, grad))
+    phi = "" if branch in UPSTREAMS else ", φ an undefined function (any differentiable φ)"
+    return Proof(
+        claim=f"{upstream} upstream, {branch if branch in UPSTREAMS else 'two-layer'} branch: J Δθ = "
+        "−η Σ_j [Θ_F(i,j) + M_i k_H(i,j) M_jᵀ] g_j",
+        kind=ProofKind.EXACT_CONCRETE,
+        holds=holds,
+        detail=f"exact differentiation at B={batch}, m={m}, n={n}{f', hidden={hidden}' if phi else ''}{phi}",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# registration
+
+SIZES = (
+    {"batch": 1, "in_features": 3, "width": 4, "hidden": 5},
+    {"batch": 4, "in_features": 5, "width": 3, "hidden": 6},
+    {"batch": 8, "in_features": 6, "width": 6, "hidden": 8},
+)
+
+
+def build_case(sizes: Mapping[str, int], generator: torch.Generator, branch: str, upstream: str) -> Case:
+    require(sizes, "batch", "in_features", "width")
+    torch.manual_seed(seed_from(generator))
+    block = ResidualBlock(sizes["in_features"], sizes["width"], branch, upstream, sizes.get("hidden", 0))
+    return Case(block, (correlated_rows((sizes["batch"], sizes["in_features"]), generator, spread=0.5),))
+
+
+def make_derivation(branch: str, upstream: str) -> Derivation:
+    name = "residual_" + branch + ("_on_" + upstream if upstream != "affine" else "")
+    exact_second = (branch, upstream) == ("affine", "affine")
+
+    def proofs() -> list[Proof]:
+        steps = [affine.family_theorem(), exact_residual_proof(branch, upstream)]
+        if exact_second:
+            steps.insert(0, affine_block_theorem())
+        if branch == "affine_like" and upstream == "affine_like":
+            steps.append(_corrected_diagonal_proof())
+        return steps
+
+    return Derivation(
+        name=name,
+        layer=f"y = x + F(x), x = H(u); F {branch}, H {upstream}",
+        statement=r"\Delta y_i = -\eta \sum_j \left[\Theta_F(i,j) + M_i \Theta_H(i,j) M_j^\top\right] g_j"
+        + (r" + \Delta W \Delta x_i \text{ (exact)}" if exact_second else r" + O(\eta^2)")
+        + r",\quad M = I + \partial F/\partial x",
+        build=lambda sizes, generator: build_case(sizes, generator, branch, upstream),
+        predict=predict_residual,
+        proofs=proofs,
+        sizes=SIZES,
+        linear_in_params=False,
+        predict_second_order=predict_residual_second_order if exact_second else None,
+        tags=("residual",),
+    )
+
+
+@cache
+def _corrected_diagonal_proof() -> Proof:
+    """With both layers affine-like, K_ii = I + M_i M_iᵀ: the corrections' scalars are 1."""
+    member = _member("affine_like")
+    ok = sp.simplify(member.diagonal_factor - 1) == 0
+    return Proof(
+        claim="affine-like H and F: k_H(i,i) = k_F(i,i) = 1, so K_ii = I + M_i M_iᵀ, a matrix whenever ∂F/∂x ≠ 0",
+        kind=ProofKind.SYMBOLIC_GENERAL,
+        holds=ok,
+        detail="the affine-like diagonal factor simplifies to 1 (theory.affine); the M_i M_iᵀ term is the "
+        "first-order formula's own-sample block",
+    )
+
+
+DERIVATIONS = tuple(
+    register(make_derivation(branch, upstream))
+    for branch, upstream in (("affine", "affine"), ("tanh", "affine"), ("gelu", "affine"), ("affine_like", "affine_like"))
+)
