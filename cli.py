@@ -16,6 +16,7 @@ COMMAND_MODULES = (
     "affdiv.verify.cli",
     "affdiv.experiments.cli",
     "affdiv.layers.cli",
+    "affdiv.experiments.probe",
 )
 
 

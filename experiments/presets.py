@@ -10,7 +10,8 @@ override them (one report each):
     [[study]]    name = "...", and its own [study.run] / [study.grid] / [study.analysis]
 
 Command-line overrides replace grid axes (``seed``, ``batch_size``), restrict ``method`` to the
-named methods of the right kind (MLP or CNN) per study, and set run fields (``--set k=v``).
+named methods of the right kind (MLP or CNN) per study, and set run fields (``--set k=v``; when
+k is a grid axis, v, or the list v, replaces the axis).
 """
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ class Preset:
                 grid["method"] = [m for m in methods if any(m in kind for kind in kinds)]
                 if not grid["method"]:
                     continue  # none of the requested methods belongs to this study
+            for key, value in (run or {}).items():
+                if key in grid:  # a setting that is a grid axis replaces the axis
+                    grid[key] = list(value) if isinstance(value, list) else [value]
             base = {**self.raw.get("run", {}), **block.get("run", {}), **(run or {})}
             base = {k: v for k, v in base.items() if k not in grid}
             analysis = {**self.raw.get("analysis", {}), **block.get("analysis", {})}

@@ -33,8 +33,11 @@ class Estimate:
     se: float
     df: float
 
-    def _dist(self):
-        return _st.norm if math.isinf(self.df) else _st.t(self.df)
+    def _cdf(self, t: float) -> float:
+        return _st.norm.cdf(t) if math.isinf(self.df) else _st.t.cdf(t, self.df)
+
+    def _sf(self, t: float) -> float:
+        return _st.norm.sf(t) if math.isinf(self.df) else _st.t.sf(t, self.df)
 
     def _t(self, null: float) -> float:
         if self.se > 0:
@@ -44,11 +47,11 @@ class Estimate:
 
     def p_less(self, null: float = 0.0) -> float:
         """p-value of H0: parameter >= null against H1: parameter < null."""
-        return float(self._dist().cdf(self._t(null)))
+        return float(self._cdf(self._t(null)))
 
     def p_greater(self, null: float = 0.0) -> float:
         """p-value of H0: parameter <= null against H1: parameter > null."""
-        return float(self._dist().sf(self._t(null)))
+        return float(self._sf(self._t(null)))
 
     def p_two_sided(self, null: float = 0.0) -> float:
         return float(min(1.0, 2.0 * min(self.p_less(null), self.p_greater(null))))
@@ -61,7 +64,8 @@ class Estimate:
 
     def ci(self, level: float) -> tuple[float, float]:
         """Two-sided confidence interval of coverage ``level``."""
-        half = self._dist().ppf(0.5 + level / 2.0) * self.se
+        q = 0.5 + level / 2.0
+        half = (_st.norm.ppf(q) if math.isinf(self.df) else _st.t.ppf(q, self.df)) * self.se
         return (self.estimate - half, self.estimate + half)
 
 

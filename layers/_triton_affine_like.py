@@ -62,7 +62,7 @@ if triton is not None:
         """Grouped tile order: GROUP_M row tiles share each column tile while it is in L2."""
         pid = tl.program_id(0)
         tiles_m = tl.cdiv(M, BM)
-        tiles_n = tl.cdiv(N, BN)
+        tiles_n = tl.maximum(tl.cdiv(N, BN), 1)  # one (masked) column tile when N == 0
         per_group = GROUP_M * tiles_n
         first_m = (pid // per_group) * GROUP_M
         group_m = tl.minimum(tiles_m - first_m, GROUP_M)
@@ -268,13 +268,21 @@ if triton is not None:
         return tuned[lambda meta: (tiles(meta),)](*args, PRECISION=precision, **constexprs)
 
 
-def _check(name: str, tensor: torch.Tensor, shape: tuple, like: torch.Tensor) -> None:
-    if tensor.shape != shape:
+def _check(name: str, tensor: torch.Tensor, shape: tuple, like: torch.Tensor, dtype=None) -> None:
+    """Raise unless `tensor` has `shape`, `dtype` (default like's) and like's device."""
+    dtype = like.dtype if dtype is None else dtype
+    if tuple(tensor.shape) != tuple(shape):
         raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(tensor.shape)}")
-    if tensor.dtype != like.dtype:
-        raise TypeError(f"{name}: expected dtype {like.dtype}, got {tensor.dtype}")
+    if tensor.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype}, got {tensor.dtype}")
     if tensor.device != like.device:
         raise ValueError(f"{name}: expected device {like.device}, got {tensor.device}")
+
+
+def _check_out(name: str, tensor: torch.Tensor, shape: tuple, like: torch.Tensor, dtype=None) -> None:
+    _check(name, tensor, shape, like, dtype)
+    if not tensor.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor, got strides {tensor.stride()}")
 
 
 def _check_inputs(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -303,12 +311,12 @@ def forward(x2d, weight, bias=None, *, out=None):
     if out is None:
         out = (x2d.new_empty((M, N)), torch.empty(M, device=x2d.device, dtype=torch.float32))
     z, r = out
-    _check("out z", z, (M, N), x2d)
-    if r.shape != (M,) or r.dtype != torch.float32:
-        raise ValueError(f"out r: expected float32 of shape {(M,)}, got {r.dtype} of shape {tuple(r.shape)}")
+    _check_out("out z", z, (M, N), x2d)
+    _check_out("out r", r, (M,), x2d, torch.float32)
     if M == 0:
         return z, r
-    tiles = lambda meta: triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"])  # noqa: E731
+    # At least one column tile, so that r is written even when N == 0.
+    tiles = lambda meta: triton.cdiv(M, meta["BM"]) * triton.cdiv(max(N, 1), meta["BN"])  # noqa: E731
     _launch_gemm(_forward_kernel, tiles, x2d.dtype,
                  x2d, weight, bias if bias is not None else z, z, r, M, N, K,
                  x2d.stride(0), weight.stride(0), z.stride(0), HAS_BIAS=bias is not None)
@@ -323,35 +331,55 @@ def backward(grad_z2d, x2d, weight, bias, r, *, out=None):
     _check_inputs(x2d, weight, bias)
     (M, K), N = x2d.shape, weight.shape[0]
     _check("grad_z", grad_z2d, (M, N), x2d)
-    if r.shape != (M,) or r.dtype != torch.float32:
-        raise ValueError(f"r: expected float32 of shape {(M,)}, got {r.dtype} of shape {tuple(r.shape)}")
-    grad_z2d, x2d, weight = grad_z2d.contiguous(), x2d.contiguous(), weight.contiguous()
+    _check("r", r, (M,), x2d, torch.float32)
+    grad_z2d, x2d, weight, r = grad_z2d.contiguous(), x2d.contiguous(), weight.contiguous(), r.contiguous()
     has_bias = bias is not None
     if out is None:
         out = (torch.empty_like(x2d), torch.empty_like(weight), torch.empty_like(bias) if has_bias else None)
     dx, dw, db = out
-    _check("out dx", dx, (M, K), x2d)
-    _check("out dW", dw, (N, K), x2d)
+    _check_out("out dx", dx, (M, K), x2d)
+    _check_out("out dW", dw, (N, K), x2d)
     if has_bias:
-        _check("out db", db, (N,), x2d)
+        _check_out("out db", db, (N,), x2d)
     if M == 0:
         dw.zero_()
         if has_bias:
             db.zero_()
         return dx, dw, db
-    # One row of <gy, b> partials per out-feature tile of the smallest size any config uses.
-    t_rows = triton.cdiv(N, _PARTIAL_TILE)
-    t = torch.zeros((t_rows, M), device=x2d.device, dtype=torch.float32) if has_bias else r
-    dw_tiles = lambda meta: triton.cdiv(N, meta["BM"]) * triton.cdiv(K, meta["BN"])  # noqa: E731
-    _launch_gemm(_weight_grad_kernel, dw_tiles, x2d.dtype,
-                 grad_z2d, x2d, r, bias if has_bias else r, dw, db if has_bias else r, t, M, N, K,
-                 grad_z2d.stride(0), x2d.stride(0), dw.stride(0), t.stride(0), HAS_BIAS=has_bias)
-    dx_tiles = lambda meta: triton.cdiv(M, meta["BM"]) * triton.cdiv(K, meta["BN"])  # noqa: E731
-    _launch_gemm(_input_grad_kernel, dx_tiles, x2d.dtype,
-                 grad_z2d, weight, r, dx, M, N, K, grad_z2d.stride(0), weight.stride(0), dx.stride(0))
-    block = min(triton.next_power_of_2(K), _ROW_BLOCK_MAX)
-    _remove_x_component_kernel[(M,)](
-        dx, x2d, r, t, K, t_rows if has_bias else 0, dx.stride(0), x2d.stride(0), t.stride(0),
-        BLOCK=block, T_BLOCK=triton.next_power_of_2(t_rows), ONE_SWEEP=K <= block,
-        num_warps=8 if block >= 2048 else 4)
+    t = _weight_grad(grad_z2d, x2d, r, bias, dw, db)
+    _input_grad_gemm(grad_z2d, weight, r, dx)
+    _remove_x_component(dx, x2d, r, t)
     return dx, dw, db
+
+
+def _weight_grad(grad_z2d, x2d, r, bias, dw, db):
+    """Launch 1: dW = (r gz)^T x and db; returns the (tiles, B) <gy, b> partials (None without bias)."""
+    (M, K), N = x2d.shape, grad_z2d.shape[1]
+    # One row of partials per out-feature tile of _PARTIAL_TILE, the smallest tile any config uses;
+    # a program with a larger tile fills its first row, the others stay zero.
+    t = torch.zeros((triton.cdiv(N, _PARTIAL_TILE), M), device=x2d.device, dtype=torch.float32) if bias is not None else None
+    tiles = lambda meta: triton.cdiv(N, meta["BM"]) * triton.cdiv(max(K, 1), meta["BN"])  # noqa: E731
+    _launch_gemm(_weight_grad_kernel, tiles, x2d.dtype,
+                 grad_z2d, x2d, r, r if bias is None else bias, dw, r if bias is None else db, r if t is None else t,
+                 M, N, K, grad_z2d.stride(0), x2d.stride(0), dw.stride(0), 0 if t is None else t.stride(0),
+                 HAS_BIAS=bias is not None)
+    return t
+
+
+def _input_grad_gemm(grad_z2d, weight, r, dx):
+    """Launch 2: u = r * (gz W), written into dx."""
+    (M, N), K = grad_z2d.shape, weight.shape[1]
+    tiles = lambda meta: triton.cdiv(M, meta["BM"]) * triton.cdiv(K, meta["BN"])  # noqa: E731
+    _launch_gemm(_input_grad_kernel, tiles, dx.dtype,
+                 grad_z2d, weight, r, dx, M, N, K, grad_z2d.stride(0), weight.stride(0), dx.stride(0))
+
+
+def _remove_x_component(dx, x2d, r, t):
+    """Launch 3, in place: dx = u - r^2 (<u, x> + <gy, b>) x, with <gy, b> summed from the partials t."""
+    M, K = x2d.shape
+    block = min(triton.next_power_of_2(max(K, 1)), _ROW_BLOCK_MAX)
+    t_rows = 0 if t is None else t.shape[0]
+    _remove_x_component_kernel[(M,)](
+        dx, x2d, r, r if t is None else t, K, t_rows, dx.stride(0), x2d.stride(0), 0 if t is None else t.stride(0),
+        BLOCK=block, T_BLOCK=triton.next_power_of_2(max(t_rows, 1)), ONE_SWEEP=K <= block,
+        num_warps=8 if block >= 2048 else 4)

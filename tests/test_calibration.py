@@ -30,6 +30,7 @@ def test_tost_size_at_the_margin_and_power_at_zero():
         rate = calibration.rate("flat", edge)
         # At the boundary of H0 the TOST size is at most alpha: one-sided binomial bound.
         assert binomtest(round(rate * 1000), 1000, ALPHA, alternative="greater").pvalue > 1e-3, (edge, rate)
+        print(f"TOST rejection rate at slope {edge}: {rate:.3f}")
     assert calibration.rate("flat", 0.0) > 0.95  # noise s.d. 0.5 pp, 5 seeds: flat is concluded
     print(f"TOST power at slope 0: {calibration.rate('flat', 0.0):.3f}")
 

@@ -78,6 +78,8 @@ def test_packaged_presets_expand():
 def test_preset_overrides():
     (smoke,) = load_preset("smoke").studies(seeds=[7], batch_sizes=[16], methods=["l2"], run={"length": 1})
     assert {(c.method, c.batch_size, c.seed, c.length) for c in smoke.configs} == {("l2", 16, 7, 1)}
+    (smoke,) = load_preset("smoke").studies(run={"lr_rule": ["sqrt"], "seed": 3})
+    assert {(c.lr_rule, c.seed) for c in smoke.configs} == {("sqrt", 3)}
     paper = load_preset("paper").studies(methods=["affine", "patchnorm"])
     assert [{c.method for c in s.configs} for s in paper] == [{"affine"}, {"affine"}, {"patchnorm"}]
 

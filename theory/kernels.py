@@ -68,3 +68,28 @@ def is_zero_expression(residual) -> bool:
     """True when a sympy (matrix) expression, after .doit() and expansion, is identically zero."""
     residual = sp.expand(residual.doit())
     return residual == 0 or isinstance(residual, sp.ZeroMatrix)
+
+
+def exact_first_order(forward, params: Mapping[str, sp.Matrix], grad_output: sp.Matrix, eta: sp.Expr) -> sp.Matrix:
+    """J Δθ = Σ_k ∂z/∂θ_k Δθ_k, Δθ = −η ∂(Σ g·z)/∂θ, exactly at ``params`` (no simplification).
+
+    The first-order half of theory.exact.exact_effective_update, for layers whose real step has
+    no closed form worth simplifying (softmax, tanh, nested radicals)."""
+    symbols = {
+        name: sp.Matrix(value.rows, value.cols, lambda i, j, n=name: sp.Symbol(f"{n}_{i}_{j}"))
+        for name, value in params.items()
+    }
+    at_params = {symbols[n][k]: params[n][k] for n in params for k in range(len(params[n]))}
+    z = forward(symbols)
+    if z.shape != grad_output.shape:
+        raise ValueError(f"grad_output has shape {grad_output.shape}, the output has {z.shape}")
+    flat = [s for n in symbols for s in symbols[n]]
+    jac = [z.diff(s).subs(at_params) for s in flat]
+    step = [-eta * sum((g * d for g, d in zip(grad_output, j)), sp.Integer(0)) for j in jac]
+    return sum((j * s for j, s in zip(jac, step)), sp.zeros(*z.shape))
+
+
+def is_zero_exactly(matrix: sp.Matrix) -> bool:
+    """Every entry expands to 0 (sympy canonicalises products of rational radicals and keeps
+    undefined functions as atoms, so expansion suffices for the expressions built here)."""
+    return all(sp.expand(entry) == 0 for entry in matrix)

@@ -3,6 +3,7 @@
 With ideal update u*_i = −η g_i and effective update u_i (first order, −η Σ_j Θ_ij g_j):
 
     scale_i            = ⟨u_i, u*_i⟩ / ‖u*_i‖²        the least-squares factor u_i ≈ scale_i u*_i
+    diagonal_scale_i   = the same for −η Θ_ii g_i      the sample's own factor (K_ii for the affine family)
     cosine_i           = ⟨u_i, u*_i⟩ / (‖u_i‖ ‖u*_i‖)
     off_diagonal_share = ‖Σ_{j≠i} Θ_ij g_j‖ / ‖Θ_ii g_i‖
 
@@ -62,6 +63,7 @@ def off_diagonal_share(linear: Tensor, diagonal: Tensor) -> Tensor:
 @dataclass(frozen=True)
 class Alignment:
     scale: Tensor
+    diagonal_scale: Tensor
     cosine: Tensor
     off_diagonal_share: Tensor
 
@@ -69,6 +71,8 @@ class Alignment:
         return {
             "scale_min": float(self.scale.min()),
             "scale_max": float(self.scale.max()),
+            "diagonal_scale_min": float(self.diagonal_scale.min()),
+            "diagonal_scale_max": float(self.diagonal_scale.max()),
             "cosine_mean": float(self.cosine.mean()),
             "cosine_min": float(self.cosine.min()),
             "off_diagonal_share_mean": float(self.off_diagonal_share.mean()),
@@ -81,6 +85,7 @@ def alignment(module: nn.Module, inputs, grad_output: Tensor, lr: float, linear:
     diagonal = diagonal_update(module, inputs, grad_output, lr)
     return Alignment(
         scale=scale_factor(linear, ideal),
+        diagonal_scale=scale_factor(diagonal, ideal),
         cosine=cosine(linear, ideal),
         off_diagonal_share=off_diagonal_share(linear, diagonal),
     )
