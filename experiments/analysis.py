@@ -47,6 +47,7 @@ DEFAULT_BASELINES = ("affine", "batchnorm")
 SINGLE_GROUP = "all"
 
 SUPPORTED, CONTRADICTED, INCONCLUSIVE, NO_PREDICTION = "supported", "contradicted", "inconclusive", "no prediction"
+MIXED = "mixed"  # across groups: supported in some, contradicted in others
 FALLS, RISES, FLAT, UNCLEAR = "falls", "rises", "flat", "unclear"
 
 
@@ -157,17 +158,18 @@ def decision_rule(*, alpha: float, margin: float, margin_source: str, higher_is_
         f"Performance is {performance}; x = log2(batch size); slopes are per doubling of the batch size.",
         f"Corrected layers: {', '.join(corrected)}. Baselines: {', '.join(baselines)}. "
         "Every other method is reported without a verdict ('no prediction').",
-        "Per group (learning-rate rule) and method, on the seed-clustered OLS slope b (CR1, t with G-1 df):",
-        "- test 'falls': H1 performance slope < 0 (one-sided);",
-        "- test 'rises': H1 performance slope > 0 (one-sided);",
-        f"- test 'flat': TOST, H1 |b| < margin = {margin:.4g} ({margin_source});",
-        "- corrected layers only, test 'differential vs B' for each baseline B in the group: per seed, the slope "
-        "of performance(corrected) - performance(B) at matched seed and batch size; H1 mean < 0 (one-sided t across seeds).",
+        "Per group (learning-rate rule) and method, three tests on the seed-clustered OLS slope b of performance "
+        "(CR1 standard error, t with G-1 df, G = seeds): 'falls', H1 b < 0; 'rises', H1 b > 0; "
+        f"'flat', TOST of H1 |b| < margin = {margin:.4g} ({margin_source}).",
+        "Corrected layers also get, for each baseline B in the group, the test 'differential vs B': per seed, the "
+        "slope of performance(corrected) - performance(B) at matched seed and batch size; H1 mean < 0 "
+        "(one-sided t across seeds).",
         f"All p-values of corrected and baseline methods, in all groups, are Holm-adjusted as one family; "
         f"a test is significant when its adjusted p < alpha = {alpha:g}.",
         "Trend: 'flat' if 'flat' is significant; else 'falls' or 'rises' if that test is significant; else 'unclear'.",
         "Verdict, corrected layer: supported if the trend is 'falls' and every differential test is significant "
-        "(at least one baseline must be present); contradicted if the trend is 'flat' or 'rises'; inconclusive otherwise.",
+        "(at least one baseline must be present); contradicted if the trend is 'flat' or 'rises'; "
+        "inconclusive otherwise.",
         "Verdict, baseline: supported if the trend is 'flat' or 'rises'; contradicted if it is 'falls'; "
         "inconclusive if 'unclear'.",
         "Across groups: supported if supported in every group; contradicted if contradicted in some group and "
@@ -205,7 +207,7 @@ def _directional(estimate: stats.Estimate, sign: float, margin: float) -> dict[s
     return {FALLS: falls, RISES: rises, FLAT: estimate.p_equivalent(margin)}
 
 
-def _fit_method(rows, *, metric, sign, margin, alpha, n_boot, seed, group, method) -> dict:
+def _fit_method(rows, *, metric, sign, margin, alpha, n_boot, seed, group, method, sensitivity) -> dict:
     x = np.log2([row["batch_size"] for row in rows])
     y = np.array([row[metric] for row in rows])
     seeds = np.array([row["seed"] for row in rows])
@@ -225,8 +227,16 @@ def _fit_method(rows, *, metric, sign, margin, alpha, n_boot, seed, group, metho
     result["ci_low"], result["ci_high"] = clustered.ci(1 - alpha)
     result["tost_ci_low"], result["tost_ci_high"] = clustered.ci(1 - 2 * alpha)
     result["tests"] = {name: {"p": p} for name, p in _directional(clustered, sign, margin).items()}
+    if sensitivity:
+        result.update(_sensitivity(rows, x, y, seeds, batch_sizes, metric=metric, sign=sign, margin=margin,
+                                   alpha=alpha, rng=_rng(seed, group, method), n_boot=n_boot))
+    return result
 
-    boot = stats.cluster_bootstrap(x, y, seeds, n_boot=n_boot, rng=_rng(seed, group, method))
+
+def _sensitivity(rows, x, y, seeds, batch_sizes, *, metric, sign, margin, alpha, rng, n_boot) -> dict:
+    """Cluster-bootstrap CI, random-intercept model and Page's L of one method."""
+    result = {}
+    boot = stats.cluster_bootstrap(x, y, seeds, n_boot=n_boot, rng=rng)
     result["boot_ci_low"], result["boot_ci_high"] = stats.percentile_ci(boot, 1 - alpha)
     result["n_boot"] = int(boot.size)
 
@@ -301,9 +311,9 @@ def _verdict(role: str, result: Mapping, alpha: float) -> tuple[str, str]:
         return verdict, f"trend {trend}"
     if trend in (FLAT, RISES):
         return CONTRADICTED, f"trend {trend}"
-    differentials = result.get("differential", {})
-    if trend != FALLS:
+    if trend == UNCLEAR:
         return INCONCLUSIVE, f"trend {trend}"
+    differentials = result.get("differential", {})
     if not differentials:
         return INCONCLUSIVE, "falls, but no baseline in this group to compare with"
     weak = [b for b, d in differentials.items() if not _significant(d.get("test"), alpha)]
@@ -318,7 +328,7 @@ def _overall(verdicts: Sequence[str]) -> str:
     if verdicts and all(v == SUPPORTED for v in verdicts):
         return SUPPORTED
     if CONTRADICTED in verdicts:
-        return "mixed" if SUPPORTED in verdicts else CONTRADICTED
+        return MIXED if SUPPORTED in verdicts else CONTRADICTED
     return INCONCLUSIVE
 
 
@@ -388,13 +398,16 @@ def _role(method: str, corrected: Sequence[str], baselines: Sequence[str]) -> st
 def analyse(records: Sequence[Mapping], *, metric: str = "metric", higher_is_better: bool = True,
             corrected: Sequence[str] = DEFAULT_CORRECTED, baselines: Sequence[str] = DEFAULT_BASELINES,
             group_by: str | None = "lr_rule", alpha: float = 0.05, margin: float | None = None,
-            n_boot: int = 2000, seed: int = 0, primary_group: str | None = None) -> Analysis:
+            n_boot: int = 2000, seed: int = 0, primary_group: str | None = None,
+            sensitivity: bool = True) -> Analysis:
     """Test the batch-size prediction on ``records`` (see the module docstring for the tests).
 
     group_by: the column whose values split the records into independent analyses (the LR rule);
     None, or a column that no record has, analyses everything as one group named "all".
     margin: equivalence margin per doubling of B in metric units (None: :func:`default_margin`).
     primary_group: the group reported at the top level (default: the first in sorted order).
+    sensitivity: False skips the bootstrap, mixed model and Page's L (they do not enter the verdicts;
+    the calibration of the whole rule runs without them).
     """
     if not 0 < alpha < 0.5:
         raise ValueError(f"alpha must lie in (0, 0.5), got {alpha!r}")
@@ -439,7 +452,7 @@ def analyse(records: Sequence[Mapping], *, metric: str = "metric", higher_is_bet
         methods = {}
         for method in sorted(grouped[group], key=lambda m: (order[roles[m]], m)):
             result = {"role": roles[method], **_fit_method(grouped[group][method], margin=margin, group=group,
-                                                           method=method, **fit)}
+                                                           method=method, sensitivity=sensitivity, **fit)}
             if roles[method] == "corrected":
                 result["differential"] = {
                     base: _fit_differential(grouped[group][method], grouped[group][base],
@@ -463,6 +476,7 @@ def analyse(records: Sequence[Mapping], *, metric: str = "metric", higher_is_bet
     settings = {"metric": metric, "higher_is_better": higher_is_better, "alpha": alpha, "margin": margin,
                 "margin_source": margin_source, "corrected": list(corrected), "baselines": list(baselines),
                 "group_by": group_by if has_group else None, "n_boot": n_boot, "seed": seed,
+                "sensitivity": sensitivity,
                 "n_records": len(rows)}
     rule = decision_rule(alpha=alpha, margin=margin, margin_source=margin_source,
                          higher_is_better=higher_is_better, corrected=corrected, baselines=baselines)

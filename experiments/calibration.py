@@ -22,12 +22,13 @@ standard error is sqrt(r (1 − r) / n_sims).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable, Sequence
 
 import numpy as np
 
 from affdiv.experiments import stats
+from affdiv.experiments.analysis import Analysis, analyse
 
 TESTS = ("falls", "differential", "page", "bootstrap", "flat", "mixed")
 
@@ -102,6 +103,7 @@ class Calibration:
     margin: float
     layout: Layout
     seed: int
+    verdicts: dict[str, tuple[float, ...]] | None = None  # verdict_rates at the same slopes, if computed
 
     def rate(self, test: str, slope: float) -> float:
         """The rejection rate of ``test`` at a planted slope (which must be one of ``planted``)."""
@@ -116,7 +118,8 @@ class Calibration:
     def to_dict(self) -> dict:
         return {"planted": list(self.planted), "rates": {k: list(v) for k, v in self.rates.items()},
                 "n_sims": self.n_sims, "alpha": self.alpha, "margin": self.margin,
-                "layout": asdict(self.layout), "seed": self.seed}
+                "layout": asdict(self.layout), "seed": self.seed,
+                "verdicts": None if self.verdicts is None else {k: list(v) for k, v in self.verdicts.items()}}
 
 
 def calibrate(planted: Sequence[float], *, layout: Layout = Layout(), n_sims: int = 1000, alpha: float = 0.05,
@@ -151,3 +154,63 @@ def calibrate(planted: Sequence[float], *, layout: Layout = Layout(), n_sims: in
         if progress is not None:
             progress(i + 1, len(planted))
     return Calibration(planted, {k: tuple(v) for k, v in counts.items()}, n_sims, alpha, margin, layout, seed)
+
+
+def verdict_rates(planted: Sequence[float], *, layout: Layout = Layout(), n_sims: int = 200, alpha: float = 0.05,
+                  margin: float = 0.005, groups: Sequence[str] = ("constant", "sqrt"), seed: int = 0,
+                  progress: Callable[[int, int], None] | None = None) -> dict[str, tuple[float, ...]]:
+    """How often the whole decision rule of :func:`analyse` gives each overall verdict.
+
+    Each simulated study has, in every group, ``affine_like`` with the planted slope and the
+    baselines ``affine`` and ``batchnorm`` with slope 0 — the full Holm family of a real study.
+    Returns {verdict: rate at each planted slope} for ``affine_like``; at slope 0 the rate of
+    "supported" is the false-positive rate of the prediction's claim.
+    """
+    rates: dict[str, list[float]] = {v: [] for v in ("supported", "contradicted", "mixed", "inconclusive")}
+    for i, slope in enumerate(float(s) for s in planted):
+        rng = np.random.default_rng([seed, int(np.float64(slope).view(np.uint64)), 2])
+        counts = dict.fromkeys(rates, 0)
+        for _ in range(n_sims):
+            records = [r for group in groups for r in simulate_records(
+                layout, {"affine_like": slope, "affine": 0.0, "batchnorm": 0.0}, rng, lr_rule=group)]
+            result = analyse(records, alpha=alpha, margin=margin, sensitivity=False)
+            counts[result.overall["affine_like"]] += 1
+        for verdict, count in counts.items():
+            rates[verdict].append(count / n_sims)
+        if progress is not None:
+            progress(i + 1, len(planted))
+    return {verdict: tuple(r) for verdict, r in rates.items()}
+
+
+def layout_of(analysis: Analysis) -> Layout:
+    """The layout of a real sweep on the performance scale: its primary group's batch sizes and
+    seed count; seed_sd and noise_sd the medians, over the methods with a mixed-model fit, of the
+    REML seed and residual standard deviations; base the mean performance."""
+    fitted = [r for r in analysis.methods.values() if r["status"] == "ok" and "seed_variance" in r.get("mixed", {})]
+    if not fitted:
+        raise ValueError("no method of the primary group has a mixed-model fit to take the noise from")
+    sign = 1.0 if analysis.settings["higher_is_better"] else -1.0
+    return Layout(
+        batch_sizes=tuple(sorted({b for r in fitted for b in r["batch_sizes"]})),
+        n_seeds=int(min(r["n_seeds"] for r in fitted)),
+        seed_sd=float(np.median([np.sqrt(max(r["mixed"]["seed_variance"], 0.0)) for r in fitted])),
+        noise_sd=float(np.median([np.sqrt(r["mixed"]["residual_variance"]) for r in fitted])),
+        base=sign * float(np.mean([c["mean"] for r in fitted for c in r["cells"]])),
+    )
+
+
+def calibrate_for(analysis: Analysis, *, n_sims: int = 1000, verdict_sims: int = 0, seed: int = 0,
+                  progress: Callable[[int, int], None] | None = None) -> Calibration:
+    """Calibrate the tests in the layout of a real sweep (:func:`layout_of`) with its alpha and
+    margin, at planted performance slopes from -2 to +1 equivalence margins per doubling; with
+    ``verdict_sims`` > 0 also the whole decision rule (:func:`verdict_rates`, same number of groups)."""
+    margin, alpha = analysis.settings["margin"], analysis.settings["alpha"]
+    planted = [k * margin for k in (-2.0, -1.5, -1.0, -0.5, 0.0, 0.5, 1.0)]
+    layout = layout_of(analysis)
+    result = calibrate(planted, layout=layout, n_sims=n_sims, alpha=alpha, margin=margin, seed=seed,
+                       progress=progress)
+    if verdict_sims > 0:
+        verdicts = verdict_rates(planted, layout=layout, n_sims=verdict_sims, alpha=alpha, margin=margin,
+                                 groups=tuple(analysis.groups), seed=seed, progress=progress)
+        result = replace(result, verdicts=verdicts)
+    return result

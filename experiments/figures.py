@@ -4,8 +4,8 @@
   method, one panel per group.
 * :func:`slope_forest` — clustered-OLS slope per method and group with its CI (and the bootstrap
   CI), the equivalence band ±margin shaded.
-* :func:`training_curves` — mean metric per epoch over seeds, one panel per method, one line per
-  batch size.
+* :func:`training_curves` — mean over seeds per epoch: one row per curve metric (train loss,
+  validation metric), one panel per method, one line per batch size.
 * :func:`calibration_curves` — rejection rate against planted slope per test, with α and ±margin.
 """
 
@@ -71,8 +71,9 @@ def slope_forest(analysis: Analysis, path) -> Path:
         ax.errorbar(r["slope"], y, xerr=[[r["slope"] - r["ci_low"]], [r["ci_high"] - r["slope"]]],
                     fmt="o", color="C0" if r["role"] != "other" else "0.5", capsize=3,
                     label="clustered OLS, t CI" if i == 0 else None)
-        ax.plot([r["boot_ci_low"], r["boot_ci_high"]], [y - 0.22] * 2, color="C1", lw=2,
-                label="cluster bootstrap CI" if i == 0 else None)
+        if "boot_ci_low" in r:
+            ax.plot([r["boot_ci_low"], r["boot_ci_high"]], [y - 0.22] * 2, color="C1", lw=2,
+                    label="cluster bootstrap CI" if i == 0 else None)
     ax.set_yticks(range(len(rows), 0, -1), [f"{m} [{g}] — {r['verdict']}" for g, m, r in rows], fontsize=8)
     ax.set_xlabel(f"slope of {analysis.settings['metric']} per doubling of the batch size")
     ax.legend(fontsize=7, loc="best")

@@ -6,7 +6,7 @@
 * ``summary.json`` — schema version 1::
 
     {"schema_version": 1,
-     "decision_rule": str,                 # the rule, stated before any number (Markdown lines)
+     "decision_rule": str,                 # the rule, stated before any number (one clause a line)
      "provenance": {...},                  # affdiv.provenance.provenance(...) of the run
      "settings": {"metric", "higher_is_better", "alpha", "margin", "margin_source", "corrected",
                   "baselines", "group_by", "n_boot", "seed", "n_records"},
@@ -20,7 +20,7 @@
 
   where <method> is
     {"role": "corrected"|"baseline"|"other", "status": "ok"|"insufficient data: ...",
-     "n_runs", "n_seeds", "batch_sizes": [int],
+     "n_runs", "n_seeds", "batch_sizes": [int], "n_diverged" (only when records carry "diverged"),
      "cells": [{"batch_size", "n", "mean", "sd", "ci_low", "ci_high"}],    # per batch size, over seeds
      "slope", "se", "df", "ci_low", "ci_high",    # clustered OLS (CR1), metric units per doubling, 1-alpha CI
      "p_value",                                   # two-sided p of slope = 0 (unadjusted)
@@ -83,7 +83,11 @@ def _tables(summary: Mapping) -> list:
     rows = [[m, next(g["methods"][m]["role"] for g in groups.values() if m in g["methods"]),
              *[groups[g]["methods"].get(m, {}).get("verdict", "—") for g in groups], verdict]
             for m, verdict in summary["overall"].items()]
-    blocks += [("h", 2, "Verdicts"), ("table", header, rows)]
+    sizes = summary["family_sizes"]
+    blocks += [("h", 2, "Verdicts"), ("table", header, rows),
+               ("p", f"Holm families: {sizes['prediction']} tests on corrected and baseline methods (verdicts), "
+                     f"{sizes['exploratory']} on other methods (trend only). Equivalence margin "
+                     f"{summary['settings']['margin']:.4g} per doubling ({summary['settings']['margin_source']}).")]
     for group, content in groups.items():
         title = f"Group {group}" if summary["settings"]["group_by"] is None else \
             f"Group {summary['settings']['group_by']} = {group}"
@@ -113,7 +117,9 @@ def _tables(summary: Mapping) -> list:
                         _p(r.get("page", {}).get("p_rises"))]
                        for m, r in content["methods"].items() if r["status"] == "ok"]
         if sensitivity:
-            blocks += [("p", "Sensitivity analyses (unadjusted; not part of the decision rule):"),
+            blocks += [("p", "Sensitivity analyses (unadjusted; not part of the decision rule). The mixed model's "
+                             "Wald z and the percentile cluster bootstrap ignore that only G seeds inform the "
+                             "slope's variance: with few seeds both are liberal (see the calibration)."),
                        ("table", ["method", "mixed-model slope", "s.e.", "p falls", "converged", "Page's L",
                                   "Page p falls", "Page p rises"], sensitivity)]
     return blocks
@@ -123,7 +129,7 @@ def _calibration_blocks(calibration: Calibration) -> list:
     layout = calibration.layout
     rows = [[_number(s), *[f"{calibration.rates[t][i]:.3f}" for t in calibration.rates]]
             for i, s in enumerate(calibration.planted)]
-    return [
+    blocks = [
         ("h", 2, "Calibration on simulated sweeps"),
         ("p", f"{calibration.n_sims} simulated sweeps per planted slope, {layout.n_seeds} seeds × batch sizes "
               f"{', '.join(map(str, layout.batch_sizes))}, seed s.d. {layout.seed_sd:g}, noise s.d. "
@@ -132,6 +138,14 @@ def _calibration_blocks(calibration: Calibration) -> list:
               f"Monte-Carlo s.e. of a rate r is √(r(1−r)/{calibration.n_sims})."),
         ("table", ["planted slope", *calibration.rates], rows),
     ]
+    if calibration.verdicts is not None:
+        rows = [[_number(s), *[f"{calibration.verdicts[v][i]:.3f}" for v in calibration.verdicts]]
+                for i, s in enumerate(calibration.planted)]
+        blocks += [("p", "The whole decision rule on simulated studies (affine_like at the planted slope, affine "
+                         "and batchnorm flat, every group, Holm over the full family): how often each overall "
+                         "verdict for affine_like comes out. At slope 0, 'supported' is a false positive."),
+                   ("table", ["planted slope", *calibration.verdicts], rows)]
+    return blocks
 
 
 def _provenance_block(provenance: Mapping) -> list:
@@ -143,11 +157,12 @@ def _document(summary: Mapping, files: Mapping[str, str], calibration: Calibrati
     blocks = [
         ("h", 1, "Falsification report: does performance fall with batch size?"),
         ("p", "Prediction under test (THEORY.md §3, arXiv 2512.22247): the performance of the divergence-correcting "
-              "layers falls as the batch size grows; plain affine layers and BatchNorm do not show this. "
+              f"layers ({', '.join(s['corrected'])}) falls as the batch size grows; the baselines "
+              f"({', '.join(s['baselines'])}) do not show this. "
               f"Metric: `{s['metric']}` ({'higher' if s['higher_is_better'] else 'lower'} is better), "
               f"{s['n_records']} runs."),
         ("h", 2, "Decision rule (fixed before the numbers)"),
-        ("list", [line.removeprefix("- ") for line in summary["decision_rule"].splitlines()]),
+        ("list", summary["decision_rule"].splitlines()),
         *_tables(summary),
         ("h", 2, "Figures"),
         ("image", files["metric_vs_batch"], "Metric against batch size, mean over seeds with its confidence band."),
@@ -161,6 +176,10 @@ def _document(summary: Mapping, files: Mapping[str, str], calibration: Calibrati
     return blocks + _provenance_block(summary["provenance"])
 
 
+def _md_row(cells: Sequence[str]) -> str:
+    return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+
 def _markdown(blocks: Sequence) -> str:
     out = []
     for kind, *args in blocks:
@@ -172,8 +191,7 @@ def _markdown(blocks: Sequence) -> str:
             out.append("\n".join(f"- {item}" for item in args[0]))
         elif kind == "table":
             header, rows = args
-            cells = lambda row: "| " + " | ".join(c.replace("|", "\\|") for c in row) + " |"  # noqa: E731
-            out.append("\n".join([cells(header), "|" + "---|" * len(header), *map(cells, rows)]))
+            out.append("\n".join([_md_row(header), "|" + "---|" * len(header), *map(_md_row, rows)]))
         elif kind == "image":
             out.append(f"![{args[1]}]({args[0]})\n\n*{args[1]}*")
         elif kind == "code":
@@ -234,7 +252,8 @@ def latex_table(summary: Mapping) -> str:
     for group, content in summary["groups"].items():
         for method, r in content["methods"].items():
             lines.append(" & ".join(_tex(c) for c in (
-                group, method, r["role"], r["trend"], _number(r.get("slope")), _interval(r.get("ci_low"), r.get("ci_high")),
+                group, method, r["role"], r["trend"], _number(r.get("slope")),
+                _interval(r.get("ci_low"), r.get("ci_high")),
                 _p(r["tests"].get("falls", {}).get("p_holm")), _p(r["tests"].get("flat", {}).get("p_holm")),
                 r["verdict"])) + r" \\")
     lines += [r"\bottomrule", r"\end{tabular}"]
@@ -251,7 +270,8 @@ def write_report(out_dir, analysis: Analysis, *, records: Sequence[Mapping], cur
              "slope_forest": figures.slope_forest(analysis, out_dir / "slope_forest.png")}
     if curves:
         paths["training_curves"] = figures.training_curves(
-            curves, out_dir / "training_curves.png", group_by=analysis.settings["group_by"], group=analysis.primary_group)
+            curves, out_dir / "training_curves.png", group_by=analysis.settings["group_by"],
+            group=analysis.primary_group)
     if calibration is not None:
         paths["calibration"] = figures.calibration_curves(calibration, out_dir / "calibration.png")
     files = {name: path.name for name, path in paths.items()}

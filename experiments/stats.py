@@ -89,21 +89,20 @@ def clustered_slope(x, y, clusters) -> Estimate:
     """OLS slope of y on x with the CR1 cluster-robust standard error and G-1 df.
 
     V = c (X'X)^-1 [sum_g X_g' u_g u_g' X_g] (X'X)^-1, c = G/(G-1) · (N-1)/(N-2), X = [1, x].
+    With x centred X'X is diagonal, so the slope entry is V_bb = c · sum_g (sum_{i in g} xc_i u_i)^2 / Sxx^2.
+    The centred form also makes a constant y give exactly b = 0 and se = 0 (no rounding-level "trend").
     """
     x, y, clusters = _check_xy(x, y, clusters)
     labels, index = np.unique(clusters, return_inverse=True)
     n, n_clusters = x.size, labels.size
     if n_clusters < 2:
         raise ValueError(f"a clustered standard error needs >= 2 clusters (seeds), got {n_clusters}")
-    design = np.column_stack([np.ones_like(x), x])
-    beta, *_ = np.linalg.lstsq(design, y, rcond=None)
-    scores = design * (y - design @ beta)[:, None]
-    per_cluster = np.zeros((n_clusters, 2))
-    np.add.at(per_cluster, index, scores)
-    bread = np.linalg.inv(design.T @ design)
+    xc, yc = x - x.mean(), y - y.mean()
+    sxx = xc @ xc
+    slope = (xc @ yc) / sxx
+    scores = np.bincount(index, weights=xc * (yc - slope * xc), minlength=n_clusters)
     factor = n_clusters / (n_clusters - 1) * (n - 1) / (n - 2)
-    cov = factor * bread @ (per_cluster.T @ per_cluster) @ bread
-    return Estimate(float(beta[1]), float(math.sqrt(max(cov[1, 1], 0.0))), float(n_clusters - 1))
+    return Estimate(float(slope), float(math.sqrt(factor * (scores @ scores)) / sxx), float(n_clusters - 1))
 
 
 @dataclass(frozen=True)
@@ -180,7 +179,7 @@ def cluster_bootstrap(x, y, clusters, *, n_boot: int, rng: np.random.Generator) 
     constant (possible only when some seeds ran a single batch size) give NaN and are dropped.
     """
     x, y, clusters = _check_xy(x, y, clusters)
-    sums = _cluster_sums(x, y, clusters)
+    sums = _cluster_sums(x - x.mean(), y - y.mean(), clusters)  # centred: a constant y gives exactly 0
     n_clusters = sums.shape[0]
     weights = rng.multinomial(n_clusters, np.full(n_clusters, 1.0 / n_clusters), size=n_boot)
     n, sx, sy, sxx, sxy = (weights @ sums).T

@@ -224,9 +224,9 @@ def _box(sq: Tensor, kernel, stride, padding, dilation) -> Tensor:
 def _box_transpose(ds: Tensor, x: Tensor, kernel, stride, padding, dilation, groups) -> Tensor:
     """The adjoint of ``_box``: spreads each position's ds back over its receptive field."""
     ones = _ones_kernel(groups, kernel, ds)
-    out = torch.convolution(ds, ones, None, stride, padding, dilation, True, _zeros(x), groups)
-    missing = [n - m for n, m in zip(x.shape[2:], out.shape[2:])]  # rows/cols no window reaches
-    if any(missing):
-        pads = [p for m in reversed(missing) for p in (0, m)]
-        out = torch.nn.functional.pad(out, pads)
-    return out
+    # output_padding: the input rows/cols past the last full stride (< stride, as torch requires)
+    extra = [
+        n - ((o - 1) * s - 2 * p + dl * (k - 1) + 1)
+        for n, o, s, p, dl, k in zip(x.shape[2:], ds.shape[2:], stride, padding, dilation, kernel)
+    ]
+    return torch.convolution(ds, ones, None, stride, padding, dilation, True, extra, groups)

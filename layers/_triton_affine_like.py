@@ -161,7 +161,7 @@ if triton is not None:
         outs = pid_n * BM + tl.arange(0, BM)
         ins = pid_k * BN + tl.arange(0, BN)
         t_row = t_ptr + pid_n * (BM // 64) * stride_tn  # rows of 64 (_PARTIAL_TILE) out-features
-        if HAS_BIAS & (pid_k == 0):
+        if (pid_k == 0) & HAS_BIAS:
             bias = tl.load(b_ptr + outs, mask=outs < N, other=0.0).to(tl.float32)
             acc, db = _weight_grad_loop(g_ptr, x_ptr, r_ptr, bias, t_row, outs, ins, M, N, K,
                                         stride_gm, stride_xm, True, PRECISION, BM, BN, BK)

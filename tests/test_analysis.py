@@ -168,7 +168,8 @@ def test_csv_round_trip_is_exact(tmp_path):
 @pytest.mark.parametrize("text, message", [
     ("method,batch_size,metric\naffine,16,0.9\n", r"missing column\(s\) \['seed'\]"),
     ("method,batch_size,seed,metric\n", "no data rows"),
-    ("method,batch_size,seed,metric\naffine,sixteen,0,0.9\n", "line 2: column 'batch_size' must be an integer, got 'sixteen'"),
+    ("method,batch_size,seed,metric\naffine,sixteen,0,0.9\n",
+     "line 2: column 'batch_size' must be an integer, got 'sixteen'"),
     ("method,batch_size,seed,metric\naffine,16,0,0.9\naffine,0,1,0.9\n", "line 3: batch_size must be > 0"),
     ("method,batch_size,seed,metric\naffine,16,1.5,0.9\n", "column 'seed' must be an integer, got '1.5'"),
     ("method,batch_size,seed,metric\naffine,16,0,inf\n", "column 'metric' must be a finite number, got 'inf'"),
@@ -186,3 +187,11 @@ def test_csv_with_another_metric_column(tmp_path):
     path.write_text("method,batch_size,seed,test_loss,lr_rule\naffine,16,0,0.31,sqrt\naffine,32,0,0.30,sqrt\n")
     assert read_csv(path, metric="test_loss")[1] == {"method": "affine", "batch_size": 32, "seed": 0,
                                                      "test_loss": 0.30, "lr_rule": "sqrt"}
+
+
+def test_sensitivity_analyses_do_not_change_the_verdicts():
+    rows = records_with({"affine_like": STRONG, "affine": 0.0, "layernorm": 0.0}, rules=("linear",))
+    full, lean = analyse(rows), analyse(rows, sensitivity=False)
+    assert {m: r["verdict"] for m, r in full.methods.items()} == {m: r["verdict"] for m, r in lean.methods.items()}
+    assert "mixed" in full.methods["affine"] and "mixed" not in lean.methods["affine"]
+    assert full.methods["affine"]["tests"] == lean.methods["affine"]["tests"]

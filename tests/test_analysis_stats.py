@@ -111,6 +111,23 @@ def test_holm_hand_computed():
         stats.holm([0.2, 1.5])
 
 
+@given(st.lists(st.floats(0.0, 1.0), min_size=1, max_size=12))
+def test_holm_matches_its_definition_written_out(p_values):
+    # Holm (1979): reject H_(i) iff p_(j) <= alpha / (m - j + 1) for all j <= i; the adjusted p-value
+    # is the smallest alpha at which H_(i) is rejected: max over j <= i of min(1, (m - j + 1) p_(j)).
+    m = len(p_values)
+    order = sorted(range(m), key=lambda i: p_values[i])
+    expected = [0.0] * m
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * p_values[i]))
+        expected[i] = running
+    adjusted = stats.holm(p_values)
+    # Ties may be ordered differently, but tied p-values get equal adjusted values either way.
+    np.testing.assert_allclose(adjusted, expected, rtol=1e-15)
+    assert np.all(adjusted >= np.asarray(p_values)) and np.all(adjusted <= 1.0)
+
+
 def test_estimate_tests_and_tost():
     est = stats.Estimate(-0.002, 0.001, 4.0)
     from scipy import stats as st_

@@ -5,7 +5,9 @@ import pytest
 from scipy.stats import binomtest
 
 from affdiv.experiments.analysis import analyse
-from affdiv.experiments.calibration import Layout, calibrate, simulate_records, simulate_table
+from affdiv.experiments.calibration import (
+    Layout, calibrate, calibrate_for, layout_of, simulate_records, simulate_table, verdict_rates,
+)
 
 ALPHA = 0.05
 N_SIMS = 2000  # Monte-Carlo s.e. of a rate near 0.05: sqrt(0.05 · 0.95 / 2000) = 0.0049
@@ -66,3 +68,28 @@ def test_simulated_sweep_layout_and_bad_layouts():
         Layout(n_seeds=1)
     with pytest.raises(ValueError, match="unknown test"):
         calibrate([0.0], n_sims=1, tests=("anova",))
+
+
+def test_calibration_in_the_layout_of_a_real_sweep():
+    layout = Layout(batch_sizes=(8, 32, 128), n_seeds=4, seed_sd=0.02, noise_sd=0.01, base=0.7)
+    records = simulate_records(layout, {"affine": 0.0, "l2": -0.01}, np.random.default_rng(3))
+    analysis = analyse(records)
+    found = layout_of(analysis)
+    assert found.batch_sizes == (8, 32, 128) and found.n_seeds == 4
+    # REML estimates from 2 methods × 12 runs: within a factor 2 of the planted s.d.s.
+    assert 0.5 < found.noise_sd / 0.01 < 2 and found.base == pytest.approx(0.7, abs=0.05)
+    calibration = calibrate_for(analysis, n_sims=20, verdict_sims=3)
+    assert calibration.planted == tuple(k * 0.005 for k in (-2.0, -1.5, -1.0, -0.5, 0.0, 0.5, 1.0))
+    assert calibration.layout == found and calibration.alpha == 0.05
+    totals = np.sum([rates for rates in calibration.verdicts.values()], axis=0)
+    np.testing.assert_allclose(totals, 1.0, rtol=1e-12)  # every simulated study gets exactly one verdict
+
+
+def test_the_whole_decision_rule_rarely_supports_a_prediction_that_is_false():
+    # Slope 0 in every group: "supported" needs a significant fall and significant differentials
+    # after Holm over the whole family, so its rate must not exceed alpha (one-sided binomial bound).
+    null = verdict_rates([0.0], n_sims=60)
+    assert binomtest(round(null["supported"][0] * 60), 60, ALPHA, alternative="greater").pvalue > 1e-3
+    assert null["contradicted"][0] > 0.5  # the truth (flat) is mostly recognised as such
+    strong = verdict_rates([-0.02], n_sims=20)
+    assert strong["supported"][0] == 1.0

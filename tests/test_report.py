@@ -2,13 +2,14 @@
 
 import json
 import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from affdiv.experiments import figures
 from affdiv.experiments.analysis import analyse, read_csv
-from affdiv.experiments.calibration import Layout, calibrate, simulate_records
+from affdiv.experiments.calibration import Layout, calibrate, simulate_records, verdict_rates
 from affdiv.experiments.report import latex_table, write_report
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -24,19 +25,27 @@ def study():
     curves = [{**{k: r[k] for k in ("method", "batch_size", "seed", "lr_rule")}, "epoch": e,
                "train_loss": np.exp(-e / r["batch_size"]), "val_metric": r["metric"] * (1 - np.exp(-e))}
               for r in records for e in (1, 2, 3)]
-    calibration = calibrate([-0.005, 0.0], n_sims=30, n_boot=200)
+    calibration = replace(calibrate([-0.005, 0.0], n_sims=30, n_boot=200),
+                          verdicts=verdict_rates([-0.005, 0.0], n_sims=4))
     return records, curves, analyse(records, n_boot=500), calibration
 
 
-def test_every_file_is_written_and_the_summary_follows_its_schema(tmp_path, study):
+@pytest.fixture(scope="module")
+def written(study, tmp_path_factory):
     records, curves, analysis, calibration = study
-    paths = write_report(tmp_path, analysis, records=records, curves=curves, provenance=PROVENANCE,
-                         calibration=calibration)
+    out = tmp_path_factory.mktemp("report")
+    return out, write_report(out, analysis, records=records, curves=curves, provenance=PROVENANCE,
+                             calibration=calibration)
+
+
+def test_every_file_is_written_and_the_summary_follows_its_schema(study, written):
+    records = study[0]
+    out, paths = written
     assert set(paths) == {"records", "metric_vs_batch", "slope_forest", "training_curves", "calibration",
                           "summary_json", "summary_tex", "report_md", "report_html"}
     for name in ("metric_vs_batch", "slope_forest", "training_curves", "calibration"):
         assert paths[name].read_bytes().startswith(PNG), name
-    assert not list(tmp_path.glob(".*.tmp"))  # no temporary left behind
+    assert not list(out.glob(".*.tmp"))  # no temporary left behind
 
     summary = json.loads(paths["summary_json"].read_text())
     assert {"schema_version", "decision_rule", "provenance", "settings", "groups", "methods", "overall",
@@ -49,30 +58,28 @@ def test_every_file_is_written_and_the_summary_follows_its_schema(tmp_path, stud
     assert set(summary["methods"]["affine_like"]["differential"]) == {"affine", "batchnorm"}
     assert summary["methods"]["rmsnorm"]["verdict"] == "no prediction"
     assert summary["calibration"]["n_sims"] == 30
+    assert set(summary["calibration"]["verdicts"]) == {"supported", "contradicted", "mixed", "inconclusive"}
     assert read_csv(paths["records"]) == records  # the analysed data travel with the report
 
 
-def test_markdown_states_the_rule_before_the_numbers(tmp_path, study):
-    records, curves, analysis, calibration = study
-    text = write_report(tmp_path, analysis, records=records, curves=curves, provenance=PROVENANCE,
-                        calibration=calibration)["report_md"].read_text()
+def test_markdown_states_the_rule_before_the_numbers(written):
+    text = written[1]["report_md"].read_text()
     rule, verdicts = text.index("## Decision rule"), text.index("## Verdicts")
     first_table = text.index("\n| ")
     # The rule names only settings (alpha, margin); every estimate sits in a table after it.
     assert rule < verdicts < first_table
     for heading in ("## Group lr_rule = linear", "## Group lr_rule = sqrt", "## Calibration", "## Provenance"):
         assert heading in text
+    assert "The whole decision rule on simulated studies" in text
     assert "| affine_like | corrected | supported | supported | supported |" in text
 
 
-def test_html_is_self_contained(tmp_path, study):
-    records, curves, analysis, calibration = study
-    html = write_report(tmp_path, analysis, records=records, curves=curves, provenance=PROVENANCE,
-                        calibration=calibration)["report_html"].read_text()
+def test_html_is_self_contained(written):
+    html = written[1]["report_html"].read_text()
     sources = re.findall(r'src="([^"]*)"', html)
     assert len(sources) == 4 and all(s.startswith("data:image/png;base64,") for s in sources)
     assert "href=" not in html and "<script" not in html
-    assert html.count("<table>") == html.count("</table>") >= 4
+    assert html.count("<table>") == html.count("</table>") >= 6
     assert "<strong>supported</strong>" in html and "&lt;" not in html.split("<body>")[0]
 
 
@@ -99,3 +106,9 @@ def test_training_curves_need_a_metric(tmp_path):
     with pytest.raises(ValueError, match="no training-curve points"):
         figures.training_curves([{"method": "affine", "batch_size": 8, "seed": 0, "epoch": 1, "acc": 0.5}],
                                 tmp_path / "c.png")
+
+
+def test_forest_plot_without_sensitivity_analyses(tmp_path, study):
+    records = study[0]
+    path = figures.slope_forest(analyse(records, sensitivity=False), tmp_path / "forest.png")
+    assert path.read_bytes().startswith(PNG)

@@ -4,6 +4,6 @@ Importing this package registers every derivation; ``registry()`` lists them.
 """
 
 from affdiv.theory.derivation import Case, Derivation, Proof, ProofKind, register, registry
-from affdiv.theory import affine, conv  # noqa: F401  (each registers its family)
+from affdiv.theory import affine, attention, conv, residual  # noqa: F401  (each registers its family)
 
-__all__ = ["Case", "Derivation", "Proof", "ProofKind", "register", "registry", "affine", "conv"]
+__all__ = ["Case", "Derivation", "Proof", "ProofKind", "register", "registry", "affine", "attention", "conv", "residual"]

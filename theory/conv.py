@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from affdiv.theory import affine
 from affdiv.theory.derivation import Case, Proof, ProofKind, register
 from affdiv.theory.exact import ETA, exact_effective_update, is_zero_matrix, random_rational_matrix
-from affdiv.theory.kernels import SitewiseDerivation, channels_first_sites, correlated_rows, require, seed_from
+from affdiv.theory.kernels import ExtendedDerivation, channels_first_sites, correlated_rows, require, seed_from
 
 _CONV = {1: F.conv1d, 2: F.conv2d}
 
@@ -326,27 +326,30 @@ _EXACT_SIZES = (
 
 @cache
 def _proofs(normalised: bool) -> tuple[Proof, ...]:
-    # PatchNorm's radicals make sympy's simplification ~2-5 s per size: one geometry (1-D, stride,
+    """The family theorem (general n, m, any α independent of θ) applied to the rows P_p: general.
+    The exact step at concrete geometries re-derives it from the conv's index definition."""
+    # PatchNorm's radicals make sympy's simplification ~3-5 s per size: one geometry (1-D, stride,
     # padding, two groups) for it, all three for the plain conv.
     exact = [exact_conv_proof(s, normalised) for s in (_EXACT_SIZES[:1] if normalised else _EXACT_SIZES)]
-    merged = Proof(
-        claim=exact[0].claim,
-        kind=ProofKind.EXACT_CONCRETE,
-        holds=all(p.holds for p in exact),
-        detail="; ".join(p.detail for p in exact),
-    )
-    steps = [affine.family_theorem(), merged]
+    steps = [
+        Proof(
+            claim="a conv is the affine map of its patches, z_{o,p} = W_o·P_{p,γ(o)} + b_o, so the family "
+            "theorem applies with the N = B·L_out patch rows as its samples (per group γ)"
+            + (", α = 1/√(‖P_p‖²+1)" if normalised else ", α = 1"),
+            kind=ProofKind.SYMBOLIC_GENERAL,
+            holds=affine.family_theorem().holds,
+            detail=affine.family_theorem().detail,
+        ),
+        Proof(
+            claim=exact[0].claim,
+            kind=ProofKind.EXACT_CONCRETE,
+            holds=all(p.holds for p in exact),
+            detail="; ".join(p.detail for p in exact),
+            corroborates=True,
+        ),
+    ]
     if normalised:
         steps.insert(1, patchnorm_diagonal_proof())
-    steps.append(
-        Proof(
-            claim="the geometry (stride, padding, dilation, groups) of the patch gather matches torch's conv",
-            kind=ProofKind.NUMERIC_ONLY,
-            holds=True,
-            detail="the unfold closed form is checked against autograd on nn.Conv1d/2d in `affdiv verify`; "
-            "box filter = unfold by property tests over geometries",
-        )
-    )
     return tuple(steps)
 
 
@@ -387,7 +390,7 @@ def _geometry_of_case(case: Case) -> Geometry:
     return Geometry.of(dims, conv.kernel_size, conv.stride, conv.padding, conv.dilation, conv.groups)
 
 
-def make_derivation(normalised: bool) -> SitewiseDerivation:
+def make_derivation(normalised: bool) -> ExtendedDerivation:
     name = "patchnorm" if normalised else "conv"
     layer = (
         r"z_{o,p} = \frac{W_o \cdot P_p + b_o}{\sqrt{\|P_p\|^2 + 1}}" if normalised else r"z_{o,p} = W_o \cdot P_p + b_o"
@@ -397,7 +400,7 @@ def make_derivation(normalised: bool) -> SitewiseDerivation:
     )
     diagonal = "1" if normalised else r"\|P_p\|^2 + 1"
 
-    return SitewiseDerivation(
+    return ExtendedDerivation(
         name=name,
         layer=layer,
         statement=rf"{layer}:\quad \Delta z_{{o,p}} = -\eta \sum_q K_{{pq}} g_{{o,q}},\quad K_{{pq}} = {kernel},"

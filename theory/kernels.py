@@ -1,13 +1,15 @@
 """Shared pieces of the conv, residual and attention derivations.
 
 A *site* is one output vector that the theory treats as a unit: one spatial position of one
-sample (conv: all output channels there), one token of one sequence (attention), or one sample
-(dense layers). ``SitewiseDerivation`` adds to a derivation
+sample (conv: all output channels there), one token of one sequence (attention). ``ExtendedDerivation``
+adds to a derivation, each optional:
 
     sites(t)          an output-shaped tensor as (n_sites, features), one row per site;
     site_diagonal(c)  the predicted factor k_ss of every output entry (broadcastable to the output),
                       when the site's own block Θ_ss is k_ss·I (per conv group): a site's update from
-                      its own gradient alone is then −η k_ss g_s.
+                      its own gradient alone is then −η k_ss g_s;
+    taylor_lrs        the step sizes of the Taylor-remainder check, when the default window
+                      (10⁻¹ … 10⁻⁴) reaches past the layer's asymptotic regime.
 
 so that `affdiv verify` can measure per-site scale, cosine and off-diagonal share, and check k_ss.
 """
@@ -25,11 +27,12 @@ from affdiv.theory.derivation import Case, Derivation
 
 
 @dataclass(frozen=True)
-class SitewiseDerivation(Derivation):
-    """A derivation whose output splits into sites (positions, tokens) below the sample."""
+class ExtendedDerivation(Derivation):
+    """A derivation with a per-site view of its output and/or its own Taylor window."""
 
     sites: Callable[[Tensor], Tensor] | None = None
     site_diagonal: Callable[[Case], Tensor] | None = None
+    taylor_lrs: tuple[float, ...] | None = None
 
 
 def channels_first_sites(t: Tensor) -> Tensor:

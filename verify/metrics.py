@@ -124,13 +124,14 @@ def site_diagonal_update(
 def site_alignment(
     module: nn.Module, inputs, grad_output: Tensor, lr: float, linear: Tensor, sites: Callable[[Tensor], Tensor]
 ) -> Alignment:
-    """Scale, cosine and off-diagonal share per site; "off-diagonal" is every other site, of the
-    same sample and of the others."""
+    """The alignment metrics per site; "off-diagonal" is every other site, of the same sample and of
+    the others."""
     ideal = sites(-lr * grad_output)
     diagonal = site_diagonal_update(module, inputs, grad_output, lr, sites)
     effective = sites(linear)
     return Alignment(
         scale=scale_factor(effective, ideal),
+        diagonal_scale=scale_factor(diagonal, ideal),
         cosine=cosine(effective, ideal),
         off_diagonal_share=off_diagonal_share(effective, diagonal),
     )

@@ -1,0 +1,170 @@
+"""CPU timing of the corrected layers against the layers and composites they would replace.
+
+Each case times forward+backward (x requires grad, so dx is computed, as for an inner layer) of
+every variant, interleaved: one call of each variant per round, ``repeats`` rounds after
+``warmup``. It reports each variant's median time and, per baseline, the median over rounds of
+the paired ratio t(layer)/t(baseline) (paired within a round, so slow drifts of the machine's
+load cancel). Float32, ``threads`` intra-op threads. Targets (issue 4):
+
+* AffineLike ≤ 1.05 × nn.Linear at (B=512, 1024→1024);
+* each corrected layer ≤ 1 × the fastest normaliser composite it would replace and ≤ 1 ×
+  torch.compile of its own naive composite, at (512, 1024→1024), (4096, 256→256) and, for
+  PatchNormConv2d, (N=64, 64→64, 32×32, k=3, padding 1).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from affdiv.layers.modules import AffineLike, NormLike, PatchNormConv2d
+
+DENSE_SIZES = ((512, 1024, 1024), (4096, 256, 256))
+CONV_SIZE = (64, 64, 64, 32, 3)  # N, C_in, C_out, H=W, k
+QUICK_DENSE_SIZES = ((16, 32, 32),)
+QUICK_CONV_SIZE = (2, 4, 4, 8, 3)
+
+
+@dataclass
+class Variant:
+    name: str
+    module: Callable
+    role: str  # "layer", "plain", "composite" or "compiled"
+
+
+class _Normalize(nn.Module):
+    def forward(self, x):
+        return F.normalize(x, dim=-1)
+
+
+class _Naive(nn.Module):
+    """A corrected layer written naively from its definition (for torch.compile to fuse)."""
+
+    def __init__(self, layer: nn.Module, kind: str):
+        super().__init__()
+        self.layer, self.kind = layer, kind
+
+    def forward(self, x):
+        w, b = self.layer.weight, self.layer.bias
+        if self.kind == "affine_like":
+            return (x @ w.t() + b) / torch.sqrt((x * x).sum(-1, keepdim=True) + 1)
+        if self.kind == "patchnorm":
+            conv = F.conv2d(x, w, b, padding=1)
+            ones = torch.ones(1, 1, *w.shape[2:], dtype=x.dtype)
+            return conv / torch.sqrt(F.conv2d(x.square().sum(1, keepdim=True), ones, padding=1) + 1)
+        k = 1.0 if self.kind == "norm_l2" else math.sqrt(x.shape[-1])
+        return F.linear(k * x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(1e-12), w, b)
+
+
+def dense_variants(m: int, n: int, backend: str) -> list[Variant]:
+    affine, l2, rms = AffineLike(m, n), NormLike(m, n, mode="l2"), NormLike(m, n, mode="rms")
+    return [
+        Variant("nn.Linear", nn.Linear(m, n), "plain"),
+        Variant("LayerNorm->Linear", nn.Sequential(nn.LayerNorm(m), nn.Linear(m, n)), "composite"),
+        Variant("RMSNorm->Linear", nn.Sequential(nn.RMSNorm(m), nn.Linear(m, n)), "composite"),
+        Variant("F.normalize->Linear", nn.Sequential(_Normalize(), nn.Linear(m, n)), "composite"),
+        Variant("Linear->LayerNorm", nn.Sequential(nn.Linear(m, n), nn.LayerNorm(n)), "composite"),
+        Variant("AffineLike", affine, "layer"),
+        Variant("NormLike(l2)", l2, "layer"),
+        Variant("NormLike(rms)", rms, "layer"),
+        Variant("compiled naive AffineLike", torch.compile(_Naive(affine, "affine_like"), backend=backend), "compiled"),
+        Variant("compiled naive NormLike(l2)", torch.compile(_Naive(l2, "norm_l2"), backend=backend), "compiled"),
+        Variant("compiled naive NormLike(rms)", torch.compile(_Naive(rms, "norm_rms"), backend=backend), "compiled"),
+    ]
+
+
+def conv_variants(c_in: int, c_out: int, k: int, backend: str) -> list[Variant]:
+    patch = PatchNormConv2d(c_in, c_out, k, padding=k // 2)
+    return [
+        Variant("nn.Conv2d", nn.Conv2d(c_in, c_out, k, padding=k // 2), "plain"),
+        Variant("Conv2d->BatchNorm2d", nn.Sequential(nn.Conv2d(c_in, c_out, k, padding=k // 2), nn.BatchNorm2d(c_out)),
+                "composite"),
+        Variant("PatchNormConv2d", patch, "layer"),
+        Variant("compiled naive PatchNormConv2d", torch.compile(_Naive(patch, "patchnorm"), backend=backend), "compiled"),
+    ]
+
+
+# the naive composite and the plain layer each corrected layer is compared with
+OWN = {
+    "AffineLike": ("compiled naive AffineLike", "nn.Linear"),
+    "NormLike(l2)": ("compiled naive NormLike(l2)", "nn.Linear"),
+    "NormLike(rms)": ("compiled naive NormLike(rms)", "nn.Linear"),
+    "PatchNormConv2d": ("compiled naive PatchNormConv2d", "nn.Conv2d"),
+}
+
+
+def time_case(variants: list[Variant], x: torch.Tensor, warmup: int, repeats: int) -> dict[str, list[float]]:
+    """Interleaved forward+backward timings (seconds) of each variant on x."""
+    grad = torch.randn_like(variants[0].module(x))
+    times: dict[str, list[float]] = {v.name: [] for v in variants}
+    for round_ in range(warmup + repeats):
+        for v in variants:
+            xi = x.detach().requires_grad_(True)
+            start = time.perf_counter()
+            v.module(xi).backward(grad)
+            elapsed = time.perf_counter() - start
+            for p in getattr(v.module, "parameters", lambda: [])():
+                p.grad = None
+            if round_ >= warmup:
+                times[v.name].append(elapsed)
+    return times
+
+
+def summarise(case: str, variants: list[Variant], times: dict[str, list[float]]) -> list[dict]:
+    """Rows: each corrected layer against the plain layer, the fastest composite and its compiled naive form."""
+    median = {name: statistics.median(ts) for name, ts in times.items()}
+    composites = [v.name for v in variants if v.role == "composite"]
+    fastest = min(composites, key=median.__getitem__)
+    rows = []
+    for v in (v for v in variants if v.role == "layer"):
+        compiled, plain = OWN[v.name]
+        checks = [(plain, 1.05 if v.name == "AffineLike" else None), (fastest, 1.0), (compiled, 1.0)]
+        for baseline, target in checks:
+            ratio = statistics.median(a / b for a, b in zip(times[v.name], times[baseline]))
+            rows.append({
+                "case": case, "layer": v.name, "baseline": baseline, "layer_ms": 1e3 * median[v.name],
+                "baseline_ms": 1e3 * median[baseline], "ratio": ratio, "target": target,
+                "met": None if target is None else ratio <= target,
+            })
+    return rows
+
+
+def run(quick: bool = False, threads: int = 2, repeats: int | None = None, warmup: int | None = None,
+        backend: str = "inductor", progress: Callable[[str], None] = print) -> dict:
+    """All cases; returns {"config", "medians_ms", "rows"} (JSON-ready)."""
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    repeats = repeats or (3 if quick else 25)
+    warmup = warmup or (1 if quick else 3)
+    medians: dict[str, dict[str, float]] = {}
+    rows: list[dict] = []
+    cases = [(f"dense B={b} {m}->{n}", dense_variants(m, n, backend), torch.randn(b, m))
+             for b, m, n in (QUICK_DENSE_SIZES if quick else DENSE_SIZES)]
+    batch, c_in, c_out, hw, k = QUICK_CONV_SIZE if quick else CONV_SIZE
+    cases.append((f"conv N={batch} {c_in}->{c_out} {hw}x{hw} k={k} pad={k // 2}",
+                   conv_variants(c_in, c_out, k, backend), torch.randn(batch, c_in, hw, hw)))
+    for case, variants, x in cases:
+        progress(f"timing {case}: {len(variants)} variants x {repeats} rounds ...")
+        times = time_case(variants, x, warmup, repeats)
+        medians[case] = {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
+        rows.extend(summarise(case, variants, times))
+    config = {"quick": quick, "threads": threads, "repeats": repeats, "warmup": warmup,
+              "compile_backend": backend, "dtype": "float32", "what": "forward+backward, x.requires_grad"}
+    return {"config": config, "medians_ms": medians, "rows": rows}
+
+
+def format_table(rows: list[dict]) -> str:
+    head = f"{'case':<34} {'layer':<16} {'vs baseline':<32} {'layer ms':>9} {'base ms':>9} {'ratio':>6}  target"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        target = "" if r["target"] is None else f"<= {r['target']:.2f} {'met' if r['met'] else 'NOT met'}"
+        lines.append(f"{r['case']:<34} {r['layer']:<16} {r['baseline']:<32} {r['layer_ms']:>9.2f} "
+                     f"{r['baseline_ms']:>9.2f} {r['ratio']:>6.3f}  {target}")
+    return "\n".join(lines)

@@ -1,0 +1,43 @@
+"""`affdiv bench layers`: time the corrected layers against their baselines (see layers.benchmark)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def register(subparsers) -> None:
+    bench = subparsers.add_parser("bench", help="timing benchmarks")
+    targets = bench.add_subparsers(dest="bench_target", metavar="TARGET", required=True)
+    layers = targets.add_parser(
+        "layers",
+        help="forward+backward time of the corrected layers as ratios to baselines measured in the same run",
+    )
+    add_arguments(layers)
+    layers.set_defaults(func=main)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="tiny sizes and few rounds (a smoke test)")
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 25, quick 3)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed rounds first (default 3, quick 1)")
+    parser.add_argument("--compile-backend", default="inductor",
+                        help="torch.compile backend of the naive composites (default inductor)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results (with provenance) here")
+
+
+def main(args: argparse.Namespace) -> int:
+    from affdiv.layers import benchmark
+    from affdiv.provenance import provenance
+
+    result = benchmark.run(quick=args.quick, threads=args.threads, repeats=args.repeats, warmup=args.warmup,
+                           backend=args.compile_backend, progress=lambda line: print(line, flush=True))
+    print(benchmark.format_table(result["rows"]))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        result["provenance"] = provenance(benchmark="layers")
+        args.json.write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.json}")
+    return 0
