@@ -57,8 +57,8 @@ def reference(x, weight, bias, grad_z):
 
     Returns {name: (value, abs_eval, mid_eval, n)}: abs_eval is the formula evaluated on absolute
     values (|sum| <= sum |terms|: the accumulation-error scale), mid_eval the sensitivity to the
-    kernels' intermediate roundings to the storage dtype (gy before the dW product, u = gy W
-    before the row pass), n the length of the chained float32 reductions.
+    kernels' intermediate roundings to the storage dtype (gy = r gz before the dW and u products,
+    u = gy W before the row pass), n the length of the chained float32 reductions.
     """
     x, w, gz = (t.detach().double() for t in (x, weight, grad_z))
     b = None if bias is None else bias.detach().double()
@@ -77,7 +77,8 @@ def reference(x, weight, bias, grad_z):
             "dW": (grads[1], gy.abs().T @ x.abs(), LAMBDA * torch.sqrt((gy * gy).T @ (x * x)), M + 2 * K),
             "dx": (grads[0],
                    gy.abs() @ w.abs() + r * r * ((u.abs() * x.abs()).sum(-1, keepdim=True) + gyb) * x.abs(),
-                   u.abs() + LAMBDA * r * r * torch.sqrt((u * u * x * x).sum(-1, keepdim=True)) * x.abs(),
+                   u.abs() + LAMBDA * torch.sqrt((gy * gy) @ (w * w))
+                   + LAMBDA * r * r * torch.sqrt((u * u * x * x).sum(-1, keepdim=True)) * x.abs(),
                    2 * N + 2 * K),
         }
         if b is not None:
@@ -173,24 +174,25 @@ def time_variants(variants, rounds=3, rep_ms=150):
 
 
 def kernel_variants(tk, x, w, b, gz):
-    """The kernels' forward+backward, and each launch alone against the cuBLAS product it replaces."""
+    """The kernels' forward+backward, and each launch alone beside the cuBLAS product it wraps."""
     z, r = tk.forward(x, w, b)
     dx, dw, db = tk.backward(gz, x, w, b, r)
-    t = tk._weight_grad(gz, x, r, b, dw, db)
+    gy, t, _ = tk._scale_grad(gz, r, b)
 
     def ours():
         z, r = tk.forward(x, w, b)
         tk.backward(gz, x, w, b, r)
 
     return {"triton kernels": ours}, {
-        "fwd: triton forward kernel": lambda: tk.forward(x, w, b),
+        "fwd: triton forward (row pass + GEMM)": lambda: tk.forward(x, w, b),
+        "fwd: triton row-scale pass alone": lambda: tk._row_scale(x, r),
         "fwd: cuBLAS F.linear": lambda: F.linear(x, w, b),
-        "bwd: triton dW kernel (+db, <gy,b>)": lambda: tk._weight_grad(gz, x, r, b, dw, db),
-        "bwd: cuBLAS gz^T x": lambda: gz.T @ x,
-        "bwd: triton dx GEMM (u = r gz W)": lambda: tk._input_grad_gemm(gz, w, r, dx),
-        "bwd: cuBLAS gz W": lambda: gz @ w,
+        "fwd: cuBLAS F.linear, then * r (torch)": lambda: F.linear(x, w, b) * r[:, None].to(x.dtype),
+        "bwd: triton backward (all launches)": lambda: tk.backward(gz, x, w, b, r),
+        "bwd: triton gy = r gz pass (+db, <gy,b>)": lambda: tk._scale_grad(gz, r, b),
+        "bwd: cuBLAS gy^T x": lambda: gy.T @ x,
+        "bwd: cuBLAS gy W": lambda: gy @ w,
         "bwd: triton row pass (dx -= ...)": lambda: tk._remove_x_component(dx, x, r, t),
-        "bwd: torch gz * r (one elementwise pass)": lambda: gz * r[:, None].to(gz.dtype),
     }
 
 
@@ -346,12 +348,9 @@ def main(argv=None) -> int:
             rec["ratio_to_linear"]["triton kernels / torch.compile"] = rec["ms"]["triton kernels"] / c["torch.compile composite"]
         save()
 
-    configs = {}
-    for kernel in (tk._forward_kernel, tk._weight_grad_kernel, tk._input_grad_kernel):
-        tuned = tk._tuned(kernel, False)
-        configs[kernel.__name__] = {str(k): str(v) for k, v in getattr(tuned, "cache", {}).items()}
-        log(f"{kernel.__name__} autotuned: {configs[kernel.__name__]}")
-    result["autotuned_configs_16bit"] = configs
+    result["forward_autotuned_configs"] = {str(k): str(v) for tuned in tk._FORWARD_TUNED.values()
+                                           for k, v in getattr(tuned, "cache", {}).items()}
+    log(f"forward GEMM autotuned: {result['forward_autotuned_configs']}")
     save()
 
     print("\ncorrectness (worst rel. error / its bound per dtype and output):")

@@ -102,13 +102,14 @@ def label_groups(records: list[dict]) -> str:
 
 
 def _analyse_and_report(out: Path, records: list[dict], curves, settings: dict, provenance: dict) -> dict:
+    """``analyse`` by the groups of ``label_groups`` and ``write_report``; returns the written paths."""
     from affdiv.experiments.analysis import analyse
     from affdiv.experiments.report import write_report
 
     group_by = label_groups(records)
     if curves:
         label_groups(curves)
-    analysis = analyse(records, metric="metric", group_by=group_by, **settings)
+    analysis = analyse(records, group_by=group_by, **settings)
     return write_report(out, analysis, records=records, curves=curves, provenance=provenance)
 
 
@@ -154,8 +155,8 @@ def falsify_command(args) -> int:
         outcome = run_sweep(list(configs.values()), store, data_dir=args.data_dir, workers=args.workers)
         written = {}
         for study in studies:
-            settings = dict(study.analysis)
-            metric = settings.pop("metric", "test_accuracy")
+            settings = {"metric": "test_accuracy", **study.analysis}
+            metric = settings["metric"]
             hashes = sorted(config_hash(c.to_dict()) for c in study.configs)
             records = store.records(hashes, metric=metric)
             study_out = out if len(studies) == 1 else out / study.name
@@ -190,28 +191,22 @@ def analyse_command(args) -> int:
     path = Path(args.input)
     if not path.is_file():
         raise FileNotFoundError(f"--input {path}: no such file")
-    if is_sqlite(path):
+    database = is_sqlite(path)
+    metric = args.metric or ("test_accuracy" if database else "metric")
+    if database:
         with ResultStore(path) as store:
-            records = store.records(metric=args.metric or "test_accuracy")
-            curves = store.curves()
+            records, curves = store.records(metric=metric), store.curves()
     else:
-        records = [dict(r) for r in read_csv(path, metric=args.metric or "metric")]
-        if args.metric and args.metric != "metric":
-            for record in records:
-                record["metric"] = record[args.metric]
-        curves = None
+        records, curves = read_csv(path, metric=metric), None
     if not records:
         raise ValueError(f"--input {path}: no records")
-    settings = {"higher_is_better": not args.lower_is_better, "alpha": args.alpha, "margin": args.margin}
+    settings = {"metric": metric, "higher_is_better": not args.lower_is_better, "alpha": args.alpha,
+                "margin": args.margin}
     if args.corrected:
         settings["corrected"] = tuple(args.corrected)
     if args.baselines:
         settings["baselines"] = tuple(args.baselines)
-    record = provenance(
-        input=str(path),
-        input_sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
-        metric=args.metric or ("test_accuracy" if is_sqlite(path) else "metric"),
-    )
+    record = provenance(input=str(path), input_sha256=hashlib.sha256(path.read_bytes()).hexdigest(), metric=metric)
     paths = _analyse_and_report(Path(args.out), records, curves, settings, record)
     for kind, path in sorted(paths.items()):
         print(f"{kind}: {path}")

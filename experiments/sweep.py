@@ -72,6 +72,8 @@ def dataset_for(config: RunConfig, data_dir: str | None = None):
 def _init_worker(threads: int, data_dir: str | None) -> None:
     global _DATA_DIR
     _DATA_DIR = data_dir
+    # cuBLAS is deterministic only with a fixed workspace; set before this process touches CUDA.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.set_num_threads(threads)
     torch.use_deterministic_algorithms(True, warn_only=True)
 

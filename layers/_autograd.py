@@ -17,13 +17,13 @@ import torch
 from torch import Tensor
 from torch.autograd import Function
 
-from affdiv.layers._scale import accumulation_dtype, norm_of, rescale, rowdot, safe_exponent
+from affdiv.layers._scale import accumulation_dtype, matvec, plain_eager, prepare, rowdot, safe_exponent, small_norm
 
 
 class AffineLike(Function):
     """z = r·(x Wᵀ + b),  r = 1/√(‖x‖² + 1) per row.
 
-    Forward on x' = c·x (``rescale``): z = ρ·(x' Wᵀ + c·b), ρ = 1/hypot(‖x'‖, c), r = ρ·c.
+    Forward on x' = c·x (``prepare``): z = ρ·(x' Wᵀ + c·b), ρ = 1/hypot(‖x'‖, c), r = ρ·c.
     Backward, with y = x Wᵀ + b:  gy = r·gz,  dW = gyᵀ x,  db = Σ_rows gy,  u = gy W,
     dr = ⟨gz, y⟩ + g_r = (⟨u, x⟩ + ⟨gy, b⟩)/r + g_r  and  ∂r/∂x = −r³ x, so
         dx = u − r²·(⟨u, x⟩ + ⟨gy, b⟩ + r·g_r)·x.
@@ -34,12 +34,14 @@ class AffineLike(Function):
 
     @staticmethod
     def forward(x: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor]:
-        x_scaled, c = rescale(x, (-1,), floor=1.0)
-        rho = 1.0 / torch.hypot(norm_of(x_scaled, (-1,)), c)
+        x_scaled, c, norm = prepare(x, (-1,), floor=1.0)
+        rho = 1.0 / torch.hypot(norm, c)
         r = rho * c
+        if x_scaled is x and bias is not None:  # c = 1: the bias goes into the GEMM
+            return torch.addmm(bias, x, weight.t()).mul_(rho.to(x.dtype)), r
         z = (x_scaled @ weight.t()).mul_(rho.to(x.dtype))
         if bias is not None:
-            z.addcmul_(r.to(x.dtype), bias)
+            z = torch.addcmul(z, r.to(x.dtype), bias)
         return z, r
 
     @staticmethod
@@ -66,15 +68,24 @@ def affine_like_grads(x, weight, bias, r, grad_z, grad_r, needs) -> tuple[Tensor
             db = gy.sum(0)
         if need_x:
             u = gy @ weight
-            dot = rowdot(u, x) if bias is None else rowdot(u, x) + rowdot(gy, bias)
+            dot = rowdot(u, x) if bias is None else rowdot(u, x) + matvec(gy, bias)
             coef = r * (r * dot)
             dx = u
     if grad_r is not None and need_x:
         extra = r * (r * (r * grad_r))
         coef = extra if coef is None else coef + extra
     if coef is not None:
-        dx = -coef.to(x.dtype) * x if dx is None else dx - coef.to(x.dtype) * x
+        dx = _minus_coef_times(dx, coef.to(x.dtype), x)
     return dx, dw, db
+
+
+def _minus_coef_times(u: Tensor | None, coef: Tensor, x: Tensor) -> Tensor:
+    """u − coef·x (u None: −coef·x), in place on u (a temporary of ours) where that is allowed."""
+    if u is None:
+        return -coef * x
+    if plain_eager(u) and not u.requires_grad:  # (under create_graph, u is saved by rowdot)
+        return u.addcmul_(coef, x, value=-1)
+    return torch.addcmul(u, coef, x, value=-1)
 
 
 class NormLike(Function):
@@ -90,22 +101,24 @@ class NormLike(Function):
 
     @staticmethod
     def forward(x: Tensor, weight: Tensor, bias: Tensor | None, k: float, eps: float):
-        x_scaled, c = rescale(x, (-1,), floor=2.0 ** -safe_exponent(x.dtype))
-        q_scaled = k / torch.maximum(norm_of(x_scaled, (-1,)), eps * c)
-        y = x_scaled @ weight.t()
-        z = y.mul_(q_scaled.to(x.dtype)) if bias is None else torch.addcmul(bias, y, q_scaled.to(x.dtype))
+        small = None if eps >= small_norm(x.dtype) else small_norm(x.dtype)  # eps too small to hide underflow
+        x_scaled, c, norm = prepare(x, (-1,), floor=2.0 ** -safe_exponent(x.dtype), small=small)
+        q_scaled = k / torch.maximum(norm, eps * c)
+        z = (x_scaled @ weight.t()).mul_(q_scaled.to(x.dtype))
+        if bias is not None:
+            z = z.add_(bias) if plain_eager(z) else z + bias
         return z, q_scaled * c
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, weight, bias, k, eps = inputs
-        ctx.save_for_backward(x, weight, bias, output[1])
-        ctx.k, ctx.eps = k, eps
+        ctx.save_for_backward(x, weight, output[1])  # db = Σ gz needs no b
+        ctx.k, ctx.eps, ctx.has_bias = k, eps, bias is not None
         ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx, grad_z: Tensor | None, grad_q: Tensor | None):
-        x, weight, bias, q = ctx.saved_tensors
+        x, weight, q = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         p = torch.where(q < ctx.k / ctx.eps, q / ctx.k, 0.0)  # 1/‖x‖ where the norm branch is live
         dx = dw = db = None
@@ -114,7 +127,7 @@ class NormLike(Function):
             gy = grad_z * q.to(grad_z.dtype)
             if need_w:
                 dw = gy.t() @ x
-            if need_b and bias is not None:
+            if need_b and ctx.has_bias:
                 db = grad_z.sum(0)
             if need_x:
                 dx = gy @ weight
@@ -122,8 +135,7 @@ class NormLike(Function):
         if grad_q is not None and need_x:
             dot = q * grad_q if dot is None else dot + q * grad_q
         if dot is not None:
-            coef = (p * (p * dot)).to(x.dtype)
-            dx = -coef * x if dx is None else dx - coef * x
+            dx = _minus_coef_times(dx, (p * (p * dot)).to(x.dtype), x)
         return dx, dw, db, None, None
 
 
@@ -134,7 +146,7 @@ class PatchNormConv(Function):
     (the group of output channel o). ‖P_{g,p}‖² = box(Σ_{c∈g} x_c²): a convolution of the
     group's summed squares with a ones kernel of the same geometry.
 
-    Forward on x' = c·x with c per sample (``rescale`` over C and space): s' = box(Σ x'²),
+    Forward on x' = c·x with c per sample (``prepare`` over C and space): s' = box(Σ x'²),
     ρ = 1/hypot(√s', c), z = ρ·(conv(x', W) + c·b), r = ρ·c.
     Backward: gy = r·gz (broadcast over the group's output channels); dx, dW, db of the conv at
     gy; dr = ⟨gz, y⟩_{g,p} + g_r with ⟨gz, y⟩ = ⟨gz, z⟩/r summed over the group's output
@@ -148,26 +160,33 @@ class PatchNormConv(Function):
 
     @staticmethod
     def forward(x, weight, bias, stride, padding, dilation, groups):
-        x_scaled, c = rescale(x, tuple(range(1, x.dim())), floor=1.0)
-        patch_sq = _box(_group_sum_sq(x_scaled, groups), weight.shape[2:], stride, padding, dilation)
+        x_scaled, c, _ = prepare(x, tuple(range(1, x.dim())), floor=1.0, finite_only=True)
+        patch_sq = _box(_group_squares(x_scaled, groups), weight.shape[2:], stride, padding, dilation)
         rho = 1.0 / torch.hypot(patch_sq.clamp_min(0).sqrt(), c)
         r = rho * c
-        y = torch.convolution(x_scaled, weight, None, stride, padding, dilation, False, _zeros(x), groups)
-        if bias is not None:
-            y.add_(c.to(x.dtype) * _channel_view(bias, x.dim()))
-        return _per_group(y, rho.to(x.dtype), groups), r
+        in_place = plain_eager(x)
+        geometry = (stride, padding, dilation, False, _zeros(x), groups)
+        if x_scaled is x:  # c = 1: the bias goes into the convolution
+            y = torch.convolution(x, weight, bias, *geometry)
+        else:
+            y = torch.convolution(x_scaled, weight, None, *geometry)
+            if bias is not None:
+                scaled_bias = c.to(x.dtype) * bias.reshape((1, -1) + (1,) * (x.dim() - 2))
+                y = y.add_(scaled_bias) if in_place else y + scaled_bias
+        return _per_group(y, rho.to(x.dtype), groups, in_place), r
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, weight, bias, stride, padding, dilation, groups = inputs
         z, r = output
-        ctx.save_for_backward(x, weight, bias, r, z)
+        ctx.save_for_backward(x, weight, r, z)
         ctx.geometry = (stride, padding, dilation, groups)
+        ctx.bias_shape = None if bias is None else list(bias.shape)
         ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx, grad_z, grad_r):
-        x, weight, bias, r, z = ctx.saved_tensors
+        x, weight, r, z = ctx.saved_tensors
         stride, padding, dilation, groups = ctx.geometry
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         acc = accumulation_dtype(x.dtype)
@@ -176,8 +195,8 @@ class PatchNormConv(Function):
         if grad_z is not None:
             gy = _per_group(grad_z, r.to(grad_z.dtype), groups)
             dx, dw, db = torch.ops.aten.convolution_backward(
-                gy, x, weight, None if bias is None else list(bias.shape), stride, padding, dilation,
-                False, _zeros(x), groups, [need_x, need_w, need_b and bias is not None],
+                gy, x, weight, ctx.bias_shape, stride, padding, dilation,
+                False, _zeros(x), groups, [need_x, need_w, need_b and ctx.bias_shape is not None],
             )
             if need_x:
                 gz_dot_z = (grad_z * z).unflatten(1, (groups, -1)).sum(2, dtype=acc)
@@ -186,9 +205,16 @@ class PatchNormConv(Function):
             extra = -0.5 * r * r * r * grad_r
             ds = extra if ds is None else ds + extra
         if ds is not None:
-            dsq = _box_transpose(ds, x, weight.shape[2:], stride, padding, dilation, groups)
-            grad_sq = 2 * x * dsq.to(x.dtype).repeat_interleave(x.shape[1] // groups, dim=1)
-            dx = grad_sq if dx is None else dx + grad_sq
+            # ∂‖P‖²/∂x = 2x on each patch, for each channel of the group (2 goes on dsq: 2x may
+            # overflow where x is near max)
+            dsq2 = (2 * _box_transpose(ds, x, weight.shape[2:], stride, padding, dilation)).to(x.dtype).unsqueeze(2)
+            x_groups = x.unflatten(1, (groups, -1))
+            if dx is None:
+                dx = (x_groups * dsq2).flatten(1, 2)
+            elif plain_eager(dx) and not dx.requires_grad:
+                dx.unflatten(1, (groups, -1)).addcmul_(x_groups, dsq2)
+            else:
+                dx = torch.addcmul(dx.unflatten(1, (groups, -1)), x_groups, dsq2).flatten(1, 2)
         return dx, dw, db, None, None, None, None
 
 
@@ -196,33 +222,35 @@ def _zeros(x: Tensor) -> list[int]:
     return [0] * (x.dim() - 2)
 
 
-def _channel_view(bias: Tensor, ndim: int) -> Tensor:
-    return bias.reshape((1, -1) + (1,) * (ndim - 2))
-
-
-def _per_group(t: Tensor, scale: Tensor, groups: int) -> Tensor:
+def _per_group(t: Tensor, scale: Tensor, groups: int, in_place: bool = False) -> Tensor:
     """t (N, O, *S) times scale (N, groups, *S), each group's scale over its O/groups channels."""
+    if in_place:
+        t.unflatten(1, (groups, -1)).mul_(scale.unsqueeze(2))
+        return t
     return (t.unflatten(1, (groups, -1)) * scale.unsqueeze(2)).flatten(1, 2)
 
 
-def _group_sum_sq(x: Tensor, groups: int) -> Tensor:
+def _group_squares(x: Tensor, groups: int) -> Tensor:
     """Σ_{c∈g} x_c² per group g: (N, C, *S) -> (N, groups, *S), in the accumulation dtype."""
-    return x.square().unflatten(1, (groups, -1)).sum(2, dtype=accumulation_dtype(x.dtype))
+    x = x.to(accumulation_dtype(x.dtype))
+    return (x * x).unflatten(1, (groups, -1)).sum(2)  # (x * x: faster than square() on CPU)
 
 
-def _ones_kernel(groups: int, kernel: torch.Size, like: Tensor) -> Tensor:
+def _ones_kernel(groups: int, kernel, like: Tensor) -> Tensor:
     return torch.ones((groups, 1, *kernel), dtype=like.dtype, device=like.device)
 
 
 def _box(sq: Tensor, kernel, stride, padding, dilation) -> Tensor:
-    """Σ over each receptive field of sq, per group (depthwise conv with a ones kernel)."""
+    """‖P_{g,p}‖²: the sum of sq (N, groups, *S) over each receptive field (a depthwise
+    convolution with a ones kernel) -> (N, groups, *out)."""
     groups = sq.shape[1]
     ones = _ones_kernel(groups, kernel, sq)
     return torch.convolution(sq, ones, None, stride, padding, dilation, False, _zeros(sq), groups)
 
 
-def _box_transpose(ds: Tensor, x: Tensor, kernel, stride, padding, dilation, groups) -> Tensor:
-    """The adjoint of ``_box``: spreads each position's ds back over its receptive field."""
+def _box_transpose(ds: Tensor, x: Tensor, kernel, stride, padding, dilation) -> Tensor:
+    """The adjoint of ``_box``: each position's ds spread over its receptive field -> (N, groups, *S)."""
+    groups = ds.shape[1]
     ones = _ones_kernel(groups, kernel, ds)
     # output_padding: the input rows/cols past the last full stride (< stride, as torch requires)
     extra = [

@@ -1,36 +1,43 @@
 """Triton kernels for AffineLike on CUDA: z = (x W^T + b) * r with r = 1/sqrt(||x||^2 + 1) per row.
 
-Forward (one launch): a tiled GEMM that also accumulates sum(x^2) from the x tiles it loads for
-the product (one pass over x); the epilogue adds b and scales each row by r. Only r (one float32
-per row) is kept for the backward.
+Forward, two launches: a row pass computes r (one read of x), then a tiled GEMM x W^T whose
+epilogue adds b and scales each row by r. Only r (one float32 per row) is kept for the backward.
 
 Backward, with gy = r * gz and u = gy W:
     dW = gy^T x,   db = sum_rows gy,
     dx = u - r^2 * (<u, x> + <gy, b>) * x,
 since dz/dr contributes <gz, y> = <gz W, x> + <gz, b> (y = x W^T + b, so y need not be saved) and
-dr/dx = -r^3 x. Three launches:
-  1. weight-grad GEMM: gz tiles are scaled by r as they are loaded (the A operand, in registers);
-     the programs of the first in-feature tile also reduce db and the partial <gy, b> of their
-     out-feature tile (written to a (tiles, B) buffer: deterministic, no atomics);
-  2. input-grad GEMM gz W with the row scale r applied in the epilogue (u, stored into dx);
+dr/dx = -r^3 x. Launches:
+  1. a pass over gz writing gy = r * gz (storage dtype) and the float32 partial sums of db
+     (per row tile) and <gy, b> (per column tile): deterministic, no atomics;
+  2. dW = gy^T x and u = gy W as plain cuBLAS products (torch.mm), u written into dx;
   3. a row pass that forms <u, x>, adds the <gy, b> partials and subtracts the x component in
      place. <u, x> needs the whole row of u, which no GEMM tile holds, so it is this light pass:
      it reads u and x once and writes dx once.
+
+Why not fused further (measured on an H200, Triton 3.6, bf16, B=8192, 4096 -> 4096): a forward
+GEMM that also accumulated sum(x^2) from the x tiles of its K-loop took 0.60 ms (and gave wrong z
+with two of its three tile configs), against 0.51 ms for the separate row pass (0.03 ms, one more
+read of x) plus the GEMM with the scale in its epilogue; a weight-grad GEMM that scaled gz by r
+as it loaded it took 0.86 ms, against 0.38 ms for cuBLAS on gy plus 0.10 ms for the pass that
+writes gy. Both GEMM operands left untouched in shared memory is what keeps the tensor cores fed.
 
 Accumulation is float32 for bf16/fp16/fp32 inputs; float32 matmuls follow
 torch.get_float32_matmul_precision() ("highest": IEEE fp32, otherwise tf32), as nn.Linear does.
 
 Overflow: sum(x^2) is accumulated in float32. For bf16/fp32 inputs beyond about 1e19 it
 overflows; the rows where it does are summed again from x scaled by 2^-96 (a branch that normal
-inputs never take), so r stays right for every finite x. The GEMM itself overflows where
-nn.Linear's does. Non-finite inputs: NaN propagates; an infinite x entry gives NaN in its row.
+inputs never take), so r stays right for every finite x (a subnormal float32 when ||x|| > 2^126,
+keeping 11 or more significant bits for K <= 2^20). The gradients stay exact to rounding while
+r, hence gy = r gz, is a normal number (||x|| < 2^126; checked at |x| ~ 1e30): r^2 is never
+formed. The GEMM overflows where nn.Linear's does. Non-finite inputs: NaN propagates; an
+infinite x entry gives NaN in its row.
 
 This module imports without Triton; `available()` says whether the kernels can run.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -46,8 +53,8 @@ __all__ = ["SUPPORTED_DTYPES", "available", "forward", "backward"]
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (tests only)
-_PARTIAL_TILE = 64  # smallest out-feature tile of the weight-grad kernel: rows of the <gy, b> buffer
-_ROW_BLOCK_MAX = 8192  # row pass: whole rows up to this width in registers, else two sweeps
+_ROW_BLOCK_MAX = 8192  # input-grad row pass: whole rows up to this width in registers, else two sweeps
+_SCALE_TILE = (32, 256)  # (rows, columns) of a program of the gy = r * gz pass
 
 
 def available() -> bool:
@@ -71,24 +78,37 @@ if triton is not None:
         return pid_m, pid_n
 
     @triton.jit
-    def _scaled_sumsq(x_ptr, rows, M, K, stride_xm, BM: tl.constexpr, BK: tl.constexpr):
-        """sum((x * 2^-96)^2) per row: the overflow-free sum of squares for huge rows."""
+    def _sum_of_squares(x_ptr, rows, M, K, stride_xm, scale, BM: tl.constexpr, BK: tl.constexpr):
+        """sum((scale * x)^2) over each row, accumulated in float32."""
         ks = tl.arange(0, BK)
         ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :]
         total = tl.zeros((BM,), tl.float32)
         for k0 in range(0, K, BK):
             mask = (rows[:, None] < M) & (ks[None, :] < K - k0)
-            xs = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) * 1.2621774483536189e-29  # 2^-96
+            xs = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) * scale
             total += tl.sum(xs * xs, axis=1)
             ptrs += BK
         return total
 
     @triton.jit
+    def _row_scale_kernel(x_ptr, r_ptr, M, K, stride_xm, BM: tl.constexpr, BK: tl.constexpr):
+        """r = 1/sqrt(sum x^2 + 1) for BM rows; rows whose sum overflows are summed again scaled."""
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        sumsq = _sum_of_squares(x_ptr, rows, M, K, stride_xm, 1.0, BM, BK)
+        r = 1.0 / tl.sqrt_rn(sumsq + 1.0)
+        if tl.max(sumsq, axis=0) == float("inf"):  # only for |x| beyond ~1e19 (or an infinite x)
+            two_m96 = 1.2621774483536189e-29  # 2^-96: (2^-96 x)^2 cannot overflow for finite x
+            scaled = _sum_of_squares(x_ptr, rows, M, K, stride_xm, two_m96, BM, BK)
+            r = tl.where(sumsq == float("inf"), two_m96 / tl.sqrt_rn(scaled), r)
+        tl.store(r_ptr + rows, r, mask=rows < M)
+
+    @triton.jit
     def _forward_kernel(
-        x_ptr, w_ptr, b_ptr, z_ptr, r_ptr, M, N, K, stride_xm, stride_wn, stride_zm,
+        x_ptr, w_ptr, b_ptr, r_ptr, z_ptr, M, N, K, stride_xm, stride_wn, stride_zm,
         HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     ):
+        """z = (x W^T + b) * r: a tiled GEMM with the bias and the row scale in its epilogue."""
         pid_m, pid_n = _tile_ids(M, N, BM, BN, GROUP_M)
         rows = pid_m * BM + tl.arange(0, BM)
         cols = pid_n * BN + tl.arange(0, BN)
@@ -96,106 +116,39 @@ if triton is not None:
         x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :]
         w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]  # W^T tile (BK, BN)
         acc = tl.zeros((BM, BN), tl.float32)
-        sumsq = tl.zeros((BM,), tl.float32)
         for k0 in range(0, K, BK):
             k_in = ks < K - k0
             xt = tl.load(x_ptrs, mask=(rows[:, None] < M) & k_in[None, :], other=0.0)
             wt = tl.load(w_ptrs, mask=k_in[:, None] & (cols[None, :] < N), other=0.0)
-            xf = xt.to(tl.float32)
-            sumsq += tl.sum(xf * xf, axis=1)
             acc = tl.dot(xt, wt, acc, input_precision=PRECISION)
             x_ptrs += BK
             w_ptrs += BK
-        # r = scale * inv_norm; scale is 1 except in rows whose sum of squares overflowed, where
-        # it is 2^-96 and applied to acc first, so z never passes through a subnormal r.
-        inv_norm = 1.0 / tl.sqrt_rn(sumsq + 1.0)
-        scale = tl.full((BM,), 1.0, tl.float32)
-        if tl.max(sumsq, axis=0) == float("inf"):  # only for |x| beyond ~1e19 (or an infinite x)
-            overflow = sumsq == float("inf")
-            rescaled = 1.0 / tl.sqrt_rn(_scaled_sumsq(x_ptr, rows, M, K, stride_xm, BM, BK))
-            inv_norm = tl.where(overflow, rescaled, inv_norm)
-            scale = tl.where(overflow, 1.2621774483536189e-29, scale)  # 2^-96
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        z = (acc * scale[:, None]) * inv_norm[:, None]
-        r = scale * inv_norm
-        z_ptrs = z_ptr + rows[:, None].to(tl.int64) * stride_zm + cols[None, :]
-        tl.store(z_ptrs, z.to(z_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
-        if pid_n == 0:
-            tl.store(r_ptr + rows, r, mask=rows < M)
-
-    @triton.jit
-    def _weight_grad_loop(
-        g_ptr, x_ptr, r_ptr, bias, t_ptr, outs, ins, M, N, K, stride_gm, stride_xm,
-        WITH_BIAS_TERMS: tl.constexpr, PRECISION: tl.constexpr,
-        BN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr,
-    ):
-        """acc = (r*gz)^T x over all rows; with WITH_BIAS_TERMS also db and the <gy, b> partials."""
-        bs = tl.arange(0, BM)
-        g_ptrs = g_ptr + bs[None, :].to(tl.int64) * stride_gm + outs[:, None]  # gz^T tile (BN, BM)
-        x_ptrs = x_ptr + bs[:, None].to(tl.int64) * stride_xm + ins[None, :]  # x tile (BM, BK)
-        acc = tl.zeros((BN, BK), tl.float32)
-        db = tl.zeros((BN,), tl.float32)
-        for m0 in range(0, M, BM):
-            b_in = bs < M - m0
-            gt = tl.load(g_ptrs, mask=(outs[:, None] < N) & b_in[None, :], other=0.0)
-            xt = tl.load(x_ptrs, mask=b_in[:, None] & (ins[None, :] < K), other=0.0)
-            gy = gt.to(tl.float32) * tl.load(r_ptr + m0 + bs, mask=b_in, other=0.0)[None, :]
-            acc = tl.dot(gy.to(xt.dtype), xt, acc, input_precision=PRECISION)
-            if WITH_BIAS_TERMS:
-                db += tl.sum(gy, axis=1)
-                tl.store(t_ptr + m0 + bs, tl.sum(gy * bias[:, None], axis=0), mask=b_in)
-            g_ptrs += BM * stride_gm
-            x_ptrs += BM * stride_xm
-        return acc, db
-
-    @triton.jit
-    def _weight_grad_kernel(
-        g_ptr, x_ptr, r_ptr, b_ptr, dw_ptr, db_ptr, t_ptr, M, N, K,
-        stride_gm, stride_xm, stride_dwn, stride_tn,
-        HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
-        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    ):
-        # Tiles of dW (N, K): BM here tiles out-features and BK the reduction over rows (batch).
-        pid_n, pid_k = _tile_ids(N, K, BM, BN, GROUP_M)
-        outs = pid_n * BM + tl.arange(0, BM)
-        ins = pid_k * BN + tl.arange(0, BN)
-        t_row = t_ptr + pid_n * (BM // 64) * stride_tn  # rows of 64 (_PARTIAL_TILE) out-features
-        if (pid_k == 0) & HAS_BIAS:
-            bias = tl.load(b_ptr + outs, mask=outs < N, other=0.0).to(tl.float32)
-            acc, db = _weight_grad_loop(g_ptr, x_ptr, r_ptr, bias, t_row, outs, ins, M, N, K,
-                                        stride_gm, stride_xm, True, PRECISION, BM, BN, BK)
-            tl.store(db_ptr + outs, db.to(db_ptr.dtype.element_ty), mask=outs < N)
-        else:
-            acc, db = _weight_grad_loop(g_ptr, x_ptr, r_ptr, b_ptr, t_row, outs, ins, M, N, K,
-                                        stride_gm, stride_xm, False, PRECISION, BM, BN, BK)
-        dw_ptrs = dw_ptr + outs[:, None].to(tl.int64) * stride_dwn + ins[None, :]
-        tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=(outs[:, None] < N) & (ins[None, :] < K))
-
-    @triton.jit
-    def _input_grad_kernel(
-        g_ptr, w_ptr, r_ptr, u_ptr, M, N, K, stride_gm, stride_wn, stride_um,
-        PRECISION: tl.constexpr,
-        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    ):
-        # u = r * (gz W): tiles of (M, K), reduction over the N out-features in steps of BK.
-        pid_m, pid_k = _tile_ids(M, K, BM, BN, GROUP_M)
-        rows = pid_m * BM + tl.arange(0, BM)
-        ins = pid_k * BN + tl.arange(0, BN)
-        js = tl.arange(0, BK)
-        g_ptrs = g_ptr + rows[:, None].to(tl.int64) * stride_gm + js[None, :]  # gz tile (BM, BK)
-        w_ptrs = w_ptr + js[:, None].to(tl.int64) * stride_wn + ins[None, :]  # W tile (BK, BN)
-        acc = tl.zeros((BM, BN), tl.float32)
-        for j0 in range(0, N, BK):
-            j_in = js < N - j0
-            gt = tl.load(g_ptrs, mask=(rows[:, None] < M) & j_in[None, :], other=0.0)
-            wt = tl.load(w_ptrs, mask=j_in[:, None] & (ins[None, :] < K), other=0.0)
-            acc = tl.dot(gt, wt, acc, input_precision=PRECISION)
-            g_ptrs += BK
-            w_ptrs += BK * stride_wn
         r = tl.load(r_ptr + rows, mask=rows < M, other=0.0)
-        u_ptrs = u_ptr + rows[:, None].to(tl.int64) * stride_um + ins[None, :]
-        tl.store(u_ptrs, (acc * r[:, None]).to(u_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (ins[None, :] < K))
+        z_ptrs = z_ptr + rows[:, None].to(tl.int64) * stride_zm + cols[None, :]
+        tl.store(z_ptrs, (acc * r[:, None]).to(z_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+    @triton.jit
+    def _scale_grad_kernel(
+        g_ptr, r_ptr, b_ptr, gy_ptr, t_ptr, dbp_ptr, M, N, stride_gm, stride_gym, stride_tn, stride_dbm,
+        HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    ):
+        """gy = r * gz on a (BM, BN) tile; with a bias also the tile's partial <gy, b> per row
+        (row pid_n of t) and partial column sums of gy (row pid_m of dbp), both from float32 gy."""
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        rows = pid_m * BM + tl.arange(0, BM)
+        cols = pid_n * BN + tl.arange(0, BN)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        gz = tl.load(g_ptr + rows[:, None].to(tl.int64) * stride_gm + cols[None, :], mask=mask, other=0.0)
+        gy = gz.to(tl.float32) * tl.load(r_ptr + rows, mask=rows < M, other=0.0)[:, None]
+        tl.store(gy_ptr + rows[:, None].to(tl.int64) * stride_gym + cols[None, :], gy.to(gy_ptr.dtype.element_ty),
+                 mask=mask)
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+            tl.store(t_ptr + pid_n * stride_tn + rows, tl.sum(gy * bias[None, :], axis=1), mask=rows < M)
+            tl.store(dbp_ptr + pid_m * stride_dbm + cols, tl.sum(gy, axis=0), mask=cols < N)
 
     @triton.jit
     def _remove_x_component_kernel(
@@ -236,11 +189,12 @@ if triton is not None:
 
     # Hopper (sm_90) tiles for 16-bit operands: 128x256 and 256x128 with BK=64 are the wgmma
     # shapes Triton's own Hopper matmuls use (3-4 stages fit in 228 KB of shared memory); the
-    # smaller ones win for narrow or short problems. Every BM/BN is a multiple of _PARTIAL_TILE.
+    # smaller ones win for narrow or short problems.
     _CONFIGS_16BIT = [
         _config(128, 256, 64, 3, 8),
         _config(128, 256, 64, 4, 8),
         _config(256, 128, 64, 3, 8),
+        _config(256, 128, 64, 4, 8),
         _config(128, 128, 64, 4, 8),
         _config(64, 128, 64, 4, 4),
     ]
@@ -251,21 +205,10 @@ if triton is not None:
         _config(64, 64, 32, 3, 4),
     ]
     _INTERPRETER_META = {"BM": 64, "BN": 64, "BK": 16, "GROUP_M": 2}
-
-    @functools.cache
-    def _tuned(kernel, float32: bool):
-        """The autotuned launcher of `kernel` for 16-bit or float32 operands."""
-        configs = _CONFIGS_32BIT if float32 else _CONFIGS_16BIT
-        return triton.autotune(configs=configs, key=["M", "N", "K"])(kernel)
-
-    def _launch_gemm(kernel, tiles, dtype, *args, **constexprs):
-        """Launch a GEMM kernel over `tiles(meta)` programs, autotuned (or fixed under the interpreter)."""
-        precision = "ieee" if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest" else "tf32"
-        if _INTERPRET:
-            meta = _INTERPRETER_META
-            return kernel[(tiles(meta),)](*args, PRECISION=precision, **constexprs, **meta)
-        tuned = _tuned(kernel, dtype == torch.float32)
-        return tuned[lambda meta: (tiles(meta),)](*args, PRECISION=precision, **constexprs)
+    _FORWARD_TUNED = {  # keyed by "operands are float32"
+        False: triton.autotune(configs=_CONFIGS_16BIT, key=["M", "N", "K"])(_forward_kernel),
+        True: triton.autotune(configs=_CONFIGS_32BIT, key=["M", "N", "K"])(_forward_kernel),
+    }
 
 
 def _check(name: str, tensor: torch.Tensor, shape: tuple, like: torch.Tensor, dtype=None) -> None:
@@ -303,7 +246,7 @@ def forward(x2d, weight, bias=None, *, out=None):
     """(z, r): z = (x W^T + b) * r and r = 1/sqrt(sum x^2 + 1) per row (float32).
 
     x2d (B, K), weight (N, K), bias (N,) or None, all of one dtype in SUPPORTED_DTYPES on one
-    device. `out`, if given, is a preallocated (z, r) pair that the kernel writes into.
+    device. `out`, if given, is a preallocated (z, r) pair that the kernels write into.
     """
     _check_inputs(x2d, weight, bias)
     x2d, weight = x2d.contiguous(), weight.contiguous()
@@ -313,13 +256,18 @@ def forward(x2d, weight, bias=None, *, out=None):
     z, r = out
     _check_out("out z", z, (M, N), x2d)
     _check_out("out r", r, (M,), x2d, torch.float32)
-    if M == 0:
+    _row_scale(x2d, r)
+    if M == 0 or N == 0:
         return z, r
-    # At least one column tile, so that r is written even when N == 0.
-    tiles = lambda meta: triton.cdiv(M, meta["BM"]) * triton.cdiv(max(N, 1), meta["BN"])  # noqa: E731
-    _launch_gemm(_forward_kernel, tiles, x2d.dtype,
-                 x2d, weight, bias if bias is not None else z, z, r, M, N, K,
-                 x2d.stride(0), weight.stride(0), z.stride(0), HAS_BIAS=bias is not None)
+    precision = "ieee" if x2d.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest" else "tf32"
+    args = (x2d, weight, r if bias is None else bias, r, z, M, N, K, x2d.stride(0), weight.stride(0), z.stride(0))
+    if _INTERPRET:
+        meta = _INTERPRETER_META
+        grid = (triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"]),)
+        _forward_kernel[grid](*args, HAS_BIAS=bias is not None, PRECISION=precision, **meta)
+    else:
+        grid = lambda meta: (triton.cdiv(M, meta["BM"]) * triton.cdiv(N, meta["BN"]),)  # noqa: E731
+        _FORWARD_TUNED[x2d.dtype == torch.float32][grid](*args, HAS_BIAS=bias is not None, PRECISION=precision)
     return z, r
 
 
@@ -333,49 +281,51 @@ def backward(grad_z2d, x2d, weight, bias, r, *, out=None):
     _check("grad_z", grad_z2d, (M, N), x2d)
     _check("r", r, (M,), x2d, torch.float32)
     grad_z2d, x2d, weight, r = grad_z2d.contiguous(), x2d.contiguous(), weight.contiguous(), r.contiguous()
-    has_bias = bias is not None
     if out is None:
-        out = (torch.empty_like(x2d), torch.empty_like(weight), torch.empty_like(bias) if has_bias else None)
+        out = (torch.empty_like(x2d), torch.empty_like(weight), None if bias is None else torch.empty_like(bias))
     dx, dw, db = out
     _check_out("out dx", dx, (M, K), x2d)
     _check_out("out dW", dw, (N, K), x2d)
-    if has_bias:
+    if bias is not None:
         _check_out("out db", db, (N,), x2d)
-    if M == 0:
-        dw.zero_()
-        if has_bias:
-            db.zero_()
-        return dx, dw, db
-    t = _weight_grad(grad_z2d, x2d, r, bias, dw, db)
-    _input_grad_gemm(grad_z2d, weight, r, dx)
+    gy, t, db_partials = _scale_grad(grad_z2d, r, bias)
+    torch.mm(gy.T, x2d, out=dw)
+    torch.mm(gy, weight, out=dx)
+    if bias is not None:
+        db.copy_(db_partials.sum(dim=0))  # float32 sum, then one rounding to db
     _remove_x_component(dx, x2d, r, t)
     return dx, dw, db
 
 
-def _weight_grad(grad_z2d, x2d, r, bias, dw, db):
-    """Launch 1: dW = (r gz)^T x and db; returns the (tiles, B) <gy, b> partials (None without bias)."""
-    (M, K), N = x2d.shape, grad_z2d.shape[1]
-    # One row of partials per out-feature tile of _PARTIAL_TILE, the smallest tile any config uses;
-    # a program with a larger tile fills its first row, the others stay zero.
-    t = torch.zeros((triton.cdiv(N, _PARTIAL_TILE), M), device=x2d.device, dtype=torch.float32) if bias is not None else None
-    tiles = lambda meta: triton.cdiv(N, meta["BM"]) * triton.cdiv(max(K, 1), meta["BN"])  # noqa: E731
-    _launch_gemm(_weight_grad_kernel, tiles, x2d.dtype,
-                 grad_z2d, x2d, r, r if bias is None else bias, dw, r if bias is None else db, r if t is None else t,
-                 M, N, K, grad_z2d.stride(0), x2d.stride(0), dw.stride(0), 0 if t is None else t.stride(0),
-                 HAS_BIAS=bias is not None)
-    return t
+def _row_scale(x2d, r):
+    """Launch: r = 1/sqrt(sum x^2 + 1) per row, into r."""
+    M, K = x2d.shape
+    rows = 8  # 8 rows x 512 columns: 16 elements per thread over 4 warps, loads 16 bytes wide
+    _row_scale_kernel[(triton.cdiv(M, rows),)](x2d, r, M, K, x2d.stride(0), BM=rows, BK=512, num_warps=4)
 
 
-def _input_grad_gemm(grad_z2d, weight, r, dx):
-    """Launch 2: u = r * (gz W), written into dx."""
-    (M, N), K = grad_z2d.shape, weight.shape[1]
-    tiles = lambda meta: triton.cdiv(M, meta["BM"]) * triton.cdiv(K, meta["BN"])  # noqa: E731
-    _launch_gemm(_input_grad_kernel, tiles, dx.dtype,
-                 grad_z2d, weight, r, dx, M, N, K, grad_z2d.stride(0), weight.stride(0), dx.stride(0))
+def _scale_grad(grad_z2d, r, bias):
+    """Launch: gy = r * gz, and with a bias the <gy, b> partials (tiles, B) and db partials (tiles, N)."""
+    M, N = grad_z2d.shape
+    BM, BN = _SCALE_TILE
+    gy = torch.empty_like(grad_z2d)
+    tiles_m, tiles_n = triton.cdiv(M, BM), triton.cdiv(N, BN)
+    if bias is None:
+        t = db_partials = None
+    else:
+        t = torch.empty((tiles_n, M), device=gy.device, dtype=torch.float32)
+        db_partials = torch.empty((max(tiles_m, 1), N), device=gy.device, dtype=torch.float32)
+        if M == 0:
+            db_partials.zero_()
+    _scale_grad_kernel[(tiles_m, tiles_n)](
+        grad_z2d, r, r if bias is None else bias, gy, r if t is None else t, r if t is None else db_partials,
+        M, N, grad_z2d.stride(0), gy.stride(0), 0 if t is None else t.stride(0),
+        0 if t is None else db_partials.stride(0), HAS_BIAS=bias is not None, BM=BM, BN=BN, num_warps=8)
+    return gy, t, db_partials
 
 
 def _remove_x_component(dx, x2d, r, t):
-    """Launch 3, in place: dx = u - r^2 (<u, x> + <gy, b>) x, with <gy, b> summed from the partials t."""
+    """Launch, in place: dx = u - r^2 (<u, x> + <gy, b>) x, with <gy, b> summed from the partials t."""
     M, K = x2d.shape
     block = min(triton.next_power_of_2(max(K, 1)), _ROW_BLOCK_MAX)
     t_rows = 0 if t is None else t.shape[0]

@@ -9,13 +9,15 @@
 Without a bias, affine_like is (W x)/√(‖x‖² + 1): the "+1" (the bias input of the augmented
 vector [x; 1]) stays, only b is absent. An all-zero row gives affine_like: b (or 0), norm_like: b.
 
-Numerics: finite output for every finite input and finite weights of moderate size, including
-|x| up to the dtype's maximum (see ``_scale``); a NaN or ±Inf in a row (sample, for the
-convolutions) makes that row's (sample's) output non-finite, as nn.Linear/nn.Conv do, and
-leaves the others untouched. Under autocast the inputs are cast like F.linear / F.conv (to the
-autocast dtype) and the norms are accumulated in float32. Gradients are exact to rounding as
-long as the squared scale r² is a normal number (fp32: ‖x‖ < 1.8e19); beyond that they stay
-finite but lose the radial term to underflow.
+Numerics: finite output for every finite input, including |x| up to the dtype's maximum, for
+weights with ‖W_o‖ < √max (see ``_scale``). A NaN or ±Inf input makes exactly the outputs
+non-finite that nn.Linear / nn.Conv would (its whole row; the positions whose receptive field
+holds it) and leaves every other output at its clean value. Under autocast the inputs are cast
+like F.linear / F.conv (to the autocast dtype) and the norms are accumulated in float32.
+Gradients are exact to rounding while the squared scale r² is a normal number (fp32: ‖x‖ <
+1.8e19); beyond, they stay finite but lose the radial term to underflow. The convolutions
+rescale per sample: in a sample whose norm overflows (fp32: ‖x_n‖ > 1.8e19), patches smaller
+than the largest by more than ~2^96 lose relative precision.
 
 Bad input (shape, dtype, device) raises ValueError/TypeError naming the expected and the
 actual value. On CUDA, with the optional Triton kernel available (``_triton_affine_like``),
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from affdiv.layers import _autograd
+from affdiv.layers._scale import plain_eager
 
 NORM_MODES = ("l2", "rms")
 DEFAULT_EPS = 1e-12
@@ -197,19 +200,13 @@ def _autocast_and_match(name, x, weight, bias):
 
 def _gpu_kernel(rows: Tensor):
     """The Triton module when ``rows`` is a plain CUDA tensor and the kernel is available, else None."""
-    if not rows.is_cuda or _is_transformed(rows):
+    if not rows.is_cuda or not plain_eager(rows):  # a raw kernel cannot run under torch.func / compile
         return None
     try:
         from affdiv.layers import _triton_affine_like
     except ImportError:
         return None
     return _triton_affine_like if _triton_affine_like.available() else None
-
-
-def _is_transformed(t: Tensor) -> bool:
-    """True under torch.func transforms or compile tracing, where a raw kernel cannot run."""
-    wrapped = torch._C._functorch.is_functorch_wrapped_tensor(t)
-    return wrapped or torch.compiler.is_compiling()
 
 
 class _TritonAffineLike(torch.autograd.Function):

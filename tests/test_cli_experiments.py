@@ -13,9 +13,9 @@ import pytest
 
 from affdiv.cli import main
 
-# A tiny grid: 2 methods x 2 batch sizes x 3 seeds x 2 LR rules = 24 runs of one epoch.
-TINY = ["--preset", "smoke", "--methods", "affine", "batchnorm", "--batch-sizes", "32", "128",
-        "--seeds", "0", "1", "2", "--set", "length=1", "--set", "width=16"]
+# A tiny grid: 2 methods x 2 batch sizes x 3 seeds x 2 LR rules (sqrt, tuned) = 24 runs of one epoch.
+TINY = ["--preset", "smoke", "--methods", "affine", "l2", "--batch-sizes", "32", "128",
+        "--seeds", "0", "1", "2", "--set", "length=1", "--set", "width=16", "--set", "lr_grid=[0.1, 0.4]"]
 
 
 def _summary_without_provenance(path):
@@ -46,10 +46,10 @@ def tiny_report(tmp_path_factory):
 
 def test_falsify_writes_the_report_and_the_database(tiny_report):
     summary = json.loads((tiny_report / "summary.json").read_text())
-    assert set(summary["methods"]) == {"affine", "batchnorm"}
+    assert set(summary["methods"]) == {"affine", "l2"}
     for result in summary["methods"].values():
         assert {"slope", "ci_low", "ci_high", "p_value", "verdict"} <= set(result)
-    assert set(summary["groups"]) == {"constant", "sqrt"}
+    assert set(summary["groups"]) == {"sqrt", "tuned"}
     provenance = summary["provenance"]
     assert provenance["seeds"] == [0, 1, 2] and provenance["runs"] == 24
     assert set(provenance["data_fingerprint"]) == {"digits"} and len(provenance["config_hash"]) == 64
@@ -59,7 +59,8 @@ def test_falsify_writes_the_report_and_the_database(tiny_report):
     assert len(_rows(tiny_report / "results.sqlite")) == 24
     with open(tiny_report / "records.csv", newline="") as handle:
         records = list(csv.DictReader(handle))
-    assert len(records) == 24 and {r["lr_rule"] for r in records} == {"constant", "sqrt"}
+    assert len(records) == 24 and {r["lr_rule"] for r in records} == {"sqrt", "tuned"}
+    assert {float(r["lr"]) for r in records if r["lr_rule"] == "tuned"} <= {0.1, 0.4}
     assert all(r["metric"] == r["test_accuracy"] for r in records)
 
 
@@ -71,6 +72,17 @@ def test_analyse_reproduces_falsify_from_the_csv_and_the_database(tiny_report, t
         got = _summary_without_provenance(out / "summary.json")
         assert got["methods"] == expected["methods"], source
         assert got["groups"] == expected["groups"], source
+
+
+def test_groups_are_named_by_every_varying_setting_but_method_batch_and_seed():
+    from affdiv.experiments.cli import label_groups
+
+    records = [{"method": m, "batch_size": b, "seed": 0, "lr_rule": r, "width": 8}
+               for m in ("affine", "l2") for b in (16, 32) for r in ("sqrt", "tuned")]
+    assert label_groups(records) == "lr_rule" and "group" not in records[0]
+    records[0]["width"] = 16
+    assert label_groups(records) == "group"
+    assert [r["group"] for r in records[:2]] == ["lr_rule=sqrt, width=16", "lr_rule=tuned, width=8"]
 
 
 def test_analyse_a_minimal_csv(tmp_path):
@@ -116,10 +128,9 @@ def test_analyse_a_csv_without_the_metric_column(tmp_path, capsys):
 def test_kill_minus_9_loses_no_finished_run_and_resume_matches_an_uninterrupted_sweep(tmp_path):
     # Slow enough runs (batch 8, 3 epochs: ~0.5 s each) that the kill lands mid-sweep.
     grid = ["--preset", "smoke", "--methods", "affine", "batchnorm", "--batch-sizes", "8", "64",
-            "--seeds", "0", "1", "2", "--set", "lr_rule=['constant']", "--set", "length=3", "--set", "width=16",
-            "--workers", "2"]
+            "--seeds", "0", "1", "2", "--set", "lr_rule=['constant']", "--set", "length=3", "--set", "width=16"]
     interrupted = tmp_path / "interrupted"
-    command = [sys.executable, "-m", "affdiv.cli", "falsify", *grid, "--out", str(interrupted)]
+    command = [sys.executable, "-m", "affdiv.cli", "falsify", *grid, "--out", str(interrupted), "--workers", "2"]
     process = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     db = interrupted / "results.sqlite"
     deadline = time.monotonic() + 120
@@ -136,12 +147,14 @@ def test_kill_minus_9_loses_no_finished_run_and_resume_matches_an_uninterrupted_
     before = _rows(db)
     assert 3 <= len(before) < 12 and not (interrupted / "summary.json").exists()
 
-    assert main(["falsify", *grid, "--out", str(interrupted)]) == 0  # resume
+    # Resume (and the reference sweep) in this process: one torch thread per run whatever the
+    # number of workers, so the numbers cannot depend on it.
+    assert main(["falsify", *grid, "--out", str(interrupted), "--workers", "1"]) == 0
     after = _rows(db)
     assert len(after) == 12
     assert all(after[key] == row for key, row in before.items())  # finished runs kept, untouched
 
     fresh = tmp_path / "fresh"
-    assert main(["falsify", *grid, "--out", str(fresh)]) == 0
+    assert main(["falsify", *grid, "--out", str(fresh), "--workers", "1"]) == 0
     assert (interrupted / "records.csv").read_text() == (fresh / "records.csv").read_text()
     assert _summary_without_provenance(interrupted / "summary.json") == _summary_without_provenance(fresh / "summary.json")

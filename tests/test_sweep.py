@@ -67,7 +67,7 @@ def test_progress_bar_reports_count_and_eta():
 def test_packaged_presets_expand():
     assert available_presets() == ["fashion", "paper", "smoke"]
     sizes = {name: [len(s.configs) for s in load_preset(name).studies()] for name in available_presets()}
-    assert sizes["smoke"] == [4 * 4 * 5 * 2]
+    assert sizes["smoke"] == [4 * 4 * 5 * 2] and sizes["fashion"] == [6 * 4 * 4 * 2]
     paper = load_preset("paper").studies()
     assert [s.name for s in paper] == ["mlp-tanh", "mlp-relu", "cnn"]
     assert {c.dataset for s in paper for c in s.configs} == {"cifar10"}

@@ -89,6 +89,15 @@ def test_forward_and_backward_match_float64_autograd(backend, M, K, N, bias, see
     assert_within_bounds(tk, x, w, b, gz)
 
 
+def test_wide_rows_take_the_looping_paths(backend, monkeypatch):
+    # K = 1100 loops the row-scale pass (512 columns a step); a 256-wide row block makes the
+    # input-grad row pass take its two-sweep path (rows wider than _ROW_BLOCK_MAX).
+    tk, device, _ = backend
+    monkeypatch.setattr(tk, "_ROW_BLOCK_MAX", 256)
+    x, w, b, gz = gpu_check.random_inputs(5, 1100, 7, torch.float32, device, seed=9)
+    assert_within_bounds(tk, x, w, b, gz)
+
+
 @pytest.mark.filterwarnings("ignore:overflow:RuntimeWarning", "ignore:divide by zero:RuntimeWarning")
 def test_rows_beyond_float32_square_range(backend):
     # |x| ~ 1e30 overflows sum x^2 in float32 (1e60); the kernel re-sums those rows scaled.

@@ -27,6 +27,7 @@ Taylor series, so first order + Z2 leaves O(η³).
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from functools import cache
@@ -36,9 +37,10 @@ import torch
 from torch import Tensor, nn
 
 from affdiv.theory.derivation import Case, Proof, ProofKind, register
-from affdiv.theory.exact import ETA
+from affdiv.theory.exact import ETA, random_rational_matrix
 from affdiv.theory.kernels import (
-    ExtendedDerivation, channels_last_sites, correlated_rows, is_zero_expression, require, seed_from,
+    ExtendedDerivation, channels_last_sites, correlated_rows, exact_first_order, is_zero_expression, require,
+    seed_from,
 )
 
 PATHS = ("q", "k", "v", "o")
@@ -311,18 +313,85 @@ def softmax_derivatives_proof(lengths: tuple[int, ...] = (1, 2, 3)) -> Proof:
     )
 
 
-def _composition_step() -> Proof:
+def _exact_softmax_rows(scores: sp.Matrix, causal: bool) -> sp.Matrix:
+    return sp.Matrix(
+        [
+            [e / sum(row) for e in row]
+            for row in (
+                [sp.exp(scores[i, j]) if (j <= i or not causal) else sp.Integer(0) for j in range(scores.cols)]
+                for i in range(scores.rows)
+            )
+        ]
+    )
+
+
+def _exact_jvp(a: sp.Matrix, u: sp.Matrix) -> sp.Matrix:
+    return sp.Matrix(a.rows, a.cols, lambda i, j: a[i, j] * (u[i, j] - sum(a[i, k] * u[i, k] for k in range(a.cols))))
+
+
+def _vanishes_with_exps_as_symbols(matrix: sp.Matrix) -> bool:
+    """Each entry, with every exp(r) replaced by an independent positive symbol, cancels to 0: then
+    it is 0 for the true values too (a sufficient test: sympy's own exp merging can only add
+    relations, never make a nonzero rational function vanish)."""
+    atoms = sorted(set().union(*(e.atoms(sp.exp) for e in matrix)), key=sp.default_sort_key)
+    names = {a: sp.Symbol(f"E{i}", positive=True) for i, a in enumerate(atoms)}
+    return all(sp.cancel(sp.together(e.xreplace(names))) == 0 for e in matrix)
+
+
+@cache
+def exact_first_order_proof(seed: int = 0) -> Proof:
+    """J Δθ by exact differentiation of Z = softmax(c X W_Q W_Kᵀ Xᵀ) X W_V W_O equals the four-path
+    closed form, at small sizes with and without the causal mask."""
+    rng = random.Random(seed)
+    checked = []
+    for tokens, causal in ((2, False), (3, True)):
+        m, d, out = 2, 1, 1
+        x = random_rational_matrix(tokens, m, rng, nonzero=True)
+        c = 1 / sp.sqrt(d)
+        params = {k: random_rational_matrix(*shape, rng) for k, shape in
+                  {"Q": (m, d), "K": (m, d), "V": (m, d), "O": (d, out)}.items()}
+        g = random_rational_matrix(tokens, out, rng)
+
+        def forward(p):
+            return _exact_softmax_rows(c * x * p["Q"] * p["K"].T * x.T, causal) * x * p["V"] * p["O"]
+
+        linear = exact_first_order(forward, params, g, ETA)
+        q, k, v = x * params["Q"], x * params["K"], x * params["V"]
+        a = _exact_softmax_rows(c * q * k.T, causal)
+        g_y = g * params["O"].T
+        d_s = _exact_jvp(a, g_y * v.T)
+        gram = x * x.T
+        s1 = -ETA * c**2 * (gram * d_s * k * k.T + q * q.T * d_s * gram)
+        y = a * v
+        closed = (_exact_jvp(a, s1) * v - ETA * (a * x) * (a * x).T * g_y) * params["O"] - ETA * y * y.T * g
+        if not _vanishes_with_exps_as_symbols(linear - closed):
+            return Proof("attention first order", ProofKind.EXACT_CONCRETE, False, f"differs at T={tokens}, causal={causal}")
+        checked.append(f"(T={tokens}, d_model={m}, d={d}, d_out={out}, causal={causal})")
     return Proof(
-        claim="composition: ΔZ = J(S1)V W_O + A X ΔW_V W_O + Y ΔW_O to first order, plus Z2 to second "
-        "(chain rule through Z = softmax(S(θ)) X W_V W_O, the mask entering as A = 0)",
+        claim="first order: ΔZ = J(S1) V W_O − η (AX)(AX)ᵀ G_Y W_O − η Y Yᵀ g with S1 = −η c² (Γ_X D Γ_K + "
+        "Γ_Q D Γ_X), D = J(G_Y Vᵀ): the Q, K, V and O paths, nothing else",
+        kind=ProofKind.EXACT_CONCRETE,
+        holds=True,
+        detail="exact differentiation (rationals and exponentials) at " + ", ".join(checked),
+    )
+
+
+def _second_order_step() -> Proof:
+    return Proof(
+        claim="second order: Z2 = (J(S2) + ½ C(S1)) V W_O + J(S1) X ΔW_V W_O + Y1 ΔW_O (Taylor coefficient of η²)",
         kind=ProofKind.NUMERIC_ONLY,
         holds=True,
-        detail="checked against jvp∘vjp and the NTK, and by the Taylor remainder: order 2 without Z2, 3 with it",
+        detail="assembled from the exact pieces above by the product rule; checked against the η² "
+        "coefficient measured by nested forward-mode AD (tests) and by the Taylor remainder, "
+        "which falls as η³ once Z2 is added",
     )
 
 
 def _proofs() -> tuple[Proof, ...]:
-    return (value_path_theorem(), score_theorem(), softmax_derivatives_proof(), _composition_step())
+    return (
+        value_path_theorem(), score_theorem(), softmax_derivatives_proof(), exact_first_order_proof(),
+        _second_order_step(),
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -119,6 +119,7 @@ def _pieces(block: ResidualBlock, u: Tensor):
         return x, k_h, eye + torch.einsum("nh,bh,hm->bnm", w2, d, w1), (phi(a), d)
 
 
+@torch.no_grad()
 def branch_update(block: ResidualBlock, x: Tensor, two_layer, g: Tensor) -> Tensor:
     """Σ_j Θ_F(i,j) g_j (the branch's own parameters), rows i."""
     if two_layer is None:

@@ -1,0 +1,304 @@
+"""The corrected layers behave like torch.nn layers: torch.func, torch.compile, autocast,
+state_dict, init, repr, memory saved for backward, convert(), the optional GPU dispatch.
+
+Float64 comparisons of two evaluations of the same function: rtol = atol = 1e-12 (a few ulp of
+O(1) values, with room for the different summation orders of vmap/compile vs eager).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call, jacrev, vmap
+
+from affdiv.layers import AffineLike, NormLike, PatchNormConv1d, PatchNormConv2d, convert
+from affdiv.layers import functional as LF
+
+F64 = torch.float64
+CLOSE = {"rtol": 1e-12, "atol": 1e-12}
+
+LAYERS = {
+    "affine_like": lambda **kw: AffineLike(6, 4, **kw),
+    "norm_l2": lambda **kw: NormLike(6, 4, mode="l2", **kw),
+    "norm_rms": lambda **kw: NormLike(6, 4, mode="rms", **kw),
+    "conv1d": lambda **kw: PatchNormConv1d(2, 4, 3, padding=1, groups=2, **kw),
+    "conv2d": lambda **kw: PatchNormConv2d(2, 4, 3, stride=2, padding="valid", **kw),
+}
+INPUT_SHAPES = {"affine_like": (3, 6), "norm_l2": (3, 6), "norm_rms": (3, 6), "conv1d": (3, 2, 7),
+                "conv2d": (3, 2, 7, 5)}
+
+
+def _layer_and_input(name, dtype=F64, seed=0):
+    torch.manual_seed(seed)
+    return LAYERS[name](dtype=dtype), 2.0 * torch.randn(*INPUT_SHAPES[name], dtype=dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# torch.func
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_vmap_equals_loop(name):
+    layer, x = _layer_and_input(name)
+    torch.testing.assert_close(vmap(layer)(x), torch.stack([layer(xi) for xi in x]), **CLOSE)
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_jacrev_and_functional_call_match_autograd(name):
+    layer, x = _layer_and_input(name)
+    params = dict(layer.named_parameters())
+    jac = jacrev(lambda p, x: functional_call(layer, p, (x,)), argnums=(0, 1))(params, x)
+    out = layer(x)
+    for i in range(3):  # rows of the Jacobian by plain reverse mode, one output element at a time
+        index = tuple(torch.randint(0, s, (1,)).item() for s in out.shape)
+        grads = torch.autograd.grad(layer(x.requires_grad_(True))[index], [*params.values(), x])
+        for (pname, _), g in zip(params.items(), grads):
+            torch.testing.assert_close(jac[0][pname][index], g, **CLOSE)
+        torch.testing.assert_close(jac[1][index], grads[-1], **CLOSE)
+        x = x.detach()
+
+
+@pytest.mark.parametrize("name", ["affine_like", "norm_l2", "conv2d"])
+def test_per_sample_gradients_by_vmap_of_grad(name):
+    layer, x = _layer_and_input(name)
+    params = {k: v.detach() for k, v in layer.named_parameters()}
+
+    def loss(p, xi):
+        return functional_call(layer, p, (xi.unsqueeze(0),)).square().sum()
+
+    per_sample = vmap(torch.func.grad(loss), in_dims=(None, 0))(params, x)
+    for i in range(x.shape[0]):
+        expected = torch.autograd.grad(loss(dict(layer.named_parameters()), x[i]), list(layer.parameters()))
+        for (pname, _), g in zip(layer.named_parameters(), expected):
+            torch.testing.assert_close(per_sample[pname][i], g, **CLOSE)
+
+
+# --------------------------------------------------------------------------------------------
+# torch.compile (eager / aot_eager backends: the tracing is what can break; inductor is
+# exercised by the benchmark, its CPU compile takes about a minute)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("name", LAYERS)
+def test_compile_matches_eager_forward_and_backward(name, backend):
+    torch._dynamo.reset()
+    layer, x = _layer_and_input(name)
+    compiled = torch.compile(layer, backend=backend, fullgraph=True)
+    x1, x2 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    z1, z2 = layer(x1), compiled(x2)
+    torch.testing.assert_close(z2, z1, **CLOSE)
+    g = torch.randn_like(z1)
+    d1 = torch.autograd.grad(z1, [x1, *layer.parameters()], g)
+    d2 = torch.autograd.grad(z2, [x2, *layer.parameters()], g)
+    for a, b in zip(d1, d2):
+        torch.testing.assert_close(b, a, **CLOSE)
+
+
+# --------------------------------------------------------------------------------------------
+# autocast and dtypes
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_autocast_bf16_matches_float64_within_bf16_rounding(name):
+    layer, x = _layer_and_input(name, dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        z = layer(x)
+    assert z.dtype == torch.bfloat16
+    z.float().sum().backward()  # gradients reach the float32 parameters through the casts
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in layer.parameters())
+    exact = layer.to(F64)(x.to(F64))
+    # bf16 has an 8-bit significand: inputs, weights and the GEMM output each rounded (≤ 2⁻⁸
+    # relative), the sums of ≤ 18 products in float32; |z| ≤ ‖W_o‖·O(1): atol 0.05 bounds it.
+    torch.testing.assert_close(z.to(F64), exact, rtol=0.03, atol=0.05)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("name", LAYERS)
+def test_every_float_dtype_runs_forward_and_backward(name, dtype):
+    layer, x = _layer_and_input(name, dtype=dtype)
+    x.requires_grad_(True)
+    z = layer(x)
+    assert z.dtype == dtype and torch.isfinite(z).all()
+    z.float().sum().backward()
+    assert x.grad.dtype == dtype and torch.isfinite(x.grad).all()
+    exact = copy.deepcopy(layer).to(F64)(x.detach().to(F64))
+    tol = {torch.float16: 5e-3, torch.bfloat16: 4e-2, torch.float32: 1e-5}[dtype]  # a few ulp × √(terms)
+    torch.testing.assert_close(z.detach().to(F64), exact, rtol=tol, atol=tol)
+
+
+# --------------------------------------------------------------------------------------------
+# nn.Module conventions
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_state_dict_round_trip_and_plain_layer_keys(name):
+    layer, x = _layer_and_input(name)
+    fresh = LAYERS[name](dtype=F64)
+    fresh.load_state_dict(layer.state_dict())
+    torch.testing.assert_close(fresh(x), layer(x), rtol=0, atol=0)
+    plain = nn.Linear(6, 4) if "conv" not in name else (nn.Conv1d(2, 4, 3, groups=2) if name == "conv1d"
+                                                         else nn.Conv2d(2, 4, 3))
+    assert set(layer.state_dict()) == set(plain.state_dict())
+
+
+def test_reset_parameters_matches_the_plain_layer_init():
+    # same RNG stream, same init rule => identical parameters
+    for make, plain in [(lambda: AffineLike(7, 5), lambda: nn.Linear(7, 5)),
+                        (lambda: NormLike(7, 5, mode="rms"), lambda: nn.Linear(7, 5)),
+                        (lambda: PatchNormConv2d(4, 6, 3, groups=2), lambda: nn.Conv2d(4, 6, 3, groups=2)),
+                        (lambda: PatchNormConv1d(3, 2, 5, bias=False), lambda: nn.Conv1d(3, 2, 5, bias=False))]:
+        torch.manual_seed(3)
+        a = make()
+        torch.manual_seed(3)
+        b = plain()
+        for (ka, pa), (kb, pb) in zip(a.state_dict().items(), b.state_dict().items()):
+            assert ka == kb and torch.equal(pa, pb)
+
+
+def test_extra_repr():
+    assert repr(AffineLike(3, 2, bias=False)) == "AffineLike(in_features=3, out_features=2, bias=False)"
+    assert repr(NormLike(3, 2, mode="rms", eps=1e-6)) == (
+        "NormLike(in_features=3, out_features=2, bias=True, mode='rms', eps=1e-06)")
+    assert repr(PatchNormConv2d(2, 4, 3, padding=1, groups=2)) == (
+        "PatchNormConv2d(2, 4, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1), groups=2)")
+
+
+def test_not_a_subclass_of_the_plain_layers():
+    assert not isinstance(AffineLike(2, 2), nn.Linear)
+    assert not isinstance(PatchNormConv2d(2, 2, 1), nn.Conv2d)
+
+
+# --------------------------------------------------------------------------------------------
+# memory saved for backward
+
+
+def _saved_new_bytes(module, x):
+    """Bytes of the tensors autograd saves for module(x) that are not x or a parameter (which
+    exist anyway): the memory the graph keeps alive because of this layer. Also the output."""
+    existing = {t.untyped_storage().data_ptr() for t in (x, *module.parameters())}
+    seen = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in existing:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = module(x)
+    return sum(seen.values()), out
+
+
+@pytest.mark.parametrize("batch, m, n", [(64, 32, 16), (16, 8, 64)])
+def test_dense_layers_save_one_float_per_row_beyond_nn_linear(batch, m, n):
+    x = torch.randn(batch, m, requires_grad=True)
+    linear = nn.Linear(m, n)
+    assert _saved_new_bytes(linear, x)[0] == 0  # nn.Linear saves only x and W
+    for layer in (AffineLike(m, n), NormLike(m, n), NormLike(m, n, mode="rms")):
+        layer.load_state_dict(linear.state_dict())
+        new, _ = _saved_new_bytes(layer, x)
+        assert 0 < new <= batch * 4, (type(layer).__name__, new)
+
+
+def test_patchnorm_saves_one_float_per_position_and_its_output_beyond_nn_conv2d():
+    # documented: PatchNormConv also saves z (shared with a consumer that saves its input)
+    x = torch.randn(4, 6, 9, 9, requires_grad=True)
+    conv = nn.Conv2d(6, 8, 3, padding=1, groups=2)
+    assert _saved_new_bytes(conv, x)[0] == 0
+    layer = PatchNormConv2d(6, 8, 3, padding=1, groups=2)
+    new, z = _saved_new_bytes(layer, x)
+    positions_per_group = 4 * 2 * 9 * 9
+    assert new <= 4 * positions_per_group + z.untyped_storage().nbytes()
+
+
+# --------------------------------------------------------------------------------------------
+# convert
+
+
+def test_convert_swaps_keeps_parameters_and_reports():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Flatten(),
+        nn.Sequential(nn.Linear(4 * 5 * 5, 8), nn.LayerNorm(8), nn.Linear(8, 2, bias=False)),
+    )
+    attention = nn.MultiheadAttention(8, 2)
+    model.add_module("attn", attention)
+    weights = {id(p) for p in model.parameters()}
+    records = convert(model, linear="norm_rms", following_norm="remove")
+    assert [(r.path, r.old_type, r.new_type, r.weights_kept) for r in records] == [
+        ("0", "Conv2d", "PatchNormConv2d", True),
+        ("3.0", "Linear", "NormLike", True),
+        ("3.1", "LayerNorm", "Identity", False),
+        ("3.2", "Linear", "NormLike", True),
+    ]
+    assert isinstance(model[3][1], nn.Identity) and model[3][2].mode == "rms"
+    assert model.attn.out_proj.__class__ is not NormLike  # attention internals are never swapped
+    kept = {id(p) for p in model.parameters()}
+    assert kept <= weights and len(weights - kept) == 2  # only the LayerNorm's γ, β are gone
+    x = torch.randn(2, 3, 5, 5)
+    head = model[:4]
+    expected = LF.norm_like(head[2](head[1](head[0](x))), head[3][0].weight, head[3][0].bias, mode="rms")
+    expected = LF.norm_like(expected, head[3][2].weight, None, mode="rms")
+    torch.testing.assert_close(head(x), expected, rtol=0, atol=0)
+
+
+def test_convert_keep_norm_skip_and_options():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Conv1d(1, 1, 1))
+    records = convert(model, conv=False, skip=lambda path, m: False)
+    assert [(r.path, r.new_type) for r in records] == [("0", "AffineLike")]
+    assert isinstance(model[1], nn.BatchNorm1d) and type(model[2]) is nn.Conv1d
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    assert [r.path for r in convert(model, skip=lambda path, m: path == "1")] == ["0"]
+    with pytest.raises(ValueError, match="linear must be one of"):
+        convert(model, linear="affine")
+    with pytest.raises(ValueError, match="following_norm must be"):
+        convert(model, following_norm="fold")
+    with pytest.raises(TypeError, match="container"):
+        convert(nn.Linear(2, 2))
+
+
+# --------------------------------------------------------------------------------------------
+# GPU dispatch: the contract with layers._triton_affine_like, checked with a stand-in kernel
+
+
+class _FakeKernel:
+    """Implements the kernel's interface with the torch Function, recording the calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def available(self):
+        return True
+
+    def forward(self, x2d, weight, bias):
+        self.calls.append(("forward", x2d.shape))
+        from affdiv.layers._autograd import AffineLike as Fn
+        return Fn.forward(x2d, weight, bias)
+
+    def backward(self, grad_z2d, x2d, weight, bias, r):
+        self.calls.append(("backward", grad_z2d.shape))
+        from affdiv.layers._autograd import affine_like_grads
+        return affine_like_grads(x2d, weight, bias, r, grad_z2d, None, (True, True, True))
+
+
+def test_gpu_dispatch_calls_the_kernel_with_the_agreed_signature(monkeypatch):
+    fake = _FakeKernel()
+    monkeypatch.setattr(LF, "_gpu_kernel", lambda rows: fake)
+    layer, x = _layer_and_input("affine_like")
+    x = x.reshape(1, 3, 6).requires_grad_(True)
+    z = layer(x)
+    z.sum().backward()
+    assert fake.calls == [("forward", (3, 6)), ("backward", (3, 4))]
+    x2 = x.detach().requires_grad_(True)
+    monkeypatch.setattr(LF, "_gpu_kernel", lambda rows: None)
+    z2 = layer(x2)
+    z2.sum().backward()
+    torch.testing.assert_close(z, z2, **CLOSE)
+    torch.testing.assert_close(x.grad, x2.grad, **CLOSE)
+
+
+def test_gpu_kernel_is_not_used_on_cpu():
+    assert LF._gpu_kernel(torch.zeros(2, 2)) is None

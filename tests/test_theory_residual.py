@@ -1,0 +1,144 @@
+"""Residual blocks: proofs hold, first order matches autograd, the Taylor remainder is O(η²), the
+affine block's η² term is exact, and what the affine-like correction leaves inside the block."""
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from affdiv.theory import ProofKind, registry
+from affdiv.theory import residual
+from affdiv.verify.checks import SLOPE_TOL, TOL, check_taylor, check_update, rel_err
+from affdiv.verify.engine import effective_update
+from affdiv.verify.metrics import cosine, diagonal_update
+
+NAMES = tuple(d.name for d in residual.DERIVATIONS)
+
+
+def _case(name, sizes, seed):
+    generator = torch.Generator().manual_seed(seed)
+    case = registry()[name].build(sizes, generator)
+    with torch.no_grad():
+        g = torch.randn(case.module(*case.inputs).shape, dtype=torch.float64, generator=generator)
+    return case, g
+
+
+def test_registered_with_their_proof_kinds():
+    kinds = {name: registry()[name].proof_kind for name in NAMES}
+    assert all(registry()[name].proven for name in NAMES)
+    assert kinds["residual_affine"] is ProofKind.SYMBOLIC_GENERAL
+    for name in NAMES[1:]:
+        assert kinds[name] is ProofKind.EXACT_CONCRETE  # first order exact at concrete sizes, any φ
+
+
+sizes = st.fixed_dictionaries(
+    {"batch": st.integers(1, 6), "in_features": st.integers(1, 6), "width": st.integers(1, 5), "hidden": st.integers(1, 6)}
+)
+
+
+@settings(max_examples=15)
+@given(name=st.sampled_from(NAMES), sizes=sizes, seed=st.integers(0, 2**16), lr=st.floats(1e-4, 1.0))
+def test_first_order_matches_autograd_and_ntk(name, sizes, seed, lr):
+    result = check_update(registry()[name], sizes, seed, lr=lr)
+    assert result.passed, result
+
+
+@settings(max_examples=6)
+@given(name=st.sampled_from(NAMES[1:]), sizes=sizes, seed=st.integers(0, 2**16))
+def test_taylor_remainder_is_second_order(name, sizes, seed):
+    d = registry()[name]
+    result = check_taylor(d, sizes, seed, lrs=d.taylor_lrs)
+    assert abs(result.errors["slope_first_order"] - 2) <= SLOPE_TOL, result
+
+
+@given(sizes=sizes, seed=st.integers(0, 2**16), lr=st.floats(1e-3, 3.0))
+def test_affine_block_second_order_term_makes_the_step_exact(sizes, seed, lr):
+    """Affine branch on an affine upstream: first order + ΔW Δx_i is the real step at any η."""
+    case, g = _case("residual_affine", sizes, seed)
+    measured = effective_update(case.module, case.inputs, g, lr=lr)
+    predicted = residual.predict_residual_second_order(case, g, lr)
+    # rounding of the real step's difference z(θ+Δθ) − z(θ): 16 u ‖z‖/‖Δz‖ on top of TOL (checks.py)
+    bound = TOL + 16 * 2**-53 * float(measured.output.abs().max() / measured.finite.abs().max())
+    assert rel_err(predicted, measured.finite) <= bound
+    # ... and without the η² term it is not exact at a large step
+    if lr > 0.5:
+        assert rel_err(residual.predict_residual(case, g, lr), measured.finite) > 1e-6
+
+
+@settings(max_examples=10)
+@given(name=st.sampled_from(NAMES), sizes=sizes, seed=st.integers(0, 2**16))
+def test_own_sample_block_matches_single_sample_steps(name, sizes, seed):
+    """Each sample's update from its own gradient alone is −η K_ii g_i with the derived matrix K_ii."""
+    case, g = _case(name, sizes, seed)
+    lr = 0.1
+    measured = diagonal_update(case.module, case.inputs, g, lr)
+    predicted = -lr * torch.einsum("bnm,bm->bn", residual.diagonal_blocks(case), g)
+    assert rel_err(predicted, measured) <= TOL
+
+
+def test_correction_makes_the_scalars_one_but_leaves_the_matrix():
+    """Affine-like H and F: K_ii − M_i M_iᵀ = I exactly (the scalar factors are 1), yet K_ii is not
+    a multiple of I, so one sample's update is not along −g_i (cosine < 1)."""
+    sizes = {"batch": 6, "in_features": 4, "width": 5}
+    case, g = _case("residual_affine_like_on_affine_like", sizes, 0)
+    blocks = residual.diagonal_blocks(case)
+    _, _, m, _ = residual._pieces(case.module, case.inputs[0])
+    eye = torch.eye(5, dtype=torch.float64).expand_as(blocks)
+    torch.testing.assert_close(blocks - m @ m.transpose(1, 2), eye, rtol=0, atol=1e-13)
+    assert float(residual.matrix_share(blocks).min()) > 0.05
+    single = diagonal_update(case.module, case.inputs, g, 0.1)
+    assert float(cosine(single, -0.1 * g).max()) < 0.999
+    # the uncorrected block carries the scalars: K_ii − (‖u_i‖²+1) M Mᵀ = (‖x_i‖²+1) I
+    plain, g = _case("residual_affine", sizes, 0)
+    x, k_h, m, _ = residual._pieces(plain.module, plain.inputs[0])
+    rest = residual.diagonal_blocks(plain) - torch.diagonal(k_h)[:, None, None] * m @ m.transpose(1, 2)
+    torch.testing.assert_close(rest, ((x * x).sum(-1) + 1)[:, None, None] * eye, rtol=1e-12, atol=0)
+
+
+def _drop_skip_matrix(case, g, lr):
+    """Planted: the upstream kernel taken as a scalar (M = I), as if the skip path did not exist."""
+    x, k_h, _, two_layer = residual._pieces(case.module, case.inputs[0])
+    return -lr * (residual.branch_update(case.module, x, two_layer, g) + k_h @ g)
+
+
+def _drop_inner_layer(case, g, lr):
+    """Planted: the two-layer branch without its W₁ path (only (h·h+1) I)."""
+    x, k_h, m, (h, _) = residual._pieces(case.module, case.inputs[0])
+    upstream = torch.einsum("ink,ik->in", m, k_h @ torch.einsum("jnk,jn->jk", m, g))
+    return -lr * ((h @ h.T + 1) @ g + upstream)
+
+
+@pytest.mark.parametrize(
+    "name, wrong",
+    [("residual_affine", _drop_skip_matrix), ("residual_tanh", _drop_skip_matrix), ("residual_gelu", _drop_inner_layer)],
+)
+def test_planted_wrong_formula_fails(name, wrong):
+    d = registry()[name]
+    result = check_update(dataclasses.replace(d, predict=wrong), d.sizes[1], seed=0)
+    assert not result.passed
+    assert result.errors["linear"] > 1e-2
+
+
+def test_activation_derivative_is_derived_not_typed():
+    """φ' comes from sympy's derivative of φ; it matches autograd on a grid."""
+    a = torch.linspace(-4, 4, 101, dtype=torch.float64, requires_grad=True)
+    for name in residual.ACTIVATIONS:
+        phi, dphi = residual.activation(name)
+        (auto,) = torch.autograd.grad(phi(a).sum(), a)
+        torch.testing.assert_close(dphi(a.detach()), auto, rtol=1e-13, atol=1e-15)
+
+
+def test_bad_input_is_named():
+    with pytest.raises(ValueError, match="branch must be in"):
+        residual.ResidualBlock(2, 2, "relu6")
+    with pytest.raises(ValueError, match="hidden ≥ 1"):
+        residual.ResidualBlock(2, 2, "tanh")
+    with pytest.raises(ValueError, match="activation must be one of"):
+        residual.activation("swish")
+    with pytest.raises(ValueError, match="missing"):
+        residual.build_case({"batch": 2}, torch.Generator(), "affine", "affine")
+    case, g = _case("residual_tanh", {"batch": 2, "in_features": 2, "width": 2, "hidden": 2}, 0)
+    with pytest.raises(ValueError, match="affine/affine block"):
+        residual.predict_residual_second_order(case, g, 0.1)
