@@ -139,10 +139,10 @@ def falsify_command(args) -> int:
     configs = {config_hash(c.to_dict()): c for study in studies for c in study.configs}
 
     # Bad batch sizes and missing data files are reported before any training starts.
-    fingerprints = {}
+    fingerprints: dict[str, set[str]] = {}
     for config in configs.values():
         data = dataset_for(config, args.data_dir)
-        fingerprints[config.dataset] = str(data.fingerprint)
+        fingerprints.setdefault(config.dataset, set()).add(str(data.fingerprint))
         if config.batch_size > len(data.train.y):
             raise ValueError(
                 f"batch size {config.batch_size} exceeds the {len(data.train.y)} training samples of {config.dataset}"
@@ -168,7 +168,7 @@ def falsify_command(args) -> int:
                 config_hash=hashlib.sha256("".join(hashes).encode()).hexdigest(),
                 runs=len(hashes),
                 seeds=sorted({c.seed for c in study.configs}),
-                data_fingerprint={c.dataset: fingerprints[c.dataset] for c in study.configs},
+                data_fingerprint={c.dataset: sorted(fingerprints[c.dataset]) for c in study.configs},
                 results_db=str(db),
                 hardware=_hardware(outcome, {c.device for c in study.configs}),
                 wall_time_s=round(time.monotonic() - started, 1),

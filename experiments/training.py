@@ -221,6 +221,8 @@ def train_run(config: RunConfig, data) -> RunResult:
         "train_loss": last["train_loss"],
         "diverged": int(diverged),
         "lr": lr,
+        # A tuned LR on the edge of its grid may not be the optimum: the grid should be widened.
+        "lr_at_grid_edge": int(config.lr_rule == "tuned" and lr in (min(config.lr_grid), max(config.lr_grid))),
         "steps": steps,
         "epochs": len(curves),
     }

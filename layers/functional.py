@@ -199,18 +199,20 @@ def _autocast_and_match(name, x, weight, bias):
 
 
 def _gpu_kernel(rows: Tensor):
-    """The Triton module when ``rows`` is a plain CUDA tensor and the kernel is available, else None."""
-    if not rows.is_cuda or not plain_eager(rows):  # a raw kernel cannot run under torch.func / compile
+    """The Triton module when ``rows`` is a plain CUDA tensor of a dtype it supports and the
+    kernel is available, else None (a raw kernel cannot run under torch.func / compile)."""
+    if not rows.is_cuda or not plain_eager(rows):
         return None
     try:
-        from affdiv.layers import _triton_affine_like
+        from affdiv.layers import _triton_affine_like as kernel
     except ImportError:
         return None
-    return _triton_affine_like if _triton_affine_like.available() else None
+    return kernel if kernel.available() and rows.dtype in kernel.SUPPORTED_DTYPES else None
 
 
 class _TritonAffineLike(torch.autograd.Function):
-    """affine_like through the fused kernel; double backward falls back to the torch formula."""
+    """affine_like through the fused kernel: its r is (rows,) float32, its backward first order
+    only; double backward (or a gradient on r) takes the differentiable torch formula."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, kernel):
@@ -225,7 +227,9 @@ class _TritonAffineLike(torch.autograd.Function):
         x, weight, bias, r = ctx.saved_tensors
         if grad_z is not None and grad_r is None and not torch.is_grad_enabled():
             dx, dw, db = ctx.kernel.backward(grad_z.contiguous(), x, weight, bias, r)
-            db = None if bias is None else db
-        else:  # create_graph or a gradient on r: the differentiable torch formula (same math)
-            dx, dw, db = _autograd.affine_like_grads(x, weight, bias, r, grad_z, grad_r, ctx.needs_input_grad[:3])
+        else:
+            column = None if grad_r is None else grad_r.unsqueeze(-1)
+            dx, dw, db = _autograd.affine_like_grads(
+                x, weight, bias, r.unsqueeze(-1), grad_z, column, ctx.needs_input_grad[:3]
+            )
         return dx, dw, db, None

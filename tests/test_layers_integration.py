@@ -265,7 +265,10 @@ def test_convert_keep_norm_skip_and_options():
 
 
 class _FakeKernel:
-    """Implements the kernel's interface with the torch Function, recording the calls."""
+    """Implements the kernel's interface (r: (rows,) float32, as _triton_affine_like) with the
+    torch Function, recording the calls."""
+
+    SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
     def __init__(self):
         self.calls = []
@@ -274,20 +277,21 @@ class _FakeKernel:
         return True
 
     def forward(self, x2d, weight, bias):
-        self.calls.append(("forward", x2d.shape))
+        self.calls.append(("forward", tuple(x2d.shape)))
         from affdiv.layers._autograd import AffineLike as Fn
-        return Fn.forward(x2d, weight, bias)
+        z, r = Fn.forward(x2d, weight, bias)
+        return z, r.squeeze(-1).float()
 
     def backward(self, grad_z2d, x2d, weight, bias, r):
-        self.calls.append(("backward", grad_z2d.shape))
+        self.calls.append(("backward", tuple(grad_z2d.shape)))
         from affdiv.layers._autograd import affine_like_grads
-        return affine_like_grads(x2d, weight, bias, r, grad_z2d, None, (True, True, True))
+        return affine_like_grads(x2d, weight, bias, r.unsqueeze(-1).to(x2d.dtype), grad_z2d, None, (True, True, True))
 
 
 def test_gpu_dispatch_calls_the_kernel_with_the_agreed_signature(monkeypatch):
     fake = _FakeKernel()
     monkeypatch.setattr(LF, "_gpu_kernel", lambda rows: fake)
-    layer, x = _layer_and_input("affine_like")
+    layer, x = _layer_and_input("affine_like", dtype=torch.float32)
     x = x.reshape(1, 3, 6).requires_grad_(True)
     z = layer(x)
     z.sum().backward()
@@ -296,8 +300,23 @@ def test_gpu_dispatch_calls_the_kernel_with_the_agreed_signature(monkeypatch):
     monkeypatch.setattr(LF, "_gpu_kernel", lambda rows: None)
     z2 = layer(x2)
     z2.sum().backward()
-    torch.testing.assert_close(z, z2, **CLOSE)
-    torch.testing.assert_close(x.grad, x2.grad, **CLOSE)
+    # float32, the same formulas in the same order: agreement to a few ulp
+    torch.testing.assert_close(z, z2, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_gpu_dispatch_double_backward_falls_back_to_the_torch_formula(monkeypatch):
+    fake = _FakeKernel()
+    monkeypatch.setattr(LF, "_gpu_kernel", lambda rows: fake)
+    x = torch.randn(3, 5, requires_grad=True)
+    w, b = torch.randn(4, 5, requires_grad=True), torch.randn(4, requires_grad=True)
+    (g,) = torch.autograd.grad(LF.affine_like(x, w, b).square().sum(), x, create_graph=True)
+    (gg,) = torch.autograd.grad(g.sum(), w)
+    assert fake.calls == [("forward", (3, 5))]  # the kernel's first-order backward was not used
+    monkeypatch.setattr(LF, "_gpu_kernel", lambda rows: None)
+    (g2,) = torch.autograd.grad(LF.affine_like(x, w, b).square().sum(), x, create_graph=True)
+    (gg2,) = torch.autograd.grad(g2.sum(), w)
+    torch.testing.assert_close(gg, gg2, rtol=1e-5, atol=1e-6)
 
 
 def test_gpu_kernel_is_not_used_on_cpu():

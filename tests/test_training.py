@@ -103,12 +103,14 @@ def test_tuned_picks_the_best_validation_lr_and_tests_once(digits, monkeypatch):
     monkeypatch.setattr(training, "evaluate", lambda m, x, y: seen_sizes.append(len(y)) or real_evaluate(m, x, y))
     tuned = train_run(_config(lr_rule="tuned", lr_grid=grid), digits)
 
-    assert tuned.metrics["lr"] == best == 0.3
+    assert tuned.metrics["lr"] == best == 0.3 and tuned.metrics["lr_at_grid_edge"] == 0
     assert {k: v for k, v in tuned.metrics.items() if k != "lr"} == {
         k: v for k, v in separate[best].metrics.items() if k != "lr"
     }
     assert seen_sizes.count(len(digits.test.y)) == 1  # the test split is evaluated once, at the end
     assert len(digits.test.y) != len(digits.val.y)
+    edge = train_run(_config(lr_rule="tuned", lr_grid=(0.001, 0.01)), digits)
+    assert edge.metrics["lr"] == 0.01 and edge.metrics["lr_at_grid_edge"] == 1
 
 
 def test_batch_larger_than_the_training_split_is_refused(digits):
