@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import sys
 import time
@@ -30,11 +29,14 @@ def register(subparsers) -> None:
     falsify.add_argument("--db", type=Path, help="results database (default: OUT/results.sqlite)")
     falsify.add_argument("--seeds", type=int, nargs="+", help="replace the preset's seeds")
     falsify.add_argument("--batch-sizes", type=int, nargs="+", help="replace the preset's batch sizes")
-    falsify.add_argument("--methods", nargs="+", help="run only these of the preset's kinds of method")
+    falsify.add_argument(
+        "--methods", nargs="+", help="run only these methods (each study keeps those of its kind, MLP or CNN)"
+    )
     falsify.add_argument("--device", help="torch device of every run (cpu, cuda, cuda:1, ...)")
     falsify.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",
-        help="set a run setting of every run, e.g. --set length=3 (VALUE is read as TOML)",
+        help="set a run setting of every run, e.g. --set length=3 (VALUE is read as TOML; "
+        "for a grid axis, a value or a list replaces the axis, e.g. --set \"lr_rule=['sqrt']\")",
     )
     falsify.set_defaults(func=_guarded(falsify_command))
 
@@ -128,6 +130,7 @@ def _hardware(outcome, device: set[str]) -> dict:
 def falsify_command(args) -> int:
     from affdiv.experiments.presets import load_preset
     from affdiv.experiments.sweep import dataset_for, run_sweep
+    from affdiv.experiments.training import steps_per_epoch
     from affdiv.provenance import provenance
 
     started = time.monotonic()
@@ -143,10 +146,7 @@ def falsify_command(args) -> int:
     for config in configs.values():
         data = dataset_for(config, args.data_dir)
         fingerprints.setdefault(config.dataset, set()).add(str(data.fingerprint))
-        if config.batch_size > len(data.train.y):
-            raise ValueError(
-                f"batch size {config.batch_size} exceeds the {len(data.train.y)} training samples of {config.dataset}"
-            )
+        steps_per_epoch(config, len(data.train.y))
 
     out = Path(args.out)
     db = args.db or out / "results.sqlite"

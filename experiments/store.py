@@ -140,7 +140,9 @@ class ResultStore:
         """Total compute time of the runs (for provenance, never for a report's numbers)."""
         return sum(row[4] for row in self._rows(hashes))
 
-    def export_csv(self, path: str | Path, hashes: Iterable[str] | None = None, *, metric: str = "test_accuracy") -> Path:
+    def export_csv(
+        self, path: str | Path, hashes: Iterable[str] | None = None, *, metric: str = "test_accuracy"
+    ) -> Path:
         """Write ``records`` as CSV (method, batch_size, seed, metric, then the other columns sorted)."""
         from affdiv.experiments.analysis import write_csv
 

@@ -96,6 +96,8 @@ class RunConfig:
 
 @dataclass
 class RunResult:
+    """A finished run: final metrics, one curve point per (possibly partial) epoch, seconds taken."""
+
     metrics: dict
     curves: list[dict]
     seconds: float
@@ -141,14 +143,21 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict:
     return {"loss": float(loss_sum) / len(y), "accuracy": correct / len(y)}
 
 
+def steps_per_epoch(config: RunConfig, n_train: int) -> int:
+    """Full batches per pass over ``n_train`` samples (at least one, else a ValueError)."""
+    if config.batch_size > n_train:
+        raise ValueError(
+            f"batch_size {config.batch_size} exceeds the {n_train} training samples of {config.dataset}"
+        )
+    return n_train // config.batch_size
+
+
 def _fit(config: RunConfig, data, lr: float, train, val) -> tuple[torch.nn.Module, list[dict], bool, int]:
     """Train one model at ``lr``; returns (model, per-epoch curves, diverged, steps taken)."""
     (x, y), (x_val, y_val) = train, val
     n = len(y)
-    steps_per_epoch = n // config.batch_size
-    if steps_per_epoch < 1:
-        raise ValueError(f"batch_size {config.batch_size} exceeds the {n} training samples of {config.dataset}")
-    total = config.length * steps_per_epoch if config.budget == "epochs" else config.length
+    per_epoch = steps_per_epoch(config, n)
+    total = config.length * per_epoch if config.budget == "epochs" else config.length
 
     torch.manual_seed(config.seed)
     model = build_model(
@@ -168,7 +177,7 @@ def _fit(config: RunConfig, data, lr: float, train, val) -> tuple[torch.nn.Modul
     while step < total and not diverged:
         order = torch.randperm(n, generator=shuffle).to(config.device)
         loss_sum = torch.zeros((), device=config.device)
-        taken = min(steps_per_epoch, total - step)
+        taken = min(per_epoch, total - step)
         for i in range(taken):
             batch = order[i * config.batch_size : (i + 1) * config.batch_size]
             loss = F.cross_entropy(model(x[batch]), y[batch])
@@ -199,11 +208,12 @@ def train_run(config: RunConfig, data) -> RunResult:
     device = torch.device(config.device)
     train, val = _tensors(data.train, device), _tensors(data.val, device)
 
-    best = None  # (key, lr, model, curves, diverged, steps); key orders candidates, larger = better
+    # Candidates are ranked by (not diverged, val accuracy, -val loss, -lr): larger is better.
+    best = None  # (rank, lr, model, curves, diverged, steps)
     for lr in learning_rates(config):
         model, curves, diverged, steps = _fit(config, data, lr, train, val)
         last = curves[-1]
-        key = (not diverged, last["val_metric"] if not diverged else 0.0, -last["val_loss"] if not diverged else 0.0, -lr)
+        key = (True, last["val_metric"], -last["val_loss"], -lr) if not diverged else (False, 0.0, 0.0, -lr)
         if best is None or key > best[0]:
             best = (key, lr, model, curves, diverged, steps)
     _key, lr, model, curves, diverged, steps = best

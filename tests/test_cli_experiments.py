@@ -106,7 +106,7 @@ def test_analyse_a_minimal_csv(tmp_path):
         (["falsify", "--preset", "smoke", "--methods", "bn"], "unknown method 'bn'; expected one of: affine"),
         (["falsify", "--preset", "smoke", "--batch-sizes", "0"], "batch sizes must be integers >= 1, got 0"),
         (["falsify", "--preset", "smoke", "--batch-sizes", "100000", "--methods", "affine", "--seeds", "0"],
-         "batch size 100000 exceeds the 1294 training samples of digits"),
+         "batch_size 100000 exceeds the 1294 training samples of digits"),
         (["falsify", "--preset", "smoke", "--set", "lenght=2"], "unknown run setting(s) ['lenght']"),
         (["falsify", "--preset", "smoke", "--set", "length"], "--set expects KEY=VALUE, got 'length'"),
         (["analyse", "--input", "nowhere.csv"], "--input nowhere.csv: no such file"),
@@ -158,4 +158,5 @@ def test_kill_minus_9_loses_no_finished_run_and_resume_matches_an_uninterrupted_
     fresh = tmp_path / "fresh"
     assert main(["falsify", *grid, "--out", str(fresh), "--workers", "1"]) == 0
     assert (interrupted / "records.csv").read_text() == (fresh / "records.csv").read_text()
-    assert _summary_without_provenance(interrupted / "summary.json") == _summary_without_provenance(fresh / "summary.json")
+    resumed = _summary_without_provenance(interrupted / "summary.json")
+    assert resumed == _summary_without_provenance(fresh / "summary.json")

@@ -44,7 +44,8 @@ def test_non_finite_numbers_have_no_canonical_form():
 
 def _put(store, seed, accuracy, **extra):
     config = {"method": "affine", "batch_size": 32, "seed": seed, "lr_rule": "sqrt", **extra}
-    curves = [{"epoch": 1, "train_loss": 2.0, "val_metric": 0.5}, {"epoch": 2, "train_loss": math.inf, "val_metric": 0.6}]
+    curves = [{"epoch": 1, "train_loss": 2.0, "val_metric": 0.5},
+              {"epoch": 2, "train_loss": math.inf, "val_metric": 0.6}]
     key = store.put(config, metrics={"test_accuracy": accuracy, "test_loss": math.nan},
                     curves=curves, seconds=1.5, data_fingerprint="abc")
     return config, key
@@ -80,7 +81,9 @@ def test_records_curves_and_csv_are_sorted_and_complete(tmp_path):
         for seed, accuracy in [(2, 0.3), (0, 0.1), (1, 0.2)]:
             _put(store, seed=seed, accuracy=accuracy, width=8)
         records = store.records()
-        assert [(r["seed"], r["metric"], r["test_accuracy"]) for r in records] == [(0, 0.1, 0.1), (1, 0.2, 0.2), (2, 0.3, 0.3)]
+        assert [(r["seed"], r["metric"], r["test_accuracy"]) for r in records] == [
+            (0, 0.1, 0.1), (1, 0.2, 0.2), (2, 0.3, 0.3)
+        ]
         assert all(r["data_fingerprint"] == "abc" and len(r["config_hash"]) == 64 for r in records)
         curves = store.curves()
         assert [(c["seed"], c["epoch"]) for c in curves] == [(0, 1), (0, 2), (1, 1), (1, 2), (2, 1), (2, 2)]

@@ -18,7 +18,8 @@ def test_grid_is_the_full_product_in_a_fixed_order():
     assert {(c.method, c.batch_size, c.seed) for c in configs} == {
         (m, b, s) for m in ["l2", "affine"] for b in [64, 16, 32] for s in [1, 0]
     }
-    assert [(c.method, c.batch_size, c.seed) for c in configs][:3] == [("affine", 16, 0), ("affine", 16, 1), ("affine", 32, 0)]
+    order = [(c.method, c.batch_size, c.seed) for c in configs]
+    assert order[:3] == [("affine", 16, 0), ("affine", 16, 1), ("affine", 32, 0)]
     assert expand_grid(BASE, dict(reversed(list(axes.items())))) == configs
 
 
