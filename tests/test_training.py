@@ -4,9 +4,13 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from affdiv.experiments import training
 from affdiv.experiments.data import load_dataset
+from affdiv.experiments.models import MLP_METHODS, build_model
 from affdiv.experiments.training import RunConfig, learning_rates, make_optimizer, train_run
 
 
@@ -69,6 +73,38 @@ def test_same_config_same_numbers_and_the_seed_matters(digits):
     assert first.metrics == second.metrics and first.curves == second.curves
     other = train_run(_config(seed=1), digits)
     assert other.curves != first.curves
+
+
+def test_the_training_loop_takes_plain_sgd_steps(digits):
+    # Two steps rebuilt by hand from the documented recipe: init under manual_seed(seed), batches
+    # from randperm(seed), w <- w - lr * grad of the mean cross-entropy (no decay, no clipping).
+    config = _config(method="batchnorm", budget="steps", length=2, base_lr=0.3, seed=5)
+    model, _curves, _diverged, steps = training._fit(
+        config, digits, 0.3, (digits.train.x, digits.train.y), (digits.val.x, digits.val.y))
+    torch.manual_seed(5)
+    reference = build_model("batchnorm", input_shape=digits.input_shape, num_classes=10, depth=1, width=16,
+                            activation="tanh")
+    order = torch.randperm(len(digits.train.y), generator=torch.Generator().manual_seed(5))
+    for step in range(2):
+        batch = order[step * 64 : (step + 1) * 64]
+        reference.zero_grad()
+        F.cross_entropy(reference(digits.train.x[batch]), digits.train.y[batch]).backward()
+        with torch.no_grad():
+            for param in reference.parameters():
+                param -= 0.3 * param.grad
+    assert steps == 2
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        # Same float32 operations in the same order; 1e-6 relative allows only for a different
+        # but equivalent fused update kernel in torch.optim.SGD.
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+@settings(max_examples=8, deadline=None)
+@given(method=st.sampled_from(sorted(MLP_METHODS)), seed=st.integers(0, 2**31 - 1), batch_size=st.integers(1, 300))
+def test_any_config_repeats_exactly(digits, method, seed, batch_size):
+    config = _config(method=method, seed=seed, batch_size=max(batch_size, 2), budget="steps", length=3)
+    first, second = train_run(config, digits), train_run(config, digits)
+    assert first.metrics == second.metrics and first.curves == second.curves
 
 
 @pytest.mark.parametrize("budget, length", [("epochs", 2), ("steps", 7), ("steps", 30)])

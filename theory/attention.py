@@ -36,12 +36,9 @@ import sympy as sp
 import torch
 from torch import Tensor, nn
 
-from affdiv.theory.derivation import Case, Proof, ProofKind, register
-from affdiv.theory.exact import ETA, random_rational_matrix
-from affdiv.theory.kernels import (
-    ExtendedDerivation, channels_last_sites, correlated_rows, exact_first_order, is_zero_expression, require,
-    seed_from,
-)
+from affdiv.theory.derivation import Case, Derivation, Proof, ProofKind, register
+from affdiv.theory.exact import ETA, exact_first_order, is_zero_expression, random_rational_matrix
+from affdiv.theory.kernels import channels_last_sites, correlated_rows, require, seed_from
 
 PATHS = ("q", "k", "v", "o")
 
@@ -418,7 +415,7 @@ def build_case(sizes: Mapping[str, int], generator: torch.Generator) -> Case:
 
 
 DERIVATION = register(
-    ExtendedDerivation(
+    Derivation(
         name="attention",
         layer=r"Z = \mathrm{softmax}(X W_Q (X W_K)^\top/\sqrt{d} + \text{mask})\, X W_V\, W_O, per head",
         statement=r"\Delta Z = \underbrace{J(-\eta c^2 \Gamma_X D \Gamma_K) V W_O}_{Q}"

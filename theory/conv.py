@@ -31,9 +31,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from affdiv.theory import affine
-from affdiv.theory.derivation import Case, Proof, ProofKind, register
+from affdiv.theory.derivation import Case, Derivation, Proof, ProofKind, register
 from affdiv.theory.exact import ETA, exact_effective_update, is_zero_matrix, random_rational_matrix
-from affdiv.theory.kernels import ExtendedDerivation, channels_first_sites, correlated_rows, require, seed_from
+from affdiv.theory.kernels import channels_first_sites, correlated_rows, require, seed_from
 
 _CONV = {1: F.conv1d, 2: F.conv2d}
 
@@ -390,7 +390,7 @@ def _geometry_of_case(case: Case) -> Geometry:
     return Geometry.of(dims, conv.kernel_size, conv.stride, conv.padding, conv.dilation, conv.groups)
 
 
-def make_derivation(normalised: bool) -> ExtendedDerivation:
+def make_derivation(normalised: bool) -> Derivation:
     name = "patchnorm" if normalised else "conv"
     layer = (
         r"z_{o,p} = \frac{W_o \cdot P_p + b_o}{\sqrt{\|P_p\|^2 + 1}}" if normalised else r"z_{o,p} = W_o \cdot P_p + b_o"
@@ -400,7 +400,7 @@ def make_derivation(normalised: bool) -> ExtendedDerivation:
     )
     diagonal = "1" if normalised else r"\|P_p\|^2 + 1"
 
-    return ExtendedDerivation(
+    return Derivation(
         name=name,
         layer=layer,
         statement=rf"{layer}:\quad \Delta z_{{o,p}} = -\eta \sum_q K_{{pq}} g_{{o,q}},\quad K_{{pq}} = {kernel},"

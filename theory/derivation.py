@@ -68,6 +68,12 @@ class Derivation:
     diagonal:  optional (case) -> per-sample diagonal factor Θ_ii predicted for one-sample steps.
     predict_second_order: optional (case, grad_output, lr) -> the prediction including the exact
                O(η²) term, for layers that are not linear in θ.
+    sites:     optional output tensor -> (n_sites, features): one row per *site*, the output vector
+               the theory treats as a unit (conv: one position of one sample; attention: one token).
+    site_diagonal: optional (case) -> the factor k_ss (broadcastable to the output) when each site's
+               own block Θ_ss is k_ss·I: a site's update from its own gradient alone is −η k_ss g_s.
+    taylor_lrs: the step sizes of the Taylor-remainder check, when the default window (10⁻¹ … 10⁻⁴)
+               reaches past the layer's asymptotic regime.
     """
 
     name: str
@@ -80,6 +86,9 @@ class Derivation:
     linear_in_params: bool = True
     diagonal: Callable[[Case], Tensor] | None = None
     predict_second_order: Callable[[Case, Tensor, float], Tensor] | None = None
+    sites: Callable[[Tensor], Tensor] | None = None
+    site_diagonal: Callable[[Case], Tensor] | None = None
+    taylor_lrs: tuple[float, ...] | None = None
     tags: tuple[str, ...] = field(default=())
 
     def proof_steps(self) -> tuple[Proof, ...]:

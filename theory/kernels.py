@@ -1,38 +1,17 @@
 """Shared pieces of the conv, residual and attention derivations.
 
 A *site* is one output vector that the theory treats as a unit: one spatial position of one
-sample (conv: all output channels there), one token of one sequence (attention). ``ExtendedDerivation``
-adds to a derivation, each optional:
-
-    sites(t)          an output-shaped tensor as (n_sites, features), one row per site;
-    site_diagonal(c)  the predicted factor k_ss of every output entry (broadcastable to the output),
-                      when the site's own block Θ_ss is k_ss·I (per conv group): a site's update from
-                      its own gradient alone is then −η k_ss g_s;
-    taylor_lrs        the step sizes of the Taylor-remainder check, when the default window
-                      (10⁻¹ … 10⁻⁴) reaches past the layer's asymptotic regime.
-
-so that `affdiv verify` can measure per-site scale, cosine and off-diagonal share, and check k_ss.
+sample (conv: all output channels there), one token of one sequence (attention); a derivation's
+``sites`` maps its output to one row per site.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
-import sympy as sp
 import torch
 from torch import Tensor
 
-from affdiv.theory.derivation import Case, Derivation
-
-
-@dataclass(frozen=True)
-class ExtendedDerivation(Derivation):
-    """A derivation with a per-site view of its output and/or its own Taylor window."""
-
-    sites: Callable[[Tensor], Tensor] | None = None
-    site_diagonal: Callable[[Case], Tensor] | None = None
-    taylor_lrs: tuple[float, ...] | None = None
 
 
 def channels_first_sites(t: Tensor) -> Tensor:
@@ -65,34 +44,3 @@ def require(sizes: Mapping[str, int], *keys: str) -> None:
     missing = [k for k in keys if k not in sizes]
     if missing:
         raise ValueError(f"sizes must give {keys}; missing {missing} in {dict(sizes)}")
-
-
-def is_zero_expression(residual) -> bool:
-    """True when a sympy (matrix) expression, after .doit() and expansion, is identically zero."""
-    residual = sp.expand(residual.doit())
-    return residual == 0 or isinstance(residual, sp.ZeroMatrix)
-
-
-def exact_first_order(forward, params: Mapping[str, sp.Matrix], grad_output: sp.Matrix, eta: sp.Expr) -> sp.Matrix:
-    """J Δθ = Σ_k ∂z/∂θ_k Δθ_k, Δθ = −η ∂(Σ g·z)/∂θ, exactly at ``params`` (no simplification).
-
-    The first-order half of theory.exact.exact_effective_update, for layers whose real step has
-    no closed form worth simplifying (softmax, tanh, nested radicals)."""
-    symbols = {
-        name: sp.Matrix(value.rows, value.cols, lambda i, j, n=name: sp.Symbol(f"{n}_{i}_{j}"))
-        for name, value in params.items()
-    }
-    at_params = {symbols[n][k]: params[n][k] for n in params for k in range(len(params[n]))}
-    z = forward(symbols)
-    if z.shape != grad_output.shape:
-        raise ValueError(f"grad_output has shape {grad_output.shape}, the output has {z.shape}")
-    flat = [s for n in symbols for s in symbols[n]]
-    jac = [z.diff(s).subs(at_params) for s in flat]
-    step = [-eta * sum((g * d for g, d in zip(grad_output, j)), sp.Integer(0)) for j in jac]
-    return sum((j * s for j, s in zip(jac, step)), sp.zeros(*z.shape))
-
-
-def is_zero_exactly(matrix: sp.Matrix) -> bool:
-    """Every entry expands to 0 (sympy canonicalises products of rational radicals and keeps
-    undefined functions as atoms, so expansion suffices for the expressions built here)."""
-    return all(sp.expand(entry) == 0 for entry in matrix)

@@ -35,11 +35,9 @@ import torch
 from torch import Tensor, nn
 
 from affdiv.theory import affine
-from affdiv.theory.derivation import Case, Proof, ProofKind, register
-from affdiv.theory.exact import ETA, random_rational_matrix
-from affdiv.theory.kernels import (
-    ExtendedDerivation, correlated_rows, exact_first_order, is_zero_exactly, is_zero_expression, require, seed_from,
-)
+from affdiv.theory.derivation import Case, Derivation, Proof, ProofKind, register
+from affdiv.theory.exact import ETA, exact_first_order, is_zero_exactly, is_zero_expression, random_rational_matrix
+from affdiv.theory.kernels import correlated_rows, require, seed_from
 
 _A = sp.Symbol("a", real=True)
 ACTIVATIONS = {"tanh": sp.tanh(_A), "gelu": _A / 2 * (1 + sp.erf(_A / sp.sqrt(2)))}
@@ -335,7 +333,7 @@ def build_case(sizes: Mapping[str, int], generator: torch.Generator, branch: str
 TAYLOR_LRS = tuple(float(v) for v in np.logspace(-2, -5, 7))
 
 
-def make_derivation(branch: str, upstream: str) -> ExtendedDerivation:
+def make_derivation(branch: str, upstream: str) -> Derivation:
     name = "residual_" + branch + ("_on_" + upstream if upstream != "affine" else "")
     exact_second = (branch, upstream) == ("affine", "affine")
 
@@ -348,7 +346,7 @@ def make_derivation(branch: str, upstream: str) -> ExtendedDerivation:
             steps.append(_corrected_diagonal_proof())
         return steps
 
-    return ExtendedDerivation(
+    return Derivation(
         name=name,
         layer=f"y = x + F(x), x = H(u); F {branch}, H {upstream}",
         statement=r"\Delta y_i = -\eta \sum_j \left[\Theta_F(i,j) + M_i \Theta_H(i,j) M_j^\top\right] g_j"

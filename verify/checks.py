@@ -25,7 +25,6 @@ import torch
 from torch import Tensor
 
 from affdiv.theory.derivation import Derivation
-from affdiv.theory.kernels import ExtendedDerivation
 from affdiv.verify.engine import effective_update
 from affdiv.verify.metrics import alignment, diagonal_update, site_alignment, site_diagonal_update
 from affdiv.verify.ntk import empirical_ntk, ntk_update
@@ -101,7 +100,7 @@ def check_update(derivation: Derivation, sizes: Mapping[str, int], seed: int, lr
         tol = TOL + cancellation_bound(measured.output, measured.finite)
         passed = passed and errors["finite"] <= tol
     metrics = alignment(case.module, case.inputs, grad, lr, measured.linear).summary()
-    if isinstance(derivation, ExtendedDerivation) and derivation.sites is not None:
+    if derivation.sites is not None:
         per_site = site_alignment(case.module, case.inputs, grad, lr, measured.linear, derivation.sites)
         metrics.update({f"site_{k}": v for k, v in per_site.summary().items()})
     return CheckResult(
@@ -144,7 +143,7 @@ def check_diagonal(derivation: Derivation, sizes: Mapping[str, int], seed: int, 
 
 
 def check_site_diagonal(
-    derivation: ExtendedDerivation, sizes: Mapping[str, int], seed: int, lr: float = LR
+    derivation: Derivation, sizes: Mapping[str, int], seed: int, lr: float = LR
 ) -> CheckResult:
     """Each site's update from its own gradient alone vs −η k_ss g_s with the derived k_ss."""
     case, grad = _case(derivation, sizes, seed)
@@ -244,14 +243,12 @@ def checks_for(derivation: Derivation, sizes: Mapping[str, int], seed: int) -> l
     checks = [lambda: check_update(derivation, sizes, seed)]
     if derivation.diagonal is not None:
         checks.append(lambda: check_diagonal(derivation, sizes, seed))
-    if isinstance(derivation, ExtendedDerivation) and derivation.site_diagonal is not None:
+    if derivation.site_diagonal is not None:
         checks.append(lambda: check_site_diagonal(derivation, sizes, seed))
     if derivation.linear_in_params:
         checks.append(lambda: check_linearity(derivation, sizes, seed))
-    elif isinstance(derivation, ExtendedDerivation) and derivation.taylor_lrs is not None:
-        checks.append(lambda: check_taylor(derivation, sizes, seed, lrs=derivation.taylor_lrs))
     else:
-        checks.append(lambda: check_taylor(derivation, sizes, seed))
+        checks.append(lambda: check_taylor(derivation, sizes, seed, lrs=derivation.taylor_lrs or TAYLOR_LRS))
     return checks
 
 
