@@ -14,6 +14,15 @@ from affdiv.experiments.models import MLP_METHODS, build_model
 from affdiv.experiments.training import RunConfig, learning_rates, make_optimizer, train_run
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Runs use one torch thread, as in a sweep's workers (see affdiv.experiments.sweep)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="module")
 def digits():
     return load_dataset("digits")
