@@ -38,6 +38,7 @@ def register(subparsers) -> None:
         help="set a run setting of every run, e.g. --set length=3 (VALUE is read as TOML; "
         "for a grid axis, a value or a list replaces the axis, e.g. --set \"lr_rule=['sqrt']\")",
     )
+    _add_calibration_option(falsify)
     falsify.set_defaults(func=_guarded(falsify_command))
 
     analyse = subparsers.add_parser(
@@ -55,7 +56,16 @@ def register(subparsers) -> None:
     analyse.add_argument("--baselines", nargs="+", help="methods they are compared against")
     analyse.add_argument("--margin", type=float, help="equivalence margin of a flat slope (metric per doubling)")
     analyse.add_argument("--alpha", type=float, default=0.05)
+    _add_calibration_option(analyse)
     analyse.set_defaults(func=_guarded(analyse_command))
+
+
+def _add_calibration_option(parser) -> None:
+    parser.add_argument(
+        "--calibration-sims", type=int, default=500, metavar="N",
+        help="simulated studies per planted slope for the report's calibration of the tests "
+        "(in the sweep's own layout; default 500, 0 leaves the calibration out)",
+    )
 
 
 def _guarded(command):
@@ -103,16 +113,31 @@ def label_groups(records: list[dict]) -> str:
     return "group"
 
 
-def _analyse_and_report(out: Path, records: list[dict], curves, settings: dict, provenance: dict) -> dict:
-    """``analyse`` by the groups of ``label_groups`` and ``write_report``; returns the written paths."""
+def _analyse_and_report(
+    out: Path, records: list[dict], curves, settings: dict, provenance: dict, calibration_sims: int
+) -> dict:
+    """``analyse`` by the groups of ``label_groups``, calibrate the tests in that layout, and
+    ``write_report``; returns the written paths."""
     from affdiv.experiments.analysis import analyse
+    from affdiv.experiments.calibration import calibrate_for
     from affdiv.experiments.report import write_report
 
+    if calibration_sims < 0:
+        raise ValueError(f"--calibration-sims must be >= 0, got {calibration_sims}")
     group_by = label_groups(records)
     if curves:
         label_groups(curves)
     analysis = analyse(records, group_by=group_by, **settings)
-    return write_report(out, analysis, records=records, curves=curves, provenance=provenance)
+    calibration = None
+    if calibration_sims:
+        print(f"calibrating the tests ({calibration_sims} simulated studies per planted slope) ...", file=sys.stderr)
+        try:
+            calibration = calibrate_for(analysis, n_sims=calibration_sims)
+        except ValueError as error:  # the sweep's layout cannot be simulated (< 3 batch sizes, no fit)
+            print(f"calibration left out of the report: {error}", file=sys.stderr)
+    return write_report(
+        out, analysis, records=records, curves=curves, provenance=provenance, calibration=calibration
+    )
 
 
 def _hardware(outcome, device: set[str]) -> dict:
@@ -176,7 +201,9 @@ def falsify_command(args) -> int:
                 runs_this_invocation=outcome.ran,
                 runs_resumed_from_db=outcome.skipped,
             )
-            paths = _analyse_and_report(study_out, records, store.curves(hashes), settings, record)
+            paths = _analyse_and_report(
+                study_out, records, store.curves(hashes), settings, record, args.calibration_sims
+            )
             written[study.name] = paths
     for name, paths in written.items():
         for kind, path in sorted(paths.items()):
@@ -207,7 +234,7 @@ def analyse_command(args) -> int:
     if args.baselines:
         settings["baselines"] = tuple(args.baselines)
     record = provenance(input=str(path), input_sha256=hashlib.sha256(path.read_bytes()).hexdigest(), metric=metric)
-    paths = _analyse_and_report(Path(args.out), records, curves, settings, record)
+    paths = _analyse_and_report(Path(args.out), records, curves, settings, record, args.calibration_sims)
     for kind, path in sorted(paths.items()):
         print(f"{kind}: {path}")
     return 0
