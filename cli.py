@@ -28,13 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"affdiv {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as error:
-            if error.name != name:  # a real missing dependency, not an absent command module
-                raise
-            continue
-        module.register(subparsers)
+        importlib.import_module(name).register(subparsers)  # a misspelled name raises here
     return parser
 
 

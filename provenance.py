@@ -16,14 +16,15 @@ _LIBRARIES = ("torch", "numpy", "scipy", "sympy", "matplotlib", "scikit-learn", 
 
 
 def git_commit() -> str | None:
-    """The commit of the checkout this package runs from (or of the working directory), if any."""
+    """The commit of the checkout this package runs from, else of the working directory, else
+    $AFFDIV_GIT_COMMIT (set it where there is no git, e.g. an installed copy), else None."""
     for where in (Path(__file__).resolve().parent, Path.cwd()):
         try:
             out = subprocess.run(
                 ["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, timeout=5
             )
-        except (OSError, subprocess.SubprocessError):
-            return None
+        except (OSError, subprocess.SubprocessError):  # no git, or no such directory: try the next
+            continue
         if out.returncode == 0:
             return out.stdout.strip()
     return os.environ.get("AFFDIV_GIT_COMMIT")

@@ -1,7 +1,8 @@
 """Does the metric fall with batch size for the divergence-correcting layers? The decision logic.
 
-THEORY.md §3 predicts that the performance of the corrected layers (``affine_like``, ``l2``,
-``patchnorm``) falls as the batch size B grows while baselines (``affine``, ``batchnorm``) do not.
+The affine-divergence theory (G. Bird, arXiv 2512.22247; summarised in the package README) predicts
+that the performance of the corrected layers (``affine_like``, ``l2``, ``patchnorm``) falls as the
+batch size B grows while baselines (``affine``, ``batchnorm``) do not.
 :func:`analyse` tests it per group (by default per learning-rate rule), per method, on records
 ``{method, batch_size, seed, <metric>, [lr_rule, ...]}``:
 
@@ -18,6 +19,12 @@ THEORY.md §3 predicts that the performance of the corrected layers (``affine_li
 * Holm: the p-values of corrected and baseline methods in all groups form one family
   ("prediction"); those of other methods a second ("exploratory"); the verdicts read the
   adjusted p-values at level ``alpha``. :func:`decision_rule` states the rule in words.
+
+Diverged runs (records with ``diverged`` = 1; the harness records their accuracy at chance level)
+stay in the fits, so the slopes describe what was run, but they never decide a verdict: under
+``lr_rule = linear`` the largest batches get the largest learning rates, and "performance falls
+with B" would follow from divergence alone. A method with a diverged run in a group is
+"inconclusive" there, and so is a corrected layer whose compared baseline diverged there.
 
 Methods outside ``corrected`` and ``baselines`` (layernorm, rmsnorm, conv, ...) get role "other":
 their trend is reported and classified, but the prediction says nothing about them, so their
@@ -79,11 +86,16 @@ def _validate_record(record: Mapping, metric: str, where: str) -> dict:
         row[metric] = math.nan
     if not math.isfinite(row[metric]):
         raise ValueError(f"{where}: column {metric!r} must be a finite number, got {record[metric]!r}")
+    if record.get("diverged") not in (None, ""):
+        row["diverged"] = _as_int(record["diverged"], "diverged", where)
+        if row["diverged"] not in (0, 1):
+            raise ValueError(f"{where}: column 'diverged' must be 0 or 1, got {record['diverged']!r}")
     return row
 
 
 def validate_records(records: Sequence[Mapping], *, metric: str = "metric") -> list[dict]:
-    """Copies of ``records`` with method:str, batch_size:int > 0, seed:int, metric:finite float.
+    """Copies of ``records`` with method:str, batch_size:int > 0, seed:int, metric:finite float,
+    and diverged: 0 or 1 where the record has it.
 
     Other keys are kept unchanged. Raises ValueError naming the record, the column, the expected
     and the actual value.
@@ -172,6 +184,9 @@ def decision_rule(*, alpha: float, margin: float, margin_source: str, higher_is_
         "inconclusive otherwise.",
         "Verdict, baseline: supported if the trend is 'flat' or 'rises'; contradicted if it is 'falls'; "
         "inconclusive if 'unclear'.",
+        "Diverged runs (non-finite loss; metric recorded at chance level) stay in the fits, but a method with a "
+        "diverged run in a group is inconclusive there, whatever its tests, and so is a corrected layer whose "
+        "compared baseline diverged there: a fall with the batch size could be the divergence, not the layer.",
         "Across groups: supported if supported in every group; contradicted if contradicted in some group and "
         "supported in none; mixed if both occur; inconclusive otherwise.",
         "The mixed model, Page's L and the bootstrap CI are sensitivity analyses: reported, not part of the rule.",
@@ -214,11 +229,13 @@ def _fit_method(rows, *, metric, sign, margin, alpha, n_boot, seed, group, metho
     batch_sizes = sorted({row["batch_size"] for row in rows})
     result = {"n_runs": len(rows), "n_seeds": int(np.unique(seeds).size), "batch_sizes": batch_sizes,
               "cells": _cells(rows, metric, 1 - alpha), "tests": {}}
-    if any("diverged" in row for row in rows):  # diverged runs count at their recorded (chance) metric
-        result["n_diverged"] = sum(int(float(row.get("diverged") or 0)) for row in rows)
-    if len(batch_sizes) < 2 or result["n_seeds"] < 2:
-        result["status"] = (f"insufficient data: needs >= 2 batch sizes and >= 2 seeds, got "
-                            f"{len(batch_sizes)} and {result['n_seeds']}")
+    if any("diverged" in row for row in rows):  # kept in the fits at their recorded metric; see _verdict
+        diverged = [row for row in rows if row.get("diverged")]
+        result["n_diverged"] = len(diverged)
+        result["diverged_batch_sizes"] = sorted({row["batch_size"] for row in diverged})
+    if len(batch_sizes) < 2 or result["n_seeds"] < 2 or len(rows) < 3:
+        result["status"] = (f"insufficient data: needs >= 2 batch sizes, >= 2 seeds and >= 3 runs, got "
+                            f"{len(batch_sizes)}, {result['n_seeds']} and {len(rows)}")
         return result
     result["status"] = "ok"
     clustered = stats.clustered_slope(x, y, seeds)
@@ -299,13 +316,32 @@ def _trend(result: Mapping, alpha: float) -> str:
     return UNCLEAR
 
 
-def _verdict(role: str, result: Mapping, alpha: float) -> tuple[str, str]:
-    """(verdict, reason) of one method in one group, from its Holm-adjusted tests."""
+def _diverged(result: Mapping) -> str:
+    """'' if no run of the method diverged, else a clause saying how many and at which batch sizes."""
+    if not result.get("n_diverged"):
+        return ""
+    return (f"{result['n_diverged']} of {result['n_runs']} runs diverged (batch sizes "
+            f"{', '.join(map(str, result['diverged_batch_sizes']))})")
+
+
+def _verdict(role: str, result: Mapping, alpha: float, baselines: Mapping[str, Mapping]) -> tuple[str, str]:
+    """(verdict, reason) of one method in one group, from its Holm-adjusted tests.
+
+    ``baselines``: the results of the baseline methods in the same group (their divergence makes a
+    corrected layer's differential tests meaningless too).
+    """
     trend = result["trend"]
     if role == "other":
-        return NO_PREDICTION, f"not a corrected layer nor a baseline; trend {trend}"
+        return NO_PREDICTION, "; ".join(filter(None, [f"not a corrected layer nor a baseline; trend {trend}",
+                                                      _diverged(result)]))
     if result["status"] != "ok":
         return INCONCLUSIVE, result["status"]
+    diverged = [_diverged(result)] if _diverged(result) else []
+    if role == "corrected":
+        diverged += [f"baseline {b}: {_diverged(baselines[b])}" for b in result.get("differential", {})
+                     if _diverged(baselines[b])]
+    if diverged:
+        return INCONCLUSIVE, f"{'; '.join(diverged)}, so the trend ({trend}) may be divergence, not the layer"
     if role == "baseline":
         verdict = {FLAT: SUPPORTED, RISES: SUPPORTED, FALLS: CONTRADICTED}.get(trend, INCONCLUSIVE)
         return verdict, f"trend {trend}"
@@ -465,7 +501,7 @@ def analyse(records: Sequence[Mapping], *, metric: str = "metric", higher_is_bet
     for group in groups.values():
         for method, result in group["methods"].items():
             result["trend"] = _trend(result, alpha)
-            result["verdict"], result["reason"] = _verdict(roles[method], result, alpha)
+            result["verdict"], result["reason"] = _verdict(roles[method], result, alpha, group["methods"])
     overall = {m: _overall([g["methods"][m]["verdict"] for g in groups.values() if m in g["methods"]])
                for m in sorted(roles, key=lambda m: (order[roles[m]], m))}
 

@@ -12,7 +12,7 @@ from affdiv.experiments.store import ResultStore, config_hash, is_sqlite
 
 # Config fields that never name a group: the grid's own axes, and the tuned rule's grid (implied
 # by lr_rule).
-_NOT_GROUPS = {"method", "batch_size", "seed", "lr_grid"}
+_NOT_GROUPS = {"method", "batch_size", "seed"}
 
 
 def register(subparsers) -> None:
@@ -99,17 +99,20 @@ def label_groups(records: list[dict]) -> str:
 
     A group is the set of runs that differ only in method, batch size and seed. If only the LR
     rule varies that is ``lr_rule``; if other settings vary too (depth, width, activation, ...),
-    each record gets a ``group`` label such as ``lr_rule=sqrt, depth=3, width=512``.
+    each record gets a ``group`` label such as ``lr_rule=sqrt, depth=3, width=512``. A setting
+    varies only if it does among the records that use it (``training.unused_settings``): the grid
+    of the tuned rule, or the reference batch size of the scaling rules, names no group by itself.
     """
-    from affdiv.experiments.training import RunConfig
+    from affdiv.experiments.training import RunConfig, unused_settings
 
     fields = [f for f in RunConfig.__dataclass_fields__ if f not in _NOT_GROUPS]
-    varying = [f for f in fields if len({repr(r.get(f)) for r in records}) > 1]
+    unused = [unused_settings(r) for r in records]
+    varying = [f for f in fields if len({repr(r.get(f)) for r, idle in zip(records, unused) if f not in idle}) > 1]
     if not varying or varying == ["lr_rule"]:
         return "lr_rule"
     varying = ["lr_rule", *[f for f in varying if f != "lr_rule"]]
-    for record in records:
-        record["group"] = ", ".join(f"{f}={record.get(f)}" for f in varying)
+    for record, idle in zip(records, unused):
+        record["group"] = ", ".join(f"{f}={record.get(f)}" for f in varying if f not in idle)
     return "group"
 
 

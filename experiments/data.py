@@ -169,7 +169,8 @@ def _fingerprint(name: str, raw_sha256: str, config: dict[str, Any], indices: di
     return digest.hexdigest()
 
 
-def _check_fraction(name: str, value: Any, *, allow_zero: bool) -> float:
+def check_fraction(name: str, value: Any, *, allow_zero: bool) -> float:
+    """``value`` as a float in [0, 1) (``allow_zero``) or (0, 1); a ValueError naming it otherwise."""
     number = not isinstance(value, bool) and isinstance(value, int | float)
     if not (number and (0 <= value < 1 if allow_zero else 0 < value < 1)):
         raise ValueError(f"{name} must be a number in {'[0, 1)' if allow_zero else '(0, 1)'}, got {value!r}")
@@ -222,9 +223,9 @@ def load_dataset(
         )
     if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
-    val_fraction = _check_fraction("val_fraction", val_fraction, allow_zero=True)
+    val_fraction = check_fraction("val_fraction", val_fraction, allow_zero=True)
     if name == "digits":
-        options["test_fraction"] = _check_fraction("test_fraction", options["test_fraction"], allow_zero=False)
+        options["test_fraction"] = check_fraction("test_fraction", options["test_fraction"], allow_zero=False)
 
     raw = _raw(name, data_dir, int(seed), options)
     rng = np.random.default_rng(int(seed))

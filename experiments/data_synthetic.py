@@ -6,9 +6,10 @@ Inputs, with c = ``correlation`` in [0, 1) and d = ``features``:
 
 m a fixed random direction (per seed) with zero mean over its entries and ||m||^2 = d. Then
 E[x_i . x_j] = c d for i != j and E||x_i||^2 = d: the off-diagonal Gram terms that the affine
-divergence's corrections leave in place (THEORY.md section 3) have cosine about c. Because m has zero
-entry mean, standardising with one scalar mean and std (``standardize="channel"``, the default)
-keeps this structure; per-feature standardisation would subtract m and undo the knob.
+divergence's corrections leave in place (G. Bird, arXiv 2512.22247; see the README) have cosine
+about c. Because m has zero entry mean, standardising with one scalar mean and std
+(``standardize="channel"``, the default) keeps this structure; per-feature standardisation would
+subtract m and undo the knob.
 
 Labels: argmax over classes of a random one-hidden-layer tanh teacher's logits, each class's logit
 z-scored with its mean and std on an independent calibration sample, so that classes are about

@@ -7,6 +7,8 @@
 * :func:`training_curves` — mean over seeds per epoch: one row per curve metric (train loss,
   validation metric), one panel per method, one line per batch size.
 * :func:`calibration_curves` — rejection rate against planted slope per test, with α and ±margin.
+* :func:`probe_alignment` — ``affdiv probe``: each alignment metric against batch size, one line per
+  layer, ± its standard error over repeats.
 """
 
 from __future__ import annotations
@@ -128,4 +130,20 @@ def calibration_curves(calibration: Calibration, path) -> Path:
     ax.set_ylabel(f"rejection rate ({calibration.n_sims} simulations, ±2 MC s.e.)")
     ax.set_ylim(-0.02, 1.02)
     ax.legend(fontsize=7)
+    return _save(figure, path)
+
+
+def probe_alignment(rows: Sequence[Mapping], metrics: Sequence[str], path) -> Path:
+    """Rows {member, batch_size, <metric>, <metric>_se}: one panel per metric, one line per member."""
+    figure, axes = _panels(len(metrics), width=4.0)
+    members = list(dict.fromkeys(r["member"] for r in rows))
+    for ax, metric in zip(axes, metrics):
+        for member in members:
+            mine = [r for r in rows if r["member"] == member]
+            ax.errorbar([r["batch_size"] for r in mine], [r[metric] for r in mine],
+                        yerr=[r[f"{metric}_se"] for r in mine], marker="o", ms=3, capsize=2, label=member)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_title(metric.replace("_", " "))
+    axes[0].legend(fontsize=7)
     return _save(figure, path)

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from affdiv.experiments.analysis import atomic_write
 from affdiv.experiments.data import DATASETS, load_dataset
 from affdiv.provenance import provenance
 from affdiv.theory.affine import MEMBERS, ReferenceAffineFamily
@@ -43,7 +44,7 @@ def coefficient_of_variation(values: torch.Tensor) -> float:
 
 
 def probe_once(member: str, x: torch.Tensor, y: torch.Tensor, classes: int, seed: int) -> dict[str, float]:
-    """The four alignment metrics of one SGD step of a fresh layer on the batch (x, y)."""
+    """The five alignment metrics (``METRICS``) of one SGD step of a fresh layer on the batch (x, y)."""
     torch.manual_seed(seed)
     layer = ReferenceAffineFamily(member, x.shape[1], classes)
 
@@ -104,27 +105,6 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(METRICS), figsize=(4 * len(METRICS), 3.4))
-    for ax, metric in zip(axes, METRICS):
-        for member in dict.fromkeys(r["member"] for r in rows):
-            mine = [r for r in rows if r["member"] == member]
-            b = [r["batch_size"] for r in mine]
-            ax.errorbar(b, [r[metric] for r in mine], yerr=[r[metric + "_se"] for r in mine], marker="o", label=member)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch size")
-        ax.set_title(metric.replace("_", " "))
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "probe", help="measure the update alignment behind the batch-size prediction on real data", description=__doc__,
@@ -163,8 +143,10 @@ def main(args: argparse.Namespace) -> int:
             seed=args.seed, data_fingerprint=dataset.fingerprint, wall_time_s=round(time.perf_counter() - start, 2)
         ),
     }
-    (out / "probe.json").write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
-    (out / "probe.md").write_text(to_markdown(rows, meta))
-    plot(rows, out / "probe.png")
+    atomic_write(out / "probe.json", json.dumps({**meta, "rows": rows}, indent=2) + "\n")
+    atomic_write(out / "probe.md", to_markdown(rows, meta))
+    from affdiv.experiments import figures  # here: matplotlib is not needed to list the CLI's commands
+
+    figures.probe_alignment(rows, METRICS, out / "probe.png")
     print(f"wrote {out}/probe.json, probe.md, probe.png", file=sys.stderr)
     return 0

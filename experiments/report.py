@@ -9,7 +9,7 @@
      "decision_rule": str,                 # the rule, stated before any number (one clause a line)
      "provenance": {...},                  # affdiv.provenance.provenance(...) of the run
      "settings": {"metric", "higher_is_better", "alpha", "margin", "margin_source", "corrected",
-                  "baselines", "group_by", "n_boot", "seed", "n_records"},
+                  "baselines", "group_by", "n_boot", "seed", "sensitivity", "n_records"},
      "family_sizes": {"prediction": int, "exploratory": int},   # Holm families
      "primary_group": str,
      "methods": {name: <method> + {"overall_verdict"}},          # the primary group's methods
@@ -20,12 +20,15 @@
 
   where <method> is
     {"role": "corrected"|"baseline"|"other", "status": "ok"|"insufficient data: ...",
-     "n_runs", "n_seeds", "batch_sizes": [int], "n_diverged" (only when records carry "diverged"),
+     "n_runs", "n_seeds", "batch_sizes": [int],
+     "n_diverged", "diverged_batch_sizes": [int],  # only when records carry "diverged"; any diverged run
+                                                  # makes the verdict "inconclusive" (see the decision rule)
      "cells": [{"batch_size", "n", "mean", "sd", "ci_low", "ci_high"}],    # per batch size, over seeds
      "slope", "se", "df", "ci_low", "ci_high",    # clustered OLS (CR1), metric units per doubling, 1-alpha CI
      "p_value",                                   # two-sided p of slope = 0 (unadjusted)
      "tost_ci_low", "tost_ci_high",               # 1-2 alpha CI (TOST)
-     "boot_ci_low", "boot_ci_high", "n_boot",     # cluster-bootstrap percentile CI
+     "boot_ci_low", "boot_ci_high", "n_boot",     # cluster-bootstrap percentile CI  } only when
+     (and "mixed", "page" below)                  #   settings.sensitivity is true
      "tests": {"falls"|"rises"|"flat": {"p", "p_holm"}},   # performance scale; p_holm within its family
      "mixed": {"slope", "se", "p_value", "p_falls", "p_rises", "seed_variance", "residual_variance",
                "converged"} | {"error"},
@@ -156,9 +159,9 @@ def _document(summary: Mapping, files: Mapping[str, str], calibration: Calibrati
     s = summary["settings"]
     blocks = [
         ("h", 1, "Falsification report: does performance fall with batch size?"),
-        ("p", "Prediction under test (THEORY.md §3, arXiv 2512.22247): the performance of the divergence-correcting "
-              f"layers ({', '.join(s['corrected'])}) falls as the batch size grows; the baselines "
-              f"({', '.join(s['baselines'])}) do not show this. "
+        ("p", "Prediction under test (G. Bird, arXiv 2512.22247; see the affdiv README): the performance of "
+              f"the divergence-correcting layers ({', '.join(s['corrected'])}) falls as the batch size grows; "
+              f"the baselines ({', '.join(s['baselines'])}) do not show this. "
               f"Metric: `{s['metric']}` ({'higher' if s['higher_is_better'] else 'lower'} is better), "
               f"{s['n_records']} runs."),
         ("h", 2, "Decision rule (fixed before the numbers)"),

@@ -95,8 +95,9 @@ def clustered_slope(x, y, clusters) -> Estimate:
     x, y, clusters = _check_xy(x, y, clusters)
     labels, index = np.unique(clusters, return_inverse=True)
     n, n_clusters = x.size, labels.size
-    if n_clusters < 2:
-        raise ValueError(f"a clustered standard error needs >= 2 clusters (seeds), got {n_clusters}")
+    if n_clusters < 2 or n < 3:
+        raise ValueError(f"a clustered slope needs >= 2 clusters (seeds) and >= 3 observations (runs; N-2 "
+                         f"residual degrees of freedom), got {n_clusters} clusters and {n} observations")
     xc, yc = x - x.mean(), y - y.mean()
     sxx = xc @ xc
     slope = (xc @ yc) / sxx

@@ -7,6 +7,10 @@ writer: SQLite serialises writers anyway, so worker-side writes would only add l
 busy-timeouts, and a worker killed while holding the write lock could stall the others; with the
 parent writing, a ``kill -9`` of anything loses at most the runs still being computed.
 
+Workers never outlive the parent: on Linux each asks the kernel for SIGKILL when its parent dies
+(``prctl(PR_SET_PDEATHSIG)``), elsewhere a watchdog thread polls the parent's pid; and a SIGTERM to
+the parent raises SystemExit there, so leaving the ``with Pool`` block terminates the workers.
+
 Workers are sized to the machine: by default one worker per usable CPU, each with one torch
 thread. One thread per run is deliberate: the numbers of a run then do not depend on how many
 workers ran the sweep (a float reduction split over threads may round differently), and small
@@ -16,10 +20,14 @@ digits run 20-70x slower in our measurement).
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import itertools
 import multiprocessing
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence, TextIO
@@ -69,8 +77,31 @@ def dataset_for(config: RunConfig, data_dir: str | None = None):
     return _DATASETS[key]
 
 
-def _init_worker(threads: int, data_dir: str | None) -> None:
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def _die_with_parent(parent: int) -> None:
+    """Exit this worker when process ``parent`` is gone (a worker reparented to init is an orphan)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        armed = libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    except (OSError, AttributeError):  # not Linux: no prctl
+        armed = False
+    if os.getppid() != parent:  # the parent died before the request was in place
+        os._exit(1)
+    if not armed:
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(1.0)
+            os._exit(1)
+
+        threading.Thread(target=watch, name="affdiv-parent-watchdog", daemon=True).start()
+
+
+def _init_worker(threads: int, data_dir: str | None, parent: int | None = None) -> None:
     global _DATA_DIR
+    if parent is not None:
+        _die_with_parent(parent)
     _DATA_DIR = data_dir
     # cuBLAS is deterministic only with a fixed workspace; set before this process touches CUDA.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -185,7 +216,28 @@ def run_sweep(
             torch.use_deterministic_algorithms(previous[1], warn_only=previous[2])
     elif pending:
         context = multiprocessing.get_context("spawn")
-        with context.Pool(workers, initializer=_init_worker, initargs=(threads, data_dir)) as pool:
+        with _sigterm_exits(), context.Pool(workers, initializer=_init_worker,
+                                            initargs=(threads, data_dir, os.getpid())) as pool:
             for config, result in pool.imap_unordered(_run_one, pending, chunksize=1):
                 commit(config, result)
     return SweepOutcome(hashes, len(pending), len(configs) - len(pending), workers, threads)
+
+
+@contextlib.contextmanager
+def _sigterm_exits():
+    """Within the block, SIGTERM raises SystemExit(143) (so ``with Pool`` terminates its workers).
+
+    Only the main thread can install handlers; elsewhere the block runs with the handler unchanged.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def exit_on_sigterm(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, exit_on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -13,7 +13,14 @@ exactly ``batch_size`` samples). The learning rate for batch size B follows ``lr
 
 A run whose training or validation loss becomes non-finite is *diverged*: that is a result, not
 an error. Its test accuracy is recorded as chance, 1/num_classes (a network with non-finite
-weights predicts nothing), and ``diverged`` = 1 marks it so an analysis can also drop it.
+weights predicts nothing better than a guess; a number, not NaN, so that every run keeps a row in
+the records), its test loss as NaN (null in the store), and ``diverged`` = 1 marks it. The
+analysis never lets such a run decide a verdict: a method with a diverged run in a group is
+inconclusive there (:mod:`affdiv.experiments.analysis`).
+
+``val_fraction`` = 0 trains without a validation split: the curves and metrics then carry no
+validation numbers (None), and divergence is judged on the training loss alone. The ``tuned``
+rule selects on validation accuracy, so it requires ``val_fraction`` > 0.
 
 Determinism: the init is seeded by ``torch.manual_seed(seed)`` and the shuffles by their own
 ``torch.Generator``; on CPU with a fixed thread count the same config gives the same numbers.
@@ -25,10 +32,12 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Mapping
 
 import torch
 import torch.nn.functional as F
 
+from affdiv.experiments.data import check_fraction
 from affdiv.experiments.models import ACTIVATIONS, METHODS, build_model, check_choice
 
 LR_RULES = ("constant", "linear", "sqrt", "tuned")
@@ -76,13 +85,19 @@ class RunConfig:
         object.__setattr__(self, "lr_grid", tuple(float(lr) for lr in self.lr_grid))
         if self.lr_rule == "tuned" and not self.lr_grid:
             raise ValueError("lr_rule 'tuned' needs a non-empty lr_grid")
+        check_fraction("val_fraction", self.val_fraction, allow_zero=True)
+        if self.lr_rule == "tuned" and self.val_fraction == 0:
+            raise ValueError("lr_rule 'tuned' selects the lr on the validation split: it needs val_fraction > 0, got 0")
         if any(not lr > 0 for lr in self.lr_grid):
             raise ValueError(f"every lr in lr_grid must be > 0, got {self.lr_grid}")
 
     def to_dict(self) -> dict:
-        """JSON-ready; only the grid of the tuned rule is kept (it is irrelevant to the others)."""
+        """JSON-ready, with every setting in :func:`unused_settings` at its default value: two configs
+        that differ only there train the same run, so they get the same dict (and the same hash)."""
         out = dataclasses.asdict(self)
-        out["lr_grid"] = list(self.lr_grid) if self.lr_rule == "tuned" else []
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        out.update({name: defaults[name] for name in unused_settings(out)})
+        out["lr_grid"] = list(out["lr_grid"])
         return out
 
     @classmethod
@@ -92,6 +107,27 @@ class RunConfig:
         if unknown:
             raise ValueError(f"unknown run setting(s) {unknown}; expected among: {sorted(names)}")
         return cls(**values)
+
+
+# Settings that cannot change a run's numbers, by the value of the setting that makes them idle.
+_UNUSED = {
+    ("lr_rule", "constant"): ("lr_grid", "ref_batch_size"),
+    ("lr_rule", "linear"): ("lr_grid",),
+    ("lr_rule", "sqrt"): ("lr_grid",),
+    ("lr_rule", "tuned"): ("base_lr", "ref_batch_size"),
+    ("optimizer", "sgd"): ("momentum",),
+    ("optimizer", "adam"): ("momentum",),
+}
+
+
+def unused_settings(settings: Mapping) -> set[str]:
+    """The names among a run's ``settings`` (a config dict or a record) that its numbers ignore.
+
+    The grid unless ``lr_rule`` is tuned; ``ref_batch_size`` under the constant and tuned rules;
+    ``base_lr`` under tuned; ``momentum`` unless the optimizer is momentum SGD. A record without
+    ``lr_rule`` or ``optimizer`` is taken to use every setting those would idle.
+    """
+    return {name for key in ("lr_rule", "optimizer") for name in _UNUSED.get((key, settings.get(key)), ())}
 
 
 @dataclass
@@ -131,6 +167,8 @@ def _tensors(split, device) -> tuple[torch.Tensor, torch.Tensor]:
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict:
     """Mean cross-entropy and accuracy in eval mode (BatchNorm uses its running statistics)."""
+    if len(y) == 0:
+        raise ValueError("evaluate needs at least one sample, got an empty split")
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=x.device)
     correct = 0
@@ -188,8 +226,8 @@ def _fit(config: RunConfig, data, lr: float, train, val) -> tuple[torch.nn.Modul
         step += taken
         epoch += 1
         train_loss = float(loss_sum) / taken  # one device sync per epoch
-        val_metrics = evaluate(model, x_val, y_val)
-        diverged = not (math.isfinite(train_loss) and math.isfinite(val_metrics["loss"]))
+        val_metrics = evaluate(model, x_val, y_val) if len(y_val) else {"loss": None, "accuracy": None}
+        diverged = not all(math.isfinite(v) for v in (train_loss, val_metrics["loss"]) if v is not None)
         curves.append(
             {
                 "epoch": epoch,
@@ -213,7 +251,10 @@ def train_run(config: RunConfig, data) -> RunResult:
     for lr in learning_rates(config):
         model, curves, diverged, steps = _fit(config, data, lr, train, val)
         last = curves[-1]
-        key = (True, last["val_metric"], -last["val_loss"], -lr) if not diverged else (False, 0.0, 0.0, -lr)
+        if diverged or last["val_loss"] is None:  # no validation split: a single-lr rule, nothing to rank
+            key = (not diverged, 0.0, 0.0, -lr)
+        else:
+            key = (True, last["val_metric"], -last["val_loss"], -lr)
         if best is None or key > best[0]:
             best = (key, lr, model, curves, diverged, steps)
     _key, lr, model, curves, diverged, steps = best

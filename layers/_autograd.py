@@ -24,7 +24,7 @@ class AffineLike(Function):
     """z = r·(x Wᵀ + b),  r = 1/√(‖x‖² + 1) per row.
 
     Forward on x' = c·x (``prepare``): z = ρ·(x' Wᵀ + c·b), ρ = 1/hypot(‖x'‖, c), r = ρ·c.
-    Backward, with y = x Wᵀ + b:  gy = r·gz,  dW = gyᵀ x,  db = Σ_rows gy,  u = gy W,
+    Backward, with y = x Wᵀ + b:  gy = r·gz,  dW = gyᵀ x,  db = Σ_rows gy = gzᵀ r,  u = gy W,
     dr = ⟨gz, y⟩ + g_r = (⟨u, x⟩ + ⟨gy, b⟩)/r + g_r  and  ∂r/∂x = −r³ x, so
         dx = u − r²·(⟨u, x⟩ + ⟨gy, b⟩ + r·g_r)·x.
     No output is saved: ⟨gz, y⟩ comes from u, which dx needs anyway.
@@ -61,11 +61,13 @@ def affine_like_grads(x, weight, bias, r, grad_z, grad_r, needs) -> tuple[Tensor
     dx = dw = db = None
     coef = None  # r²·(...) of dx = u − coef·x, in the accumulation dtype
     if grad_z is not None:
-        gy = grad_z * r.to(grad_z.dtype)
+        r_z = r.to(grad_z.dtype)
+        if need_b and bias is not None:
+            db = (grad_z.t() @ r_z).squeeze(-1)  # gzᵀr: one BLAS matvec (measured faster than gy.sum(0))
+        if need_w or need_x:
+            gy = grad_z * r_z
         if need_w:
             dw = gy.t() @ x
-        if need_b and bias is not None:
-            db = gy.sum(0)
         if need_x:
             u = gy @ weight
             dot = rowdot(u, x) if bias is None else rowdot(u, x) + matvec(gy, bias)

@@ -84,12 +84,14 @@ def norm_of(x: Tensor, dims: tuple[int, ...]) -> Tensor:
 
 
 def rowdot(a: Tensor, b: Tensor) -> Tensor:
-    """Σ_last a·b (keepdim), accumulated in the accumulation dtype. (A batched 1×m·m×1 product
-    avoids the a·b temporary but measured 2–5× slower on CPU.)"""
+    """Σ_last a·b (keepdim), accumulated in the accumulation dtype. (einsum / a batched 1×m·m×1
+    product avoid the a·b temporary, but on CPU at 1 thread measured 4× slower at (512, 1024) and
+    only 10% faster at (4096, 256).)"""
     return (a * b).sum(-1, keepdim=True, dtype=accumulation_dtype(a.dtype))
 
 
 def matvec(a: Tensor, v: Tensor) -> Tensor:
-    """a @ v as a column (keepdim), accumulated and returned in the accumulation dtype."""
+    """a @ v as a column (keepdim), accumulated and returned in the accumulation dtype. (As a
+    matrix times a one-column matrix: on CPU measured 10–35% faster than the matrix-vector op.)"""
     acc = accumulation_dtype(a.dtype)
-    return (a.to(acc) @ v.to(acc)).unsqueeze(-1)
+    return a.to(acc) @ v.to(acc).unsqueeze(-1)

@@ -56,9 +56,17 @@ class _Naive(nn.Module):
         if self.kind == "affine_like":
             return (x @ w.t() + b) / torch.sqrt((x * x).sum(-1, keepdim=True) + 1)
         if self.kind == "patchnorm":
-            conv = F.conv2d(x, w, b, padding=1)
-            ones = torch.ones(1, 1, *w.shape[2:], dtype=x.dtype)
-            return conv / torch.sqrt(F.conv2d(x.square().sum(1, keepdim=True), ones, padding=1) + 1)
+            layer, padding = self.layer, self.layer.padding
+            if layer.padding_mode != "zeros":
+                x, padding = F.pad(x, layer._reversed_padding_repeated_twice, mode=layer.padding_mode), 0
+            geometry = {"stride": layer.stride, "padding": padding, "dilation": layer.dilation}
+            groups = layer.groups
+            conv = F.conv2d(x, w, b, groups=groups, **geometry)
+            group_squares = x.square().unflatten(1, (groups, -1)).sum(2)  # (N, groups, H, W)
+            ones = torch.ones(groups, 1, *w.shape[2:], dtype=x.dtype, device=x.device)
+            patch_sq = F.conv2d(group_squares, ones, groups=groups, **geometry)  # (N, groups, H', W')
+            scale = torch.rsqrt(patch_sq + 1).repeat_interleave(w.shape[0] // groups, dim=1)
+            return conv * scale
         k = 1.0 if self.kind == "norm_l2" else math.sqrt(x.shape[-1])
         return F.linear(k * x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(1e-12), w, b)
 
@@ -139,10 +147,13 @@ def summarise(case: str, variants: list[Variant], times: dict[str, list[float]])
 def run(quick: bool = False, threads: int = 2, repeats: int | None = None, warmup: int | None = None,
         backend: str = "inductor", progress: Callable[[str], None] = print) -> dict:
     """All cases; returns {"config", "medians_ms", "rows"} (JSON-ready)."""
+    repeats = (3 if quick else 25) if repeats is None else repeats
+    warmup = (1 if quick else 3) if warmup is None else warmup
+    if repeats < 1 or warmup < 0:
+        raise ValueError(
+            f"benchmark.run: expected repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    repeats = repeats or (3 if quick else 25)
-    warmup = warmup or (1 if quick else 3)
     medians: dict[str, dict[str, float]] = {}
     rows: list[dict] = []
     cases = [(f"dense B={b} {m}->{n}", dense_variants(m, n, backend), torch.randn(b, m))

@@ -20,12 +20,26 @@ def register(subparsers) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes and few rounds (a smoke test)")
-    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 25, quick 3)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed rounds first (default 3, quick 1)")
+    parser.add_argument("--threads", type=_int_at_least(1), default=2, help="torch intra-op threads (default 2)")
+    parser.add_argument("--repeats", type=_int_at_least(1), default=None, help="timed rounds (default 25, quick 3)")
+    parser.add_argument("--warmup", type=_int_at_least(0), default=None,
+                        help="untimed rounds first (default 3, quick 1)")
     parser.add_argument("--compile-backend", default="inductor",
                         help="torch.compile backend of the naive composites (default inductor)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results (with provenance) here")
+
+
+def _int_at_least(minimum: int):
+    """argparse type: an int >= minimum, else a usage error naming both."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an int >= {minimum}, got {text!r}")
+        return value
+    return parse
 
 
 def main(args: argparse.Namespace) -> int:

@@ -27,6 +27,7 @@ affine_like runs fused there; everywhere else it is the plain-torch Function in 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -62,13 +63,19 @@ def norm_like(
     """z = W·k x/max(‖x‖, eps) + b over the last dim; k = 1 (mode "l2") or √in (mode "rms")."""
     if mode not in NORM_MODES:
         raise ValueError(f"norm_like: mode must be one of {NORM_MODES}, got {mode!r}")
-    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
-        raise ValueError(f"norm_like: eps must be a finite number > 0, got {eps!r}")
+    eps = _check_eps("norm_like", eps)
     x, weight, bias = _prepare_dense("norm_like", x, weight, bias)
     k = 1.0 if mode == "l2" else math.sqrt(x.shape[-1])
     rows = x.reshape(-1, x.shape[-1])
-    z, _ = _autograd.NormLike.apply(rows, weight, bias, k, float(eps))
+    z, _ = _autograd.NormLike.apply(rows, weight, bias, k, eps)
     return z.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _check_eps(name: str, eps) -> float:
+    """eps as a float; a bool, a non-real, a non-finite or a non-positive eps is a ValueError."""
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not (math.isfinite(eps) and eps > 0):
+        raise ValueError(f"{name}: eps must be a finite number > 0, got {eps!r}")
+    return float(eps)
 
 
 def _prepare_dense(name, x, weight, bias):
@@ -105,8 +112,8 @@ def patchnorm_conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, grou
 def _patchnorm_conv(name, d, x, weight, bias, stride, padding, dilation, groups):
     _check_tensor(name, "weight", weight, dims=(d + 2,))
     _check_tensor(name, "input", x, dims=(d + 1, d + 2))
-    stride, dilation = _tuple(name, "stride", stride, d), _tuple(name, "dilation", dilation, d)
-    if not isinstance(groups, int) or groups < 1:
+    stride, dilation = _int_tuple(name, "stride", stride, d, 1), _int_tuple(name, "dilation", dilation, d, 1)
+    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
         raise ValueError(f"{name}: groups must be a positive int, got {groups!r}")
     unbatched = x.dim() == d + 1
     if unbatched:
@@ -150,13 +157,20 @@ def _resolve_padding(name, x, padding, kernel, stride, dilation):
         if any(extra):
             x = F.pad(x, [p for e in reversed(extra) for p in (0, e)])
         return x, left
-    padding = _tuple(name, "padding", padding, d, minimum=0)
+    padding = _int_tuple(name, "padding", padding, d, 0)
     return x, padding
 
 
-def _tuple(name, what, value, d, minimum=1) -> tuple[int, ...]:
-    values = (value,) * d if isinstance(value, int) else tuple(value)
-    if len(values) != d or not all(isinstance(v, int) and v >= minimum for v in values):
+def _int_tuple(name, what, value, d, minimum) -> tuple[int, ...]:
+    """``value`` (an int, or d ints) as d ints, each ≥ ``minimum``; anything else is a ValueError
+    (bools included: True is an int to Python, never a meant stride)."""
+    if isinstance(value, int):
+        values = (value,) * d
+    else:
+        values = tuple(value) if isinstance(value, Sequence) else ()
+    if len(values) != d or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= minimum for v in values
+    ):
         raise ValueError(f"{name}: {what} must be an int >= {minimum} or {d} of them, got {value!r}")
     return values
 

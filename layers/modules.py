@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.conv import _ConvNd
-from torch.nn.modules.utils import _pair, _single
+from torch.nn.modules.utils import _ntuple
 
 from affdiv.layers import functional
 
@@ -65,7 +65,7 @@ class NormLike(_DenseBase):
     ):
         if mode not in functional.NORM_MODES:
             raise ValueError(f"NormLike: mode must be one of {functional.NORM_MODES}, got {mode!r}")
-        self.mode, self.eps = mode, eps
+        self.mode, self.eps = mode, functional._check_eps("NormLike", eps)
         super().__init__(in_features, out_features, bias, device, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -80,7 +80,17 @@ class _PatchNormConvNd(_ConvNd):
     output position by √(‖patch‖² + 1), the patch being that position's receptive field over the
     input channels of the output channel's group (per group when groups > 1)."""
 
+    _dims: int  # spatial dimensions, set by the concrete classes
     _functional = None  # set by the concrete classes
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1,
+                 bias=True, padding_mode="zeros", device=None, dtype=None):
+        ntuple = _ntuple(self._dims)
+        super().__init__(
+            in_channels, out_channels, ntuple(kernel_size), ntuple(stride),
+            padding if isinstance(padding, str) else ntuple(padding), ntuple(dilation), False, ntuple(0),
+            groups, bias, padding_mode, device=device, dtype=dtype,
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         padding = self.padding
@@ -93,26 +103,12 @@ class _PatchNormConvNd(_ConvNd):
 class PatchNormConv1d(_PatchNormConvNd):
     """nn.Conv1d with each output position divided by √(‖patch‖² + 1) (see module doc)."""
 
+    _dims = 1
     _functional = staticmethod(functional.patchnorm_conv1d)
-
-    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1,
-                 bias=True, padding_mode="zeros", device=None, dtype=None):
-        super().__init__(
-            in_channels, out_channels, _single(kernel_size), _single(stride),
-            padding if isinstance(padding, str) else _single(padding), _single(dilation), False, _single(0),
-            groups, bias, padding_mode, device=device, dtype=dtype,
-        )
 
 
 class PatchNormConv2d(_PatchNormConvNd):
     """nn.Conv2d with each output position divided by √(‖patch‖² + 1) (see module doc)."""
 
+    _dims = 2
     _functional = staticmethod(functional.patchnorm_conv2d)
-
-    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1,
-                 bias=True, padding_mode="zeros", device=None, dtype=None):
-        super().__init__(
-            in_channels, out_channels, _pair(kernel_size), _pair(stride),
-            padding if isinstance(padding, str) else _pair(padding), _pair(dilation), False, _pair(0),
-            groups, bias, padding_mode, device=device, dtype=dtype,
-        )

@@ -195,3 +195,52 @@ def test_sensitivity_analyses_do_not_change_the_verdicts():
     assert {m: r["verdict"] for m, r in full.methods.items()} == {m: r["verdict"] for m, r in lean.methods.items()}
     assert "mixed" in full.methods["affine"] and "mixed" not in lean.methods["affine"]
     assert full.methods["affine"]["tests"] == lean.methods["affine"]["tests"]
+
+
+def plant_divergence(rows, method, batch_sizes, chance=0.1):
+    """Runs of ``method`` at ``batch_sizes`` diverged: metric at chance, diverged = 1 (as the harness records)."""
+    out = []
+    for r in rows:
+        hit = r["method"] == method and r["batch_size"] in batch_sizes
+        out.append({**r, "metric": chance if hit else r["metric"], "diverged": int(hit)})
+    return out
+
+
+def test_divergence_cannot_drive_a_verdict():
+    # affine_like is truly flat; its runs at the two largest batch sizes diverge (as under lr_rule=linear).
+    rows = records_with({"affine_like": 0.0, "affine": 0.0, "batchnorm": 0.0}, rules=("linear",))
+    planted = plant_divergence(rows, "affine_like", {128, 256})
+    # Without the diverged flag the chance-level runs look like a steep fall and the prediction "holds":
+    # exactly what the rule must prevent.
+    blind = analyse([{k: v for k, v in r.items() if k != "diverged"} for r in planted])
+    assert blind.methods["affine_like"]["verdict"] == "supported"
+
+    analysis = analyse(planted)
+    result = analysis.methods["affine_like"]
+    assert result["n_diverged"] == 16 and result["diverged_batch_sizes"] == [128, 256]  # 8 seeds × 2 sizes
+    assert result["status"] == "ok" and result["trend"] == "falls" and result["slope"] < 0  # still reported
+    assert result["verdict"] == "inconclusive"
+    assert result["reason"].startswith("16 of 40 runs diverged (batch sizes 128, 256)")
+    assert analysis.overall["affine_like"] == "inconclusive"
+    assert analysis.methods["affine"]["verdict"] == "supported" and analysis.methods["affine"]["n_diverged"] == 0
+    assert "diverged run in a group is inconclusive" in analysis.decision_rule
+
+
+def test_a_diverged_baseline_makes_the_comparison_inconclusive(tmp_path):
+    rows = records_with({"affine_like": STRONG, "affine": 0.0, "batchnorm": 0.0}, rules=("linear",))
+    planted = plant_divergence(rows, "batchnorm", {256})
+    path = write_csv(tmp_path / "records.csv", planted)
+    analysis = analyse(read_csv(path))  # the flag survives the CSV round trip (as text "0"/"1")
+    assert analysis.methods["batchnorm"]["verdict"] == "inconclusive"
+    assert analysis.methods["affine_like"]["verdict"] == "inconclusive"
+    assert "baseline batchnorm: 8 of 40 runs diverged (batch sizes 256)" in analysis.methods["affine_like"]["reason"]
+    assert analysis.methods["affine"]["verdict"] == "supported"
+    with pytest.raises(ValueError, match="record 1: column 'diverged' must be 0 or 1, got 2"):
+        analyse([{**planted[0], "diverged": 2}, *planted[1:]])
+
+
+def test_two_runs_are_too_few_for_a_clustered_slope():
+    rows = [{"method": "affine", "batch_size": b, "seed": s, "metric": m}
+            for b, s, m in [(32, 0, 0.9), (64, 1, 0.8)]]
+    assert analyse(rows).methods["affine"]["status"] == ("insufficient data: needs >= 2 batch sizes, >= 2 seeds "
+                                                         "and >= 3 runs, got 2, 2 and 2")

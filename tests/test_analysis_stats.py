@@ -181,5 +181,8 @@ def test_bad_input_is_named():
         stats.clustered_slope([1.0, 2.0], [1.0, 2.0], [0, 0])
     with pytest.raises(ValueError, match="equal length"):
         stats.clustered_slope([1.0, 2.0], [1.0], [0, 1])
+    # Two runs in two seeds: CR1's (N-1)/(N-2) would divide by zero.
+    with pytest.raises(ValueError, match=">= 3 observations .*got 2 clusters and 2 observations"):
+        stats.clustered_slope([1.0, 2.0], [1.0, 2.0], [0, 1])
     with pytest.raises(ValueError, match=">= 2 values"):
         stats.mean_estimate([1.0])

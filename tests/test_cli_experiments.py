@@ -86,6 +86,19 @@ def test_groups_are_named_by_every_varying_setting_but_method_batch_and_seed():
     assert [r["group"] for r in records[:2]] == ["lr_rule=sqrt, width=16", "lr_rule=tuned, width=8"]
 
 
+def test_settings_a_run_ignores_name_no_group():
+    from affdiv.experiments.cli import label_groups
+
+    # As stored: the scaling rule uses ref_batch_size 64; the tuned rule ignores it (stored at its default).
+    records = [{"method": "affine", "batch_size": b, "seed": 0, "lr_rule": r, "lr_grid": [0.1, 1.0] if r == "tuned"
+                else [], "ref_batch_size": 32 if r == "tuned" else 64} for b in (16, 32) for r in ("sqrt", "tuned")]
+    assert label_groups(records) == "lr_rule"
+    records.append({**records[0], "ref_batch_size": 128})  # a second reference batch size: a second sqrt group
+    assert label_groups(records) == "group"
+    assert sorted({r["group"] for r in records}) == ["lr_rule=sqrt, ref_batch_size=128",
+                                                     "lr_rule=sqrt, ref_batch_size=64", "lr_rule=tuned"]
+
+
 def test_analyse_a_minimal_csv(tmp_path):
     # Any CSV with columns method, batch_size, seed, metric; here a planted fall of 0.1 per doubling.
     path = tmp_path / "mine.csv"

@@ -2,10 +2,11 @@
 
 import dataclasses
 import json
+import subprocess
 
-import torch
+import pytest
 
-from affdiv import cli
+from affdiv import cli, provenance
 from affdiv.theory import derivation as derivation_module
 from affdiv.theory import registry
 
@@ -43,3 +44,40 @@ def test_unknown_derivation_is_named(capsys):
         assert "nonexistent" in str(exit.code) and "affine_like" in str(exit.code)
     else:
         raise AssertionError("expected SystemExit")
+
+
+def test_latex_table_escapes_and_prints_the_tolerance(tmp_path):
+    path = tmp_path / "v.tex"
+    assert cli.main(["verify", "--only", "affine", "--seeds", "1", "--latex", str(path)]) == 0
+    text = path.read_text()
+    assert r"Min.\ tol." in text
+    row = next(line for line in text.splitlines() if line.startswith("affine & ") and "linearity" in line)
+    assert row.count("&") == 6 and r"\times10^{-10}" in row  # the linearity tolerance TOL + rounding ≈ 1e-10
+
+
+def test_latex_escape_covers_every_special_character():
+    from affdiv.verify.latex import escape
+
+    assert escape(r"a_b%c&d$e#f{g}h~i^j\k") == (
+        r"a\_b\%c\&d\$e\#f\{g\}h\textasciitilde{}i\textasciicircum{}j\textbackslash{}k"
+    )
+
+
+def test_misspelled_command_module_raises(monkeypatch):
+    monkeypatch.setattr(cli, "COMMAND_MODULES", cli.COMMAND_MODULES + ("affdiv.verify.clii",))
+    with pytest.raises(ModuleNotFoundError, match="affdiv.verify.clii"):
+        cli.build_parser()
+
+
+def test_git_commit_tries_the_next_place_then_the_environment(monkeypatch):
+    """An OSError (no git, vanished directory) moves on instead of giving up."""
+    calls = []
+
+    def no_git(*args, **kwargs):
+        calls.append(kwargs["cwd"])
+        raise OSError("git not found")
+
+    monkeypatch.setattr(subprocess, "run", no_git)
+    monkeypatch.setenv("AFFDIV_GIT_COMMIT", "abc123")
+    assert provenance.git_commit() == "abc123"
+    assert len(calls) == 2

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -110,3 +112,33 @@ def test_bad_options():
         LF.patchnorm_conv2d(x, w, groups=0)
     with pytest.raises(ValueError, match=r"kernel extent \(3, 3\) exceeds the padded input size \(2, 2\)"):
         LF.patchnorm_conv2d(torch.randn(1, 2, 2, 2), w)
+
+
+@pytest.mark.parametrize("eps", [0, -1e-6, float("nan"), float("inf"), True, "1e-6", None])
+def test_norm_like_rejects_a_bad_eps_at_construction_and_in_the_functional(eps):
+    with pytest.raises(ValueError, match=re.escape(f"NormLike: eps must be a finite number > 0, got {eps!r}")):
+        NormLike(3, 2, eps=eps)
+    with pytest.raises(ValueError, match=re.escape(f"norm_like: eps must be a finite number > 0, got {eps!r}")):
+        LF.norm_like(torch.randn(2, 3), torch.randn(2, 3), eps=eps)
+
+
+def test_norm_like_stores_a_good_eps_as_a_float():
+    layer = NormLike(3, 2, eps=1)
+    assert type(layer.eps) is float and layer.eps == 1.0
+
+
+@pytest.mark.parametrize("what, value", [
+    ("stride", True), ("stride", 1.0), ("stride", (1,)), ("stride", (1, 1, 1)), ("dilation", (1, 0)),
+    ("dilation", None), ("padding", (0, False)), ("padding", 1.5),
+])
+def test_conv_geometry_must_be_ints_of_the_right_count(what, value):
+    minimum = 0 if what == "padding" else 1
+    x, w = torch.randn(1, 2, 6, 6), torch.randn(2, 2, 3, 3)
+    with pytest.raises(ValueError, match=re.escape(f"{what} must be an int >= {minimum} or 2 of them, got {value!r}")):
+        LF.patchnorm_conv2d(x, w, **{what: value})
+
+
+@pytest.mark.parametrize("groups", [True, 1.0, 0])
+def test_conv_groups_must_be_a_positive_int(groups):
+    with pytest.raises(ValueError, match=f"groups must be a positive int, got {groups!r}"):
+        LF.patchnorm_conv1d(torch.randn(1, 2, 6), torch.randn(2, 2, 3), groups=groups)

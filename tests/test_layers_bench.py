@@ -4,20 +4,53 @@ from __future__ import annotations
 
 import json
 
+import pytest
+import torch
+
 from affdiv.cli import main
+from affdiv.layers import PatchNormConv2d, benchmark
 
 
 def test_bench_layers_quick_writes_a_table_and_json(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    status = main(["bench", "layers", "--quick", "--repeats", "2", "--threads", "1",
+    status = main(["bench", "layers", "--quick", "--repeats", "2", "--warmup", "0", "--threads", "1",
                    "--compile-backend", "eager", "--json", str(out)])
     assert status == 0
     printed = capsys.readouterr().out
     assert "AffineLike" in printed and "ratio" in printed
     result = json.loads(out.read_text())
     assert result["config"]["quick"] is True and result["provenance"]["package"] == "affdiv"
+    assert (result["config"]["repeats"], result["config"]["warmup"]) == (2, 0)  # 0 is not "the default"
     layers = {row["layer"] for row in result["rows"]}
     assert layers == {"AffineLike", "NormLike(l2)", "NormLike(rms)", "PatchNormConv2d"}
     for row in result["rows"]:
         assert row["ratio"] > 0 and row["layer_ms"] > 0 and row["baseline_ms"] > 0
         assert row["met"] is None or row["met"] == (row["ratio"] <= row["target"])
+
+
+@pytest.mark.parametrize("option, value, minimum", [("--repeats", "0", 1), ("--warmup", "-1", 0),
+                                                    ("--threads", "0", 1), ("--repeats", "2.5", 1)])
+def test_bench_layers_rejects_bad_round_counts(option, value, minimum, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "layers", "--quick", option, value])
+    assert info.value.code == 2
+    assert f"expected an int >= {minimum}, got '{value}'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("repeats, warmup", [(0, 1), (1, -1)])
+def test_benchmark_run_rejects_bad_round_counts(repeats, warmup):
+    with pytest.raises(ValueError, match=f"expected repeats >= 1 and warmup >= 0, got repeats={repeats}, "
+                                         f"warmup={warmup}"):
+        benchmark.run(quick=True, repeats=repeats, warmup=warmup)
+
+
+@pytest.mark.parametrize("kwargs", [dict(kernel_size=3, padding=1), dict(kernel_size=5, padding=2),
+                                    dict(kernel_size=3, stride=2, dilation=2, padding=(1, 2), groups=2),
+                                    dict(kernel_size=(3, 1), padding="same", padding_mode="reflect", groups=4)])
+def test_naive_patchnorm_baseline_computes_the_layer(kwargs):
+    # the baseline the benchmark compiles must compute what the layer does, for any geometry;
+    # float64, the same closed form in another order of operations: a few ulp of O(1) outputs
+    layer = PatchNormConv2d(4, 8, dtype=torch.float64, **kwargs)
+    x = torch.randn(2, 4, 9, 8, dtype=torch.float64)
+    naive = benchmark._Naive(layer, "patchnorm")
+    torch.testing.assert_close(naive(x), layer(x), rtol=1e-12, atol=1e-12)

@@ -158,6 +158,19 @@ def test_reset_parameters_matches_the_plain_layer_init():
             assert ka == kb and torch.equal(pa, pb)
 
 
+@pytest.mark.parametrize("layer, plain, kwargs", [
+    (PatchNormConv1d, nn.Conv1d, dict(kernel_size=3)),
+    (PatchNormConv1d, nn.Conv1d, dict(kernel_size=(5,), stride=2, padding=(1,), dilation=2, groups=2)),
+    (PatchNormConv2d, nn.Conv2d, dict(kernel_size=3, padding="same", padding_mode="circular")),
+    (PatchNormConv2d, nn.Conv2d, dict(kernel_size=(3, 1), stride=(2, 1), padding=1, dilation=(1, 2), groups=4)),
+])
+def test_conv_constructors_normalise_arguments_like_the_plain_layer(layer, plain, kwargs):
+    a, b = layer(4, 8, **kwargs), plain(4, 8, **kwargs)
+    for attribute in ("kernel_size", "stride", "padding", "dilation", "output_padding", "groups", "padding_mode",
+                      "_reversed_padding_repeated_twice"):
+        assert getattr(a, attribute) == getattr(b, attribute), attribute
+
+
 def test_extra_repr():
     assert repr(AffineLike(3, 2, bias=False)) == "AffineLike(in_features=3, out_features=2, bias=False)"
     assert repr(NormLike(3, 2, mode="rms", eps=1e-6)) == (

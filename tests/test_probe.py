@@ -38,6 +38,7 @@ def test_probe_command_writes_its_reports(tmp_path):
     assert [r["batch_size"] for r in record["rows"]] == [2, 4]
     assert record["provenance"]["data_fingerprint"]
     assert (tmp_path / "probe.png").stat().st_size > 0 and "| affine_like | 4 |" in (tmp_path / "probe.md").read_text()
+    assert not list(tmp_path.glob(".*.tmp"))  # every file written whole (temporary sibling, then renamed)
 
 
 def test_batch_larger_than_the_data_is_refused(correlated):

@@ -112,3 +112,22 @@ def test_forest_plot_without_sensitivity_analyses(tmp_path, study):
     records = study[0]
     path = figures.slope_forest(analyse(records, sensitivity=False), tmp_path / "forest.png")
     assert path.read_bytes().startswith(PNG)
+
+
+def test_a_diverged_method_is_reported_inconclusive_under_the_stated_rule(tmp_path):
+    rng = np.random.default_rng(1)
+    records = simulate_records(Layout(base=0.75), {"affine_like": 0.0, "affine": 0.0}, rng, lr_rule="linear")
+    for r in records:  # the largest batches blew up (the harness records chance accuracy and diverged = 1)
+        r["diverged"] = int(r["method"] == "affine_like" and r["batch_size"] == 256)
+        r["metric"] = 0.1 if r["diverged"] else r["metric"]
+    paths = write_report(tmp_path, analyse(records, n_boot=200, sensitivity=False), records=records,
+                         provenance=PROVENANCE)
+    text = paths["report_md"].read_text()
+    rule_line = text.index("a method with a diverged run in a group is inconclusive there")
+    assert text.index("## Decision rule") < rule_line < text.index("## Verdicts")
+    assert "| affine_like | corrected | inconclusive | inconclusive |" in text
+    assert "5 of 25 runs diverged (batch sizes 256)" in text  # Layout: 5 seeds × 5 batch sizes
+    summary = json.loads(paths["summary_json"].read_text())
+    assert summary["settings"]["sensitivity"] is False
+    assert summary["methods"]["affine_like"]["n_diverged"] == 5
+    assert summary["methods"]["affine_like"]["diverged_batch_sizes"] == [256]

@@ -1,6 +1,13 @@
 """Sweeps: grid expansion, resuming, parallel workers equal to serial, presets."""
 
 import io
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
 
 import pytest
 
@@ -106,3 +113,71 @@ def test_unknown_preset_lists_the_packaged_ones(tmp_path):
     bad.write_text("[runs]\nlength = 1\n")
     with pytest.raises(ValueError, match="unknown table\\(s\\) \\['runs'\\]"):
         load_preset(str(bad))
+
+
+# A sweep whose runs take hours (10**7 steps each): its workers are busy whenever the parent dies.
+_ENDLESS_SWEEP = textwrap.dedent("""
+    import sys
+    from affdiv.experiments.store import ResultStore
+    from affdiv.experiments.sweep import expand_grid, run_sweep
+    configs = expand_grid(dict(dataset="digits", method="affine", depth=1, width=8, batch_size=8,
+                               budget="steps", length=10**7), {"seed": [0, 1]})
+    run_sweep(configs, ResultStore(sys.argv[1]), workers=2, threads=1, progress=None)
+""")
+
+
+def _children(parent: int) -> list[int]:
+    """Pool workers of ``parent`` (spawned interpreters running multiprocessing's spawn_main)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except (FileNotFoundError, ProcessLookupError, NotADirectoryError, PermissionError):
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == parent and b"spawn_main" in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:  # a zombie (state Z) has exited; it only waits to be reaped by whoever adopted it
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait(condition, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc (Linux)")
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
+def test_workers_die_with_the_parent(tmp_path, signum):
+    parent = subprocess.Popen([sys.executable, "-c", _ENDLESS_SWEEP, str(tmp_path / "runs.sqlite")])
+    workers: list[int] = []
+    try:
+        # Both workers up and past their imports (torch mapped): they are (about to be) training.
+        def training() -> bool:
+            workers = _children(parent.pid)
+            return len(workers) == 2 and all(b"libtorch" in Path(f"/proc/{w}/maps").read_bytes() for w in workers)
+
+        assert _wait(training, 120), f"the sweep did not start its 2 workers: {_children(parent.pid)}"
+        workers = _children(parent.pid)
+        os.kill(parent.pid, signum)
+        assert parent.wait(30) == (-signal.SIGKILL if signum == signal.SIGKILL else 128 + signal.SIGTERM)
+        # A surviving worker would train for hours; 30 s covers a worker still finishing its start-up.
+        assert _wait(lambda: not any(map(_alive, workers)), 30), [w for w in workers if _alive(w)]
+    finally:  # a failed check must not leave hours of training behind
+        parent.kill()
+        parent.wait()
+        for worker in filter(_alive, workers):
+            os.kill(worker, signal.SIGKILL)

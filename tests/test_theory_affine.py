@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from affdiv.theory import ProofKind, registry
 from affdiv.theory import affine
-from affdiv.theory.exact import ETA, exact_effective_update, is_zero_matrix
+from affdiv.theory.exact import ETA, exact_effective_update, is_zero
 from affdiv.verify.checks import TOL, check_diagonal, check_linearity, check_update
 from affdiv.verify.engine import effective_update
 from affdiv.verify.ntk import empirical_ntk, ntk_update
@@ -32,7 +32,7 @@ def test_every_member_is_registered_and_proven_at_general_dimension():
     [("affine", affine.S + 1), ("norm_l2", 2), ("norm_rms", affine.M + 1), ("affine_like", 1)],
 )
 def test_diagonal_factors_are_those_of_the_paper(name, expected):
-    member = next(m for m in affine.MEMBERS if m.name == name)
+    member = affine.member(name)
     assert sp.simplify(member.diagonal_factor - expected) == 0
 
 
@@ -45,8 +45,25 @@ def test_exact_machinery_sees_a_second_order_term():
 
     exact = exact_effective_update(forward, {"w": sp.Matrix([[sp.Rational(1, 3)]])}, sp.Matrix([[1]]))
     remainder = sp.expand(exact.finite[0] - exact.linear[0])
-    assert not is_zero_matrix(exact.finite - exact.linear)
+    assert not is_zero(exact.finite - exact.linear)
     assert sp.degree(remainder, ETA) == 2
+
+
+def test_member_lookup_names_the_choices():
+    assert affine.member("norm_rms").name == "norm_rms"
+    with pytest.raises(ValueError, match="member must be one of"):
+        affine.member("norm_l3")
+
+
+def test_zero_test_is_exact_on_radicals_exponentials_and_matrix_expressions():
+    """is_zero: True only for identities — radicals (√2·√8 = 4), exps as free symbols, MatrixSymbol calculus."""
+    assert is_zero(sp.Matrix([[sp.sqrt(2) * sp.sqrt(8) - 4, 1 / (1 + sp.sqrt(2)) - (sp.sqrt(2) - 1)]]))
+    assert not is_zero(sp.Matrix([[sp.sqrt(2) - sp.Rational(141421, 100000)]]))
+    e = sp.exp(sp.Rational(1, 3))
+    assert is_zero(sp.Matrix([[e / (e + 1) - 1 + 1 / (e + 1)]]))
+    assert not is_zero(sp.Matrix([[e / (e + 1) - sp.Rational(1, 2)]]))
+    a = sp.MatrixSymbol("A", 2, 2)
+    assert is_zero(a * (a + a) - 2 * a * a) and not is_zero(a * a.T - a.T * a)
 
 
 sizes = st.fixed_dictionaries(

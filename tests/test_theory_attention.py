@@ -139,6 +139,7 @@ def test_qk_bilinear_term_alone_is_not_the_second_order():
     )
     result = check_taylor(planted, D.sizes[1], seed=0)
     assert abs(result.errors["slope_second_order"] - 2) <= SLOPE_TOL
+    assert not result.passed  # the check fails on the second-order slope
 
 
 @pytest.mark.parametrize(
@@ -161,6 +162,20 @@ def test_planted_wrong_second_order_fails():
 
     result = check_taylor(dataclasses.replace(D, predict_second_order=incomplete), D.sizes[0], seed=1)
     assert abs(result.errors["slope_second_order"] - 3) > SLOPE_TOL
+    assert not result.passed
+
+
+def test_second_order_proof_step_compares_with_nested_ad_and_can_fail(monkeypatch):
+    """The numeric proof step of Z2 holds, and fails when a term of Z2 is dropped."""
+    step = attention.second_order_step()
+    assert step.holds and step.kind is ProofKind.NUMERIC_ONLY and "rel. error" in step.detail
+    full = attention.second_order_terms
+
+    def without_output_term(case, g, lr):
+        return {k: v for k, v in full(case, g, lr).items() if k != "output"}
+
+    monkeypatch.setattr(attention, "second_order_terms", without_output_term)
+    assert not attention.second_order_step.__wrapped__(0).holds
 
 
 def test_causal_first_token_sees_only_itself():

@@ -67,6 +67,22 @@ def test_affine_block_second_order_term_makes_the_step_exact(sizes, seed, lr):
         assert rel_err(residual.predict_residual(case, g, lr), measured.finite) > 1e-6
 
 
+@pytest.mark.parametrize("sizes", registry()["residual_affine"].sizes)
+def test_affine_block_taylor_check_needs_the_exact_second_order(sizes):
+    """With the exact η² term the remainder is at rounding at every η (pass); with half of it the
+    remainder is an η² term again and the check fails."""
+    d = registry()["residual_affine"]
+    result = check_taylor(d, sizes, 0, lrs=d.taylor_lrs)
+    assert result.passed and "slope_second_order" not in result.errors, result
+    assert result.errors["second_order_remainder_over_floor"] <= 1
+
+    def half(case, g, lr):
+        return (residual.predict_residual(case, g, lr) + residual.predict_residual_second_order(case, g, lr)) / 2
+
+    wrong = check_taylor(dataclasses.replace(d, predict_second_order=half), sizes, 0, lrs=d.taylor_lrs)
+    assert not wrong.passed and abs(wrong.errors["slope_second_order"] - 2) <= SLOPE_TOL
+
+
 @settings(max_examples=10)
 @given(name=st.sampled_from(NAMES), sizes=sizes, seed=st.integers(0, 2**16))
 def test_own_sample_block_matches_single_sample_steps(name, sizes, seed):

@@ -1,6 +1,7 @@
 """One training run: LR rules, budgets, the optimizers, determinism, divergence, tuning on val."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 from affdiv.experiments import training
 from affdiv.experiments.data import load_dataset
 from affdiv.experiments.models import MLP_METHODS, build_model
+from affdiv.experiments.store import config_hash
 from affdiv.experiments.training import RunConfig, learning_rates, make_optimizer, train_run
 
 
@@ -68,10 +70,14 @@ def test_first_step_of_each_optimizer(optimizer):
         ({"budget": "minutes"}, "unknown budget 'minutes'"),
         ({"lr_rule": "tuned"}, "needs a non-empty lr_grid"),
         ({"base_lr": -1.0}, "base_lr must be > 0"),
+        ({"val_fraction": 1.0}, "val_fraction must be a number in [0, 1), got 1.0"),
+        ({"val_fraction": -0.1}, "val_fraction must be a number in [0, 1), got -0.1"),
+        ({"lr_rule": "tuned", "lr_grid": (0.1,), "val_fraction": 0},
+         "lr_rule 'tuned' selects the lr on the validation split: it needs val_fraction > 0, got 0"),
     ],
 )
 def test_bad_configs_are_refused(changes, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         _config(**changes)
     with pytest.raises(ValueError, match="unknown run setting"):
         RunConfig.from_dict({**_config().to_dict(), "weight_decay": 0.1})
@@ -134,6 +140,40 @@ def test_divergence_is_a_result_not_a_crash(digits):
     assert result.metrics["diverged"] == 1
     assert result.metrics["test_accuracy"] == pytest.approx(0.1)  # chance: 1 / 10 classes
     assert math.isnan(result.metrics["test_loss"])
+
+
+def test_without_a_validation_split_runs_train_and_still_detect_divergence():
+    data = load_dataset("digits", val_fraction=0)
+    assert len(data.val.y) == 0
+    result = train_run(_config(val_fraction=0, budget="steps", length=30), data)
+    assert all(c["val_loss"] is None and c["val_metric"] is None for c in result.curves)
+    assert result.metrics["val_accuracy"] is None and result.metrics["val_loss"] is None
+    assert result.metrics["diverged"] == 0 and result.metrics["test_accuracy"] > 0.3  # chance is 0.1
+    blown = train_run(_config(val_fraction=0, activation="identity", base_lr=1e6), data)
+    assert blown.metrics["diverged"] == 1 and not math.isfinite(blown.curves[-1]["train_loss"])
+    with pytest.raises(ValueError, match="at least one sample, got an empty split"):
+        training.evaluate(torch.nn.Linear(64, 10), data.val.x.flatten(1), data.val.y)
+
+
+@pytest.mark.parametrize(
+    "rule, unused, used",
+    [
+        (dict(optimizer="sgd"), dict(momentum=0.5), dict(base_lr=0.07)),
+        (dict(optimizer="adam"), dict(momentum=0.5), dict(base_lr=0.07)),
+        (dict(lr_rule="constant"), dict(ref_batch_size=8, lr_grid=(0.1,)), dict(base_lr=0.07)),
+        (dict(lr_rule="linear"), dict(lr_grid=(0.1,)), dict(ref_batch_size=8)),
+        (dict(lr_rule="tuned", lr_grid=(0.05, 0.2)), dict(ref_batch_size=8, base_lr=3.0), dict(lr_grid=(0.05,))),
+        (dict(optimizer="momentum"), dict(lr_grid=(0.1,)), dict(momentum=0.5)),
+    ],
+)
+def test_settings_a_run_ignores_do_not_change_its_key(digits, rule, unused, used):
+    base, idle, changed = (_config(budget="steps", length=3, **{**rule, **extra}) for extra in ({}, unused, used))
+    assert idle != base and idle.to_dict() == base.to_dict()
+    assert config_hash(changed.to_dict()) != config_hash(base.to_dict())
+    assert RunConfig.from_dict(idle.to_dict()).to_dict() == idle.to_dict()  # a stored dict is a valid config
+    # The claim behind the normalisation, checked by training: the ignored settings change no number.
+    first, second = train_run(base, digits), train_run(idle, digits)
+    assert (first.metrics, first.curves) == (second.metrics, second.curves)
 
 
 def test_tuned_picks_the_best_validation_lr_and_tests_once(digits, monkeypatch):

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from affdiv.theory import registry
-from affdiv.verify.checks import check_taylor, taylor_slope
+from affdiv.verify.checks import _case, check_taylor, fit_above_floor, taylor_slope
 from affdiv.verify.engine import effective_update
 from affdiv.verify.metrics import alignment, diagonal_update
 
@@ -114,3 +114,50 @@ def test_bad_input_is_named(kwargs, message):
 def test_module_without_parameters_is_rejected():
     with pytest.raises(ValueError, match="no trainable parameters"):
         effective_update(torch.nn.Tanh(), torch.randn(2, 3, dtype=F64), torch.zeros(2, 3, dtype=F64), lr=0.1)
+
+
+def test_fit_above_floor_uses_only_points_above_rounding():
+    """A clean η³ law that hits a flat rounding floor: the fit over the points above it is 3."""
+    lrs = np.logspace(-1, -4, 7)
+    floor = 1e-9
+    remainders = np.maximum(lrs**3, 3e-10)  # the last three are "rounding"
+    slope, fitted = fit_above_floor(lrs, remainders, floor)
+    assert slope == pytest.approx(3, rel=1e-9) and len(fitted) == 4
+    assert fit_above_floor(lrs, np.full(7, 1e-12), floor) == (None, [])
+    assert fit_above_floor(lrs, lrs**5, floor)[0] is None  # two points above (1e-5, 3e-8): too few to fit
+
+
+def test_bad_arguments_are_rejected_before_the_forward():
+    calls = []
+
+    class Counting(torch.nn.Linear):
+        def forward(self, x):
+            calls.append(1)
+            return super().forward(x)
+
+    layer = Counting(3, 2, dtype=F64)
+    x = torch.randn(2, 3, dtype=F64)
+    with pytest.raises(ValueError, match="exactly one of grad_output and loss"):
+        effective_update(layer, x, lr=0.1)
+    with pytest.raises(ValueError, match="reduction applies to a loss"):
+        effective_update(layer, x, torch.zeros(2, 2, dtype=F64), lr=0.1, reduction="sum")
+    assert not calls
+
+
+def test_buffers_are_not_modified_by_a_train_mode_batchnorm():
+    """BatchNorm in train mode updates running statistics in its forward: the engine hands it copies."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(3, 4, dtype=F64), torch.nn.BatchNorm1d(4, dtype=F64)).train()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    update = effective_update(module, torch.randn(5, 3, dtype=F64), torch.randn(5, 4, dtype=F64), lr=0.1)
+    assert torch.isfinite(update.finite).all()
+    assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
+
+
+def test_building_a_case_leaves_the_global_rng_alone():
+    """Builds seed torch's global RNG for module initialisation; checks restore it afterwards."""
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    _case(registry()["affine"], {"batch": 2, "in_features": 3, "out_features": 2}, seed=5)
+    assert torch.equal(torch.rand(3), expected)

@@ -27,9 +27,9 @@ import sympy as sp
 import torch
 from torch import Tensor, nn
 
+from affdiv.theory.cases import correlated_rows, seed_from
 from affdiv.theory.derivation import Case, Derivation, Proof, ProofKind, register
-from affdiv.theory.exact import ETA, exact_effective_update, is_zero_expression, is_zero_matrix, random_rational_matrix
-from affdiv.theory.kernels import correlated_rows, seed_from
+from affdiv.theory.exact import ETA, exact_effective_update, is_zero, random_rational_matrix, symbolic_identity
 
 # Scalar symbols of the closed form: d = x_i·x_j, s_i = ‖x_i‖², s_j = ‖x_j‖², m = dim x.
 D, S_I, S_J = sp.symbols("d s_i s_j", positive=True)
@@ -77,6 +77,14 @@ MEMBERS = (
 )
 
 
+def member(name: str) -> Member:
+    """The member called ``name``."""
+    for m in MEMBERS:
+        if m.name == name:
+            return m
+    raise ValueError(f"member must be one of {[m.name for m in MEMBERS]}, got {name!r}")
+
+
 # ---------------------------------------------------------------------------------------------
 # proofs
 
@@ -97,14 +105,10 @@ def family_theorem() -> Proof:
     d_w, d_b = -ETA * sp.diff(loss, W), -ETA * sp.diff(loss, b)
     effective = z(W + d_w, b + d_b, x_i, a_i, c_i, b_i) - z(W, b, x_i, a_i, c_i, b_i)
     closed = -ETA * a_i * a_j * (c_i * c_j * g_j * (x_j.T * x_i) + b_i * b_j * g_j)
-    residual = effective - closed
-    holds = is_zero_expression(residual)
-    return Proof(
-        claim="z(θ−η∇θ(g_jᵀz_j)) − z(θ) at x_i equals −η α_i α_j (c_i c_j x_i·x_j + β_i β_j) g_j, "
+    return symbolic_identity(
+        "z(θ−η∇θ(g_jᵀz_j)) − z(θ) at x_i equals −η α_i α_j (c_i c_j x_i·x_j + β_i β_j) g_j, "
         "for any n×m W, any α, c, β independent of θ; summing over j (∇ is linear) gives the batch",
-        kind=ProofKind.SYMBOLIC_GENERAL,
-        holds=bool(holds),
-        detail=f"sympy matrix calculus, residual = {sp.expand(residual.doit())}",
+        effective - closed,
     )
 
 
@@ -159,7 +163,7 @@ def _concrete_proof(member: Member, sizes=((1, 2, 2), (2, 2, 3), (3, 3, 2)), see
         grad = random_rational_matrix(batch, n, rng)
         exact = exact_effective_update(_exact_forward(member, inputs), params, grad)
         predicted = -ETA * exact_kernel_matrix(member, inputs) * grad
-        if not (is_zero_matrix(exact.finite - predicted) and is_zero_matrix(exact.linear - predicted)):
+        if not (is_zero(exact.finite - predicted) and is_zero(exact.linear - predicted)):
             return Proof(
                 claim=f"closed form = real step for {member.name}",
                 kind=ProofKind.EXACT_CONCRETE,

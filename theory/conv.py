@@ -7,7 +7,9 @@ the affine map of its patches,
     conv       z_{o,p} = W_o·P_{p,γ(o)} + b_o
     patchnorm  z_{o,p} = (W_o·P_{p,γ(o)} + b_o) / √(‖P_{p,γ(o)}‖² + 1),
 
-so it is the affine family (theory.affine) whose "samples" are all positions of all samples:
+so it is the affine family (theory.affine) whose "samples" are all positions of all samples
+(the family theorem is symbolic at general size; that the conv, with its stride, padding, dilation
+and groups, is this map of its patches is established by exact arithmetic at concrete geometries):
 
     Δz_{o,p} = −η Σ_q K^γ_{pq} g_{o,q},   q over every position of every sample,
     conv       K_{pq} = P_p·P_q + 1                                   (diagonal ‖P_p‖² + 1)
@@ -31,9 +33,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from affdiv.theory import affine
+from affdiv.theory.cases import channels_first_sites, correlated_rows, require, seed_from
 from affdiv.theory.derivation import Case, Derivation, Proof, ProofKind, register
-from affdiv.theory.exact import ETA, exact_effective_update, is_zero_matrix, random_rational_matrix
-from affdiv.theory.kernels import channels_first_sites, correlated_rows, require, seed_from
+from affdiv.theory.exact import ETA, exact_effective_update, is_zero, random_rational_matrix
 
 _CONV = {1: F.conv1d, 2: F.conv2d}
 
@@ -178,7 +180,8 @@ class Coupling:
 
 
 def coupling(x: Tensor, geometry: Geometry, grad_output: Tensor, normalised: bool) -> Coupling:
-    """Split the closed-form update of every site into own / same-sample / other-sample parts."""
+    """Split the closed-form update of every site into own / same-sample / other-sample parts.
+    The shares divide by ‖K_pp g_p‖: NaN or inf at a site whose own gradient g_p is 0 (not guarded)."""
     kernel = conv_kernel(x, geometry, normalised)
     n = kernel.shape[-1]
     sample = torch.arange(x.shape[0]).repeat_interleave(n // x.shape[0])
@@ -290,7 +293,7 @@ def exact_conv_proof(sizes: Mapping[str, int], normalised: bool, seed: int = 0) 
     predicted = sp.Matrix.hstack(
         *[-ETA * kernels[o // per_out] * grad[:, o] for o in range(cout)]
     )
-    holds = is_zero_matrix(exact.finite - predicted) and is_zero_matrix(exact.linear - predicted)
+    holds = is_zero(exact.finite - predicted) and is_zero(exact.linear - predicted)
     label = ", ".join(f"{k}={v}" for k, v in sizes.items())
     return Proof(
         claim=f"{'PatchNorm' if normalised else 'conv'}: the real step and J Δθ both equal "
@@ -304,7 +307,7 @@ def exact_conv_proof(sizes: Mapping[str, int], normalised: bool, seed: int = 0) 
 @cache
 def patchnorm_diagonal_proof() -> Proof:
     """K_pp = 1: PatchNorm is the affine-like member with the patch as its input."""
-    member = next(m for m in affine.MEMBERS if m.name == "affine_like")
+    member = affine.member("affine_like")
     got = member.diagonal_factor
     return Proof(
         claim="PatchNorm's diagonal K_pp = (‖P_p‖²+1)/(√(‖P_p‖²+1))² = 1 at every position",
@@ -326,26 +329,29 @@ _EXACT_SIZES = (
 
 @cache
 def _proofs(normalised: bool) -> tuple[Proof, ...]:
-    """The family theorem (general n, m, any α independent of θ) applied to the rows P_p: general.
-    The exact step at concrete geometries re-derives it from the conv's index definition."""
+    """The family theorem is general (any n×m W, any α independent of θ), but that a conv — stride,
+    padding, dilation, groups — is the affine map of its patch rows is not proven symbolically
+    here: the essential conv-specific step is the exact real step of the index-defined conv at
+    concrete geometries, so the derivations' proof kind is "exact identity at concrete sizes"."""
     # PatchNorm's radicals make sympy's simplification ~3-5 s per size: one geometry (1-D, stride,
     # padding, two groups) for it, all three for the plain conv.
     exact = [exact_conv_proof(s, normalised) for s in (_EXACT_SIZES[:1] if normalised else _EXACT_SIZES)]
+    theorem = affine.family_theorem()
     steps = [
         Proof(
-            claim="a conv is the affine map of its patches, z_{o,p} = W_o·P_{p,γ(o)} + b_o, so the family "
-            "theorem applies with the N = B·L_out patch rows as its samples (per group γ)"
-            + (", α = 1/√(‖P_p‖²+1)" if normalised else ", α = 1"),
+            claim="the affine family theorem (general n, m): rows x_i of an affine map with α, c, β independent "
+            "of θ update by −η Σ_j α_i α_j (c_i c_j x_i·x_j + β_i β_j) g_j — here applied to the N = B·L_out "
+            "patch rows (per group γ)" + (", α = 1/√(‖P_p‖²+1)" if normalised else ", α = 1"),
             kind=ProofKind.SYMBOLIC_GENERAL,
-            holds=affine.family_theorem().holds,
-            detail=affine.family_theorem().detail,
+            holds=theorem.holds,
+            detail=theorem.detail,
         ),
         Proof(
-            claim=exact[0].claim,
+            claim=exact[0].claim + ", for the conv written by its index definition (stride, padding, "
+            "dilation, groups): there it is the affine map of its patches, z_{o,p} = W_o·P_{p,γ(o)} + b_o",
             kind=ProofKind.EXACT_CONCRETE,
             holds=all(p.holds for p in exact),
             detail="; ".join(p.detail for p in exact),
-            corroborates=True,
         ),
     ]
     if normalised:

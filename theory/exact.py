@@ -6,7 +6,9 @@ For a layer given as a sympy function of its parameter matrices, this computes w
     finite  = z(θ + Δθ) − z(θ)        (the real step, η left symbolic)
     linear  = Σ_k ∂z/∂θ_k Δθ_k        (the first-order effective update, J Δθ)
 
-so that a closed form can be proven equal to them as an identity in η at that size.
+so that a closed form can be proven equal to them as an identity in η at that size. ``is_zero``
+is the one zero test of every proof (explicit matrices and sympy matrix expressions alike);
+``symbolic_identity`` turns a general-size matrix-calculus residual into a proof step.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import sympy as sp
+
+from affdiv.theory.derivation import Proof, ProofKind
 
 ETA = sp.Symbol("eta", positive=True)
 
@@ -86,18 +90,47 @@ def exact_effective_update(
     return ExactUpdate(finite=finite, linear=linear.applyfunc(sp.simplify))
 
 
-def is_zero_matrix(matrix: sp.Matrix) -> bool:
-    """True when every entry simplifies to exactly 0 (radicals included)."""
-    return all(sp.simplify(sp.radsimp(entry)) == 0 for entry in matrix)
+def is_zero(value: sp.Basic | sp.MatrixBase) -> bool:
+    """True when ``value`` is identically 0: the one zero test of every proof.
+
+    * a matrix expression of sympy's matrix calculus (MatrixSymbol …): ``.doit()``, then expansion
+      to 0 or to the ZeroMatrix (matrix-calculus identities are polynomial in their symbols);
+    * an explicit matrix: every entry, with each exp(r) replaced by an independent positive symbol,
+      expands to 0, or else cancels to 0 as a rational function, or else simplifies to 0 after
+      rationalising its radicals. Cheapest test first; replacing exps by free symbols is sound (a
+      rational function that vanishes for all values of the symbols vanishes at the true values;
+      sympy's own merging of exp products can only add relations, never create a false zero), so
+      a True is a proof, a False only says that these normal forms did not reach 0.
+    """
+    if not isinstance(value, sp.MatrixBase):
+        return _vanishes(_expand(value))
+    atoms = sorted(set().union(*(e.atoms(sp.exp) for e in value)), key=sp.default_sort_key)
+    free = {a: sp.Symbol(f"E{i}", positive=True) for i, a in enumerate(atoms)}
+    return all(_entry_is_zero(entry.xreplace(free)) for entry in value)
 
 
-def is_zero_exactly(matrix: sp.Matrix) -> bool:
-    """Every entry expands to 0 (sympy canonicalises products of rational radicals and keeps
-    undefined functions as atoms, so expansion suffices where simplify would be slow)."""
-    return all(sp.expand(entry) == 0 for entry in matrix)
+def _expand(expression):
+    return sp.expand(expression.doit())
 
 
-def is_zero_expression(residual) -> bool:
-    """True when a sympy matrix expression, after .doit() and expansion, is identically zero."""
-    residual = sp.expand(residual.doit())
-    return residual == 0 or isinstance(residual, sp.ZeroMatrix)
+def _vanishes(expanded) -> bool:
+    return expanded == 0 or isinstance(expanded, sp.ZeroMatrix)
+
+
+def _entry_is_zero(entry: sp.Expr) -> bool:
+    return (
+        sp.expand(entry) == 0
+        or sp.cancel(sp.together(entry)) == 0
+        or sp.simplify(sp.radsimp(entry)) == 0
+    )
+
+
+def symbolic_identity(claim: str, residual) -> Proof:
+    """The proof step "``residual`` (a sympy matrix expression at general size) is identically 0"."""
+    expanded = _expand(residual)
+    return Proof(
+        claim=claim,
+        kind=ProofKind.SYMBOLIC_GENERAL,
+        holds=bool(_vanishes(expanded)),
+        detail=f"sympy matrix calculus, residual expands to {expanded}",
+    )

@@ -35,9 +35,9 @@ import torch
 from torch import Tensor, nn
 
 from affdiv.theory import affine
+from affdiv.theory.cases import correlated_rows, require, seed_from
 from affdiv.theory.derivation import Case, Derivation, Proof, ProofKind, register
-from affdiv.theory.exact import ETA, exact_first_order, is_zero_exactly, is_zero_expression, random_rational_matrix
-from affdiv.theory.kernels import correlated_rows, require, seed_from
+from affdiv.theory.exact import ETA, exact_first_order, is_zero, random_rational_matrix, symbolic_identity
 
 _A = sp.Symbol("a", real=True)
 ACTIVATIONS = {"tanh": sp.tanh(_A), "gelu": _A / 2 * (1 + sp.erf(_A / sp.sqrt(2)))}
@@ -53,10 +53,6 @@ def activation(name: str):
         raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, got {name!r}")
     phi = ACTIVATIONS[name]
     return sp.lambdify(_A, phi, modules=_TORCH), sp.lambdify(_A, sp.diff(phi, _A), modules=_TORCH)
-
-
-def _member(name: str) -> affine.Member:
-    return next(m for m in affine.MEMBERS if m.name == name)
 
 
 class TwoLayer(nn.Module):
@@ -101,7 +97,7 @@ def _pieces(block: ResidualBlock, u: Tensor):
     """x, k_H (B, B), M (B, n, n), and the branch's (h, D) (two-layer) at the current θ."""
     with torch.no_grad():
         x = block.upstream(u)
-        k_h = affine.kernel_matrix(_member(block.upstream_kind), u)
+        k_h = affine.kernel_matrix(affine.member(block.upstream_kind), u)
         eye = torch.eye(x.shape[-1], dtype=x.dtype).expand(x.shape[0], -1, -1)
         if block.branch_kind == "affine":
             return x, k_h, eye + block.branch.linear.weight, None
@@ -121,7 +117,7 @@ def _pieces(block: ResidualBlock, u: Tensor):
 def branch_update(block: ResidualBlock, x: Tensor, two_layer, g: Tensor) -> Tensor:
     """Σ_j Θ_F(i,j) g_j (the branch's own parameters), rows i."""
     if two_layer is None:
-        return affine.kernel_matrix(_member(block.branch_kind), x) @ g
+        return affine.kernel_matrix(affine.member(block.branch_kind), x) @ g
     h, d = two_layer
     w2 = block.branch.outer.weight
     k_x = x @ x.T + 1
@@ -158,7 +154,7 @@ def diagonal_blocks(case: Case) -> Tensor:
     x, k_h, m, two_layer = _pieces(block, u)
     eye = torch.eye(x.shape[-1], dtype=x.dtype)
     if two_layer is None:
-        k_f = torch.diagonal(affine.kernel_matrix(_member(block.branch_kind), x))
+        k_f = torch.diagonal(affine.kernel_matrix(affine.member(block.branch_kind), x))
         own = k_f[:, None, None] * eye
     else:
         h, d = two_layer
@@ -214,20 +210,17 @@ def affine_block_theorem() -> Proof:
     )
     delta_w = sp.Add(*[-ETA * g[s] * x(u[s], params).T for s in "jk"])
     delta_x = sp.Add(*[-ETA * (mm.T * g[r] * (u[r].T * u["i"]) + mm.T * g[r]) for r in "jk"])
-    residual = effective - first - delta_w * delta_x
-    return Proof(
-        claim="y = (I+W)(Vu+c) + b, loss from two samples j, k: y_i(θ+Δθ) − y_i(θ) = −η Σ_s [(x_i·x_s+1) I "
+    return symbolic_identity(
+        "y = (I+W)(Vu+c) + b, loss from two samples j, k: y_i(θ+Δθ) − y_i(θ) = −η Σ_s [(x_i·x_s+1) I "
         "+ (u_i·u_s+1)(I+W)(I+W)ᵀ] g_s + ΔW Δx_i exactly, at general n, m (the update is a polynomial of "
         "degree 2 in the g's, so pairs determine it for any batch)",
-        kind=ProofKind.SYMBOLIC_GENERAL,
-        holds=is_zero_expression(residual),
-        detail=f"sympy matrix calculus, residual expands to {sp.expand(residual.doit())}",
+        effective - first - delta_w * delta_x,
     )
 
 
-def _exact_residual_forward(branch: str, upstream: str, u: sp.Matrix, hidden: int):
+def _exact_residual_forward(branch: str, upstream: str, u: sp.Matrix):
     """The block on exact input rows, as a sympy function of its parameters (φ left undefined)."""
-    up = _member(upstream)
+    up = affine.member(upstream)
     phi = sp.Function("phi")
 
     def forward(p):
@@ -237,7 +230,7 @@ def _exact_residual_forward(branch: str, upstream: str, u: sp.Matrix, hidden: in
             alpha = up.factors(sum(v**2 for v in ur))[0]
             x = alpha * (p["V"] * ur + p["c"])
             if branch in UPSTREAMS:
-                f = _member(branch).factors(sum(v**2 for v in x))[0] * (p["W"] * x + p["b"])
+                f = affine.member(branch).factors(sum(v**2 for v in x))[0] * (p["W"] * x + p["b"])
             else:
                 f = p["W2"] * (p["W1"] * x + p["b1"]).applyfunc(phi) + p["b2"]
             rows.append((x + f).T)
@@ -248,7 +241,7 @@ def _exact_residual_forward(branch: str, upstream: str, u: sp.Matrix, hidden: in
 
 def _exact_closed_form(branch: str, upstream: str, u: sp.Matrix, p: Mapping[str, sp.Matrix], grad: sp.Matrix):
     """−η Σ_j [Θ_F(i,j) + M_i k_H(i,j) M_jᵀ] g_j in exact arithmetic (φ undefined, φ' its derivative)."""
-    up = _member(upstream)
+    up = affine.member(upstream)
     k_h = affine.exact_kernel_matrix(up, u)
     xs, ms, own = [], [], []
     t = sp.Symbol("t")
@@ -270,7 +263,7 @@ def _exact_closed_form(branch: str, upstream: str, u: sp.Matrix, p: Mapping[str,
             d = sp.diag(*[dphi(v) for v in a])
             ms.append(sp.eye(n) + p["W2"] * d * p["W1"])
             own.append((a.applyfunc(sp.Function("phi")), d))
-    k_f = affine.exact_kernel_matrix(_member(branch), sp.Matrix.vstack(*[x.T for x in xs])) if branch in UPSTREAMS else None
+    k_f = affine.exact_kernel_matrix(affine.member(branch), sp.Matrix.vstack(*[x.T for x in xs])) if branch in UPSTREAMS else None
     update = []
     for i in range(u.rows):
         total = sp.zeros(xs[i].rows, 1)
@@ -298,8 +291,8 @@ def exact_residual_proof(branch: str, upstream: str, seed: int = 0) -> Proof:
                   {"W1": (hidden, n), "b1": (hidden, 1), "W2": (n, hidden), "b2": (n, 1)})
     params = {k: random_rational_matrix(*s, rng) for k, s in shapes.items()}
     grad = random_rational_matrix(batch, n, rng)
-    linear = exact_first_order(_exact_residual_forward(branch, upstream, u, hidden), params, grad, ETA)
-    holds = is_zero_exactly(linear - _exact_closed_form(branch, upstream, u, params, grad))
+    linear = exact_first_order(_exact_residual_forward(branch, upstream, u), params, grad, ETA)
+    holds = is_zero(linear - _exact_closed_form(branch, upstream, u, params, grad))
     phi = "" if branch in UPSTREAMS else ", φ an undefined function (any differentiable φ)"
     return Proof(
         claim=f"{upstream} upstream, {branch if branch in UPSTREAMS else 'two-layer'} branch: J Δθ = "
@@ -366,7 +359,7 @@ def make_derivation(branch: str, upstream: str) -> Derivation:
 @cache
 def _corrected_diagonal_proof() -> Proof:
     """With both layers affine-like, K_ii = I + M_i M_iᵀ: the corrections' scalars are 1."""
-    member = _member("affine_like")
+    member = affine.member("affine_like")
     ok = sp.simplify(member.diagonal_factor - 1) == 0
     return Proof(
         claim="affine-like H and F: k_H(i,i) = k_F(i,i) = 1, so K_ii = I + M_i M_iᵀ, a matrix whenever ∂F/∂x ≠ 0",

@@ -1,4 +1,4 @@
-"""Checks of every derivation against autograd (jvp∘vjp), the empirical NTK and a real SGD step."""
+"""Checks of every derivation against autograd (jvp after vjp), the empirical NTK and a real SGD step."""
 
 from affdiv.verify.checks import CheckResult, run_checks
 from affdiv.verify.engine import EffectiveUpdate, effective_update

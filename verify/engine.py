@@ -3,7 +3,7 @@
 For a module z = f(x; θ), output gradients g = ∂L/∂z and learning rate η:
 
     ideal   = −η g                                   steepest descent taken in activation space
-    linear  = J_θ f · (−η ∇θ L),  ∇θ L = J_θ fᵀ g    one vjp, then one jvp: no NTK is built
+    linear  = J_θ f · (−η ∇θ L),  ∇θ L = J_θ fᵀ g    jvp after vjp (a vjp, then a jvp): no NTK is built
     finite  = f(x; θ − η ∇θ L) − f(x; θ)             the real step, applied to a copy of θ
 
 ``linear`` is the first-order effective update −η Σ_j Θ(x_i, x_j) g_j; ``finite − linear`` is the
@@ -101,22 +101,25 @@ def effective_update(
 
     Give either ``grad_output`` (g = ∂L/∂z, any reduction already in it) or ``loss``: a function of
     the output returning per-sample losses (then ``reduction`` is "sum" or "mean") or a scalar.
-    The module's buffers are left untouched; its parameters are never modified.
+    The module's parameters and buffers are never modified: every forward gets fresh copies of the
+    buffers (a BatchNorm in train mode updates those copies, not the module's running statistics),
+    and the forward runs in the module's current mode (train or eval).
     """
     lr = check_lr(lr)
-    args = as_inputs(inputs)
-    params = parameters_of(module)
-
-    def f(p: dict[str, Tensor]) -> Tensor:
-        return functional_call(module, p, args)
-
-    output, pullback = vjp(f, params)
     if (grad_output is None) == (loss is None):
         raise ValueError("give exactly one of grad_output and loss")
+    if grad_output is not None and reduction is not None:
+        raise ValueError("reduction applies to a loss function; grad_output already includes it")
+    args = as_inputs(inputs)
+    params = parameters_of(module)
+    buffers = {name: b.detach() for name, b in module.named_buffers()}
+
+    def f(p: dict[str, Tensor]) -> Tensor:
+        return functional_call(module, {**p, **{k: b.clone() for k, b in buffers.items()}}, args)
+
+    output, pullback = vjp(f, params)
     if loss is not None:
         grad_output = output_gradient(output, loss, reduction)
-    elif reduction is not None:
-        raise ValueError("reduction applies to a loss function; grad_output already includes it")
     if grad_output.shape != output.shape:
         raise ValueError(
             f"grad_output has shape {tuple(grad_output.shape)}, the module output has {tuple(output.shape)}"

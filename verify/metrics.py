@@ -28,6 +28,8 @@ def _per_sample(t: Tensor) -> Tensor:
 
 
 def scale_factor(effective: Tensor, ideal: Tensor) -> Tensor:
+    """⟨u_i, u*_i⟩ / ‖u*_i‖² per sample: NaN (or ±inf) for a sample whose ideal update is 0 (g_i = 0),
+    where no factor is defined; not guarded, so such samples show up rather than read as 0."""
     u, v = _per_sample(effective), _per_sample(ideal)
     return (u * v).sum(-1) / (v * v).sum(-1)
 
@@ -55,7 +57,7 @@ def diagonal_update(module: nn.Module, inputs: Tensor | tuple[Tensor, ...], grad
 
 
 def off_diagonal_share(linear: Tensor, diagonal: Tensor) -> Tensor:
-    """‖linear_i − diagonal_i‖ / ‖diagonal_i‖ per sample."""
+    """‖linear_i − diagonal_i‖ / ‖diagonal_i‖ per sample: NaN or inf where the own update is 0."""
     off = _per_sample(linear - diagonal).norm(dim=-1)
     return off / _per_sample(diagonal).norm(dim=-1)
 

@@ -4,7 +4,7 @@
 
 computed as in neural-tangents' ``empirical_ntk`` (jacobian contraction): ``vmap`` of ``jacrev``
 over single samples, contracted over every parameter. It is the expensive, independent reference
-for the vjp∘jvp measurement in :mod:`affdiv.verify.engine`; use it on small problems only.
+for the jvp-after-vjp measurement in :mod:`affdiv.verify.engine`; use it on small problems only.
 The module must treat the samples of a batch independently (true for affine, conv, residual and
 per-sequence attention layers; false for BatchNorm in training mode).
 """

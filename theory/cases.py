@@ -1,4 +1,5 @@
-"""Shared pieces of the conv, residual and attention derivations.
+"""Building numerical cases: site reshapes, seeds, correlated inputs, size validation (shared by
+every derivation).
 
 A *site* is one output vector that the theory treats as a unit: one spatial position of one
 sample (conv: all output channels there), one token of one sequence (attention); a derivation's
@@ -7,11 +8,10 @@ sample (conv: all output channels there), one token of one sequence (attention);
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor
-
 
 
 def channels_first_sites(t: Tensor) -> Tensor:
