@@ -96,8 +96,8 @@ def is_zero(value: sp.Basic | sp.MatrixBase) -> bool:
     * a matrix expression of sympy's matrix calculus (MatrixSymbol …): ``.doit()``, then expansion
       to 0 or to the ZeroMatrix (matrix-calculus identities are polynomial in their symbols);
     * an explicit matrix: every entry, with each exp(r) replaced by an independent positive symbol,
-      expands to 0, or else cancels to 0 as a rational function, or else simplifies to 0 after
-      rationalising its radicals. Cheapest test first; replacing exps by free symbols is sound (a
+      cancels to 0 as a rational function, or else expands to 0 (radicals multiply out), or else
+      simplifies to 0 after rationalising its radicals. Cheapest test first; replacing exps by free symbols is sound (a
       rational function that vanishes for all values of the symbols vanishes at the true values;
       sympy's own merging of exp products can only add relations, never create a false zero), so
       a True is a proof, a False only says that these normal forms did not reach 0.
@@ -119,8 +119,8 @@ def _vanishes(expanded) -> bool:
 
 def _entry_is_zero(entry: sp.Expr) -> bool:
     return (
-        sp.expand(entry) == 0
-        or sp.cancel(sp.together(entry)) == 0
+        sp.cancel(sp.together(entry)) == 0
+        or sp.expand(entry) == 0
         or sp.simplify(sp.radsimp(entry)) == 0
     )
 
