@@ -36,7 +36,6 @@ from __future__ import annotations
 import csv
 import io
 import math
-import os
 import zlib
 from collections import defaultdict
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from affdiv.atomic import atomic_write
 from affdiv.experiments import stats
 
 SCHEMA_VERSION = 1
@@ -121,15 +121,6 @@ def read_csv(path, *, metric: str = "metric") -> list[dict]:
         raise ValueError(f"{path}: no data rows below the header")
     # Line numbers count the header as line 1.
     return [_validate_record(row, metric, f"{path} line {i}") for i, row in enumerate(rows, start=2)]
-
-
-def atomic_write(path, data: str | bytes) -> Path:
-    """Write to a temporary sibling and rename: a killed process never leaves a half-written file."""
-    path = Path(path)
-    temporary = path.with_name(f".{path.name}.tmp")
-    temporary.write_bytes(data.encode() if isinstance(data, str) else data)
-    os.replace(temporary, path)
-    return path
 
 
 def write_csv(path, records: Sequence[Mapping], *, metric: str = "metric") -> Path:

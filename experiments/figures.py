@@ -22,7 +22,8 @@ import numpy as np
 from matplotlib import colormaps
 from matplotlib.figure import Figure
 
-from affdiv.experiments.analysis import Analysis, atomic_write
+from affdiv.atomic import atomic_write
+from affdiv.experiments.analysis import Analysis
 from affdiv.experiments.calibration import Calibration
 
 _DPI = 120

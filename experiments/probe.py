@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from affdiv.experiments.analysis import atomic_write
+from affdiv.atomic import atomic_write
 from affdiv.experiments.data import DATASETS, load_dataset
 from affdiv.provenance import provenance
 from affdiv.theory.affine import MEMBERS, ReferenceAffineFamily

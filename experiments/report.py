@@ -56,8 +56,10 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from affdiv.experiments import figures
-from affdiv.experiments.analysis import Analysis, atomic_write, write_csv
+from affdiv.atomic import atomic_write
+from affdiv.experiments.analysis import Analysis, write_csv
 from affdiv.experiments.calibration import Calibration
+from affdiv.verify.latex import escape
 
 
 # --------------------------------------------------------------------------------------- output
@@ -238,14 +240,6 @@ def _html(blocks: Sequence, out_dir: Path) -> str:
             f"</title><style>{_STYLE}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
 
 
-_LATEX_SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
-                  "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
-
-
-def _tex(text: str) -> str:
-    return "".join(_LATEX_SPECIAL.get(c, c) for c in str(text)).replace("—", "--").replace("−", "-")
-
-
 def latex_table(summary: Mapping) -> str:
     """A booktabs table: one row per (group, method) with slope, CI, Holm p-values, verdict."""
     level = f"{1 - summary['settings']['alpha']:.0%}".replace("%", r"\%")
@@ -254,7 +248,7 @@ def latex_table(summary: Mapping) -> str:
              r"$p_\mathrm{Holm}$ flat & Verdict \\", r"\midrule"]
     for group, content in summary["groups"].items():
         for method, r in content["methods"].items():
-            lines.append(" & ".join(_tex(c) for c in (
+            lines.append(" & ".join(escape(c) for c in (
                 group, method, r["role"], r["trend"], _number(r.get("slope")),
                 _interval(r.get("ci_low"), r.get("ci_high")),
                 _p(r["tests"].get("falls", {}).get("p_holm")), _p(r["tests"].get("flat", {}).get("p_holm")),

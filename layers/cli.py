@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from affdiv.atomic import atomic_write
+
 
 def register(subparsers) -> None:
     bench = subparsers.add_parser("bench", help="timing benchmarks")
@@ -52,6 +54,6 @@ def main(args: argparse.Namespace) -> int:
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         result["provenance"] = provenance(benchmark="layers")
-        args.json.write_text(json.dumps(result, indent=2))
+        atomic_write(args.json, json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0

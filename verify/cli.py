@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 
+from affdiv.atomic import atomic_write
 from affdiv.provenance import provenance
 from affdiv.theory import registry
 from affdiv.verify import report
@@ -67,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     )
     for path, render in ((args.json, report.to_json), (args.markdown, report.to_markdown), (args.latex, report.to_latex)):
         if path:
-            print(f"wrote {report.write(path, render(record))}", file=sys.stderr)
+            print(f"wrote {atomic_write(path, render(record))}", file=sys.stderr)
     failed = [c.name for c in checks if not c.passed]
     summary = record["summary"]
     print(

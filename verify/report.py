@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 
 from affdiv.theory.derivation import Derivation
 from affdiv.verify.checks import CheckResult
@@ -148,12 +147,3 @@ def to_latex(record: dict) -> str:
         )
     lines += [r"\bottomrule", r"\end{tabular}", ""]
     return "\n".join(lines)
-
-
-def write(path: str | Path, text: str) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)  # atomic: a crash never leaves a half-written report
-    return path
