@@ -2,8 +2,13 @@
 
 Every Function returns (z, scale): the layer output and the per-row (per-position) scale it
 applied, which is also the only thing it saves beyond what nn.Linear / nn.Conv save (the input
-and the weight; PatchNormConv also saves z, see ``PatchNormConv``). The scale is an output so
-that double backward sees its dependence on x: its gradient arrives as ``grad_scale``.
+and the weight; PatchNormConv also saves z unless ``recompute``, see ``PatchNormConv``). The
+scale is an output so that double backward sees its dependence on x: its gradient arrives as
+``grad_scale``.
+
+Where ``_fused.usable`` (plain eager CPU float32/float64, no graph being recorded) the passes
+around the GEMM / convolution run as the fused C kernels of ``_fused``; otherwise as the torch
+ops written out below, which are the reference the fused path is tested against.
 
 All are ``generate_vmap_rule = True`` with ``setup_context``, so torch.func (vmap, jacrev,
 functional_call) works; the backward formulas are derived in each docstring and checked
@@ -17,6 +22,7 @@ import torch
 from torch import Tensor
 from torch.autograd import Function
 
+from affdiv.layers import _fused
 from affdiv.layers._scale import accumulation_dtype, matvec, plain_eager, prepare, rowdot, safe_exponent, small_norm
 
 
@@ -34,6 +40,11 @@ class AffineLike(Function):
 
     @staticmethod
     def forward(x: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor]:
+        if _fused.usable(x, weight, bias):
+            z = torch.mm(x, weight.t())
+            r, safe = _fused.scale_outputs(z, x, "affine_like", pre=bias)
+            if safe:  # ‖x‖² finite in x's dtype: c = 1 (see ``prepare``)
+                return z, r
         x_scaled, c, norm = prepare(x, (-1,), floor=1.0)
         rho = 1.0 / torch.hypot(norm, c)
         r = rho * c
@@ -58,6 +69,10 @@ class AffineLike(Function):
 def affine_like_grads(x, weight, bias, r, grad_z, grad_r, needs) -> tuple[Tensor | None, ...]:
     """(dx, dW, db) of AffineLike from the saved (x, W, b, r); see ``AffineLike``."""
     need_x, need_w, need_b = needs
+    if grad_z is not None:
+        grad_z = grad_z.contiguous()  # (a no-op but for e.g. the expanded gradient of a sum)
+        if _fused.usable(x, weight, bias, r, grad_z, grad_r):
+            return _affine_like_grads_fused(x, weight, bias, r, grad_z, grad_r, needs)
     dx = dw = db = None
     coef = None  # r²·(...) of dx = u − coef·x, in the accumulation dtype
     if grad_z is not None:
@@ -78,6 +93,21 @@ def affine_like_grads(x, weight, bias, r, grad_z, grad_r, needs) -> tuple[Tensor
         coef = extra if coef is None else coef + extra
     if coef is not None:
         dx = _minus_coef_times(dx, coef.to(x.dtype), x)
+    return dx, dw, db
+
+
+def _affine_like_grads_fused(x, weight, bias, r, grad_z, grad_r, needs) -> tuple[Tensor | None, ...]:
+    """``affine_like_grads`` in three fused row passes (``_fused``) around the two GEMMs."""
+    need_x, need_w, need_b = needs
+    with_bias = bias is not None
+    gy, db, beta = _fused.scale_grad(
+        grad_z, r, column_sum="scaled" if need_b and with_bias else None, v=bias if need_x and with_bias else None
+    )
+    dx = None
+    if need_x:  # (before dW: the radial pass then finds u in cache)
+        offset = beta if grad_r is None else (r * grad_r if beta is None else beta + r * grad_r)
+        dx = _fused.minus_radial_(gy @ weight, x, r, c=offset)
+    dw = gy.t() @ x if need_w else None
     return dx, dw, db
 
 
@@ -104,6 +134,11 @@ class NormLike(Function):
     @staticmethod
     def forward(x: Tensor, weight: Tensor, bias: Tensor | None, k: float, eps: float):
         small = None if eps >= small_norm(x.dtype) else small_norm(x.dtype)  # eps too small to hide underflow
+        if _fused.usable(x, weight, bias):
+            z = torch.mm(x, weight.t())
+            q, safe = _fused.scale_outputs(z, x, "norm_like", post=bias, k=k, eps=eps, small=small or 0.0)
+            if safe:  # ‖x‖² finite in x's dtype and no norm below ``small``: c = 1 (see ``prepare``)
+                return z, q
         x_scaled, c, norm = prepare(x, (-1,), floor=2.0 ** -safe_exponent(x.dtype), small=small)
         q_scaled = k / torch.maximum(norm, eps * c)
         z = (x_scaled @ weight.t()).mul_(q_scaled.to(x.dtype))
@@ -122,6 +157,14 @@ class NormLike(Function):
     def backward(ctx, grad_z: Tensor | None, grad_q: Tensor | None):
         x, weight, q = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        if grad_z is not None:
+            grad_z = grad_z.contiguous()  # (as in ``affine_like_grads``)
+        if grad_z is not None and _fused.usable(x, weight, q, grad_z, grad_q):
+            gy, db, _ = _fused.scale_grad(grad_z, q, column_sum="input" if need_b and ctx.has_bias else None)
+            dw = gy.t() @ x if need_w else None
+            offset = None if grad_q is None else q * grad_q
+            dx = _fused.minus_radial_(gy @ weight, x, q, 1 / ctx.k, ctx.k / ctx.eps, offset) if need_x else None
+            return dx, dw, db, None, None
         p = torch.where(q < ctx.k / ctx.eps, q / ctx.k, 0.0)  # 1/‖x‖ where the norm branch is live
         dx = dw = db = None
         dot = None
@@ -153,21 +196,32 @@ class PatchNormConv(Function):
     Backward: gy = r·gz (broadcast over the group's output channels); dx, dW, db of the conv at
     gy; dr = ⟨gz, y⟩_{g,p} + g_r with ⟨gz, y⟩ = ⟨gz, z⟩/r summed over the group's output
     channels; ∂r/∂s = −r³/2, so ds = −(r²/2)·⟨gz, z⟩ − (r³/2)·g_r; dx += 2 x · boxᵀ(ds).
-    The per-position ⟨gz, y⟩ needs y (or z): it cannot come from the conv's dx, which sums
-    overlapping patches. So z is saved too (when the consumer saves z as well, e.g. a conv, a
-    linear or BatchNorm, the storage is shared), rather than recomputing the conv (+1 conv).
+    The per-position ⟨gz, y⟩ needs y (or z): it is bilinear in gz, unknown until backward, and
+    y_p (O/groups numbers per group and position) cannot be rebuilt from less: not from the
+    conv's dx, which sums overlapping patches. So either z is saved (``recompute=False``, the
+    default: the memory of Conv2d→BatchNorm2d, which saves the conv output too, and shared with
+    a consumer that saves its input) or the forward is run again in backward (``recompute=True``:
+    one float per group and position saved beyond nn.Conv2d, at the cost of one more
+    convolution). Under a double backward the recomputed z is itself differentiable.
     """
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, weight, bias, stride, padding, dilation, groups):
+    def forward(x, weight, bias, stride, padding, dilation, groups, recompute=False):
+        geometry = (stride, padding, dilation, False, _zeros(x), groups)
+        if x.dim() <= 4 and _fused.usable(x, memory_format=_fused.memory_format(x)):
+            squares, safe = _fused.group_squares(x, groups)
+            if safe:  # every ‖x_n‖² finite in x's dtype: c = 1 (see ``prepare``)
+                y = torch.convolution(x, weight, bias, *geometry)
+                r = _fused.box(squares, y.shape[2:], weight.shape[2:], stride, padding, dilation)
+                scaled = _fused.group_update_(y, r, groups) if _fused.same_layout(y) else _per_group(y, r, groups, True)
+                return scaled, r
         x_scaled, c, _ = prepare(x, tuple(range(1, x.dim())), floor=1.0, finite_only=True)
         patch_sq = _box(_group_squares(x_scaled, groups), weight.shape[2:], stride, padding, dilation)
         rho = 1.0 / torch.hypot(patch_sq.clamp_min(0).sqrt(), c)
         r = rho * c
         in_place = plain_eager(x)
-        geometry = (stride, padding, dilation, False, _zeros(x), groups)
         if x_scaled is x:  # c = 1: the bias goes into the convolution
             y = torch.convolution(x, weight, bias, *geometry)
         else:
@@ -179,45 +233,70 @@ class PatchNormConv(Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, bias, stride, padding, dilation, groups = inputs
+        x, weight, bias, stride, padding, dilation, groups, recompute = inputs
         z, r = output
-        ctx.save_for_backward(x, weight, r, z)
+        ctx.save_for_backward(x, weight, r, bias if recompute else z)
         ctx.geometry = (stride, padding, dilation, groups)
         ctx.bias_shape = None if bias is None else list(bias.shape)
+        ctx.recompute = recompute
         ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx, grad_z, grad_r):
-        x, weight, r, z = ctx.saved_tensors
+        x, weight, r, z_or_bias = ctx.saved_tensors
         stride, padding, dilation, groups = ctx.geometry
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        acc = accumulation_dtype(x.dtype)
+        z = None if ctx.recompute else z_or_bias  # z is needed only for dx
+        if ctx.recompute and grad_z is not None and need_x:  # z from the forward again
+            z = apply(PatchNormConv, x, weight, z_or_bias, stride, padding, dilation, groups, True)[0]
         dx = dw = db = None
-        ds = None
+        dsq2 = None  # 2·boxᵀ(ds): dx gets x·dsq2, per group
         if grad_z is not None:
-            gy = _per_group(grad_z, r.to(grad_z.dtype), groups)
+            fused = grad_r is None and x.dim() <= 4 and _fused.usable(r)
+            if fused:
+                layout = _fused.memory_format(grad_z if z is None else z)
+                grad_z = grad_z.contiguous(memory_format=layout)  # (a no-op unless the consumer's layout differs)
+                fused = _fused.usable(grad_z, z, memory_format=layout)
+            if fused:  # one pass for gy and e = 2·ds
+                gy, e = _fused.scale_and_dot(grad_z, z, r, groups, with_dot=need_x)
+            else:
+                gy = _per_group(grad_z, r.to(grad_z.dtype), groups)
             dx, dw, db = torch.ops.aten.convolution_backward(
                 gy, x, weight, ctx.bias_shape, stride, padding, dilation,
                 False, _zeros(x), groups, [need_x, need_w, need_b and ctx.bias_shape is not None],
             )
-            if need_x:
-                gz_dot_z = (grad_z * z).unflatten(1, (groups, -1)).sum(2, dtype=acc)
-                ds = -0.5 * r * r * gz_dot_z
-        if grad_r is not None and need_x:
-            extra = -0.5 * r * r * r * grad_r
-            ds = extra if ds is None else ds + extra
-        if ds is not None:
-            # ∂‖P‖²/∂x = 2x on each patch, for each channel of the group (2 goes on dsq: 2x may
-            # overflow where x is near max)
-            dsq2 = (2 * _box_transpose(ds, x, weight.shape[2:], stride, padding, dilation)).to(x.dtype).unsqueeze(2)
-            x_groups = x.unflatten(1, (groups, -1))
-            if dx is None:
-                dx = (x_groups * dsq2).flatten(1, 2)
-            elif plain_eager(dx) and not dx.requires_grad:
-                dx.unflatten(1, (groups, -1)).addcmul_(x_groups, dsq2)
-            else:
-                dx = torch.addcmul(dx.unflatten(1, (groups, -1)), x_groups, dsq2).flatten(1, 2)
-        return dx, dw, db, None, None, None, None
+            if need_x and fused:
+                dsq2 = _fused.box_transpose(e, x.shape[2:], weight.shape[2:], stride, padding, dilation)
+            elif need_x:
+                ds = -0.5 * r * r * (grad_z * z).unflatten(1, (groups, -1)).sum(2, dtype=accumulation_dtype(x.dtype))
+                if grad_r is not None:
+                    ds = ds - 0.5 * r * r * r * grad_r
+                dsq2 = _doubled_box_transpose(ds, x, weight.shape[2:], stride, padding, dilation)
+        elif grad_r is not None and need_x:
+            dsq2 = _doubled_box_transpose(-0.5 * r * r * r * grad_r, x, weight.shape[2:], stride, padding, dilation)
+        if dsq2 is not None:
+            dx = _add_radial(dx, x, dsq2, groups)
+        return dx, dw, db, None, None, None, None, None
+
+
+def _doubled_box_transpose(ds, x, kernel, stride, padding, dilation) -> Tensor:
+    """2·boxᵀ(ds) in x's dtype: ∂‖P‖²/∂x = 2x on each patch (the 2 goes here, not on x: 2x may
+    overflow where x is near max)."""
+    return (2 * _box_transpose(ds, x, kernel, stride, padding, dilation)).to(x.dtype)
+
+
+def _add_radial(dx: Tensor | None, x: Tensor, dsq2: Tensor, groups: int) -> Tensor:
+    """dx + x·dsq2 (dsq2 (N, groups, *S) over each group's channels; dx None: x·dsq2), in place
+    on dx (a temporary of ours) where that is allowed."""
+    if dx is None:
+        return _per_group(x, dsq2, groups)
+    if _fused.usable(dx, x, dsq2, memory_format=_fused.memory_format(dx)) and _fused.same_layout(dx, x):
+        return _fused.group_update_(dx, dsq2, groups, src=x)
+    x_groups, dsq2 = x.unflatten(1, (groups, -1)), dsq2.unsqueeze(2)
+    if plain_eager(dx) and not dx.requires_grad:
+        dx.unflatten(1, (groups, -1)).addcmul_(x_groups, dsq2)
+        return dx
+    return torch.addcmul(dx.unflatten(1, (groups, -1)), x_groups, dsq2).flatten(1, 2)
 
 
 def _zeros(x: Tensor) -> list[int]:
@@ -260,3 +339,26 @@ def _box_transpose(ds: Tensor, x: Tensor, kernel, stride, padding, dilation) -> 
         for n, o, s, p, dl, k in zip(x.shape[2:], ds.shape[2:], stride, padding, dilation, kernel)
     ]
     return torch.convolution(ds, ones, None, stride, padding, dilation, True, extra, groups)
+
+
+def apply(function: type[Function], *args):
+    """``function.apply(*args)``; in plain eager mode through its old-style twin (forward taking
+    ctx, no setup_context), which Function.apply calls directly: for setup_context-style
+    Functions it first binds the arguments with inspect.signature, about 30 µs a call, while
+    torch.func needs that style. Same forward, same saved tensors, same backward."""
+    if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
+        return function.apply(*args)
+    return _EAGER_TWINS[function].apply(*args)
+
+
+def _eager_twin(function: type[Function]) -> type[Function]:
+    def forward(ctx, *args):
+        output = function.forward(*args)
+        function.setup_context(ctx, args, output)
+        return output
+
+    body = {"forward": staticmethod(forward), "backward": staticmethod(function.backward)}
+    return type(f"{function.__name__}Eager", (Function,), body)
+
+
+_EAGER_TWINS = {function: _eager_twin(function) for function in (AffineLike, NormLike, PatchNormConv)}

@@ -10,6 +10,11 @@ load cancel). Float32, ``threads`` intra-op threads. Targets (issue 4):
 * each corrected layer ≤ 1 × the fastest normaliser composite it would replace and ≤ 1 ×
   torch.compile of its own naive composite, at (512, 1024→1024), (4096, 256→256) and, for
   PatchNormConv2d, (N=64, 64→64, 32×32, k=3, padding 1).
+
+The convolution case runs twice: on contiguous (NCHW) tensors and on channels_last ones, every
+variant in that layout (channels_last is the faster layout for CPU convolutions; torch.compile
+switches its convolutions to it by itself, see docs/FINDINGS.md). PatchNormConv2d(recompute)
+is the memory-saving mode (one more convolution in backward), timed for information.
 """
 
 from __future__ import annotations
@@ -24,11 +29,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from affdiv.layers import _fused
 from affdiv.layers.modules import AffineLike, NormLike, PatchNormConv2d
 
 DENSE_SIZES = ((512, 1024, 1024), (4096, 256, 256))
 CONV_SIZE = (64, 64, 64, 32, 3)  # N, C_in, C_out, H=W, k
 QUICK_DENSE_SIZES = ((16, 32, 32),)
+AFFINE_LIKE_VS_LINEAR = 1.05  # the one target against the plain layer: AffineLike at DENSE_SIZES[0]
 QUICK_CONV_SIZE = (2, 4, 4, 8, 3)
 
 
@@ -36,7 +43,7 @@ QUICK_CONV_SIZE = (2, 4, 4, 8, 3)
 class Variant:
     name: str
     module: Callable
-    role: str  # "layer", "plain", "composite" or "compiled"
+    role: str  # "layer", "mode" (a layer's other mode: timed, no target), "plain", "composite" or "compiled"
 
 
 class _Normalize(nn.Module):
@@ -88,15 +95,21 @@ def dense_variants(m: int, n: int, backend: str) -> list[Variant]:
     ]
 
 
-def conv_variants(c_in: int, c_out: int, k: int, backend: str) -> list[Variant]:
+def conv_variants(c_in: int, c_out: int, k: int, backend: str,
+                  memory_format: torch.memory_format = torch.contiguous_format) -> list[Variant]:
     patch = PatchNormConv2d(c_in, c_out, k, padding=k // 2)
-    return [
+    recompute = PatchNormConv2d(c_in, c_out, k, padding=k // 2, recompute=True)
+    variants = [
         Variant("nn.Conv2d", nn.Conv2d(c_in, c_out, k, padding=k // 2), "plain"),
         Variant("Conv2d->BatchNorm2d", nn.Sequential(nn.Conv2d(c_in, c_out, k, padding=k // 2), nn.BatchNorm2d(c_out)),
                 "composite"),
         Variant("PatchNormConv2d", patch, "layer"),
+        Variant("PatchNormConv2d(recompute)", recompute, "mode"),
         Variant("compiled naive PatchNormConv2d", torch.compile(_Naive(patch, "patchnorm"), backend=backend), "compiled"),
     ]
+    for v in variants:
+        v.module.to(memory_format=memory_format)
+    return variants
 
 
 # the naive composite and the plain layer each corrected layer is compared with
@@ -105,6 +118,7 @@ OWN = {
     "NormLike(l2)": ("compiled naive NormLike(l2)", "nn.Linear"),
     "NormLike(rms)": ("compiled naive NormLike(rms)", "nn.Linear"),
     "PatchNormConv2d": ("compiled naive PatchNormConv2d", "nn.Conv2d"),
+    "PatchNormConv2d(recompute)": ("compiled naive PatchNormConv2d", "nn.Conv2d"),
 }
 
 
@@ -125,15 +139,19 @@ def time_case(variants: list[Variant], x: torch.Tensor, warmup: int, repeats: in
     return times
 
 
-def summarise(case: str, variants: list[Variant], times: dict[str, list[float]]) -> list[dict]:
-    """Rows: each corrected layer against the plain layer, the fastest composite and its compiled naive form."""
+def summarise(case: str, variants: list[Variant], times: dict[str, list[float]],
+              plain_target: float | None = None) -> list[dict]:
+    """Rows: each corrected layer against the plain layer (AffineLike held to ``plain_target``,
+    if given), the fastest composite and its compiled naive form."""
     median = {name: statistics.median(ts) for name, ts in times.items()}
     composites = [v.name for v in variants if v.role == "composite"]
     fastest = min(composites, key=median.__getitem__)
     rows = []
-    for v in (v for v in variants if v.role == "layer"):
+    for v in (v for v in variants if v.role in ("layer", "mode")):
         compiled, plain = OWN[v.name]
-        checks = [(plain, 1.05 if v.name == "AffineLike" else None), (fastest, 1.0), (compiled, 1.0)]
+        checks = [(plain, plain_target if v.name == "AffineLike" else None), (fastest, 1.0), (compiled, 1.0)]
+        if v.role == "mode":
+            checks = [(baseline, None) for baseline, _ in checks]
         for baseline, target in checks:
             ratio = statistics.median(a / b for a, b in zip(times[v.name], times[baseline]))
             rows.append({
@@ -156,18 +174,22 @@ def run(quick: bool = False, threads: int = 2, repeats: int | None = None, warmu
     torch.manual_seed(0)
     medians: dict[str, dict[str, float]] = {}
     rows: list[dict] = []
-    cases = [(f"dense B={b} {m}->{n}", dense_variants(m, n, backend), torch.randn(b, m))
+    cases = [(f"dense B={b} {m}->{n}", dense_variants(m, n, backend), torch.randn(b, m),
+              AFFINE_LIKE_VS_LINEAR if (b, m, n) == DENSE_SIZES[0] else None)
              for b, m, n in (QUICK_DENSE_SIZES if quick else DENSE_SIZES)]
     batch, c_in, c_out, hw, k = QUICK_CONV_SIZE if quick else CONV_SIZE
-    cases.append((f"conv N={batch} {c_in}->{c_out} {hw}x{hw} k={k} pad={k // 2}",
-                   conv_variants(c_in, c_out, k, backend), torch.randn(batch, c_in, hw, hw)))
-    for case, variants, x in cases:
+    for layout, label in ((torch.contiguous_format, ""), (torch.channels_last, " channels_last")):
+        cases.append((f"conv N={batch} {c_in}->{c_out} {hw}x{hw} k={k} pad={k // 2}{label}",
+                      conv_variants(c_in, c_out, k, backend, layout),
+                      torch.randn(batch, c_in, hw, hw).contiguous(memory_format=layout), None))
+    for case, variants, x, plain_target in cases:
         progress(f"timing {case}: {len(variants)} variants x {repeats} rounds ...")
         times = time_case(variants, x, warmup, repeats)
         medians[case] = {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
-        rows.extend(summarise(case, variants, times))
+        rows.extend(summarise(case, variants, times, plain_target))
     config = {"quick": quick, "threads": threads, "repeats": repeats, "warmup": warmup,
-              "compile_backend": backend, "dtype": "float32", "what": "forward+backward, x.requires_grad"}
+              "compile_backend": backend, "dtype": "float32", "what": "forward+backward, x.requires_grad",
+              "fused_cpu_kernels": _fused.available()}
     return {"config": config, "medians_ms": medians, "rows": rows}
 
 

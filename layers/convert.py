@@ -5,7 +5,8 @@
 * every module whose type is exactly nn.Linear by AffineLike (``linear="affine_like"``) or
   NormLike (``linear="norm_l2"`` / ``"norm_rms"``), or leaves it (``linear=None``);
 * every module whose type is exactly nn.Conv1d / nn.Conv2d by PatchNormConv1d / 2d
-  (``conv=False`` leaves them).
+  (``conv=False`` leaves them; ``recompute=True`` makes them save one float per position
+  instead of their output, see PatchNormConv2d).
 
 The new module gets the same constructor arguments and *the same Parameter objects* (so an
 optimizer built before the swap still updates them): the weights are kept, and with them what
@@ -26,6 +27,7 @@ Returns the list of ``SwapRecord`` (path, old type, new type, weights kept), in 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from dataclasses import dataclass
 
 from torch import nn
@@ -54,9 +56,11 @@ def convert(
     conv: bool = True,
     following_norm: str = "keep",
     eps: float | None = None,
+    recompute: bool = False,
     skip: Callable[[str, nn.Module], bool] | None = None,
 ) -> list[SwapRecord]:
-    """Swap in place (see the module doc); returns what was swapped. ``eps`` goes to NormLike."""
+    """Swap in place (see the module doc); returns what was swapped. ``eps`` goes to NormLike,
+    ``recompute`` to PatchNormConv1d / 2d."""
     if linear is not None and linear not in LINEAR_TARGETS:
         raise ValueError(f"convert: linear must be one of {LINEAR_TARGETS} or None, got {linear!r}")
     if following_norm not in ("keep", "remove"):
@@ -64,18 +68,19 @@ def convert(
     if isinstance(model, (nn.Linear, nn.Conv1d, nn.Conv2d)):
         raise TypeError("convert: pass a container module; a bare layer cannot be replaced in place")
     records: list[SwapRecord] = []
-    _convert_children(model, "", linear, conv, following_norm, eps, skip or (lambda path, module: False), records)
+    replace = partial(_replacement, linear=linear, conv=conv, eps=eps, recompute=recompute)
+    _convert_children(model, "", replace, following_norm, skip or (lambda path, module: False), records)
     return records
 
 
-def _convert_children(parent, prefix, linear, conv, following_norm, eps, skip, records) -> None:
+def _convert_children(parent, prefix, replace, following_norm, skip, records) -> None:
     previous_swapped_linear = False
     for name, child in list(parent.named_children()):
         path = f"{prefix}{name}"
         if skip(path, child):
             previous_swapped_linear = False
             continue
-        replacement = _replacement(child, linear, conv, eps)
+        replacement = replace(child)
         if replacement is not None:
             setattr(parent, name, replacement)
             records.append(SwapRecord(path, type(child).__name__, type(replacement).__name__, True))
@@ -90,11 +95,12 @@ def _convert_children(parent, prefix, linear, conv, following_norm, eps, skip, r
             setattr(parent, name, nn.Identity())
             records.append(SwapRecord(path, type(child).__name__, "Identity", False))
         elif not isinstance(child, nn.MultiheadAttention):
-            _convert_children(child, f"{path}.", linear, conv, following_norm, eps, skip, records)
+            _convert_children(child, f"{path}.", replace, following_norm, skip, records)
         previous_swapped_linear = False
 
 
-def _replacement(module: nn.Module, linear: str | None, conv: bool, eps: float | None) -> nn.Module | None:
+def _replacement(module: nn.Module, linear: str | None, conv: bool, eps: float | None,
+                 recompute: bool) -> nn.Module | None:
     kind = type(module)
     if kind is nn.Linear and linear is not None:
         factory = {"device": module.weight.device, "dtype": module.weight.dtype}
@@ -111,7 +117,7 @@ def _replacement(module: nn.Module, linear: str | None, conv: bool, eps: float |
         new = cls(
             module.in_channels, module.out_channels, module.kernel_size, module.stride, module.padding,
             module.dilation, module.groups, module.bias is not None, module.padding_mode,
-            device=module.weight.device, dtype=module.weight.dtype,
+            device=module.weight.device, dtype=module.weight.dtype, recompute=recompute,
         )
     else:
         return None

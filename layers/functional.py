@@ -21,7 +21,8 @@ than the largest by more than ~2^96 lose relative precision.
 
 Bad input (shape, dtype, device) raises ValueError/TypeError naming the expected and the
 actual value. On CUDA, with the optional Triton kernel available (``_triton_affine_like``),
-affine_like runs fused there; everywhere else it is the plain-torch Function in ``_autograd``.
+affine_like runs fused there; everywhere else it is the Function in ``_autograd`` (with the
+fused CPU passes of ``_fused`` where they apply).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def affine_like(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor
     if kernel is not None:
         z, _ = _TritonAffineLike.apply(rows, weight, bias, kernel)
     else:
-        z, _ = _autograd.AffineLike.apply(rows, weight, bias)
+        z, _ = _autograd.apply(_autograd.AffineLike, rows, weight, bias)
     return z.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -67,7 +68,7 @@ def norm_like(
     x, weight, bias = _prepare_dense("norm_like", x, weight, bias)
     k = 1.0 if mode == "l2" else math.sqrt(x.shape[-1])
     rows = x.reshape(-1, x.shape[-1])
-    z, _ = _autograd.NormLike.apply(rows, weight, bias, k, eps)
+    z, _ = _autograd.apply(_autograd.NormLike, rows, weight, bias, k, eps)
     return z.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -99,22 +100,27 @@ def _prepare_dense(name, x, weight, bias):
 # convolutions
 
 
-def patchnorm_conv1d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1) -> Tensor:
-    """conv1d(x, W, b) with each output position divided by √(‖patch‖² + 1), per group."""
-    return _patchnorm_conv("patchnorm_conv1d", 1, x, weight, bias, stride, padding, dilation, groups)
+def patchnorm_conv1d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, recompute=False) -> Tensor:
+    """conv1d(x, W, b) with each output position divided by √(‖patch‖² + 1), per group.
+    ``recompute``: save one float per group and position instead of the output, and run the
+    forward again in backward (see ``_autograd.PatchNormConv``)."""
+    return _patchnorm_conv("patchnorm_conv1d", 1, x, weight, bias, stride, padding, dilation, groups, recompute)
 
 
-def patchnorm_conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1) -> Tensor:
-    """conv2d(x, W, b) with each output position divided by √(‖patch‖² + 1), per group."""
-    return _patchnorm_conv("patchnorm_conv2d", 2, x, weight, bias, stride, padding, dilation, groups)
+def patchnorm_conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, recompute=False) -> Tensor:
+    """conv2d(x, W, b) with each output position divided by √(‖patch‖² + 1), per group.
+    ``recompute``: as in ``patchnorm_conv1d``."""
+    return _patchnorm_conv("patchnorm_conv2d", 2, x, weight, bias, stride, padding, dilation, groups, recompute)
 
 
-def _patchnorm_conv(name, d, x, weight, bias, stride, padding, dilation, groups):
+def _patchnorm_conv(name, d, x, weight, bias, stride, padding, dilation, groups, recompute):
     _check_tensor(name, "weight", weight, dims=(d + 2,))
     _check_tensor(name, "input", x, dims=(d + 1, d + 2))
     stride, dilation = _int_tuple(name, "stride", stride, d, 1), _int_tuple(name, "dilation", dilation, d, 1)
     if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
         raise ValueError(f"{name}: groups must be a positive int, got {groups!r}")
+    if not isinstance(recompute, bool):
+        raise TypeError(f"{name}: recompute must be a bool, got {recompute!r}")
     unbatched = x.dim() == d + 1
     if unbatched:
         x = x.unsqueeze(0)
@@ -137,7 +143,7 @@ def _patchnorm_conv(name, d, x, weight, bias, stride, padding, dilation, groups)
             f"{name}: the (dilated) kernel extent {tuple(reach)} exceeds the padded input size "
             f"{tuple(n + 2 * p for n, p in zip(x.shape[2:], padding))}"
         )
-    z, _ = _autograd.PatchNormConv.apply(x, weight, bias, stride, padding, dilation, groups)
+    z, _ = _autograd.apply(_autograd.PatchNormConv, x, weight, bias, stride, padding, dilation, groups, recompute)
     return z.squeeze(0) if unbatched else z
 
 

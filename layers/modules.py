@@ -78,13 +78,21 @@ class NormLike(_DenseBase):
 class _PatchNormConvNd(_ConvNd):
     """nn.ConvNd's parameters, constructor semantics and initialisation; forward divides each
     output position by √(‖patch‖² + 1), the patch being that position's receptive field over the
-    input channels of the output channel's group (per group when groups > 1)."""
+    input channels of the output channel's group (per group when groups > 1).
+
+    ``recompute=False`` (default) saves the output for backward, as Conv→BatchNorm saves the
+    conv output; ``recompute=True`` saves one float per group and position instead and runs the
+    forward again in backward (one more convolution). The output keeps the input's memory format
+    (contiguous or channels_last, the faster one for CPU convolutions)."""
 
     _dims: int  # spatial dimensions, set by the concrete classes
     _functional = None  # set by the concrete classes
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1,
-                 bias=True, padding_mode="zeros", device=None, dtype=None):
+                 bias=True, padding_mode="zeros", device=None, dtype=None, recompute=False):
+        if not isinstance(recompute, bool):
+            raise TypeError(f"{type(self).__name__}: recompute must be a bool, got {recompute!r}")
+        self.recompute = recompute
         ntuple = _ntuple(self._dims)
         super().__init__(
             in_channels, out_channels, ntuple(kernel_size), ntuple(stride),
@@ -97,7 +105,11 @@ class _PatchNormConvNd(_ConvNd):
         if self.padding_mode != "zeros":  # as nn.ConvNd: pad explicitly, then convolve unpadded
             x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
             padding = 0
-        return self._functional(x, self.weight, self.bias, self.stride, padding, self.dilation, self.groups)
+        return self._functional(x, self.weight, self.bias, self.stride, padding, self.dilation, self.groups,
+                                self.recompute)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", recompute=True" if self.recompute else "")
 
 
 class PatchNormConv1d(_PatchNormConvNd):

@@ -142,3 +142,11 @@ def test_conv_geometry_must_be_ints_of_the_right_count(what, value):
 def test_conv_groups_must_be_a_positive_int(groups):
     with pytest.raises(ValueError, match=f"groups must be a positive int, got {groups!r}"):
         LF.patchnorm_conv1d(torch.randn(1, 2, 6), torch.randn(2, 2, 3), groups=groups)
+
+
+@pytest.mark.parametrize("recompute", [1, "yes", None])
+def test_patchnorm_recompute_must_be_a_bool(recompute):
+    with pytest.raises(TypeError, match=f"recompute must be a bool, got {re.escape(repr(recompute))}"):
+        PatchNormConv2d(2, 4, 3, recompute=recompute)
+    with pytest.raises(TypeError, match=f"recompute must be a bool, got {re.escape(repr(recompute))}"):
+        LF.patchnorm_conv1d(torch.randn(1, 2, 5), torch.randn(4, 2, 3), recompute=recompute)

@@ -22,7 +22,10 @@ def test_bench_layers_quick_writes_a_table_and_json(tmp_path, capsys):
     assert result["config"]["quick"] is True and result["provenance"]["package"] == "affdiv"
     assert (result["config"]["repeats"], result["config"]["warmup"]) == (2, 0)  # 0 is not "the default"
     layers = {row["layer"] for row in result["rows"]}
-    assert layers == {"AffineLike", "NormLike(l2)", "NormLike(rms)", "PatchNormConv2d"}
+    assert layers == {"AffineLike", "NormLike(l2)", "NormLike(rms)", "PatchNormConv2d", "PatchNormConv2d(recompute)"}
+    assert all(row["target"] is None for row in result["rows"] if row["layer"] == "PatchNormConv2d(recompute)")
+    assert {row["case"] for row in result["rows"] if row["layer"] == "PatchNormConv2d"} == {
+        "conv N=2 4->4 8x8 k=3 pad=1", "conv N=2 4->4 8x8 k=3 pad=1 channels_last"}
     for row in result["rows"]:
         assert row["ratio"] > 0 and row["layer_ms"] > 0 and row["baseline_ms"] > 0
         assert row["met"] is None or row["met"] == (row["ratio"] <= row["target"])
@@ -54,3 +57,15 @@ def test_naive_patchnorm_baseline_computes_the_layer(kwargs):
     x = torch.randn(2, 4, 9, 8, dtype=torch.float64)
     naive = benchmark._Naive(layer, "patchnorm")
     torch.testing.assert_close(naive(x), layer(x), rtol=1e-12, atol=1e-12)
+
+
+def test_the_plain_layer_target_applies_to_affine_like_only_where_given():
+    variants = benchmark.dense_variants(4, 4, "eager")
+    times = {v.name: [1.0, 1.0] for v in variants}
+    times["AffineLike"] = [1.04, 1.06]  # paired ratios 1.04, 1.06: median 1.05, met at <= 1.05
+    for target in (None, 1.05):
+        rows = benchmark.summarise("case", variants, times, plain_target=target)
+        vs_plain = {r["layer"]: r for r in rows if r["baseline"] == "nn.Linear"}
+        assert vs_plain["AffineLike"]["target"] == target
+        assert vs_plain["AffineLike"]["met"] is (None if target is None else True)
+        assert vs_plain["NormLike(l2)"]["target"] is None

@@ -271,6 +271,9 @@ def test_convert_keep_norm_skip_and_options():
         convert(model, following_norm="fold")
     with pytest.raises(TypeError, match="container"):
         convert(nn.Linear(2, 2))
+    model = nn.Sequential(nn.Conv2d(2, 2, 3), nn.Conv1d(1, 1, 1))
+    convert(model, recompute=True)
+    assert model[0].recompute and model[1].recompute
 
 
 # --------------------------------------------------------------------------------------------
@@ -334,3 +337,43 @@ def test_gpu_dispatch_double_backward_falls_back_to_the_torch_formula(monkeypatc
 
 def test_gpu_kernel_is_not_used_on_cpu():
     assert LF._gpu_kernel(torch.zeros(2, 2)) is None
+
+
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last], ids=["nchw", "channels_last"])
+def test_patchnorm_with_recompute_saves_one_float_per_group_and_position(layout):
+    x = torch.randn(4, 6, 9, 9).contiguous(memory_format=layout).requires_grad_(True)
+    layer = PatchNormConv2d(6, 8, 3, padding=1, groups=2, recompute=True)
+    new, z = _saved_new_bytes(layer, x)
+    assert 0 < new <= 4 * (4 * 2 * 9 * 9)  # r: float32 per (sample, group, position)
+    assert "recompute=True" in repr(layer)
+
+
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last], ids=["nchw", "channels_last"])
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("x_grad", [True, False], ids=["dx", "no-dx"])
+def test_patchnorm_recompute_gives_the_same_gradients(layout, groups, x_grad):
+    # float64: both runs compute the same forward twice, in the same order of operations
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, 7, 6, dtype=torch.float64).contiguous(memory_format=layout)
+    results = []
+    for recompute in (False, True):
+        torch.manual_seed(1)
+        layer = PatchNormConv2d(4, 6, 3, stride=2, padding=1, groups=groups, dtype=torch.float64, recompute=recompute)
+        xi = x.detach().requires_grad_(x_grad)
+        z = layer(xi)
+        z.sum().backward()  # (an expanded, non-contiguous gradient)
+        results.append([z.detach(), xi.grad, layer.weight.grad, layer.bias.grad])
+    for a, b in zip(*results):
+        if a is None:
+            assert b is None and not x_grad
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)
+
+
+def test_patchnorm_recompute_gradgradcheck():
+    x = torch.randn(2, 2, 5, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 1, 3, 3, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    fn = lambda x, w, b: LF.patchnorm_conv2d(x, w, b, padding=1, groups=2, recompute=True)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (x, w, b), atol=1e-7, rtol=1e-7)
+    assert torch.autograd.gradgradcheck(fn, (x, w, b), atol=1e-7, rtol=1e-7)

@@ -1,0 +1,247 @@
+"""ctypes bindings of the fused CPU passes (``_fused_cpu.c``) of the corrected layers.
+
+Dense layers, each one pass over row-major (rows, cols) tensors, every row in cache:
+
+    scale_outputs(z, x, …)          s_i = 1/√(‖x_i‖² + 1) or k/max(‖x_i‖, eps);
+                                    z_i ← (z_i + pre)·s_i + post
+    scale_grad(g, s, …)             gy_i = s_i·g_i, with Σ_i gy_i (or Σ_i g_i) and ⟨gy_i, v⟩
+    minus_radial_(u, x, s, m, …)    u_i ← u_i − a_i·(⟨u_i, x_i⟩ + c_i)·x_i,
+                                    a_i = (m·s_i)² where s_i < limit, else 0
+
+PatchNorm convolutions, on (N, C, *spatial) tensors with the channels of each of ``groups``
+groups summed per position (1-D as height 1):
+
+    group_squares(x, groups)        Σ_{c∈g} x_c²                          (N, groups, *S)
+    box(sq, geometry)               1/√(box(sq) + 1): box sums over each receptive field
+    box_transpose(e, geometry)      boxᵀ(e): each position's e spread over its field
+    scale_and_dot(gz, z, r, groups) gy = r·gz per group, e = −r²·Σ_{o∈g} gz_o·z_o
+    group_update_(t, r, groups, src) t ← t·r, or t ← t + src·r, each group's r over its channels
+
+Sums are accumulated in 16 partial sums in the tensors' dtype, combined pairwise (float32
+rounding for float32, as torch's own vectorised sums). The extension is
+optional (built at install where a C compiler with OpenMP is present); ``usable`` says whether
+a call may take it: the library loaded and not ``disabled``, every tensor a contiguous plain
+CPU float32/float64 tensor of one dtype, in eager mode (not traced, not under torch.func) and
+not recording a graph (a double backward needs the differentiable torch formulas). Otherwise
+the layers run the same passes as torch ops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import ctypes
+import importlib.util
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+
+_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+_MAX = {dtype: torch.finfo(dtype).max for dtype in _SUFFIX}
+_state = {"disabled": False}
+
+
+def _load() -> ctypes.CDLL | None:
+    """The compiled library, or None where it was not built. Loaded after torch, it shares
+    torch's libgomp (its OpenMP thread pool)."""
+    spec = importlib.util.find_spec("affdiv.layers._fused_cpu")
+    if spec is None or spec.origin is None:
+        return None
+    lib = ctypes.CDLL(spec.origin)
+    p, i64, i32, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
+    for suffix in _SUFFIX.values():
+        _declare(lib, f"scale_outputs_{suffix}", i64, [p, p, i64, i64, i64, i32, f64, f64, f64, f64, p, p, p, i32])
+        _declare(lib, f"scale_grad_{suffix}", i32, [p, p, i64, i64, p, p, i32, p, p, i32])
+        _declare(lib, f"minus_radial_{suffix}", None, [p, p, i64, i64, p, f64, f64, p, i32])
+        _declare(lib, f"box_{suffix}", None, [p, p, i64, p, i32, i32, i32])
+        for layout in ("", "_cl"):
+            _declare(lib, f"group_squares{layout}_{suffix}", i64, [p, i64, i64, i64, i64, f64, p, i32])
+            _declare(lib, f"scale_and_dot{layout}_{suffix}", None, [p, p, p, i64, i64, i64, i64, p, p, i32])
+            _declare(lib, f"group_update{layout}_{suffix}", None, [p, p, p, i64, i64, i64, i64, i32])
+    return lib
+
+
+def _declare(lib: ctypes.CDLL, name: str, restype, argtypes) -> None:
+    function = getattr(lib, name)
+    function.restype, function.argtypes = restype, argtypes
+
+
+_LIB = _load()
+
+
+def available() -> bool:
+    """Whether the compiled row passes were built and loaded."""
+    return _LIB is not None
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Run the plain-torch passes inside the block (for tests and benchmarks of both paths)."""
+    previous = _state["disabled"]
+    _state["disabled"] = True
+    try:
+        yield
+    finally:
+        _state["disabled"] = previous
+
+
+def usable(*tensors: Tensor | None, memory_format: torch.memory_format = torch.contiguous_format) -> bool:
+    """Whether these tensors (None entries ignored; the first is not None) may go through the
+    compiled passes: each contiguous in ``memory_format`` (channels_last applies to 4-D ones)."""
+    if _LIB is None or _state["disabled"] or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return False
+    dtype = tensors[0].dtype
+    if dtype not in _SUFFIX:
+        return False
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    return all(
+        t is None
+        or (t.dtype == dtype and t.is_cpu and t.is_contiguous(memory_format=memory_format) and not wrapped(t))
+        for t in tensors
+    )
+
+
+def same_layout(*tensors: Tensor) -> bool:
+    """Whether every tensor is contiguous in the first one's ``memory_format`` (the kernels that
+    walk several (N, C, *S) tensors together need them stored alike)."""
+    layout = memory_format(tensors[0])
+    return all(t.is_contiguous(memory_format=layout) for t in tensors)
+
+
+def memory_format(x: Tensor) -> torch.memory_format:
+    """channels_last for a 4-D tensor stored so (and not also plain contiguous), else contiguous."""
+    if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    return torch.contiguous_format
+
+
+def _call(name: str, dtype: torch.dtype):
+    return getattr(_LIB, f"{name}_{_SUFFIX[dtype]}")
+
+
+def _ptr(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+def scale_outputs(
+    z: Tensor, x: Tensor, mode: str, pre: Tensor | None = None, post: Tensor | None = None,
+    k: float = 1.0, eps: float = 0.0, small: float = 0.0,
+) -> tuple[Tensor, bool]:
+    """(s, safe) for z = x Wᵀ: s (rows, 1) = 1/√(‖x_i‖² + 1) (mode "affine_like") or
+    k/max(‖x_i‖, eps) (mode "norm_like"), and z_i ← (z_i + pre)·s_i + post in place (pre, post:
+    (cols,) or None). safe is False where some ‖x_i‖² exceeds x's dtype's maximum (the GEMM
+    may have overflowed) or is NaN, or some ‖x_i‖ < ``small``: then z and s must be discarded."""
+    rows, in_cols = x.shape
+    s = torch.empty((rows, 1), dtype=x.dtype)
+    unsafe = _call("scale_outputs", x.dtype)(
+        z.data_ptr(), x.data_ptr(), rows, in_cols, z.shape[1], 0 if mode == "affine_like" else 1, k, eps, small,
+        _MAX[x.dtype], _ptr(pre), _ptr(post), s.data_ptr(), _threads(),
+    )
+    return s, unsafe == 0
+
+
+def scale_grad(
+    g: Tensor, scale: Tensor, column_sum: str | None = None, v: Tensor | None = None
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """(gy, colsum, dot): gy = s·g row-wise; colsum = Σ_i gy_i (``column_sum="scaled"``) or
+    Σ_i g_i (``"input"``) or None; dot = ⟨gy_i, v⟩ as (rows, 1), or None without v."""
+    rows, cols = g.shape
+    gy = torch.empty_like(g)
+    colsum = None if column_sum is None else torch.empty(cols, dtype=g.dtype)
+    dot = None if v is None else torch.empty((rows, 1), dtype=g.dtype)
+    failed = _call("scale_grad", g.dtype)(
+        g.data_ptr(), scale.data_ptr(), rows, cols, gy.data_ptr(), _ptr(colsum), int(column_sum == "input"),
+        _ptr(v), _ptr(dot), _threads(),
+    )
+    if failed:
+        raise MemoryError(f"scale_grad: could not allocate the column-sum partials ({cols} columns)")
+    return gy, colsum, dot
+
+
+def minus_radial_(
+    u: Tensor, x: Tensor, s: Tensor, m: float = 1.0, limit: float = math.inf, c: Tensor | None = None
+) -> Tensor:
+    """u_i ← u_i − a_i·(⟨u_i, x_i⟩ + c_i)·x_i in place, a_i = (m·s_i)² where s_i < ``limit``
+    else 0 (s, c: (rows, 1); c None: 0); returns u."""
+    rows, cols = u.shape
+    _call("minus_radial", u.dtype)(u.data_ptr(), x.data_ptr(), rows, cols, s.data_ptr(), m, limit, _ptr(c), _threads())
+    return u
+
+
+def group_squares(x: Tensor, groups: int) -> tuple[Tensor, bool]:
+    """(sq, safe): sq (N, groups, *S) = Σ over each group's channels of x² (x contiguous or
+    channels_last); safe is False where some sample's Σ x² exceeds x's dtype's maximum (the
+    convolution may overflow) or is NaN."""
+    batch, channels = x.shape[:2]
+    sq = torch.empty((batch, groups, *x.shape[2:]), dtype=x.dtype)
+    unsafe = _call(f"group_squares{_layout(x)}", x.dtype)(
+        x.data_ptr(), batch, channels, math.prod(x.shape[2:]), groups, _MAX[x.dtype], sq.data_ptr(), _threads()
+    )
+    return sq, unsafe == 0
+
+
+def _layout(t: Tensor) -> str:
+    """The C suffix of t's storage: "" (contiguous) or "_cl" (channels_last)."""
+    return "_cl" if memory_format(t) == torch.channels_last else ""
+
+
+def box(sq: Tensor, out_spatial, kernel, stride, padding, dilation) -> Tensor:
+    """1/√(box(sq) + 1) (N, groups, *out_spatial): box sums of sq (N, groups, *S) over each
+    output position's receptive field (zero padding)."""
+    out = torch.empty((*sq.shape[:2], *out_spatial), dtype=sq.dtype)
+    _box(sq, out, _geometry(sq.shape[2:], out_spatial, kernel, stride, padding, dilation), transpose=False)
+    return out
+
+
+def box_transpose(e: Tensor, in_spatial, kernel, stride, padding, dilation) -> Tensor:
+    """boxᵀ(e) (N, groups, *in_spatial): each output position's e (N, groups, *out) added over
+    its receptive field; the adjoint of the box sum."""
+    out = torch.empty((*e.shape[:2], *in_spatial), dtype=e.dtype)
+    _box(e, out, _geometry(in_spatial, e.shape[2:], kernel, stride, padding, dilation), transpose=True)
+    return out
+
+
+def _geometry(in_spatial, out_spatial, kernel, stride, padding, dilation) -> Tensor:
+    """The int64[12] box geometry of the C side; a 1-D convolution as height 1."""
+    lead = [(1, 1, 1, 1, 0, 1)] if len(kernel) == 1 else []
+    per_dim = lead + list(zip(in_spatial, out_spatial, kernel, stride, padding, dilation))
+    return torch.tensor([v for field in zip(*per_dim) for v in field], dtype=torch.int64)
+
+
+def _box(source: Tensor, out: Tensor, geometry: Tensor, transpose: bool) -> None:
+    planes = source.shape[0] * source.shape[1]
+    _call("box", source.dtype)(
+        source.data_ptr(), out.data_ptr(), planes, geometry.data_ptr(), int(transpose), int(not transpose), _threads()
+    )
+
+
+def scale_and_dot(
+    gz: Tensor, z: Tensor | None, r: Tensor, groups: int, with_dot: bool = True
+) -> tuple[Tensor, Tensor | None]:
+    """(gy, e): gy = r·gz, each group's r (N, groups, *S) over its channels of gz (N, O, *S);
+    e (N, groups, *S) = −r²·Σ_{o∈g} gz_o·z_o (None unless ``with_dot``; z may then be None).
+    gz and z share one layout (contiguous or channels_last), which gy keeps."""
+    batch, channels = gz.shape[:2]
+    gy = torch.empty_like(gz)
+    e = torch.empty_like(r) if with_dot else None
+    _call(f"scale_and_dot{_layout(gz)}", gz.dtype)(
+        gz.data_ptr(), _ptr(z), r.data_ptr(), batch, channels, math.prod(r.shape[2:]), groups, gy.data_ptr(),
+        _ptr(e), _threads(),
+    )
+    return gy, e
+
+
+def group_update_(t: Tensor, r: Tensor, groups: int, src: Tensor | None = None) -> Tensor:
+    """t (N, C, *S) in place: t·r, or t + src·r with ``src`` (t's shape and layout); r (N,
+    groups, *S), each group's over its channels. Returns t."""
+    batch, channels = t.shape[:2]
+    _call(f"group_update{_layout(t)}", t.dtype)(
+        t.data_ptr(), _ptr(src), r.data_ptr(), batch, channels, math.prod(r.shape[2:]), groups, _threads()
+    )
+    return t

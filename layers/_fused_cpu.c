@@ -1,0 +1,431 @@
+/* Fused per-row passes of the dense corrected layers on CPU (float32 and float64).
+
+   The dense layers cost a GEMM (forward) or two (backward) plus a few passes over row-major
+   (rows x cols) tensors; in plain torch each pass is its own kernel with its own temporary.
+   These fuse them, each row in cache:
+
+     scale_outputs  s_i = 1/sqrt(|x_i|^2 + 1)  (mode 0, AffineLike)  or  k/max(|x_i|, eps)
+                    (mode 1, NormLike), then z_i = (z_i + pre) * s_i + post in place
+     scale_grad     gy_i = s_i * g_i,  colsum = sum_i gy_i (or sum_i g_i),  dot_i = <gy_i, v>
+     minus_radial   u_i -= a_i * (<u_i, x_i> + c_i) * x_i  in place,
+                    a_i = (m * s_i)^2 where s_i < limit, else 0
+
+   Dot products are accumulated in LANES partial sums in T, combined pairwise (as torch's own
+   vectorised sums: float32 rounding for float32); column sums in per-thread partials in T
+   (as torch's sum), reduced in thread order, so results are
+   deterministic for a given thread count. Rows are split over `threads` OpenMP threads: loaded
+   after torch, this library shares torch's libgomp (one thread pool); the caller passes
+   torch.get_num_threads(). The Python side (_fused.py) checks dtype, device and contiguity
+   and loads this file with ctypes; it is also a (method-less) CPython extension module only
+   so that setuptools builds and installs it. */
+
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && __GNUC__ >= 12
+#define VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define VECTOR_CLONES
+#endif
+
+/* Partial sums per dot product: two AVX2 registers of float. */
+#define LANES 16
+
+/* Below this many elements a pass runs on one thread (as ATen's grain size). */
+#define PARALLEL_GRAIN 32768
+
+static int team_size(int64_t elements, int threads) {
+    return elements < PARALLEL_GRAIN || threads < 1 ? 1 : threads;
+}
+
+/* This thread's share [*first, *last) of `rows`, in contiguous static blocks. */
+static void my_rows(int64_t rows, int64_t *first, int64_t *last) {
+#ifdef _OPENMP
+    const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+#else
+    const int64_t team = 1, me = 0;
+#endif
+    const int64_t block = (rows + team - 1) / team;
+    *first = me * block < rows ? me * block : rows;
+    *last = *first + block < rows ? *first + block : rows;
+}
+
+static int my_thread(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+/* Each pass: an exported entry that opens the parallel region, and a per-thread row-range
+   worker compiled twice (AVX2+FMA and baseline, picked at load time) holding the loops. */
+#define DEFINE_ROWOPS(T, SUFFIX)                                                                   \
+    /* <a, b> in LANES independent partial sums in T (vectorisable without reassociating a    \
+       single sum), combined pairwise (a short dependency chain: rows of a few dozen entries,    \
+       as channels_last positions are, are bound by it), plus the tail in double. */             \
+    static inline double dot_##SUFFIX(const T *a, const T *b, int64_t n) {                        \
+        T lane[LANES] = {0};                                                                       \
+        int64_t j = 0;                                                                             \
+        for (; j + LANES <= n; j += LANES)                                                         \
+            for (int l = 0; l < LANES; ++l) lane[l] += a[j + l] * b[j + l];                        \
+        for (int width = LANES / 2; width > 0; width /= 2)                                         \
+            for (int l = 0; l < width; ++l) lane[l] += lane[l + width];                            \
+        double acc = lane[0];                                                                      \
+        for (; j < n; ++j) acc += (double)a[j] * (double)b[j];                                     \
+        return acc;                                                                                \
+    }                                                                                              \
+                                                                                                   \
+    VECTOR_CLONES static int64_t scale_outputs_range_##SUFFIX(                                    \
+        T *restrict z, const T *restrict x, int64_t first, int64_t last, int64_t in_cols,          \
+        int64_t out_cols, int mode, double k, double eps, double small, double big,               \
+        const T *restrict pre, const T *restrict post, T *restrict scale) {                       \
+        int64_t unsafe = 0;                                                                        \
+        for (int64_t i = first; i < last; ++i) {                                                   \
+            const T *xi = x + i * in_cols;                                                         \
+            const double sq = dot_##SUFFIX(xi, xi, in_cols), norm = sqrt(sq);                      \
+            unsafe += !(sq <= big) || norm < small; /* !(sq <= big): also NaN */                   \
+            const T s = (T)(mode == 0 ? 1.0 / sqrt(sq + 1.0) : k / (norm > eps ? norm : eps));    \
+            scale[i] = s;                                                                          \
+            T *zi = z + i * out_cols;                                                              \
+            if (pre && post)                                                                       \
+                for (int64_t j = 0; j < out_cols; ++j) zi[j] = (zi[j] + pre[j]) * s + post[j];     \
+            else if (pre)                                                                          \
+                for (int64_t j = 0; j < out_cols; ++j) zi[j] = (zi[j] + pre[j]) * s;               \
+            else if (post)                                                                         \
+                for (int64_t j = 0; j < out_cols; ++j) zi[j] = zi[j] * s + post[j];                \
+            else                                                                                   \
+                for (int64_t j = 0; j < out_cols; ++j) zi[j] *= s;                                 \
+        }                                                                                          \
+        return unsafe;                                                                             \
+    }                                                                                              \
+                                                                                                   \
+    /* z = x W^T (rows x out_cols) on entry. Returns how many rows are unsafe: |x|^2 above `big` \
+       (the dtype's maximum: the GEMM on x may have overflowed) or NaN, or |x| below `small`;    \
+       then z and scale must be discarded and the caller takes its rescaling path. */            \
+    int64_t scale_outputs_##SUFFIX(T *z, const T *x, int64_t rows, int64_t in_cols,             \
+                                   int64_t out_cols, int mode, double k, double eps, double small, \
+                                   double big, const T *pre, const T *post, T *scale, int threads) { \
+        int64_t unsafe = 0;                                                                        \
+        _Pragma("omp parallel num_threads(team_size(rows * (in_cols + out_cols), threads)) reduction(+ : unsafe)") { \
+            int64_t first, last;                                                                   \
+            my_rows(rows, &first, &last);                                                          \
+            unsafe += scale_outputs_range_##SUFFIX(z, x, first, last, in_cols, out_cols, mode, k,   \
+                                                   eps, small, big, pre, post, scale);             \
+        }                                                                                          \
+        return unsafe;                                                                             \
+    }                                                                                              \
+                                                                                                   \
+    VECTOR_CLONES static void scale_grad_range_##SUFFIX(                                          \
+        const T *restrict g, const T *restrict scale, int64_t first, int64_t last, int64_t cols, T *restrict gy, T *restrict colsum,  \
+        int sum_input, const T *restrict v, T *restrict dot) {                                                       \
+        for (int64_t i = first; i < last; ++i) {                                                   \
+            const T *restrict gi = g + i * cols;                                                   \
+            T *restrict yi = gy + i * cols;                                                        \
+            const T s = scale[i];                                                                  \
+            for (int64_t j = 0; j < cols; ++j) yi[j] = gi[j] * s;                                  \
+            if (colsum) {                                                                          \
+                const T *summed = sum_input ? gi : yi;                                             \
+                for (int64_t j = 0; j < cols; ++j) colsum[j] += summed[j];                         \
+            }                                                                                      \
+            if (dot) dot[i] = (T)dot_##SUFFIX(yi, v, cols);                                        \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    /* colsum (optional, cols entries) sums g itself when sum_input, else gy, over per-thread   \
+       partials in T (as torch's sum); dot (optional, rows entries) is <gy_i, v>. Returns       \
+       nonzero if the partials could not be allocated. */                                         \
+    int scale_grad_##SUFFIX(const T *g, const T *scale, int64_t rows, int64_t cols, T *gy,       \
+                            T *colsum, int sum_input, const T *v, T *dot, int threads) {          \
+        const int team = team_size(rows * cols, threads);                                          \
+        T *partial = NULL;                                                                         \
+        if (colsum && !(partial = calloc((size_t)team * (size_t)cols, sizeof(T)))) return 1;      \
+        _Pragma("omp parallel num_threads(team)") {                                                \
+            int64_t first, last;                                                                   \
+            my_rows(rows, &first, &last);                                                          \
+            T *mine = partial ? partial + (size_t)my_thread() * (size_t)cols : NULL;               \
+            scale_grad_range_##SUFFIX(g, scale, first, last, cols, gy, mine, sum_input, v, dot);   \
+        }                                                                                          \
+        if (colsum) {                                                                              \
+            for (int64_t j = 0; j < cols; ++j) {                                                   \
+                T acc = 0;                                                                         \
+                for (int t = 0; t < team; ++t) acc += partial[(size_t)t * (size_t)cols + j];       \
+                colsum[j] = acc;                                                                   \
+            }                                                                                      \
+            free(partial);                                                                         \
+        }                                                                                          \
+        return 0;                                                                                  \
+    }                                                                                              \
+                                                                                                   \
+    VECTOR_CLONES static void minus_radial_range_##SUFFIX(                                        \
+        T *restrict u, const T *restrict x, int64_t first, int64_t last, int64_t cols,            \
+        const T *restrict s, double m, double limit, const T *restrict c) {                       \
+        for (int64_t i = first; i < last; ++i) {                                                   \
+            T *ui = u + i * cols;                                                                  \
+            const T *xi = x + i * cols;                                                            \
+            const double ms = m * (double)s[i], a = (double)s[i] < limit ? ms * ms : 0.0;          \
+            const T alpha = (T)(-a * (dot_##SUFFIX(ui, xi, cols) + (c ? (double)c[i] : 0.0)));     \
+            for (int64_t j = 0; j < cols; ++j) ui[j] += alpha * xi[j];                             \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    void minus_radial_##SUFFIX(T *u, const T *x, int64_t rows, int64_t cols, const T *s,        \
+                               double m, double limit, const T *c, int threads) {                 \
+        _Pragma("omp parallel num_threads(team_size(rows * cols, threads))") {                     \
+            int64_t first, last;                                                                   \
+            my_rows(rows, &first, &last);                                                          \
+            minus_radial_range_##SUFFIX(u, x, first, last, cols, s, m, limit, c);                  \
+        }                                                                                          \
+    }
+
+/* [*first, *last): the kernel taps k whose input index o*stride - pad + k*dilation lies in
+   [0, size), for output index o (the taps in bounds form one contiguous range). */
+static void taps(int64_t o, int64_t size, int64_t kernel, int64_t stride, int64_t pad,
+                 int64_t dilation, int64_t *first, int64_t *last) {
+    const int64_t start = o * stride - pad;
+    int64_t k0 = 0, k1 = kernel;
+    while (k0 < kernel && start + k0 * dilation < 0) ++k0;
+    while (k1 > k0 && start + (k1 - 1) * dilation >= size) --k1;
+    *first = k0;
+    *last = k1;
+}
+
+/* The convolution passes work on NCHW planes (1-D convolutions as H = 1). The box geometry is
+   an int64[12]: in_h, in_w, out_h, out_w, k_h, k_w, stride_h, stride_w, pad_h, pad_w, dil_h,
+   dil_w; box sums run over the receptive field's in-bounds positions (zero padding). */
+#define DEFINE_CONVOPS(T, SUFFIX)                                                                  \
+    /* How many samples of squares (batch, per_sample) sum above `big` (the dtype's maximum: the \
+       convolution on x may overflow) or to NaN. */                                                \
+    static int64_t unsafe_samples_##SUFFIX(const T *squares, int64_t batch, int64_t per_sample,   \
+                                           double big) {                                           \
+        int64_t unsafe = 0;                                                                        \
+        for (int64_t n = 0; n < batch; ++n) {                                                      \
+            double total = 0.0;                                                                    \
+            for (int64_t s = 0; s < per_sample; ++s) total += squares[n * per_sample + s];         \
+            unsafe += !(total <= big);                                                             \
+        }                                                                                          \
+        return unsafe;                                                                             \
+    }                                                                                              \
+                                                                                                   \
+    VECTOR_CLONES static void group_squares_plane_##SUFFIX(const T *restrict x, int64_t channels,  \
+                                                          int64_t size, T *restrict out) {         \
+        for (int64_t s = 0; s < size; ++s) out[s] = 0;                                             \
+        for (int64_t c = 0; c < channels; ++c)                                                     \
+            for (int64_t s = 0; s < size; ++s) out[s] += x[c * size + s] * x[c * size + s];        \
+    }                                                                                              \
+                                                                                                   \
+    /* out (N, groups, size) = sum over each group's channels of x^2; x (N, C, size). Returns    \
+       the unsafe_samples count. */                                                                \
+    int64_t group_squares_##SUFFIX(const T *x, int64_t batch, int64_t channels, int64_t size,     \
+                                   int64_t groups, double big, T *out, int threads) {             \
+        const int64_t per_group = channels / groups, planes = batch * groups;                      \
+        _Pragma("omp parallel for schedule(static) num_threads(team_size(batch * channels * size, threads))") \
+        for (int64_t q = 0; q < planes; ++q)                                                       \
+            group_squares_plane_##SUFFIX(x + q * per_group * size, per_group, size, out + q * size); \
+        return unsafe_samples_##SUFFIX(out, batch, groups * size, big);                            \
+    }                                                                                              \
+                                                                                                   \
+    /* One plane: transpose = 0 gathers `in` (in_h, in_w) over each output position's field     \
+       into `out` (out_h, out_w), as 1/sqrt(sum + 1) when rsqrt_plus_one; transpose = 1         \
+       scatters each `in` (out_h, out_w) value over its field of `out` (in_h, in_w). */          \
+    static inline void box_plane_##SUFFIX(const T *restrict in, T *restrict out,                 \
+                                          const int64_t *g, int transpose, int rsqrt_plus_one) {   \
+        if (transpose)                                                                             \
+            for (int64_t s = 0; s < g[0] * g[1]; ++s) out[s] = 0;                                  \
+        for (int64_t oh = 0; oh < g[2]; ++oh) {                                                    \
+            int64_t i0, i1;                                                                        \
+            taps(oh, g[0], g[4], g[6], g[8], g[10], &i0, &i1);                                     \
+            for (int64_t ow = 0; ow < g[3]; ++ow) {                                                \
+                int64_t j0, j1;                                                                    \
+                taps(ow, g[1], g[5], g[7], g[9], g[11], &j0, &j1);                                 \
+                const int64_t corner = (oh * g[6] - g[8]) * g[1] + ow * g[7] - g[9];               \
+                const T v = transpose ? in[oh * g[3] + ow] : 0;                                    \
+                double acc = 0.0;                                                                  \
+                for (int64_t i = i0; i < i1; ++i)                                                  \
+                    for (int64_t j = j0; j < j1; ++j) {                                            \
+                        const int64_t at = corner + i * g[10] * g[1] + j * g[11];                  \
+                        if (transpose)                                                             \
+                            out[at] += v;                                                          \
+                        else                                                                       \
+                            acc += in[at];                                                         \
+                    }                                                                              \
+                if (!transpose) out[oh * g[3] + ow] = (T)(rsqrt_plus_one ? 1.0 / sqrt(acc + 1.0) : acc); \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    /* Per plane: transpose = 0: out (out_h, out_w) = box(in (in_h, in_w)), as 1/sqrt(box + 1)   \
+       when rsqrt_plus_one; transpose = 1: out (in_h, in_w) = box^T(in (out_h, out_w)). */        \
+    void box_##SUFFIX(const T *in, T *out, int64_t planes, const int64_t *geometry, int transpose, \
+                      int rsqrt_plus_one, int threads) {                                           \
+        const int64_t in_size = geometry[0] * geometry[1], out_size = geometry[2] * geometry[3];   \
+        const int64_t work = planes * out_size * geometry[4] * geometry[5];                        \
+        _Pragma("omp parallel for schedule(static) num_threads(team_size(work, threads))")        \
+        for (int64_t q = 0; q < planes; ++q) {                                                     \
+            if (transpose) /* (two call sites: each inlined with its constant flags) */            \
+                box_plane_##SUFFIX(in + q * out_size, out + q * in_size, geometry, 1, 0);          \
+            else                                                                                   \
+                box_plane_##SUFFIX(in + q * in_size, out + q * out_size, geometry, 0, rsqrt_plus_one); \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    VECTOR_CLONES static void scale_and_dot_plane_##SUFFIX(                                       \
+        const T *restrict gz, const T *restrict z, const T *restrict r, int64_t channels,         \
+        int64_t size, T *restrict gy, T *restrict e) {                                             \
+        if (e)                                                                                     \
+            for (int64_t s = 0; s < size; ++s) e[s] = 0;                                           \
+        for (int64_t c = 0; c < channels; ++c) {                                                   \
+            const T *gc = gz + c * size, *zc = z + c * size;                                       \
+            T *yc = gy + c * size;                                                                 \
+            for (int64_t s = 0; s < size; ++s) yc[s] = gc[s] * r[s];                               \
+            if (e)                                                                                 \
+                for (int64_t s = 0; s < size; ++s) e[s] += gc[s] * zc[s];                          \
+        }                                                                                          \
+        if (e)                                                                                     \
+            for (int64_t s = 0; s < size; ++s) e[s] *= -r[s] * r[s];                               \
+    }                                                                                              \
+                                                                                                   \
+    /* gz, z (N, O, size), r (N, groups, size): gy = r * gz (each group's r over its channels)   \
+       and, when e is given, e (N, groups, size) = -r^2 * sum over the group's channels of gz*z. */ \
+    void scale_and_dot_##SUFFIX(const T *gz, const T *z, const T *r, int64_t batch,               \
+                                int64_t channels, int64_t size, int64_t groups, T *gy, T *e,      \
+                                int threads) {                                                     \
+        const int64_t per_group = channels / groups, planes = batch * groups;                      \
+        _Pragma("omp parallel for schedule(static) num_threads(team_size(batch * channels * size, threads))") \
+        for (int64_t q = 0; q < planes; ++q) {                                                     \
+            const int64_t offset = q * per_group * size;                                           \
+            scale_and_dot_plane_##SUFFIX(gz + offset, z + offset, r + q * size, per_group, size,    \
+                                         gy + offset, e ? e + q * size : NULL);                    \
+        }                                                                                          \
+    }                                                                                           \
+                                                                                                   \
+    VECTOR_CLONES static void group_update_plane_##SUFFIX(T *restrict dst, const T *restrict src,  \
+                                                         const T *restrict r, int64_t channels,    \
+                                                         int64_t size) {                           \
+        for (int64_t c = 0; c < channels; ++c) {                                                   \
+            T *d = dst + c * size;                                                                 \
+            if (src)                                                                               \
+                for (int64_t s = 0; s < size; ++s) d[s] += src[c * size + s] * r[s];               \
+            else                                                                                   \
+                for (int64_t s = 0; s < size; ++s) d[s] *= r[s];                                   \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    /* dst (N, C, size) in place: dst *= r, or dst += src * r when src is given; r (N, groups,    \
+       size), each group's over its channels. */                                                   \
+    void group_update_##SUFFIX(T *dst, const T *src, const T *r, int64_t batch, int64_t channels,  \
+                               int64_t size, int64_t groups, int threads) {                        \
+        const int64_t per_group = channels / groups, planes = batch * groups;                      \
+        _Pragma("omp parallel for schedule(static) num_threads(team_size(batch * channels * size, threads))") \
+        for (int64_t q = 0; q < planes; ++q) {                                                     \
+            const int64_t offset = q * per_group * size;                                           \
+            group_update_plane_##SUFFIX(dst + offset, src ? src + offset : NULL, r + q * size,      \
+                                        per_group, size);                                          \
+        }                                                                                          \
+    }
+
+/* Channels-last twins of group_squares, scale_and_dot and group_update: x (N, C, H, W) stored as rows of C
+   channels per position (N*P rows, P = H*W); the per-(group, position) results stay planar,
+   (N, groups, P), as the box passes expect. */
+#define DEFINE_CHANNELS_LAST_OPS(T, SUFFIX)                                                        \
+    VECTOR_CLONES static void group_squares_cl_rows_##SUFFIX(                                      \
+        const T *restrict x, int64_t first, int64_t last, int64_t positions, int64_t channels,    \
+        int64_t groups, T *restrict out) {                                                         \
+        const int64_t per_group = channels / groups;                                               \
+        for (int64_t row = first; row < last; ++row) {                                             \
+            const int64_t n = row / positions, p = row % positions;                                \
+            for (int64_t g = 0; g < groups; ++g) {                                                 \
+                const T *xg = x + row * channels + g * per_group;                                  \
+                out[(n * groups + g) * positions + p] = (T)dot_##SUFFIX(xg, xg, per_group);        \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    int64_t group_squares_cl_##SUFFIX(const T *x, int64_t batch, int64_t channels,                \
+                                      int64_t positions, int64_t groups, double big, T *out,      \
+                                      int threads) {                                               \
+        const int64_t rows = batch * positions;                                                    \
+        _Pragma("omp parallel num_threads(team_size(rows * channels, threads))") {                 \
+            int64_t first, last;                                                                   \
+            my_rows(rows, &first, &last);                                                          \
+            group_squares_cl_rows_##SUFFIX(x, first, last, positions, channels, groups, out);      \
+        }                                                                                          \
+        return unsafe_samples_##SUFFIX(out, batch, groups * positions, big);                       \
+    }                                                                                              \
+                                                                                                   \
+    VECTOR_CLONES static void scale_and_dot_cl_rows_##SUFFIX(                                      \
+        const T *restrict gz, const T *restrict z, const T *restrict r, int64_t first,            \
+        int64_t last, int64_t positions, int64_t channels, int64_t groups, T *restrict gy,        \
+        T *restrict e) {                                                                           \
+        const int64_t per_group = channels / groups;                                               \
+        for (int64_t row = first; row < last; ++row) {                                             \
+            const int64_t n = row / positions, p = row % positions;                                \
+            for (int64_t g = 0; g < groups; ++g) {                                                 \
+                const int64_t at = row * channels + g * per_group, plane = (n * groups + g) * positions + p; \
+                const T rg = r[plane];                                                             \
+                for (int64_t c = 0; c < per_group; ++c) gy[at + c] = gz[at + c] * rg;              \
+                if (e) e[plane] = (T)(-(double)rg * rg * dot_##SUFFIX(gz + at, z + at, per_group)); \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    void scale_and_dot_cl_##SUFFIX(const T *gz, const T *z, const T *r, int64_t batch,            \
+                                   int64_t channels, int64_t positions, int64_t groups, T *gy,    \
+                                   T *e, int threads) {                                            \
+        const int64_t rows = batch * positions;                                                    \
+        _Pragma("omp parallel num_threads(team_size(rows * channels, threads))") {                 \
+            int64_t first, last;                                                                   \
+            my_rows(rows, &first, &last);                                                          \
+            scale_and_dot_cl_rows_##SUFFIX(gz, z, r, first, last, positions, channels, groups, gy, e); \
+        }                                                                                          \
+    }                                                                                           \
+                                                                                                   \
+    VECTOR_CLONES static void group_update_cl_rows_##SUFFIX(                                       \
+        T *restrict dst, const T *restrict src, const T *restrict r, int64_t first, int64_t last, \
+        int64_t positions, int64_t channels, int64_t groups) {                                     \
+        const int64_t per_group = channels / groups;                                               \
+        for (int64_t row = first; row < last; ++row) {                                             \
+            const int64_t n = row / positions, p = row % positions;                                \
+            for (int64_t g = 0; g < groups; ++g) {                                                 \
+                const int64_t at = row * channels + g * per_group;                                 \
+                const T rg = r[(n * groups + g) * positions + p];                                  \
+                if (src)                                                                           \
+                    for (int64_t c = 0; c < per_group; ++c) dst[at + c] += src[at + c] * rg;       \
+                else                                                                               \
+                    for (int64_t c = 0; c < per_group; ++c) dst[at + c] *= rg;                     \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    void group_update_cl_##SUFFIX(T *dst, const T *src, const T *r, int64_t batch,                \
+                                  int64_t channels, int64_t positions, int64_t groups, int threads) { \
+        const int64_t rows = batch * positions;                                                    \
+        _Pragma("omp parallel num_threads(team_size(rows * channels, threads))") {                 \
+            int64_t first, last;                                                                   \
+            my_rows(rows, &first, &last);                                                          \
+            group_update_cl_rows_##SUFFIX(dst, src, r, first, last, positions, channels, groups);  \
+        }                                                                                          \
+    }
+
+DEFINE_ROWOPS(float, f32)
+DEFINE_ROWOPS(double, f64)
+DEFINE_CONVOPS(float, f32)
+DEFINE_CONVOPS(double, f64)
+DEFINE_CHANNELS_LAST_OPS(float, f32)
+DEFINE_CHANNELS_LAST_OPS(double, f64)
+
+static struct PyModuleDef fused_cpu_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_fused_cpu",
+    .m_doc = "Fused CPU row passes; loaded with ctypes by affdiv.layers._fused.",
+    .m_size = -1,
+};
+
+PyMODINIT_FUNC PyInit__fused_cpu(void) { return PyModule_Create(&fused_cpu_module); }

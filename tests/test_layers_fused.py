@@ -1,0 +1,374 @@
+"""The fused CPU passes (``affdiv.layers._fused``) and the layers' use of them.
+
+Each kernel is checked against the same formula in torch ops, in float64, over hypothesis-drawn
+shapes (empty, single-row, single-column, past the parallel grain; NCHW and channels_last),
+contents and thread counts. Tolerance: a sum of n products in float64 carries an error
+≤ n·u·Σ|a_j b_j| (u = 2^-53 ≈ 1.1e-16, n ≤ 300): the checks use rtol = atol = 1e-12 on O(1)
+data, above that bound (≤ 3.3e-14·Σ|ab|) for the sums drawn here and far below any formula
+error. The layers with and without the kernels must agree to the same tolerance in float64; in
+float32 the kernels' results must lie within the worst-case rounding bound of their sums
+(Higham: (n+2)·u·Σ|terms|, see ``_float32_bounds``) of the float64 result, a bound that holds
+however the sums cancel (dx ≡ 0 at in_features = 1 is pure rounding noise). gradcheck must pass
+with the kernels in the first-order backward (it records no graph, so they are used: counted).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from affdiv.layers import AffineLike, NormLike, PatchNormConv2d
+from affdiv.layers import _fused
+from affdiv.layers import functional as LF
+
+F64 = torch.float64
+TOL = {"rtol": 1e-12, "atol": 1e-12}
+
+needs_kernels = pytest.mark.skipif(
+    not _fused.available(), reason="the compiled row passes were not built (no C compiler with OpenMP at install)"
+)
+
+
+def test_kernels_were_built_where_required():
+    # tox sets AFFDIV_REQUIRE_CPU_KERNELS=1: there, a silently failed (optional) build is an error
+    if os.environ.get("AFFDIV_REQUIRE_CPU_KERNELS") != "1":
+        pytest.skip("AFFDIV_REQUIRE_CPU_KERNELS is not set: the compiled row passes are optional here")
+    assert _fused.available(), "the C extension affdiv.layers._cpu_fused was not built or did not load"
+
+
+@contextlib.contextmanager
+def intra_op_threads(n):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _data(rows, cols, seed, dtype=F64):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, cols, dtype=dtype, generator=g)
+
+
+# rows × cols up to 300 × 200 (past the 32768-element grain, so both threads work)
+shapes = st.tuples(st.integers(0, 300), st.integers(1, 200))
+threads = st.sampled_from([1, 2])
+
+
+@needs_kernels
+@settings(max_examples=20, deadline=None)
+@given(threads=threads, shape=shapes, out_cols=st.integers(1, 150), seed=st.integers(0, 2**16),
+       mode=st.sampled_from(["affine_like", "norm_like"]), pre=st.booleans(), post=st.booleans())
+def test_scale_outputs_matches_torch(threads, shape, out_cols, seed, mode, pre, post):
+    rows, cols = shape
+    x, z = _data(rows, cols, seed), _data(rows, out_cols, seed + 1)
+    b_pre = _data(1, out_cols, seed + 2)[0] if pre else None
+    b_post = _data(1, out_cols, seed + 3)[0] if post else None
+    k, eps = 2.5, 1e-3
+    norm = torch.linalg.vector_norm(x, dim=1, keepdim=True)
+    s_ref = 1 / torch.sqrt(norm**2 + 1) if mode == "affine_like" else k / norm.clamp_min(eps)
+    z_ref = ((z if b_pre is None else z + b_pre) * s_ref) + (0 if b_post is None else b_post)
+    with intra_op_threads(threads):
+        s, safe = _fused.scale_outputs(z, x, mode, pre=b_pre, post=b_post, k=k, eps=eps)
+    assert safe
+    torch.testing.assert_close(s, s_ref, **TOL)
+    torch.testing.assert_close(z, z_ref, **TOL)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_scale_outputs_flags_rows_it_cannot_scale_safely(dtype):
+    big = math.sqrt(torch.finfo(dtype).max)
+    x = torch.ones(4, 3, dtype=dtype)
+    x[1, 0] = 2 * big  # ‖x‖² above the dtype's maximum: the GEMM on x may overflow
+    assert not _fused.scale_outputs(torch.zeros(4, 2, dtype=dtype), x, "affine_like")[1]
+    x[1, 0] = float("nan")
+    assert not _fused.scale_outputs(torch.zeros(4, 2, dtype=dtype), x, "affine_like")[1]
+    x[1, 0] = 1.0
+    assert _fused.scale_outputs(torch.zeros(4, 2, dtype=dtype), x, "affine_like")[1]
+    x[2] = 1e-30  # below ``small``: the caller rescales
+    assert not _fused.scale_outputs(torch.zeros(4, 2, dtype=dtype), x, "norm_like", small=1e-20)[1]
+
+
+@needs_kernels
+@settings(max_examples=20, deadline=None)
+@given(threads=threads, shape=shapes, seed=st.integers(0, 2**16), column_sum=st.sampled_from([None, "scaled", "input"]),
+       with_v=st.booleans())
+def test_scale_grad_matches_torch(threads, shape, seed, column_sum, with_v):
+    rows, cols = shape
+    g, s = _data(rows, cols, seed), _data(rows, 1, seed + 1).abs()
+    v = _data(1, cols, seed + 2)[0] if with_v else None
+    with intra_op_threads(threads):
+        gy, colsum, dot = _fused.scale_grad(g, s, column_sum, v)
+    torch.testing.assert_close(gy, g * s, **TOL)
+    if column_sum is None:
+        assert colsum is None
+    else:
+        torch.testing.assert_close(colsum, (g * s if column_sum == "scaled" else g).sum(0), **TOL)
+    if with_v:
+        torch.testing.assert_close(dot, (g * s) @ v.unsqueeze(1), **TOL)
+    else:
+        assert dot is None
+
+
+@needs_kernels
+@settings(max_examples=20, deadline=None)
+@given(threads=threads, shape=shapes, seed=st.integers(0, 2**16), m=st.floats(0.1, 3.0), with_c=st.booleans(),
+       limit=st.sampled_from([math.inf, 1.0]))
+def test_minus_radial_matches_torch(threads, shape, seed, m, with_c, limit):
+    rows, cols = shape
+    u, x, s = _data(rows, cols, seed), _data(rows, cols, seed + 1), 2 * _data(rows, 1, seed + 2).abs()
+    c = _data(rows, 1, seed + 3) if with_c else None
+    a = torch.where(s < limit, (m * s) ** 2, 0.0)
+    expected = u - a * ((u * x).sum(1, keepdim=True) + (0 if c is None else c)) * x
+    with intra_op_threads(threads):
+        torch.testing.assert_close(_fused.minus_radial_(u, x, s, m, limit, c), expected, **TOL)
+
+
+@needs_kernels
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernels_are_deterministic_for_a_thread_count(threads):
+    g, s = _data(257, 300, 0), _data(257, 1, 1).abs()
+    with intra_op_threads(threads):
+        first, second = _fused.scale_grad(g, s, "scaled"), _fused.scale_grad(g, s, "scaled")
+    assert all(torch.equal(a, b) for a, b in zip(first[:2], second[:2]))
+
+
+def test_usable_refuses_what_the_kernels_cannot_take():
+    x = torch.randn(4, 3)
+    with torch.no_grad():
+        assert _fused.usable(x, x) == _fused.available()
+        assert not _fused.usable(x.t(), x)  # not contiguous
+        assert not _fused.usable(x.bfloat16())  # dtype without a kernel
+        assert not _fused.usable(x, x.double())  # mixed dtypes
+        with _fused.disabled():
+            assert not _fused.usable(x)
+    assert not _fused.usable(x)  # recording a graph (a double backward needs the torch formulas)
+
+
+# --------------------------------------------------------------------------------------------
+# the layers: kernels on and off agree, gradcheck passes through the kernels
+
+
+def _layer_outputs(make, x, grad, with_x_grad=True):
+    """[z, dx, dW, db] of one forward/backward (None where there is no gradient)."""
+    layer = make()
+    xi = x.detach().requires_grad_(with_x_grad)
+    z = layer(xi)
+    z.backward(grad)
+    return [z.detach(), xi.grad] + [p.grad for p in layer.parameters()]
+
+
+DENSE = {
+    "affine_like": lambda m, n, bias: AffineLike(m, n, bias=bias),
+    "norm_l2": lambda m, n, bias: NormLike(m, n, bias=bias, mode="l2"),
+    "norm_rms": lambda m, n, bias: NormLike(m, n, bias=bias, mode="rms"),
+}
+
+
+@needs_kernels
+@pytest.mark.parametrize("member", sorted(DENSE))
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+@settings(max_examples=20, deadline=None)
+@given(batch=st.lists(st.integers(1, 40), min_size=1, max_size=2), m=st.integers(1, 70), n=st.integers(1, 50),
+       bias=st.booleans(), with_x_grad=st.booleans(), seed=st.integers(0, 2**16), zero_row=st.booleans())
+def test_dense_layers_agree_with_and_without_kernels(member, dtype, batch, m, n, bias, with_x_grad, seed, zero_row):
+    x = _data(math.prod(batch), m, seed).reshape(*batch, m)
+    if zero_row:
+        x.reshape(-1, m)[0] = 0.0  # NormLike's constant branch (a = 0 there), AffineLike's z = b
+    grad = _data(math.prod(batch), n, seed + 1).reshape(*batch, n)
+
+    def make(as_dtype):
+        torch.manual_seed(seed)  # one set of parameters, drawn in float32, cast exactly
+        return lambda: DENSE[member](m, n, bias).to(as_dtype)
+
+    fused = _layer_outputs(make(dtype), x.to(dtype), grad.to(dtype), with_x_grad)
+    with _fused.disabled():
+        plain = _layer_outputs(make(dtype), x.to(dtype), grad.to(dtype), with_x_grad)
+    assert [a is None for a in fused] == [b is None for b in plain]
+    if dtype == F64:
+        for a, b in zip(fused, plain):
+            if a is not None:
+                torch.testing.assert_close(a, b, **TOL)
+        return
+    # float32: each result within the worst-case rounding bound of its sums, against float64
+    with _fused.disabled():
+        exact = _layer_outputs(make(F64), x, grad, with_x_grad)
+    layer = make(F64)()
+    bounds = _float32_bounds(member, x.reshape(-1, m), layer.weight.detach(), layer.bias, grad.reshape(-1, n))
+    for a, ref, bound in zip(fused, exact, bounds):
+        if a is not None:
+            assert float((a.double() - ref).abs().max()) <= bound
+
+
+def _float32_bounds(member, x, w, b, g):
+    """Worst-case float32 rounding bounds for [z, dx, dW, db] (Higham: a sum of n products
+    computed in float32 is off by at most ~(n + 2)·u·Σ|terms|, u = 2^-24), from float64 data.
+    s is the row scale; the radial term of dx is at most ‖u_i‖ (a·‖x_i‖² ≤ 1), so dx's terms
+    sum to at most 2·(|g|s)|W|."""
+    u = 2.0**-24
+    norm = torch.linalg.vector_norm(x, dim=1, keepdim=True)
+    k = math.sqrt(x.shape[1]) if member == "norm_rms" else 1.0
+    s = 1 / torch.sqrt(norm**2 + 1) if member == "affine_like" else k / norm.clamp_min(1e-12)
+    bias = 0.0 if b is None else b.detach().abs()
+    z_terms = (x.abs() @ w.abs().t() + (bias if member == "affine_like" else 0.0)) * s + (
+        0.0 if member == "affine_like" else bias)
+    gy_terms = g.abs() * s
+    dx_terms = 2 * gy_terms @ w.abs()
+    dw_terms = gy_terms.t() @ x.abs()
+    db_terms = (gy_terms if member == "affine_like" else g.abs()).sum(0)
+    rows, m = x.shape
+    return [(m + 4) * u * float(z_terms.max()), (g.shape[1] + m + 4) * u * float(dx_terms.max()),
+            (rows + 2) * u * float(dw_terms.max()), (rows + 2) * u * float(db_terms.max())]
+
+
+@needs_kernels
+@pytest.mark.parametrize("fn", [
+    LF.affine_like,
+    lambda x, w, b: LF.norm_like(x, w, b, mode="l2"),
+    lambda x, w, b: LF.norm_like(x, w, b, mode="rms"),
+], ids=["affine_like", "norm_l2", "norm_rms"])
+def test_gradcheck_through_the_kernels(fn, monkeypatch):
+    calls = []
+    for name in ("scale_outputs", "scale_grad", "minus_radial_"):
+        original = getattr(_fused, name)
+        monkeypatch.setattr(_fused, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    x, w, b = _data(5, 4, 0).requires_grad_(), _data(3, 4, 1).requires_grad_(), _data(1, 3, 2)[0].requires_grad_()
+    assert torch.autograd.gradcheck(fn, (x, w, b), atol=1e-7, rtol=1e-7)
+    assert {"scale_outputs", "scale_grad", "minus_radial_"} <= set(calls)
+
+
+# --------------------------------------------------------------------------------------------
+# the PatchNorm passes, both layouts
+
+LAYOUTS = [torch.contiguous_format, torch.channels_last]
+conv_shapes = st.tuples(st.integers(0, 4), st.integers(1, 4), st.integers(1, 8), st.integers(1, 9), st.integers(1, 9))
+
+
+def _planes(batch, groups, per_group, h, w, seed, layout):
+    return _data(batch * groups * per_group * h, w, seed).reshape(batch, groups * per_group, h, w).contiguous(
+        memory_format=layout)
+
+
+@needs_kernels
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["nchw", "channels_last"])
+@settings(max_examples=20, deadline=None)
+@given(threads=threads, shape=conv_shapes, seed=st.integers(0, 2**16))
+def test_group_squares_and_group_update_match_torch(layout, threads, shape, seed):
+    batch, groups, per_group, h, w = shape
+    x = _planes(batch, groups, per_group, h, w, seed, layout)
+    t = _planes(batch, groups, per_group, h, w, seed + 1, layout)
+    r = _data(batch * groups * h, w, seed + 2).reshape(batch, groups, h, w)
+    grouped = lambda v: v.unflatten(1, (groups, per_group))  # noqa: E731
+    with intra_op_threads(threads):
+        squares, safe = _fused.group_squares(x, groups)
+        scaled = _fused.group_update_(t.clone(memory_format=torch.preserve_format), r, groups)
+        added = _fused.group_update_(t.clone(memory_format=torch.preserve_format), r, groups, src=x)
+    assert safe
+    torch.testing.assert_close(squares, (grouped(x) ** 2).sum(2), **TOL)
+    torch.testing.assert_close(scaled, (grouped(t) * r.unsqueeze(2)).flatten(1, 2), **TOL)
+    torch.testing.assert_close(added, (grouped(t) + grouped(x) * r.unsqueeze(2)).flatten(1, 2), **TOL)
+    assert scaled.is_contiguous(memory_format=layout) and added.is_contiguous(memory_format=layout)
+
+
+@needs_kernels
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["nchw", "channels_last"])
+@settings(max_examples=20, deadline=None)
+@given(threads=threads, shape=conv_shapes, seed=st.integers(0, 2**16), with_dot=st.booleans())
+def test_scale_and_dot_matches_torch(layout, threads, shape, seed, with_dot):
+    batch, groups, per_group, h, w = shape
+    gz, z = _planes(batch, groups, per_group, h, w, seed, layout), _planes(batch, groups, per_group, h, w, seed + 1, layout)
+    r = _data(batch * groups * h, w, seed + 2).reshape(batch, groups, h, w).abs()
+    with intra_op_threads(threads):
+        gy, e = _fused.scale_and_dot(gz, z, r, groups, with_dot)
+    grouped = lambda v: v.unflatten(1, (groups, per_group))  # noqa: E731
+    torch.testing.assert_close(gy, (grouped(gz) * r.unsqueeze(2)).flatten(1, 2), **TOL)
+    assert gy.is_contiguous(memory_format=layout)
+    if with_dot:
+        torch.testing.assert_close(e, -r * r * (grouped(gz) * grouped(z)).sum(2), **TOL)
+    else:
+        assert e is None
+
+
+@needs_kernels
+@pytest.mark.parametrize("d", [1, 2])
+@settings(max_examples=25, deadline=None)
+@given(threads=threads, size=st.integers(1, 12), kernel=st.integers(1, 4), stride=st.integers(1, 3),
+       padding=st.integers(0, 3), dilation=st.integers(1, 3), planes=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_box_and_its_transpose_match_torch_convolutions(d, threads, size, kernel, stride, padding, dilation, planes,
+                                                        seed):
+    extent = dilation * (kernel - 1) + 1
+    if size + 2 * padding < extent:
+        return  # no output position (the layer rejects this geometry before any kernel runs)
+    spatial = (size,) * d
+    geometry = ((kernel,) * d, (stride,) * d, (padding,) * d, (dilation,) * d)
+    sq = _data(planes, size**d, seed).abs().reshape(1, planes, *spatial)
+    ones = torch.ones(planes, 1, *geometry[0], dtype=F64)
+    conv = torch.convolution(sq, ones, None, *geometry[1:], False, [0] * d, planes)
+    with intra_op_threads(threads):
+        r = _fused.box(sq, conv.shape[2:], *geometry)
+    torch.testing.assert_close(r, 1 / torch.sqrt(conv + 1), **TOL)
+    # the transpose is the adjoint: <box(a), b> = <a, boxᵀ(b)>, here against torch's transposed convolution
+    e = _data(planes, conv[0, 0].numel(), seed + 1).reshape(conv.shape)
+    extra = [n - ((o - 1) * stride - 2 * padding + dilation * (kernel - 1) + 1) for n, o in zip(spatial, conv.shape[2:])]
+    expected = torch.convolution(e, ones, None, *geometry[1:], True, extra, planes)
+    with intra_op_threads(threads):
+        torch.testing.assert_close(_fused.box_transpose(e, spatial, *geometry), expected, **TOL)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_group_squares_flags_samples_it_cannot_convolve_safely(dtype):
+    x = torch.ones(3, 2, 4, 4, dtype=dtype)
+    assert _fused.group_squares(x, 2)[1]
+    x[1, 0, 0, 0] = 2 * math.sqrt(torch.finfo(dtype).max)
+    assert not _fused.group_squares(x, 2)[1]
+    x[1, 0, 0, 0] = float("inf")
+    assert not _fused.group_squares(x, 1)[1]
+
+
+CONV_GEOMETRIES = [dict(kernel_size=3, padding=1), dict(kernel_size=3, stride=2, dilation=2, padding=(1, 2), groups=2),
+                   dict(kernel_size=(2, 3), padding="same", groups=4), dict(kernel_size=1)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["nchw", "channels_last"])
+@pytest.mark.parametrize("kwargs", CONV_GEOMETRIES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_patchnorm_conv2d_agrees_with_and_without_kernels(layout, kwargs, bias):
+    x = _data(3 * 8 * 7, 6, 0).reshape(3, 8, 7, 6).contiguous(memory_format=layout)
+
+    def run():
+        torch.manual_seed(1)
+        layer = PatchNormConv2d(8, 4, bias=bias, dtype=F64, **kwargs).to(memory_format=layout)
+        xi = x.detach().requires_grad_(True)
+        z = layer(xi)
+        z.backward(_data(z.numel(), 1, 2).reshape(z.shape))
+        return [z.detach(), xi.grad] + [p.grad for p in layer.parameters()]
+
+    fused = run()
+    with _fused.disabled():
+        plain = run()
+    for a, b in zip(fused, plain):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+@needs_kernels
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["nchw", "channels_last"])
+def test_patchnorm_gradcheck_through_the_kernels(layout, monkeypatch):
+    calls = []
+    for name in ("group_squares", "box", "scale_and_dot", "box_transpose", "group_update_"):
+        original = getattr(_fused, name)
+        monkeypatch.setattr(_fused, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    x = _data(2 * 4 * 5, 5, 0).reshape(2, 4, 5, 5).contiguous(memory_format=layout).requires_grad_()
+    w, b = _data(6 * 2 * 9, 1, 1).reshape(6, 2, 3, 3).requires_grad_(), _data(6, 1, 2)[:, 0].requires_grad_()
+    fn = lambda x, w, b: LF.patchnorm_conv2d(x, w, b, stride=1, padding=1, groups=2)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (x, w, b), atol=1e-7, rtol=1e-7)
+    assert {"group_squares", "box", "scale_and_dot", "box_transpose", "group_update_"} <= set(calls)
