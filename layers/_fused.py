@@ -18,25 +18,25 @@ groups summed per position (1-D as height 1):
     group_update_(t, r, groups, src) t ← t·r, or t ← t + src·r, each group's r over its channels
 
 Sums are accumulated in 16 partial sums in the tensors' dtype, combined pairwise (float32
-rounding for float32, as torch's own vectorised sums). The extension is
-optional (built at install where a C compiler with OpenMP is present); ``usable`` says whether
-a call may take it: the library loaded and not ``disabled``, every tensor a contiguous plain
-CPU float32/float64 tensor of one dtype, in eager mode (not traced, not under torch.func) and
-not recording a graph (a double backward needs the differentiable torch formulas). Otherwise
-the layers run the same passes as torch ops.
+rounding for float32, as torch's own vectorised sums). The extension is optional (built at
+install where a C compiler with OpenMP is present); ``usable`` says whether a call may take
+it: the library loaded and not ``disabled``, every tensor a contiguous (or, for the
+convolutions, channels_last) plain CPU float32/float64 tensor of one dtype, in eager mode (not
+traced, not under torch.func) and not recording a graph (a double backward needs the
+differentiable torch formulas). Otherwise the layers run the same passes as torch ops.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import ctypes
 import importlib.util
+import math
+import warnings
 from collections.abc import Iterator
 
 import torch
 from torch import Tensor
-
 
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 _MAX = {dtype: torch.finfo(dtype).max for dtype in _SUFFIX}
@@ -49,7 +49,11 @@ def _load() -> ctypes.CDLL | None:
     spec = importlib.util.find_spec("affdiv.layers._fused_cpu")
     if spec is None or spec.origin is None:
         return None
-    lib = ctypes.CDLL(spec.origin)
+    try:
+        lib = ctypes.CDLL(spec.origin)
+    except OSError as error:  # built, but not loadable here: the torch passes still work
+        warnings.warn(f"affdiv.layers: the fused CPU kernels did not load ({error}); using torch ops", stacklevel=2)
+        return None
     p, i64, i32, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
     for suffix in _SUFFIX.values():
         _declare(lib, f"scale_outputs_{suffix}", i64, [p, p, i64, i64, i64, i32, f64, f64, f64, f64, p, p, p, i32])
@@ -72,7 +76,7 @@ _LIB = _load()
 
 
 def available() -> bool:
-    """Whether the compiled row passes were built and loaded."""
+    """Whether the compiled passes were built and loaded."""
     return _LIB is not None
 
 
@@ -227,6 +231,8 @@ def scale_and_dot(
     """(gy, e): gy = r·gz, each group's r (N, groups, *S) over its channels of gz (N, O, *S);
     e (N, groups, *S) = −r²·Σ_{o∈g} gz_o·z_o (None unless ``with_dot``; z may then be None).
     gz and z share one layout (contiguous or channels_last), which gy keeps."""
+    if with_dot and z is None:
+        raise ValueError("scale_and_dot: e = −r²·Σ gz·z needs z, got None")
     batch, channels = gz.shape[:2]
     gy = torch.empty_like(gz)
     e = torch.empty_like(r) if with_dot else None
