@@ -1,4 +1,4 @@
-"""The one compiled part: the fused CPU row passes of the dense layers (layers/_fused_cpu.c).
+"""The one compiled part: the fused CPU passes of the corrected layers (layers/_fused_cpu.c).
 
 Metadata lives in pyproject.toml. The extension is optional: without a C compiler (or OpenMP)
 the install still succeeds and the layers run their plain-torch passes instead

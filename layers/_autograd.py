@@ -210,13 +210,14 @@ class PatchNormConv(Function):
     @staticmethod
     def forward(x, weight, bias, stride, padding, dilation, groups, recompute=False):
         geometry = (stride, padding, dilation, False, _zeros(x), groups)
-        if x.dim() <= 4 and _fused.usable(x, memory_format=_fused.memory_format(x)):
+        if _fused.usable(x, memory_format=None):
             squares, safe = _fused.group_squares(x, groups)
             if safe:  # every ‖x_n‖² finite in x's dtype: c = 1 (see ``prepare``)
                 y = torch.convolution(x, weight, bias, *geometry)
                 r = _fused.box(squares, y.shape[2:], weight.shape[2:], stride, padding, dilation)
-                scaled = _fused.group_update_(y, r, groups) if _fused.same_layout(y) else _per_group(y, r, groups, True)
-                return scaled, r
+                if _fused.usable(y, memory_format=None):
+                    return _fused.group_update_(y, r, groups), r
+                return _per_group(y, r, groups, True), r
         x_scaled, c, _ = prepare(x, tuple(range(1, x.dim())), floor=1.0, finite_only=True)
         patch_sq = _box(_group_squares(x_scaled, groups), weight.shape[2:], stride, padding, dilation)
         rho = 1.0 / torch.hypot(patch_sq.clamp_min(0).sqrt(), c)
@@ -252,9 +253,9 @@ class PatchNormConv(Function):
         dx = dw = db = None
         dsq2 = None  # 2·boxᵀ(ds): dx gets x·dsq2, per group
         if grad_z is not None:
-            fused = grad_r is None and x.dim() <= 4 and _fused.usable(r)
+            fused = grad_r is None and _fused.usable(r)
             if fused:
-                layout = _fused.memory_format(grad_z if z is None else z)
+                layout = _fused.layout_of(grad_z if z is None else z)
                 grad_z = grad_z.contiguous(memory_format=layout)  # (a no-op unless the consumer's layout differs)
                 fused = _fused.usable(grad_z, z, memory_format=layout)
             if fused:  # one pass for gy and e = 2·ds
@@ -290,7 +291,7 @@ def _add_radial(dx: Tensor | None, x: Tensor, dsq2: Tensor, groups: int) -> Tens
     on dx (a temporary of ours) where that is allowed."""
     if dx is None:
         return _per_group(x, dsq2, groups)
-    if _fused.usable(dx, x, dsq2, memory_format=_fused.memory_format(dx)) and _fused.same_layout(dx, x):
+    if _fused.usable(dx, x, memory_format=None) and _fused.usable(dsq2):
         return _fused.group_update_(dx, dsq2, groups, src=x)
     x_groups, dsq2 = x.unflatten(1, (groups, -1)), dsq2.unsqueeze(2)
     if plain_eager(dx) and not dx.requires_grad:

@@ -3,7 +3,7 @@
 Dense layers, each one pass over row-major (rows, cols) tensors, every row in cache:
 
     scale_outputs(z, x, …)          s_i = 1/√(‖x_i‖² + 1) or k/max(‖x_i‖, eps);
-                                    z_i ← (z_i + pre)·s_i + post
+                                    z_i ← (z_i + pre)·s_i  or  z_i·s_i + post
     scale_grad(g, s, …)             gy_i = s_i·g_i, with Σ_i gy_i (or Σ_i g_i) and ⟨gy_i, v⟩
     minus_radial_(u, x, s, m, …)    u_i ← u_i − a_i·(⟨u_i, x_i⟩ + c_i)·x_i,
                                     a_i = (m·s_i)² where s_i < limit, else 0
@@ -40,7 +40,7 @@ from torch import Tensor
 
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 _MAX = {dtype: torch.finfo(dtype).max for dtype in _SUFFIX}
-_state = {"disabled": False}
+_state = {"disabled": False}  # process-wide (``disabled`` is for tests and benchmarks)
 
 
 def _load() -> ctypes.CDLL | None:
@@ -50,16 +50,20 @@ def _load() -> ctypes.CDLL | None:
     if spec is None or spec.origin is None:
         return None
     try:
-        lib = ctypes.CDLL(spec.origin)
-    except OSError as error:  # built, but not loadable here: the torch passes still work
+        return _declared(ctypes.CDLL(spec.origin))
+    except (OSError, AttributeError) as error:  # not loadable here, or a stale build: torch ops still work
         warnings.warn(f"affdiv.layers: the fused CPU kernels did not load ({error}); using torch ops", stacklevel=2)
         return None
+
+
+def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """lib with every kernel's argument and result types set (AttributeError if one is missing)."""
     p, i64, i32, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
     for suffix in _SUFFIX.values():
         _declare(lib, f"scale_outputs_{suffix}", i64, [p, p, i64, i64, i64, i32, f64, f64, f64, f64, p, p, p, i32])
         _declare(lib, f"scale_grad_{suffix}", i32, [p, p, i64, i64, p, p, i32, p, p, i32])
         _declare(lib, f"minus_radial_{suffix}", None, [p, p, i64, i64, p, f64, f64, p, i32])
-        _declare(lib, f"box_{suffix}", None, [p, p, i64, p, i32, i32, i32])
+        _declare(lib, f"box_{suffix}", None, [p, p, i64, p, i32, i32])
         for layout in ("", "_cl"):
             _declare(lib, f"group_squares{layout}_{suffix}", i64, [p, i64, i64, i64, i64, f64, p, i32])
             _declare(lib, f"scale_and_dot{layout}_{suffix}", None, [p, p, p, i64, i64, i64, i64, p, p, i32])
@@ -91,32 +95,37 @@ def disabled() -> Iterator[None]:
         _state["disabled"] = previous
 
 
-def usable(*tensors: Tensor | None, memory_format: torch.memory_format = torch.contiguous_format) -> bool:
+def usable(*tensors: Tensor | None, memory_format: torch.memory_format | None = torch.contiguous_format) -> bool:
     """Whether these tensors (None entries ignored; the first is not None) may go through the
-    compiled passes: each contiguous in ``memory_format`` (channels_last applies to 4-D ones)."""
-    if _LIB is None or _state["disabled"] or torch.is_grad_enabled() or torch.compiler.is_compiling():
+    compiled passes: no graph being recorded, no dispatch mode active (FakeTensorMode,
+    FlopCounterMode, …), and each a ``plain`` CPU tensor of one float32/float64 dtype,
+    contiguous in ``memory_format`` (None: the first tensor's own, see ``layout_of``)."""
+    if (_LIB is None or _state["disabled"] or torch.is_grad_enabled() or torch.compiler.is_compiling()
+            or torch._C._len_torch_dispatch_stack()):
         return False
     dtype = tensors[0].dtype
-    if dtype not in _SUFFIX:
-        return False
-    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-    return all(
-        t is None
-        or (t.dtype == dtype and t.is_cpu and t.is_contiguous(memory_format=memory_format) and not wrapped(t))
+    if memory_format is None:  # (asked only now: not of a tensor being traced or under vmap)
+        memory_format = layout_of(tensors[0])
+    return dtype in _SUFFIX and all(
+        t is None or (plain(t) and t.dtype == dtype and t.is_cpu and t.is_contiguous(memory_format=memory_format))
         for t in tensors
     )
 
 
-def same_layout(*tensors: Tensor) -> bool:
-    """Whether every tensor is contiguous in the first one's ``memory_format`` (the kernels that
-    walk several (N, C, *S) tensors together need them stored alike)."""
-    layout = memory_format(tensors[0])
-    return all(t.is_contiguous(memory_format=layout) for t in tensors)
+def plain(t: Tensor) -> bool:
+    """A tensor with its own storage: not a subclass (FakeTensor, …), not wrapped by torch.func,
+    not a batched gradient (``is_grads_batched``, vectorised jacobians)."""
+    return (
+        type(t) in (Tensor, torch.nn.Parameter)
+        and not torch._C._functorch.is_functorch_wrapped_tensor(t)
+        and not torch._C._functorch.is_legacy_batchedtensor(t)
+    )
 
 
-def memory_format(x: Tensor) -> torch.memory_format:
-    """channels_last for a 4-D tensor stored so (and not also plain contiguous), else contiguous."""
-    if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
+def layout_of(x: Tensor) -> torch.memory_format:
+    """channels_last for a plain 4-D tensor stored so (and not also contiguous), else contiguous
+    (also for tensors the layout cannot be asked of, e.g. under vmap)."""
+    if plain(x) and x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
         return torch.channels_last
     return torch.contiguous_format
 
@@ -129,23 +138,22 @@ def _ptr(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _threads() -> int:
-    return torch.get_num_threads()
-
-
 def scale_outputs(
     z: Tensor, x: Tensor, mode: str, pre: Tensor | None = None, post: Tensor | None = None,
     k: float = 1.0, eps: float = 0.0, small: float = 0.0,
 ) -> tuple[Tensor, bool]:
     """(s, safe) for z = x Wᵀ: s (rows, 1) = 1/√(‖x_i‖² + 1) (mode "affine_like") or
-    k/max(‖x_i‖, eps) (mode "norm_like"), and z_i ← (z_i + pre)·s_i + post in place (pre, post:
-    (cols,) or None). safe is False where some ‖x_i‖² exceeds x's dtype's maximum (the GEMM
-    may have overflowed) or is NaN, or some ‖x_i‖ < ``small``: then z and s must be discarded."""
+    k/max(‖x_i‖, eps) (mode "norm_like"), and in place z_i ← (z_i + pre)·s_i or z_i·s_i + post
+    (pre, post: (cols,), at most one of them). safe is False where some ‖x_i‖² exceeds x's
+    dtype's maximum (the GEMM may have overflowed) or is NaN, or some ‖x_i‖ < ``small``: then z
+    and s must be discarded."""
+    if pre is not None and post is not None:
+        raise ValueError("scale_outputs: a bias before the scale (pre) or after it (post), not both")
     rows, in_cols = x.shape
     s = torch.empty((rows, 1), dtype=x.dtype)
     unsafe = _call("scale_outputs", x.dtype)(
         z.data_ptr(), x.data_ptr(), rows, in_cols, z.shape[1], 0 if mode == "affine_like" else 1, k, eps, small,
-        _MAX[x.dtype], _ptr(pre), _ptr(post), s.data_ptr(), _threads(),
+        _MAX[x.dtype], _ptr(pre), _ptr(post), s.data_ptr(), torch.get_num_threads(),
     )
     return s, unsafe == 0
 
@@ -161,7 +169,7 @@ def scale_grad(
     dot = None if v is None else torch.empty((rows, 1), dtype=g.dtype)
     failed = _call("scale_grad", g.dtype)(
         g.data_ptr(), scale.data_ptr(), rows, cols, gy.data_ptr(), _ptr(colsum), int(column_sum == "input"),
-        _ptr(v), _ptr(dot), _threads(),
+        _ptr(v), _ptr(dot), torch.get_num_threads(),
     )
     if failed:
         raise MemoryError(f"scale_grad: could not allocate the column-sum partials ({cols} columns)")
@@ -174,7 +182,7 @@ def minus_radial_(
     """u_i ← u_i − a_i·(⟨u_i, x_i⟩ + c_i)·x_i in place, a_i = (m·s_i)² where s_i < ``limit``
     else 0 (s, c: (rows, 1); c None: 0); returns u."""
     rows, cols = u.shape
-    _call("minus_radial", u.dtype)(u.data_ptr(), x.data_ptr(), rows, cols, s.data_ptr(), m, limit, _ptr(c), _threads())
+    _call("minus_radial", u.dtype)(u.data_ptr(), x.data_ptr(), rows, cols, s.data_ptr(), m, limit, _ptr(c), torch.get_num_threads())
     return u
 
 
@@ -185,14 +193,14 @@ def group_squares(x: Tensor, groups: int) -> tuple[Tensor, bool]:
     batch, channels = x.shape[:2]
     sq = torch.empty((batch, groups, *x.shape[2:]), dtype=x.dtype)
     unsafe = _call(f"group_squares{_layout(x)}", x.dtype)(
-        x.data_ptr(), batch, channels, math.prod(x.shape[2:]), groups, _MAX[x.dtype], sq.data_ptr(), _threads()
+        x.data_ptr(), batch, channels, math.prod(x.shape[2:]), groups, _MAX[x.dtype], sq.data_ptr(), torch.get_num_threads()
     )
     return sq, unsafe == 0
 
 
 def _layout(t: Tensor) -> str:
     """The C suffix of t's storage: "" (contiguous) or "_cl" (channels_last)."""
-    return "_cl" if memory_format(t) == torch.channels_last else ""
+    return "_cl" if layout_of(t) == torch.channels_last else ""
 
 
 def box(sq: Tensor, out_spatial, kernel, stride, padding, dilation) -> Tensor:
@@ -221,7 +229,7 @@ def _geometry(in_spatial, out_spatial, kernel, stride, padding, dilation) -> Ten
 def _box(source: Tensor, out: Tensor, geometry: Tensor, transpose: bool) -> None:
     planes = source.shape[0] * source.shape[1]
     _call("box", source.dtype)(
-        source.data_ptr(), out.data_ptr(), planes, geometry.data_ptr(), int(transpose), int(not transpose), _threads()
+        source.data_ptr(), out.data_ptr(), planes, geometry.data_ptr(), int(transpose), torch.get_num_threads()
     )
 
 
@@ -238,7 +246,7 @@ def scale_and_dot(
     e = torch.empty_like(r) if with_dot else None
     _call(f"scale_and_dot{_layout(gz)}", gz.dtype)(
         gz.data_ptr(), _ptr(z), r.data_ptr(), batch, channels, math.prod(r.shape[2:]), groups, gy.data_ptr(),
-        _ptr(e), _threads(),
+        _ptr(e), torch.get_num_threads(),
     )
     return gy, e
 
@@ -248,6 +256,6 @@ def group_update_(t: Tensor, r: Tensor, groups: int, src: Tensor | None = None) 
     groups, *S), each group's over its channels. Returns t."""
     batch, channels = t.shape[:2]
     _call(f"group_update{_layout(t)}", t.dtype)(
-        t.data_ptr(), _ptr(src), r.data_ptr(), batch, channels, math.prod(r.shape[2:]), groups, _threads()
+        t.data_ptr(), _ptr(src), r.data_ptr(), batch, channels, math.prod(r.shape[2:]), groups, torch.get_num_threads()
     )
     return t

@@ -1,23 +1,27 @@
-/* Fused per-row passes of the dense corrected layers on CPU (float32 and float64).
+/* Fused CPU passes of the corrected layers (float32 and float64).
 
-   The dense layers cost a GEMM (forward) or two (backward) plus a few passes over row-major
-   (rows x cols) tensors; in plain torch each pass is its own kernel with its own temporary.
-   These fuse them, each row in cache:
+   The layers cost a GEMM or convolution (forward) or two (backward) plus a few passes over
+   their tensors; in plain torch each pass is its own kernel with its own temporary. These fuse
+   them. Dense layers, each row of a row-major (rows x cols) tensor in cache:
 
      scale_outputs  s_i = 1/sqrt(|x_i|^2 + 1)  (mode 0, AffineLike)  or  k/max(|x_i|, eps)
-                    (mode 1, NormLike), then z_i = (z_i + pre) * s_i + post in place
+                    (mode 1, NormLike), then z_i = (z_i + pre) * s_i or z_i * s_i + post in place
      scale_grad     gy_i = s_i * g_i,  colsum = sum_i gy_i (or sum_i g_i),  dot_i = <gy_i, v>
      minus_radial   u_i -= a_i * (<u_i, x_i> + c_i) * x_i  in place,
                     a_i = (m * s_i)^2 where s_i < limit, else 0
 
+   PatchNorm convolutions, on NCHW or channels_last tensors: group_squares (the per-position
+   sums of x^2 over each group's channels), box (1/sqrt(box sum + 1) over each receptive field)
+   and its transpose, scale_and_dot (gy = r * gz with the per-position <gz, z>), group_update.
+
    Dot products are accumulated in LANES partial sums in T, combined pairwise (as torch's own
    vectorised sums: float32 rounding for float32); column sums in per-thread partials in T
-   (as torch's sum), reduced in thread order, so results are
-   deterministic for a given thread count. Rows are split over `threads` OpenMP threads: loaded
-   after torch, this library shares torch's libgomp (one thread pool); the caller passes
-   torch.get_num_threads(). The Python side (_fused.py) checks dtype, device and contiguity
-   and loads this file with ctypes; it is also a (method-less) CPython extension module only
-   so that setuptools builds and installs it. */
+   (as torch's sum), reduced in thread order, so results are deterministic for a given thread
+   count. Rows (planes) are split over `threads` OpenMP threads: loaded after torch, this
+   library shares torch's libgomp (one thread pool); the caller passes torch.get_num_threads().
+   The Python side (_fused.py) checks dtype, device and layout and loads this file with ctypes;
+   it is also a (method-less) CPython extension module only so that setuptools builds and
+   installs it. */
 
 #include <Python.h>
 #include <math.h>
@@ -95,9 +99,7 @@ static int my_thread(void) {
             const T s = (T)(mode == 0 ? 1.0 / sqrt(sq + 1.0) : k / (norm > eps ? norm : eps));    \
             scale[i] = s;                                                                          \
             T *zi = z + i * out_cols;                                                              \
-            if (pre && post)                                                                       \
-                for (int64_t j = 0; j < out_cols; ++j) zi[j] = (zi[j] + pre[j]) * s + post[j];     \
-            else if (pre)                                                                          \
+            if (pre)                                                                               \
                 for (int64_t j = 0; j < out_cols; ++j) zi[j] = (zi[j] + pre[j]) * s;               \
             else if (post)                                                                         \
                 for (int64_t j = 0; j < out_cols; ++j) zi[j] = zi[j] * s + post[j];                \
@@ -170,8 +172,10 @@ static int my_thread(void) {
         for (int64_t i = first; i < last; ++i) {                                                   \
             T *ui = u + i * cols;                                                                  \
             const T *xi = x + i * cols;                                                            \
-            const double ms = m * (double)s[i], a = (double)s[i] < limit ? ms * ms : 0.0;          \
-            const T alpha = (T)(-a * (dot_##SUFFIX(ui, xi, cols) + (c ? (double)c[i] : 0.0)));     \
+            /* s < limit compared in T, as the torch formula compares s with its T-rounded limit;  \
+               (m s)(m s d) in that order: (m s)^2 alone may overflow where the product does not */ \
+            const double ms = s[i] < (T)limit ? m * (double)s[i] : 0.0;                            \
+            const T alpha = (T)(-ms * (ms * (dot_##SUFFIX(ui, xi, cols) + (c ? (double)c[i] : 0.0)))); \
             for (int64_t j = 0; j < cols; ++j) ui[j] += alpha * xi[j];                             \
         }                                                                                          \
     }                                                                                              \
@@ -233,10 +237,10 @@ static void taps(int64_t o, int64_t size, int64_t kernel, int64_t stride, int64_
     }                                                                                              \
                                                                                                    \
     /* One plane: transpose = 0 gathers `in` (in_h, in_w) over each output position's field     \
-       into `out` (out_h, out_w), as 1/sqrt(sum + 1) when rsqrt_plus_one; transpose = 1         \
-       scatters each `in` (out_h, out_w) value over its field of `out` (in_h, in_w). */          \
+       into `out` (out_h, out_w) as 1/sqrt(sum + 1); transpose = 1 scatters each `in`            \
+       (out_h, out_w) value over its field of `out` (in_h, in_w). */                              \
     static inline void box_plane_##SUFFIX(const T *restrict in, T *restrict out,                 \
-                                          const int64_t *g, int transpose, int rsqrt_plus_one) {   \
+                                          const int64_t *g, int transpose) {                       \
         if (transpose)                                                                             \
             for (int64_t s = 0; s < g[0] * g[1]; ++s) out[s] = 0;                                  \
         for (int64_t oh = 0; oh < g[2]; ++oh) {                                                    \
@@ -256,23 +260,23 @@ static void taps(int64_t o, int64_t size, int64_t kernel, int64_t stride, int64_
                         else                                                                       \
                             acc += in[at];                                                         \
                     }                                                                              \
-                if (!transpose) out[oh * g[3] + ow] = (T)(rsqrt_plus_one ? 1.0 / sqrt(acc + 1.0) : acc); \
+                if (!transpose) out[oh * g[3] + ow] = (T)(1.0 / sqrt(acc + 1.0));                  \
             }                                                                                      \
         }                                                                                          \
     }                                                                                              \
                                                                                                    \
-    /* Per plane: transpose = 0: out (out_h, out_w) = box(in (in_h, in_w)), as 1/sqrt(box + 1)   \
-       when rsqrt_plus_one; transpose = 1: out (in_h, in_w) = box^T(in (out_h, out_w)). */        \
+    /* Per plane: transpose = 0: out (out_h, out_w) = 1/sqrt(box(in (in_h, in_w)) + 1);         \
+       transpose = 1: out (in_h, in_w) = box^T(in (out_h, out_w)). */                              \
     void box_##SUFFIX(const T *in, T *out, int64_t planes, const int64_t *geometry, int transpose, \
-                      int rsqrt_plus_one, int threads) {                                           \
+                      int threads) {                                                               \
         const int64_t in_size = geometry[0] * geometry[1], out_size = geometry[2] * geometry[3];   \
         const int64_t work = planes * out_size * geometry[4] * geometry[5];                        \
         _Pragma("omp parallel for schedule(static) num_threads(team_size(work, threads))")        \
         for (int64_t q = 0; q < planes; ++q) {                                                     \
             if (transpose) /* (two call sites: each inlined with its constant flags) */            \
-                box_plane_##SUFFIX(in + q * out_size, out + q * in_size, geometry, 1, 0);          \
+                box_plane_##SUFFIX(in + q * out_size, out + q * in_size, geometry, 1);             \
             else                                                                                   \
-                box_plane_##SUFFIX(in + q * in_size, out + q * out_size, geometry, 0, rsqrt_plus_one); \
+                box_plane_##SUFFIX(in + q * in_size, out + q * out_size, geometry, 0);             \
         }                                                                                          \
     }                                                                                              \
                                                                                                    \
@@ -331,9 +335,9 @@ static void taps(int64_t o, int64_t size, int64_t kernel, int64_t stride, int64_
         }                                                                                          \
     }
 
-/* Channels-last twins of group_squares, scale_and_dot and group_update: x (N, C, H, W) stored as rows of C
-   channels per position (N*P rows, P = H*W); the per-(group, position) results stay planar,
-   (N, groups, P), as the box passes expect. */
+/* Channels-last twins of group_squares, scale_and_dot and group_update: x (N, C, H, W)
+   stored as rows of C channels per position (N*P rows, P = H*W); the per-(group, position)
+   results stay planar, (N, groups, P), as the box passes expect. */
 #define DEFINE_CHANNELS_LAST_OPS(T, SUFFIX)                                                        \
     VECTOR_CLONES static void group_squares_cl_rows_##SUFFIX(                                      \
         const T *restrict x, int64_t first, int64_t last, int64_t positions, int64_t channels,    \

@@ -27,8 +27,8 @@ Returns the list of ``SwapRecord`` (path, old type, new type, weights kept), in 
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from dataclasses import dataclass
+from functools import partial
 
 from torch import nn
 

@@ -39,7 +39,7 @@ def test_kernels_were_built_where_required():
     # tox sets AFFDIV_REQUIRE_CPU_KERNELS=1: there, a silently failed (optional) build is an error
     if os.environ.get("AFFDIV_REQUIRE_CPU_KERNELS") != "1":
         pytest.skip("AFFDIV_REQUIRE_CPU_KERNELS is not set: the compiled row passes are optional here")
-    assert _fused.available(), "the C extension affdiv.layers._cpu_fused was not built or did not load"
+    assert _fused.available(), "the C extension affdiv.layers._fused_cpu was not built or did not load"
 
 
 @contextlib.contextmanager
@@ -65,12 +65,12 @@ threads = st.sampled_from([1, 2])
 @needs_kernels
 @settings(max_examples=20, deadline=None)
 @given(threads=threads, shape=shapes, out_cols=st.integers(1, 150), seed=st.integers(0, 2**16),
-       mode=st.sampled_from(["affine_like", "norm_like"]), pre=st.booleans(), post=st.booleans())
-def test_scale_outputs_matches_torch(threads, shape, out_cols, seed, mode, pre, post):
+       mode=st.sampled_from(["affine_like", "norm_like"]), bias=st.sampled_from([None, "pre", "post"]))
+def test_scale_outputs_matches_torch(threads, shape, out_cols, seed, mode, bias):
     rows, cols = shape
     x, z = _data(rows, cols, seed), _data(rows, out_cols, seed + 1)
-    b_pre = _data(1, out_cols, seed + 2)[0] if pre else None
-    b_post = _data(1, out_cols, seed + 3)[0] if post else None
+    b_pre = _data(1, out_cols, seed + 2)[0] if bias == "pre" else None
+    b_post = _data(1, out_cols, seed + 3)[0] if bias == "post" else None
     k, eps = 2.5, 1e-3
     norm = torch.linalg.vector_norm(x, dim=1, keepdim=True)
     s_ref = 1 / torch.sqrt(norm**2 + 1) if mode == "affine_like" else k / norm.clamp_min(eps)
@@ -80,6 +80,13 @@ def test_scale_outputs_matches_torch(threads, shape, out_cols, seed, mode, pre, 
     assert safe
     torch.testing.assert_close(s, s_ref, **TOL)
     torch.testing.assert_close(z, z_ref, **TOL)
+
+
+@needs_kernels
+def test_scale_outputs_takes_one_bias_position():
+    x, z, b = _data(2, 3, 0), _data(2, 2, 1), _data(1, 2, 2)[0]
+    with pytest.raises(ValueError, match="not both"):
+        _fused.scale_outputs(z, x, "affine_like", pre=b, post=b)
 
 
 @needs_kernels
@@ -372,3 +379,92 @@ def test_patchnorm_gradcheck_through_the_kernels(layout, monkeypatch):
     fn = lambda x, w, b: LF.patchnorm_conv2d(x, w, b, stride=1, padding=1, groups=2)  # noqa: E731
     assert torch.autograd.gradcheck(fn, (x, w, b), atol=1e-7, rtol=1e-7)
     assert {"group_squares", "box", "scale_and_dot", "box_transpose", "group_update_"} <= set(calls)
+
+
+# --------------------------------------------------------------------------------------------
+# where the compiled passes must not run, or must agree at the edges of their formulas
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype, eps", [(torch.float32, 1e-12), (F64, 1e-12), (F64, 1e-200)])
+@pytest.mark.parametrize("mode", ["l2", "rms"])
+def test_norm_like_constant_branch_matches_the_torch_formula_in_its_own_dtype(dtype, eps, mode):
+    # rows with 0 < ‖x‖ ≤ eps and 0 take n(x) = k·x/eps (no radial term); k/eps is compared in the
+    # tensor's dtype (float32: 1/1e-12 rounds below 1e12); (k/eps)² may overflow float64
+    x = _data(4, 5, 0).to(dtype)
+    x[0] *= 0.5 * eps / x[0].norm()
+    x[1] = 0.0
+    w, grad = _data(3, 5, 1).to(dtype), _data(4, 3, 2).to(dtype)
+
+    def grads():
+        xi = x.clone().requires_grad_(True)
+        LF.norm_like(xi, w, None, mode=mode, eps=eps).backward(grad)
+        return xi.grad
+
+    fused = grads()
+    with _fused.disabled():
+        plain = grads()
+    assert torch.isfinite(fused).all()
+    torch.testing.assert_close(fused, plain, rtol=1e-6 if dtype == torch.float32 else 1e-12, atol=0)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["nchw", "channels_last"])
+def test_patchnorm_under_vmap_with_any_input_layout(layout):
+    torch.manual_seed(0)
+    layer = PatchNormConv2d(4, 6, 3, padding=1, groups=2, dtype=F64)
+    x = torch.randn(2, 3, 4, 5, 5, dtype=F64)  # vmapped over dim 1
+    if layout == torch.channels_last:
+        x = torch.stack([x[:, i].contiguous(memory_format=layout) for i in range(3)], dim=1)
+    batched = torch.func.vmap(layer, in_dims=1)(x)
+    looped = torch.stack([layer(x[:, i]) for i in range(3)])
+    torch.testing.assert_close(batched, looped, **TOL)
+
+
+@pytest.mark.parametrize("make", [lambda: AffineLike(5, 3, dtype=F64), lambda: NormLike(5, 3, mode="rms", dtype=F64)],
+                         ids=["affine_like", "norm_rms"])
+def test_vectorised_jacobians_equal_the_looped_ones(make):
+    # vectorize=True feeds the backward legacy batched gradients, which have no storage
+    layer, x = make(), _data(4, 5, 0)
+    fn = lambda t: layer(t)  # noqa: E731
+    looped = torch.autograd.functional.jacobian(fn, x)
+    torch.testing.assert_close(torch.autograd.functional.jacobian(fn, x, vectorize=True), looped, **TOL)
+
+
+def test_dispatch_modes_see_every_op():
+    # under a dispatch mode the compiled passes (invisible to it) must not run: the torch ops do
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    layer, x = AffineLike(8, 4), torch.randn(3, 8)
+    with torch.no_grad():
+        expected = layer(x)
+        with Recorder() as recorder:
+            got = layer(x)
+    assert any("norm" in op for op in recorder.ops), recorder.ops  # ‖x‖ computed by a torch op
+    torch.testing.assert_close(got, expected)
+
+
+def test_fake_tensors_never_reach_the_compiled_passes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    assert not _fused.plain(FakeTensorMode().from_tensor(torch.randn(2, 3)))
+    with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
+        assert not _fused.usable(torch.randn(2, 3))  # a dispatch mode is active
+
+
+@needs_kernels
+def test_channels_last_grouped_backward_takes_the_fused_radial_update(monkeypatch):
+    calls = []
+    original = _fused.group_update_
+    monkeypatch.setattr(_fused, "group_update_", lambda *a, **k: calls.append("src" in k) or original(*a, **k))
+    x = _data(2 * 4 * 5, 5, 0).reshape(2, 4, 5, 5).contiguous(memory_format=torch.channels_last).requires_grad_()
+    LF.patchnorm_conv2d(x, _data(6 * 2 * 9, 1, 1).reshape(6, 2, 3, 3), None, padding=1, groups=2).sum().backward()
+    assert calls == [False, True]  # the forward's output scaling, then the backward's dx update
