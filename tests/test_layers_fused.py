@@ -38,7 +38,7 @@ needs_kernels = pytest.mark.skipif(
 def test_kernels_were_built_where_required():
     # tox sets AFFDIV_REQUIRE_CPU_KERNELS=1: there, a silently failed (optional) build is an error
     if os.environ.get("AFFDIV_REQUIRE_CPU_KERNELS") != "1":
-        pytest.skip("AFFDIV_REQUIRE_CPU_KERNELS is not set: the compiled row passes are optional here")
+        pytest.skip("AFFDIV_REQUIRE_CPU_KERNELS is not set: the compiled passes are optional here")
     assert _fused.available(), "the C extension affdiv.layers._fused_cpu was not built or did not load"
 
 
