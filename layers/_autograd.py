@@ -18,6 +18,8 @@ Inputs are already validated and 2-D (rows) or (N, C, *spatial) by ``functional`
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 from torch.autograd import Function
@@ -72,7 +74,9 @@ def affine_like_grads(x, weight, bias, r, grad_z, grad_r, needs) -> tuple[Tensor
     if grad_z is not None:
         grad_z = grad_z.contiguous()  # (a no-op but for e.g. the expanded gradient of a sum)
         if _fused.usable(x, weight, bias, r, grad_z, grad_r):
-            return _affine_like_grads_fused(x, weight, bias, r, grad_z, grad_r, needs)
+            column_sum = "scaled" if need_b and bias is not None else None  # db = Σ r·gz
+            extra = None if grad_r is None else r * grad_r
+            return _dense_grads_fused(x, weight, r, grad_z, extra, need_x, need_w, column_sum, bias)
     dx = dw = db = None
     coef = None  # r²·(...) of dx = u − coef·x, in the accumulation dtype
     if grad_z is not None:
@@ -96,17 +100,17 @@ def affine_like_grads(x, weight, bias, r, grad_z, grad_r, needs) -> tuple[Tensor
     return dx, dw, db
 
 
-def _affine_like_grads_fused(x, weight, bias, r, grad_z, grad_r, needs) -> tuple[Tensor | None, ...]:
-    """``affine_like_grads`` in three fused row passes (``_fused``) around the two GEMMs."""
-    need_x, need_w, need_b = needs
-    with_bias = bias is not None
-    gy, db, beta = _fused.scale_grad(
-        grad_z, r, column_sum="scaled" if need_b and with_bias else None, v=bias if need_x and with_bias else None
-    )
+def _dense_grads_fused(x, weight, s, grad_z, extra, need_x, need_w, column_sum, bias=None, m=1.0,
+                       limit=math.inf) -> tuple[Tensor | None, ...]:
+    """(dx, dW, db) of a dense layer z = s·(x Wᵀ) (+ bias) in three fused row passes around the
+    two GEMMs: gy = s·gz (with db, ``column_sum``, and ⟨gy, b⟩ when ``bias`` enters the scaled
+    part), dW = gyᵀ x, dx = u − a·(⟨u, x⟩ + ⟨gy, b⟩ + extra)·x with u = gy W, a = (m·s)² where
+    s < limit (see ``_fused.minus_radial_``)."""
+    gy, db, beta = _fused.scale_grad(grad_z, s, column_sum, bias if need_x else None)
     dx = None
     if need_x:  # (before dW: the radial pass then finds u in cache)
-        offset = beta if grad_r is None else (r * grad_r if beta is None else beta + r * grad_r)
-        dx = _fused.minus_radial_(gy @ weight, x, r, c=offset)
+        offset = beta if extra is None else (extra if beta is None else beta + extra)
+        dx = _fused.minus_radial_(gy @ weight, x, s, m, limit, offset)
     dw = gy.t() @ x if need_w else None
     return dx, dw, db
 
@@ -159,12 +163,12 @@ class NormLike(Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         if grad_z is not None:
             grad_z = grad_z.contiguous()  # (as in ``affine_like_grads``)
-        if grad_z is not None and _fused.usable(x, weight, q, grad_z, grad_q):
-            gy, db, _ = _fused.scale_grad(grad_z, q, column_sum="input" if need_b and ctx.has_bias else None)
-            dw = gy.t() @ x if need_w else None
-            offset = None if grad_q is None else q * grad_q
-            dx = _fused.minus_radial_(gy @ weight, x, q, 1 / ctx.k, ctx.k / ctx.eps, offset) if need_x else None
-            return dx, dw, db, None, None
+            if _fused.usable(x, weight, q, grad_z, grad_q):
+                column_sum = "input" if need_b and ctx.has_bias else None  # db = Σ gz (b is not scaled)
+                extra = None if grad_q is None else q * grad_q
+                grads = _dense_grads_fused(x, weight, q, grad_z, extra, need_x, need_w, column_sum,
+                                           m=1 / ctx.k, limit=ctx.k / ctx.eps)
+                return *grads, None, None
         p = torch.where(q < ctx.k / ctx.eps, q / ctx.k, 0.0)  # 1/‖x‖ where the norm branch is live
         dx = dw = db = None
         dot = None
