@@ -1,5 +1,6 @@
 """The corrected layers behave like torch.nn layers: torch.func, torch.compile, autocast,
-state_dict, init, repr, memory saved for backward, convert(), the optional GPU dispatch.
+state_dict, init, repr, meta-device init, save/load, torch.export, memory saved for backward,
+convert(), the optional GPU dispatch.
 
 Float64 comparisons of two evaluations of the same function: rtol = atol = 1e-12 (a few ulp of
 O(1) values, with room for the different summation orders of vmap/compile vs eager).
@@ -182,6 +183,47 @@ def test_extra_repr():
 def test_not_a_subclass_of_the_plain_layers():
     assert not isinstance(AffineLike(2, 2), nn.Linear)
     assert not isinstance(PatchNormConv2d(2, 2, 1), nn.Conv2d)
+
+
+def test_meta_device_construction_then_to_empty_and_reset_matches_the_eager_init():
+    # the large-model recipe: build on "meta" (no memory), materialise, initialise
+    for name in LAYERS:
+        torch.manual_seed(5)
+        eager = LAYERS[name]()
+        lazy = LAYERS[name](device="meta")
+        assert all(p.is_meta for p in lazy.parameters())
+        x = torch.randn(*INPUT_SHAPES[name], device="meta")
+        assert lazy(x).shape == eager(torch.zeros(x.shape)).shape  # shape inference on meta
+        lazy.to_empty(device="cpu")
+        torch.manual_seed(5)
+        lazy.reset_parameters()
+        for (ka, pa), (kb, pb) in zip(lazy.state_dict().items(), eager.state_dict().items()):
+            assert ka == kb and torch.equal(pa, pb), (name, ka)
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_whole_module_save_load_and_deepcopy(name, tmp_path):
+    layer, x = _layer_and_input(name)
+    torch.save(layer, tmp_path / "layer.pt")
+    loaded = torch.load(tmp_path / "layer.pt", weights_only=False)
+    for other in (loaded, copy.deepcopy(layer)):
+        assert type(other) is type(layer) and repr(other) == repr(layer)
+        torch.testing.assert_close(other(x), layer(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_torch_export_with_a_dynamic_batch_matches_eager(name):
+    # torch.export (the successor of TorchScript, which cannot script custom autograd Functions)
+    # traces the Functions' forward into aten ops; autograd of those ops must then agree with
+    # the hand-written backward.
+    layer, x = _layer_and_input(name)
+    exported = torch.export.export(layer, (x,), dynamic_shapes=[{0: torch.export.Dim("batch")}]).module()
+    bigger = torch.randn(5, *x.shape[1:], dtype=F64, requires_grad=True)
+    z = exported(bigger)
+    torch.testing.assert_close(z, layer(bigger), **CLOSE)
+    g = torch.randn_like(z)
+    (dx,) = torch.autograd.grad(z, bigger, g)
+    torch.testing.assert_close(dx, torch.autograd.grad(layer(bigger), bigger, g)[0], **CLOSE)
 
 
 # --------------------------------------------------------------------------------------------
