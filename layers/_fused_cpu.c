@@ -148,7 +148,10 @@ static int my_thread(void) {
                             T *colsum, int sum_input, const T *v, T *dot, int threads) {          \
         const int team = team_size(rows * cols, threads);                                          \
         T *partial = NULL;                                                                         \
-        if (colsum && !(partial = calloc((size_t)team * (size_t)cols, sizeof(T)))) return 1;      \
+        const size_t bytes = (size_t)team * (size_t)cols * sizeof(T);                            \
+        /* cache-line aligned: the row updates of the partials then never split a line */         \
+        if (colsum && !(partial = aligned_alloc(64, (bytes + 63) / 64 * 64))) return 1;           \
+        if (partial) memset(partial, 0, bytes);                                                    \
         _Pragma("omp parallel num_threads(team)") {                                                \
             int64_t first, last;                                                                   \
             my_rows(rows, &first, &last);                                                          \
