@@ -4,7 +4,11 @@ Each case times forward+backward (x requires grad, so dx is computed, as for an 
 every variant, interleaved: one call of each variant per round, ``repeats`` rounds after
 ``warmup``. It reports each variant's median time and, per baseline, the median over rounds of
 the paired ratio t(layer)/t(baseline) (paired within a round, so slow drifts of the machine's
-load cancel). Float32, ``threads`` intra-op threads. Targets (issue 4):
+load cancel) with its distribution-free 95% confidence interval (order statistics of the
+rounds' ratios, ``scipy.stats.quantile_test``; it needs ≥ 6 rounds). A target is met when the
+median ratio is at most the target; the verdict is *resolved* when the interval lies wholly on
+one side of the target, and *within noise* when it contains it. Float32, ``threads`` intra-op
+threads. Targets (issue 4):
 
 * AffineLike ≤ 1.05 × nn.Linear at (B=512, 1024→1024);
 * each corrected layer ≤ 1 × the fastest normaliser composite it would replace and ≤ 1 ×
@@ -27,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from scipy.stats import quantile_test
 from torch import nn
 
 from affdiv.layers import _fused
@@ -153,13 +158,27 @@ def summarise(case: str, variants: list[Variant], times: dict[str, list[float]],
         if v.role == "mode":
             checks = [(baseline, None) for baseline, _ in checks]
         for baseline, target in checks:
-            ratio = statistics.median(a / b for a, b in zip(times[v.name], times[baseline]))
+            ratios = [a / b for a, b in zip(times[v.name], times[baseline])]
+            low, high = median_interval(ratios)
             rows.append({
                 "case": case, "layer": v.name, "baseline": baseline, "layer_ms": 1e3 * median[v.name],
-                "baseline_ms": 1e3 * median[baseline], "ratio": ratio, "target": target,
-                "met": None if target is None else ratio <= target,
+                "baseline_ms": 1e3 * median[baseline], "ratio": statistics.median(ratios),
+                "ratio_ci95": None if low is None else [low, high], "target": target,
+                "met": None if target is None else statistics.median(ratios) <= target,
+                "resolved": None if target is None or low is None else not low <= target <= high,
             })
     return rows
+
+
+def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float | None, float | None]:
+    """Distribution-free confidence interval of the median of ``values``: the order statistics
+    v_(k), v_(n+1-k) with P(Binomial(n, ½) < k) ≤ (1 − confidence)/2 (exact coverage ≥
+    ``confidence`` for any continuous distribution). (None, None) when n is too small for one
+    (n < 6 at 95%)."""
+    interval = quantile_test(values, q=statistics.median(values), p=0.5).confidence_interval(confidence)
+    if math.isnan(interval.low) or math.isnan(interval.high):
+        return None, None
+    return float(interval.low), float(interval.high)
 
 
 def run(quick: bool = False, threads: int = 2, repeats: int | None = None, warmup: int | None = None,
@@ -194,10 +213,15 @@ def run(quick: bool = False, threads: int = 2, repeats: int | None = None, warmu
 
 
 def format_table(rows: list[dict]) -> str:
-    head = f"{'case':<34} {'layer':<16} {'vs baseline':<32} {'layer ms':>9} {'base ms':>9} {'ratio':>6}  target"
+    head = (f"{'case':<34} {'layer':<16} {'vs baseline':<32} {'layer ms':>9} {'base ms':>9} {'ratio':>6} "
+            f"{'95% CI':>13}  target")
     lines = [head, "-" * len(head)]
     for r in rows:
-        target = "" if r["target"] is None else f"<= {r['target']:.2f} {'met' if r['met'] else 'NOT met'}"
+        ci = "" if r["ratio_ci95"] is None else f"{r['ratio_ci95'][0]:.3f}-{r['ratio_ci95'][1]:.3f}"
+        target = ""
+        if r["target"] is not None:
+            target = f"<= {r['target']:.2f} {'met' if r['met'] else 'NOT met'}"
+            target += {True: "", False: " (within noise)", None: " (too few rounds for a CI)"}[r["resolved"]]
         lines.append(f"{r['case']:<34} {r['layer']:<16} {r['baseline']:<32} {r['layer_ms']:>9.2f} "
-                     f"{r['baseline_ms']:>9.2f} {r['ratio']:>6.3f}  {target}")
+                     f"{r['baseline_ms']:>9.2f} {r['ratio']:>6.3f} {ci:>13}  {target}")
     return "\n".join(lines)

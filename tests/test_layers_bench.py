@@ -1,8 +1,11 @@
-"""`affdiv bench layers --quick` runs end to end and writes valid JSON (timings are never asserted)."""
+"""`affdiv bench layers --quick` runs end to end and writes valid JSON (timings are never asserted);
+the median ratios' confidence intervals and the verdicts built on them."""
 
 from __future__ import annotations
 
 import json
+import math
+import random
 
 import pytest
 import torch
@@ -29,6 +32,8 @@ def test_bench_layers_quick_writes_a_table_and_json(tmp_path, capsys):
     for row in result["rows"]:
         assert row["ratio"] > 0 and row["layer_ms"] > 0 and row["baseline_ms"] > 0
         assert row["met"] is None or row["met"] == (row["ratio"] <= row["target"])
+        assert row["ratio_ci95"] is None and row["resolved"] is None  # 2 rounds: no interval
+    assert "too few rounds for a CI" in printed
 
 
 @pytest.mark.parametrize("option, value, minimum", [("--repeats", "0", 1), ("--warmup", "-1", 0),
@@ -69,3 +74,38 @@ def test_the_plain_layer_target_applies_to_affine_like_only_where_given():
         assert vs_plain["AffineLike"]["target"] == target
         assert vs_plain["AffineLike"]["met"] is (None if target is None else True)
         assert vs_plain["NormLike(l2)"]["target"] is None
+
+
+def _binomial_cdf(k: int, n: int) -> float:
+    return sum(math.comb(n, i) for i in range(k + 1)) / 2**n
+
+
+@pytest.mark.parametrize("n", [6, 7, 10, 25, 40])
+def test_median_interval_is_the_binomial_order_statistic_interval(n):
+    # the textbook construction, independently: the largest k with P(Bin(n, 1/2) <= k-1) <= 2.5%
+    # gives [v_(k), v_(n+1-k)] (1-based order statistics)
+    k = max(j for j in range(1, n + 1) if _binomial_cdf(j - 1, n) <= 0.025)
+    values = [random.Random(n).lognormvariate(0, 0.05) for _ in range(n)]
+    ordered = sorted(values)
+    assert benchmark.median_interval(values) == (ordered[k - 1], ordered[n - k])
+
+
+def test_median_interval_needs_six_rounds_at_95_percent():
+    # P(Bin(5, 1/2) = 0) = 1/32 > 2.5%: even [min, max] of five rounds covers less than 95%
+    assert benchmark.median_interval([1.0, 1.1, 0.9, 1.05, 0.95]) == (None, None)
+
+
+def test_rows_say_whether_the_interval_resolves_the_target():
+    variants = [benchmark.Variant("nn.Linear", None, "plain"), benchmark.Variant("Linear->LayerNorm", None, "composite"),
+                benchmark.Variant("compiled naive AffineLike", None, "compiled"),
+                benchmark.Variant("AffineLike", None, "layer")]
+    times = {"nn.Linear": [1.0] * 9, "Linear->LayerNorm": [1.0, 1.2] * 4 + [1.0],
+             "compiled naive AffineLike": [2.0] * 9, "AffineLike": [1.1] * 9}
+    rows = {r["baseline"]: r for r in benchmark.summarise("case", variants, times, plain_target=1.05)}
+    plain, composite, compiled = rows["nn.Linear"], rows["Linear->LayerNorm"], rows["compiled naive AffineLike"]
+    assert (plain["ratio"], plain["met"], plain["resolved"]) == (1.1, False, True)  # 1.1 every round
+    assert composite["ratio"] == 1.1 and composite["ratio_ci95"] == [1.1 / 1.2, 1.1]
+    assert (composite["met"], composite["resolved"]) == (False, False)  # 1.0 lies inside the interval
+    assert (compiled["ratio"], compiled["met"], compiled["resolved"]) == (0.55, True, True)
+    table = benchmark.format_table(list(rows.values()))
+    assert "<= 1.05 NOT met\n" in table + "\n" and "<= 1.00 NOT met (within noise)" in table
