@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import importlib.util
 import math
 import warnings
@@ -104,22 +105,26 @@ def usable(*tensors: Tensor | None, memory_format: torch.memory_format | None = 
             or torch._C._len_torch_dispatch_stack()):
         return False
     dtype = tensors[0].dtype
+    if dtype not in _SUFFIX:
+        return False
     if memory_format is None:  # (asked only now: not of a tensor being traced or under vmap)
         memory_format = layout_of(tensors[0])
-    return dtype in _SUFFIX and all(
-        t is None or (plain(t) and t.dtype == dtype and t.is_cpu and t.is_contiguous(memory_format=memory_format))
-        for t in tensors
-    )
+    for t in tensors:  # (a loop, not all() over a generator: this runs several times a layer call)
+        if t is not None and not (
+            plain(t) and t.dtype == dtype and t.is_cpu and t.is_contiguous(memory_format=memory_format)
+        ):
+            return False
+    return True
+
+
+_PLAIN_TYPES = (Tensor, torch.nn.Parameter)
+_is_wrapped, _is_batched = torch._C._functorch.is_functorch_wrapped_tensor, torch._C._functorch.is_legacy_batchedtensor
 
 
 def plain(t: Tensor) -> bool:
     """A tensor with its own storage: not a subclass (FakeTensor, …), not wrapped by torch.func,
     not a batched gradient (``is_grads_batched``, vectorised jacobians)."""
-    return (
-        type(t) in (Tensor, torch.nn.Parameter)
-        and not torch._C._functorch.is_functorch_wrapped_tensor(t)
-        and not torch._C._functorch.is_legacy_batchedtensor(t)
-    )
+    return type(t) in _PLAIN_TYPES and not _is_wrapped(t) and not _is_batched(t)
 
 
 def layout_of(x: Tensor) -> torch.memory_format:
@@ -219,18 +224,18 @@ def box_transpose(e: Tensor, in_spatial, kernel, stride, padding, dilation) -> T
     return out
 
 
-def _geometry(in_spatial, out_spatial, kernel, stride, padding, dilation) -> Tensor:
-    """The int64[12] box geometry of the C side; a 1-D convolution as height 1."""
+@functools.lru_cache(maxsize=1024)
+def _geometry(in_spatial, out_spatial, kernel, stride, padding, dilation) -> ctypes.Array:
+    """The int64[12] box geometry of the C side; a 1-D convolution as height 1. Cached (a
+    model's layers see a few geometries): building it costs more than a small layer's box pass."""
     lead = [(1, 1, 1, 1, 0, 1)] if len(kernel) == 1 else []
     per_dim = lead + list(zip(in_spatial, out_spatial, kernel, stride, padding, dilation))
-    return torch.tensor([v for field in zip(*per_dim) for v in field], dtype=torch.int64)
+    return (ctypes.c_int64 * 12)(*(int(v) for field in zip(*per_dim) for v in field))
 
 
-def _box(source: Tensor, out: Tensor, geometry: Tensor, transpose: bool) -> None:
+def _box(source: Tensor, out: Tensor, geometry: ctypes.Array, transpose: bool) -> None:
     planes = source.shape[0] * source.shape[1]
-    _call("box", source.dtype)(
-        source.data_ptr(), out.data_ptr(), planes, geometry.data_ptr(), int(transpose), torch.get_num_threads()
-    )
+    _call("box", source.dtype)(source.data_ptr(), out.data_ptr(), planes, geometry, int(transpose), torch.get_num_threads())
 
 
 def scale_and_dot(

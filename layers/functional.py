@@ -49,13 +49,13 @@ DEFAULT_EPS = 1e-12
 def affine_like(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """z = (x Wᵀ + b)/√(‖x‖² + 1) over the last dim; x (*, in), W (out, in), b (out,)."""
     x, weight, bias = _prepare_dense("affine_like", x, weight, bias)
-    rows = x.reshape(-1, x.shape[-1])
+    rows = _rows(x)
     kernel = _gpu_kernel(rows)
     if kernel is not None:
         z, _ = _TritonAffineLike.apply(rows, weight, bias, kernel)
     else:
         z, _ = _autograd.apply(_autograd.AffineLike, rows, weight, bias)
-    return z.reshape(*x.shape[:-1], weight.shape[0])
+    return _unrows(z, x)
 
 
 def norm_like(
@@ -67,9 +67,19 @@ def norm_like(
     eps = _check_eps("norm_like", eps)
     x, weight, bias = _prepare_dense("norm_like", x, weight, bias)
     k = 1.0 if mode == "l2" else math.sqrt(x.shape[-1])
-    rows = x.reshape(-1, x.shape[-1])
-    z, _ = _autograd.apply(_autograd.NormLike, rows, weight, bias, k, eps)
-    return z.reshape(*x.shape[:-1], weight.shape[0])
+    z, _ = _autograd.apply(_autograd.NormLike, _rows(x), weight, bias, k, eps)
+    return _unrows(z, x)
+
+
+def _rows(x: Tensor) -> Tensor:
+    """x (*, in) as a 2-D (rows, in) tensor (x itself when already 2-D: a reshape would add a
+    view node to the autograd graph, which costs each call of a small layer a few µs)."""
+    return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+
+
+def _unrows(z: Tensor, x: Tensor) -> Tensor:
+    """z (rows, out) in x's leading shape: (*, out)."""
+    return z if x.dim() == 2 else z.reshape(*x.shape[:-1], z.shape[-1])
 
 
 def _check_eps(name: str, eps) -> float:
