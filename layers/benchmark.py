@@ -19,6 +19,10 @@ The convolution case runs twice: on contiguous (NCHW) tensors and on channels_la
 variant in that layout (channels_last is the faster layout for CPU convolutions; torch.compile
 switches its convolutions to it by itself, see docs/FINDINGS.md). PatchNormConv2d(recompute)
 is the memory-saving mode (one more convolution in backward), timed for information.
+
+Two more cases time the fixed cost of a call, for information (no target): a dense layer at
+(B=2, 8→4) and a convolution at (N=2, 3→4, 6×6, k=3), each round running ``OVERHEAD_CALLS``
+calls of each variant, on one thread (the Python, autograd and dispatch work of a small model).
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ CONV_SIZE = (64, 64, 64, 32, 3)  # N, C_in, C_out, H=W, k
 QUICK_DENSE_SIZES = ((16, 32, 32),)
 AFFINE_LIKE_VS_LINEAR = 1.05  # the one target against the plain layer: AffineLike at DENSE_SIZES[0]
 QUICK_CONV_SIZE = (2, 4, 4, 8, 3)
+OVERHEAD_DENSE_SIZE, OVERHEAD_CONV_SIZE = (2, 8, 4), (2, 3, 4, 6, 3)
+OVERHEAD_CALLS = 200  # calls per round and variant in the overhead cases
 
 
 @dataclass
@@ -83,9 +89,10 @@ class _Naive(nn.Module):
         return F.linear(k * x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(1e-12), w, b)
 
 
-def dense_variants(m: int, n: int, backend: str) -> list[Variant]:
+def dense_variants(m: int, n: int, backend: str | None) -> list[Variant]:
+    """The dense case's variants; ``backend`` None: without the compiled naive composites."""
     affine, l2, rms = AffineLike(m, n), NormLike(m, n, mode="l2"), NormLike(m, n, mode="rms")
-    return [
+    variants = [
         Variant("nn.Linear", nn.Linear(m, n), "plain"),
         Variant("LayerNorm->Linear", nn.Sequential(nn.LayerNorm(m), nn.Linear(m, n)), "composite"),
         Variant("RMSNorm->Linear", nn.Sequential(nn.RMSNorm(m), nn.Linear(m, n)), "composite"),
@@ -94,14 +101,20 @@ def dense_variants(m: int, n: int, backend: str) -> list[Variant]:
         Variant("AffineLike", affine, "layer"),
         Variant("NormLike(l2)", l2, "layer"),
         Variant("NormLike(rms)", rms, "layer"),
+    ]
+    if backend is None:
+        return variants
+    return variants + [
         Variant("compiled naive AffineLike", torch.compile(_Naive(affine, "affine_like"), backend=backend), "compiled"),
         Variant("compiled naive NormLike(l2)", torch.compile(_Naive(l2, "norm_l2"), backend=backend), "compiled"),
         Variant("compiled naive NormLike(rms)", torch.compile(_Naive(rms, "norm_rms"), backend=backend), "compiled"),
     ]
 
 
-def conv_variants(c_in: int, c_out: int, k: int, backend: str,
+def conv_variants(c_in: int, c_out: int, k: int, backend: str | None,
                   memory_format: torch.memory_format = torch.contiguous_format) -> list[Variant]:
+    """The convolution case's variants in ``memory_format``; ``backend`` None: without the
+    compiled naive composite."""
     patch = PatchNormConv2d(c_in, c_out, k, padding=k // 2)
     recompute = PatchNormConv2d(c_in, c_out, k, padding=k // 2, recompute=True)
     variants = [
@@ -110,8 +123,10 @@ def conv_variants(c_in: int, c_out: int, k: int, backend: str,
                 "composite"),
         Variant("PatchNormConv2d", patch, "layer"),
         Variant("PatchNormConv2d(recompute)", recompute, "mode"),
-        Variant("compiled naive PatchNormConv2d", torch.compile(_Naive(patch, "patchnorm"), backend=backend), "compiled"),
     ]
+    if backend is not None:
+        compiled = torch.compile(_Naive(patch, "patchnorm"), backend=backend)
+        variants.append(Variant("compiled naive PatchNormConv2d", compiled, "compiled"))
     for v in variants:
         v.module.to(memory_format=memory_format)
     return variants
@@ -127,16 +142,19 @@ OWN = {
 }
 
 
-def time_case(variants: list[Variant], x: torch.Tensor, warmup: int, repeats: int) -> dict[str, list[float]]:
-    """Interleaved forward+backward timings (seconds) of each variant on x."""
+def time_case(variants: list[Variant], x: torch.Tensor, warmup: int, repeats: int,
+              calls: int = 1) -> dict[str, list[float]]:
+    """Interleaved forward+backward timings (seconds per call) of each variant on x, each
+    round timing ``calls`` consecutive calls of a variant."""
     grad = torch.randn_like(variants[0].module(x))
     times: dict[str, list[float]] = {v.name: [] for v in variants}
     for round_ in range(warmup + repeats):
         for v in variants:
-            xi = x.detach().requires_grad_(True)
+            inputs = [x.detach().requires_grad_(True) for _ in range(calls)]
             start = time.perf_counter()
-            v.module(xi).backward(grad)
-            elapsed = time.perf_counter() - start
+            for xi in inputs:
+                v.module(xi).backward(grad)
+            elapsed = (time.perf_counter() - start) / calls
             for p in getattr(v.module, "parameters", lambda: [])():
                 p.grad = None
             if round_ >= warmup:
@@ -145,9 +163,10 @@ def time_case(variants: list[Variant], x: torch.Tensor, warmup: int, repeats: in
 
 
 def summarise(case: str, variants: list[Variant], times: dict[str, list[float]],
-              plain_target: float | None = None) -> list[dict]:
+              plain_target: float | None = None, targets: bool = True) -> list[dict]:
     """Rows: each corrected layer against the plain layer (AffineLike held to ``plain_target``,
-    if given), the fastest composite and its compiled naive form."""
+    if given), the fastest composite and its compiled naive form (where timed); ``targets``
+    False: every row for information."""
     median = {name: statistics.median(ts) for name, ts in times.items()}
     composites = [v.name for v in variants if v.role == "composite"]
     fastest = min(composites, key=median.__getitem__)
@@ -155,8 +174,8 @@ def summarise(case: str, variants: list[Variant], times: dict[str, list[float]],
     for v in (v for v in variants if v.role in ("layer", "mode")):
         compiled, plain = OWN[v.name]
         checks = [(plain, plain_target if v.name == "AffineLike" else None), (fastest, 1.0), (compiled, 1.0)]
-        if v.role == "mode":
-            checks = [(baseline, None) for baseline, _ in checks]
+        checks = [(baseline, target if targets and v.role == "layer" else None)
+                  for baseline, target in checks if baseline in times]
         for baseline, target in checks:
             ratios = [a / b for a, b in zip(times[v.name], times[baseline])]
             low, high = median_interval(ratios)
@@ -193,27 +212,38 @@ def run(quick: bool = False, threads: int = 2, repeats: int | None = None, warmu
     torch.manual_seed(0)
     medians: dict[str, dict[str, float]] = {}
     rows: list[dict] = []
+    # (name, variants, input, AffineLike's target vs the plain layer, calls per round, threads)
     cases = [(f"dense B={b} {m}->{n}", dense_variants(m, n, backend), torch.randn(b, m),
-              AFFINE_LIKE_VS_LINEAR if (b, m, n) == DENSE_SIZES[0] else None)
+              AFFINE_LIKE_VS_LINEAR if (b, m, n) == DENSE_SIZES[0] else None, 1, threads)
              for b, m, n in (QUICK_DENSE_SIZES if quick else DENSE_SIZES)]
     batch, c_in, c_out, hw, k = QUICK_CONV_SIZE if quick else CONV_SIZE
     for layout, label in ((torch.contiguous_format, ""), (torch.channels_last, " channels_last")):
         cases.append((f"conv N={batch} {c_in}->{c_out} {hw}x{hw} k={k} pad={k // 2}{label}",
                       conv_variants(c_in, c_out, k, backend, layout),
-                      torch.randn(batch, c_in, hw, hw).contiguous(memory_format=layout), None))
-    for case, variants, x, plain_target in cases:
+                      torch.randn(batch, c_in, hw, hw).contiguous(memory_format=layout), None, 1, threads))
+    calls = 5 if quick else OVERHEAD_CALLS
+    (b, m, n), (batch, c_in, c_out, hw, k) = OVERHEAD_DENSE_SIZE, OVERHEAD_CONV_SIZE
+    cases += [(f"per call: dense B={b} {m}->{n}, 1 thread", dense_variants(m, n, None), torch.randn(b, m), None,
+               calls, 1),
+              (f"per call: conv N={batch} {c_in}->{c_out} {hw}x{hw} k={k}, 1 thread",
+               conv_variants(c_in, c_out, k, None), torch.randn(batch, c_in, hw, hw), None, calls, 1)]
+    for case, variants, x, plain_target, case_calls, case_threads in cases:
         progress(f"timing {case}: {len(variants)} variants x {repeats} rounds ...")
-        times = time_case(variants, x, warmup, repeats)
+        torch.set_num_threads(case_threads)
+        times = time_case(variants, x, warmup, repeats, case_calls)
         medians[case] = {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
-        rows.extend(summarise(case, variants, times, plain_target))
+        rows.extend(summarise(case, variants, times, plain_target, targets=case_calls == 1))
+    torch.set_num_threads(threads)
     config = {"quick": quick, "threads": threads, "repeats": repeats, "warmup": warmup,
               "compile_backend": backend, "dtype": "float32", "what": "forward+backward, x.requires_grad",
-              "fused_cpu_kernels": _fused.available()}
+              "overhead_calls_per_round": calls, "fused_cpu_kernels": _fused.available()}
     return {"config": config, "medians_ms": medians, "rows": rows}
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'case':<34} {'layer':<16} {'vs baseline':<32} {'layer ms':>9} {'base ms':>9} {'ratio':>6} "
+    wc, wl, wb = (max([len(title)] + [len(r[key]) for r in rows])
+                  for key, title in (("case", "case"), ("layer", "layer"), ("baseline", "vs baseline")))
+    head = (f"{'case':<{wc}} {'layer':<{wl}} {'vs baseline':<{wb}} {'layer ms':>9} {'base ms':>9} {'ratio':>6} "
             f"{'95% CI':>13}  target")
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -222,6 +252,6 @@ def format_table(rows: list[dict]) -> str:
         if r["target"] is not None:
             target = f"<= {r['target']:.2f} {'met' if r['met'] else 'NOT met'}"
             target += {True: "", False: " (within noise)", None: " (too few rounds for a CI)"}[r["resolved"]]
-        lines.append(f"{r['case']:<34} {r['layer']:<16} {r['baseline']:<32} {r['layer_ms']:>9.2f} "
-                     f"{r['baseline_ms']:>9.2f} {r['ratio']:>6.3f} {ci:>13}  {target}")
+        lines.append(f"{r['case']:<{wc}} {r['layer']:<{wl}} {r['baseline']:<{wb}} {r['layer_ms']:>9.3f} "
+                     f"{r['baseline_ms']:>9.3f} {r['ratio']:>6.3f} {ci:>13}  {target}")
     return "\n".join(lines)

@@ -28,7 +28,12 @@ def test_bench_layers_quick_writes_a_table_and_json(tmp_path, capsys):
     assert layers == {"AffineLike", "NormLike(l2)", "NormLike(rms)", "PatchNormConv2d", "PatchNormConv2d(recompute)"}
     assert all(row["target"] is None for row in result["rows"] if row["layer"] == "PatchNormConv2d(recompute)")
     assert {row["case"] for row in result["rows"] if row["layer"] == "PatchNormConv2d"} == {
-        "conv N=2 4->4 8x8 k=3 pad=1", "conv N=2 4->4 8x8 k=3 pad=1 channels_last"}
+        "conv N=2 4->4 8x8 k=3 pad=1", "conv N=2 4->4 8x8 k=3 pad=1 channels_last",
+        "per call: conv N=2 3->4 6x6 k=3, 1 thread"}
+    per_call = [row for row in result["rows"] if row["case"].startswith("per call")]
+    assert {row["layer"] for row in per_call} == layers and all(row["target"] is None for row in per_call)
+    assert not any("compiled" in row["baseline"] for row in per_call)  # information only, nothing compiled
+    assert result["config"]["overhead_calls_per_round"] == 5
     for row in result["rows"]:
         assert row["ratio"] > 0 and row["layer_ms"] > 0 and row["baseline_ms"] > 0
         assert row["met"] is None or row["met"] == (row["ratio"] <= row["target"])
