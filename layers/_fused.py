@@ -212,7 +212,7 @@ def box(sq: Tensor, out_spatial, kernel, stride, padding, dilation) -> Tensor:
     """1/√(box(sq) + 1) (N, groups, *out_spatial): box sums of sq (N, groups, *S) over each
     output position's receptive field (zero padding)."""
     out = torch.empty((*sq.shape[:2], *out_spatial), dtype=sq.dtype)
-    _box(sq, out, _geometry(sq.shape[2:], out_spatial, kernel, stride, padding, dilation), transpose=False)
+    _box(sq, out, _geometry(*map(tuple, (sq.shape[2:], out_spatial, kernel, stride, padding, dilation))), transpose=False)
     return out
 
 
@@ -220,14 +220,15 @@ def box_transpose(e: Tensor, in_spatial, kernel, stride, padding, dilation) -> T
     """boxᵀ(e) (N, groups, *in_spatial): each output position's e (N, groups, *out) added over
     its receptive field; the adjoint of the box sum."""
     out = torch.empty((*e.shape[:2], *in_spatial), dtype=e.dtype)
-    _box(e, out, _geometry(in_spatial, e.shape[2:], kernel, stride, padding, dilation), transpose=True)
+    _box(e, out, _geometry(*map(tuple, (in_spatial, e.shape[2:], kernel, stride, padding, dilation))), transpose=True)
     return out
 
 
 @functools.lru_cache(maxsize=1024)
 def _geometry(in_spatial, out_spatial, kernel, stride, padding, dilation) -> ctypes.Array:
-    """The int64[12] box geometry of the C side; a 1-D convolution as height 1. Cached (a
-    model's layers see a few geometries): building it costs more than a small layer's box pass."""
+    """The int64[12] box geometry of the C side (tuples in; a 1-D convolution as height 1).
+    Cached (a model's layers see a few geometries; building it costs more than a small layer's
+    box pass), so the array is shared: read-only."""
     lead = [(1, 1, 1, 1, 0, 1)] if len(kernel) == 1 else []
     per_dim = lead + list(zip(in_spatial, out_spatial, kernel, stride, padding, dilation))
     return (ctypes.c_int64 * 12)(*(int(v) for field in zip(*per_dim) for v in field))

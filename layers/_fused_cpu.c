@@ -148,20 +148,22 @@ static int my_thread(void) {
                             T *colsum, int sum_input, const T *v, T *dot, int threads) {          \
         const int team = team_size(rows * cols, threads);                                          \
         T *partial = NULL;                                                                         \
-        const size_t bytes = (size_t)team * (size_t)cols * sizeof(T);                            \
-        /* cache-line aligned: the row updates of the partials then never split a line */         \
-        if (colsum && !(partial = aligned_alloc(64, (bytes + 63) / 64 * 64))) return 1;           \
+        /* each thread's partials start on a cache line of their own: no split vectors, no false   \
+           sharing between the threads' row updates */                                             \
+        const size_t per_line = 64 / sizeof(T), stride = ((size_t)cols + per_line - 1) / per_line * per_line;\
+        const size_t bytes = (size_t)team * stride * sizeof(T);                                    \
+        if (colsum && !(partial = aligned_alloc(64, bytes ? bytes : 64))) return 1;                \
         if (partial) memset(partial, 0, bytes);                                                    \
         _Pragma("omp parallel num_threads(team)") {                                                \
             int64_t first, last;                                                                   \
             my_rows(rows, &first, &last);                                                          \
-            T *mine = partial ? partial + (size_t)my_thread() * (size_t)cols : NULL;               \
+            T *mine = partial ? partial + (size_t)my_thread() * stride : NULL;                     \
             scale_grad_range_##SUFFIX(g, scale, first, last, cols, gy, mine, sum_input, v, dot);   \
         }                                                                                          \
         if (colsum) {                                                                              \
             for (int64_t j = 0; j < cols; ++j) {                                                   \
                 T acc = 0;                                                                         \
-                for (int t = 0; t < team; ++t) acc += partial[(size_t)t * (size_t)cols + j];       \
+                for (int t = 0; t < team; ++t) acc += partial[(size_t)t * stride + j];             \
                 colsum[j] = acc;                                                                   \
             }                                                                                      \
             free(partial);                                                                         \

@@ -7,8 +7,11 @@ the paired ratio t(layer)/t(baseline) (paired within a round, so slow drifts of 
 load cancel) with its distribution-free 95% confidence interval (order statistics of the
 rounds' ratios, ``scipy.stats.quantile_test``; it needs ≥ 6 rounds). A target is met when the
 median ratio is at most the target; the verdict is *resolved* when the interval lies wholly on
-one side of the target, and *within noise* when it contains it. Float32, ``threads`` intra-op
-threads. Targets (issue 4):
+one side of the target, and *within noise* when it contains it. The interval's coverage assumes
+independent rounds, which a shared machine only approximates (two runs can differ by more than
+one run's interval), and the "fastest composite" is chosen by the same rounds' medians, which
+biases that comparison against the layer. Float32, ``threads`` intra-op threads. Targets
+(issue 4):
 
 * AffineLike ≤ 1.05 × nn.Linear at (B=512, 1024→1024);
 * each corrected layer ≤ 1 × the fastest normaliser composite it would replace and ≤ 1 ×
@@ -192,8 +195,8 @@ def summarise(case: str, variants: list[Variant], times: dict[str, list[float]],
 def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float | None, float | None]:
     """Distribution-free confidence interval of the median of ``values``: the order statistics
     v_(k), v_(n+1-k) with P(Binomial(n, ½) < k) ≤ (1 − confidence)/2 (exact coverage ≥
-    ``confidence`` for any continuous distribution). (None, None) when n is too small for one
-    (n < 6 at 95%)."""
+    ``confidence`` for independent draws from any continuous distribution). (None, None) when
+    n is too small for one (n < 6 at 95%)."""
     interval = quantile_test(values, q=statistics.median(values), p=0.5).confidence_interval(confidence)
     if math.isnan(interval.low) or math.isnan(interval.high):
         return None, None
@@ -227,13 +230,15 @@ def run(quick: bool = False, threads: int = 2, repeats: int | None = None, warmu
                calls, 1),
               (f"per call: conv N={batch} {c_in}->{c_out} {hw}x{hw} k={k}, 1 thread",
                conv_variants(c_in, c_out, k, None), torch.randn(batch, c_in, hw, hw), None, calls, 1)]
-    for case, variants, x, plain_target, case_calls, case_threads in cases:
-        progress(f"timing {case}: {len(variants)} variants x {repeats} rounds ...")
-        torch.set_num_threads(case_threads)
-        times = time_case(variants, x, warmup, repeats, case_calls)
-        medians[case] = {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
-        rows.extend(summarise(case, variants, times, plain_target, targets=case_calls == 1))
-    torch.set_num_threads(threads)
+    try:
+        for case, variants, x, plain_target, case_calls, case_threads in cases:
+            progress(f"timing {case}: {len(variants)} variants x {repeats} rounds ...")
+            torch.set_num_threads(case_threads)
+            times = time_case(variants, x, warmup, repeats, case_calls)
+            medians[case] = {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
+            rows.extend(summarise(case, variants, times, plain_target, targets=case_calls == 1))
+    finally:
+        torch.set_num_threads(threads)
     config = {"quick": quick, "threads": threads, "repeats": repeats, "warmup": warmup,
               "compile_backend": backend, "dtype": "float32", "what": "forward+backward, x.requires_grad",
               "overhead_calls_per_round": calls, "fused_cpu_kernels": _fused.available()}
