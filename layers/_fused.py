@@ -118,7 +118,8 @@ def usable(*tensors: Tensor | None, memory_format: torch.memory_format | None = 
 
 
 _PLAIN_TYPES = (Tensor, torch.nn.Parameter)
-_is_wrapped, _is_batched = torch._C._functorch.is_functorch_wrapped_tensor, torch._C._functorch.is_legacy_batchedtensor
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_is_batched = torch._C._functorch.is_legacy_batchedtensor
 
 
 def plain(t: Tensor) -> bool:
@@ -212,7 +213,8 @@ def box(sq: Tensor, out_spatial, kernel, stride, padding, dilation) -> Tensor:
     """1/√(box(sq) + 1) (N, groups, *out_spatial): box sums of sq (N, groups, *S) over each
     output position's receptive field (zero padding)."""
     out = torch.empty((*sq.shape[:2], *out_spatial), dtype=sq.dtype)
-    _box(sq, out, _geometry(*map(tuple, (sq.shape[2:], out_spatial, kernel, stride, padding, dilation))), transpose=False)
+    geometry = _geometry(*map(tuple, (sq.shape[2:], out_spatial, kernel, stride, padding, dilation)))
+    _box(sq, out, geometry, transpose=False)
     return out
 
 
@@ -220,7 +222,8 @@ def box_transpose(e: Tensor, in_spatial, kernel, stride, padding, dilation) -> T
     """boxᵀ(e) (N, groups, *in_spatial): each output position's e (N, groups, *out) added over
     its receptive field; the adjoint of the box sum."""
     out = torch.empty((*e.shape[:2], *in_spatial), dtype=e.dtype)
-    _box(e, out, _geometry(*map(tuple, (in_spatial, e.shape[2:], kernel, stride, padding, dilation))), transpose=True)
+    geometry = _geometry(*map(tuple, (in_spatial, e.shape[2:], kernel, stride, padding, dilation)))
+    _box(e, out, geometry, transpose=True)
     return out
 
 
@@ -236,7 +239,8 @@ def _geometry(in_spatial, out_spatial, kernel, stride, padding, dilation) -> cty
 
 def _box(source: Tensor, out: Tensor, geometry: ctypes.Array, transpose: bool) -> None:
     planes = source.shape[0] * source.shape[1]
-    _call("box", source.dtype)(source.data_ptr(), out.data_ptr(), planes, geometry, int(transpose), torch.get_num_threads())
+    threads = torch.get_num_threads()
+    _call("box", source.dtype)(source.data_ptr(), out.data_ptr(), planes, geometry, int(transpose), threads)
 
 
 def scale_and_dot(

@@ -101,7 +101,8 @@ def test_median_interval_needs_six_rounds_at_95_percent():
 
 
 def test_rows_say_whether_the_interval_resolves_the_target():
-    variants = [benchmark.Variant("nn.Linear", None, "plain"), benchmark.Variant("Linear->LayerNorm", None, "composite"),
+    variants = [benchmark.Variant("nn.Linear", None, "plain"),
+                benchmark.Variant("Linear->LayerNorm", None, "composite"),
                 benchmark.Variant("compiled naive AffineLike", None, "compiled"),
                 benchmark.Variant("AffineLike", None, "layer")]
     times = {"nn.Linear": [1.0] * 9, "Linear->LayerNorm": [1.0, 1.2] * 4 + [1.0],
