@@ -20,7 +20,7 @@ import os
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from affdiv.layers import AffineLike, NormLike, PatchNormConv2d
@@ -186,6 +186,7 @@ DENSE = {
 @settings(max_examples=20, deadline=None)
 @given(batch=st.lists(st.integers(1, 40), min_size=1, max_size=2), m=st.integers(1, 70), n=st.integers(1, 50),
        bias=st.booleans(), with_x_grad=st.booleans(), seed=st.integers(0, 2**16), zero_row=st.booleans())
+@example(batch=[1], m=1, n=1, bias=True, with_x_grad=True, seed=0, zero_row=False)  # |W| ≪ |b|: dx is the bias term
 def test_dense_layers_agree_with_and_without_kernels(member, dtype, batch, m, n, bias, with_x_grad, seed, zero_row):
     x = _data(math.prod(batch), m, seed).reshape(*batch, m)
     if zero_row:
@@ -218,8 +219,9 @@ def test_dense_layers_agree_with_and_without_kernels(member, dtype, batch, m, n,
 def _float32_bounds(member, x, w, b, g):
     """Worst-case float32 rounding bounds for [z, dx, dW, db] (Higham: a sum of n products
     computed in float32 is off by at most ~(n + 2)·u·Σ|terms|, u = 2^-24), from float64 data.
-    s is the row scale; the radial term of dx is at most ‖u_i‖ (a·‖x_i‖² ≤ 1), so dx's terms
-    sum to at most 2·(|g|s)|W|."""
+    s is the row scale. dx = u − a·(⟨u, x⟩ + c)·x with u = gy W, a = s² and c = ⟨gy, b⟩
+    (AffineLike) or a = 1/‖x‖² and c = 0 (NormLike): its terms are |gy||W| plus
+    a·(Σ|u||x| + Σ|gy||b|)·|x|, the bias part being unbounded by |W| (a small W, a large b)."""
     u = 2.0**-24
     norm = torch.linalg.vector_norm(x, dim=1, keepdim=True)
     k = math.sqrt(x.shape[1]) if member == "norm_rms" else 1.0
@@ -228,7 +230,14 @@ def _float32_bounds(member, x, w, b, g):
     z_terms = (x.abs() @ w.abs().t() + (bias if member == "affine_like" else 0.0)) * s + (
         0.0 if member == "affine_like" else bias)
     gy_terms = g.abs() * s
-    dx_terms = 2 * gy_terms @ w.abs()
+    u_terms = gy_terms @ w.abs()
+    dot_terms = (u_terms * x.abs()).sum(1, keepdim=True)
+    if member == "affine_like":
+        a = s**2
+        dot_terms = dot_terms + (gy_terms * bias).sum(1, keepdim=True)
+    else:
+        a = torch.where(norm > 0, 1 / norm.clamp_min(1e-300) ** 2, 0.0)
+    dx_terms = u_terms + a * dot_terms * x.abs()
     dw_terms = gy_terms.t() @ x.abs()
     db_terms = (gy_terms if member == "affine_like" else g.abs()).sum(0)
     rows, m = x.shape
