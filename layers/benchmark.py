@@ -181,12 +181,12 @@ def summarise(case: str, variants: list[Variant], times: dict[str, list[float]],
                   for baseline, target in checks if baseline in times]
         for baseline, target in checks:
             ratios = [a / b for a, b in zip(times[v.name], times[baseline])]
-            low, high = median_interval(ratios)
+            ratio, (low, high) = statistics.median(ratios), median_interval(ratios)
             rows.append({
                 "case": case, "layer": v.name, "baseline": baseline, "layer_ms": 1e3 * median[v.name],
-                "baseline_ms": 1e3 * median[baseline], "ratio": statistics.median(ratios),
+                "baseline_ms": 1e3 * median[baseline], "ratio": ratio,
                 "ratio_ci95": None if low is None else [low, high], "target": target,
-                "met": None if target is None else statistics.median(ratios) <= target,
+                "met": None if target is None else ratio <= target,
                 "resolved": None if target is None or low is None else not low <= target <= high,
             })
     return rows
