@@ -207,6 +207,8 @@ class PatchNormConv(Function):
     a consumer that saves its input) or the forward is run again in backward (``recompute=True``:
     one float per group and position saved beyond nn.Conv2d, at the cost of one more
     convolution). Under a double backward the recomputed z is itself differentiable.
+    With the fused passes, an NCHW input's backward convolution runs channels_last (see
+    ``_channels_last_backward``); its gradients still come back in the layouts of x and W.
     """
 
     generate_vmap_rule = True
@@ -256,20 +258,27 @@ class PatchNormConv(Function):
             z = apply(PatchNormConv, x, weight, z_or_bias, stride, padding, dilation, groups, True)[0]
         dx = dw = db = None
         dsq2 = None  # 2·boxᵀ(ds): dx gets x·dsq2, per group
+        x_conv = x
         if grad_z is not None:
             fused = grad_r is None and _fused.usable(r)
             if fused:
                 layout = _fused.layout_of(grad_z if z is None else z)
                 grad_z = grad_z.contiguous(memory_format=layout)  # (a no-op unless the consumer's layout differs)
                 fused = _fused.usable(grad_z, z, memory_format=layout)
-            if fused:  # one pass for gy and e = 2·ds
+            if fused and _channels_last_backward(x, layout):  # gy and x transposed in the passes
+                gy, e = _fused.scale_and_dot(grad_z, z, r, groups, with_dot=need_x, to_channels_last=True)
+                dx_buffer = torch.empty_like(x)  # x channels_last now, dx in x's layout later
+                x_conv = _fused.channels_last_copy(x, into=dx_buffer)
+            elif fused:  # one pass for gy and e = 2·ds
                 gy, e = _fused.scale_and_dot(grad_z, z, r, groups, with_dot=need_x)
             else:
                 gy = _per_group(grad_z, r.to(grad_z.dtype), groups)
             dx, dw, db = torch.ops.aten.convolution_backward(
-                gy, x, weight, ctx.bias_shape, stride, padding, dilation,
+                gy, x_conv, weight, ctx.bias_shape, stride, padding, dilation,
                 False, _zeros(x), groups, [need_x, need_w, need_b and ctx.bias_shape is not None],
             )
+            if dw is not None and dw.stride() != weight.stride():  # (oneDNN returns it channels_last)
+                dw = torch.empty_like(weight).copy_(dw)
             if need_x and fused:
                 dsq2 = _fused.box_transpose(e, x.shape[2:], weight.shape[2:], stride, padding, dilation)
             elif need_x:
@@ -279,9 +288,22 @@ class PatchNormConv(Function):
                 dsq2 = _doubled_box_transpose(ds, x, weight.shape[2:], stride, padding, dilation)
         elif grad_r is not None and need_x:
             dsq2 = _doubled_box_transpose(-0.5 * r * r * r * grad_r, x, weight.shape[2:], stride, padding, dilation)
-        if dsq2 is not None:
+        if dsq2 is not None and x_conv is not x:  # dx = dx_cl + x·dsq2, back in x's layout
+            dx_rows = dx.contiguous(memory_format=torch.channels_last)  # (a no-op: oneDNN keeps the layout)
+            dx = _fused.group_update_from_channels_last(dx_rows, dsq2, groups, src=x, out=dx_buffer)
+        elif dsq2 is not None:
             dx = _add_radial(dx, x, dsq2, groups)
         return dx, dw, db, None, None, None, None, None
+
+
+def _channels_last_backward(x: Tensor, layout: torch.memory_format) -> bool:
+    """Whether the backward convolution of this contiguous (N, C, H, W) input runs channels_last,
+    as torch.compile (inductor) runs every oneDNN convolution on CPU. In NCHW, oneDNN reorders
+    x, gy and dx to and from its blocked layout and runs slower kernels; the transposes that
+    channels_last needs ride on the passes around the convolution instead (all but x's own,
+    which fills the buffer dx is later written to). Measured in docs/FINDINGS.md."""
+    return (layout == torch.contiguous_format and x.dim() == 4 and _fused.usable(x)
+            and torch.backends.mkldnn.enabled and torch.backends.mkldnn.is_available())
 
 
 def _doubled_box_transpose(ds, x, kernel, stride, padding, dilation) -> Tensor:

@@ -17,6 +17,13 @@ groups summed per position (1-D as height 1):
     scale_and_dot(gz, z, r, groups) gy = r·gz per group, e = −r²·Σ_{o∈g} gz_o·z_o
     group_update_(t, r, groups, src) t ← t·r, or t ← t + src·r, each group's r over its channels
 
+and, for an NCHW layer whose backward convolution runs channels_last (4-D), the same passes
+writing across the layouts (blocks transposed in vector registers):
+
+    scale_and_dot(…, to_channels_last=True)   gy written channels_last
+    channels_last_copy(t, into)                 t itself, channels_last
+    group_update_from_channels_last(d, r, …)   d + src·r, from channels_last d to contiguous
+
 Sums are accumulated in 16 partial sums in the tensors' dtype, combined pairwise (float32
 rounding for float32, as torch's own vectorised sums). The extension is optional (built at
 install where a C compiler with OpenMP is present); ``usable`` says whether a call may take
@@ -69,6 +76,8 @@ def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
             _declare(lib, f"group_squares{layout}_{suffix}", i64, [p, i64, i64, i64, i64, f64, p, i32])
             _declare(lib, f"scale_and_dot{layout}_{suffix}", None, [p, p, p, i64, i64, i64, i64, p, p, i32])
             _declare(lib, f"group_update{layout}_{suffix}", None, [p, p, p, i64, i64, i64, i64, i32])
+        _declare(lib, f"scale_and_dot_to_cl_{suffix}", None, [p, p, p, i64, i64, i64, i64, p, p, i32])
+        _declare(lib, f"group_update_from_cl_{suffix}", None, [p, p, p, i64, i64, i64, i64, p, i32])
     return lib
 
 
@@ -244,16 +253,19 @@ def _box(source: Tensor, out: Tensor, geometry: ctypes.Array, transpose: bool) -
 
 
 def scale_and_dot(
-    gz: Tensor, z: Tensor | None, r: Tensor, groups: int, with_dot: bool = True
+    gz: Tensor, z: Tensor | None, r: Tensor, groups: int, with_dot: bool = True, to_channels_last: bool = False
 ) -> tuple[Tensor, Tensor | None]:
     """(gy, e): gy = r·gz, each group's r (N, groups, *S) over its channels of gz (N, O, *S);
     e (N, groups, *S) = −r²·Σ_{o∈g} gz_o·z_o (None unless ``with_dot``; z may then be None).
-    gz and z share one layout (contiguous or channels_last), which gy keeps."""
+    gz and z share one layout (contiguous or channels_last), which gy keeps, or, with
+    ``to_channels_last`` (gz and z contiguous and 4-D), gy is written channels_last."""
     if with_dot and z is None:
         raise ValueError("scale_and_dot: e = −r²·Σ gz·z needs z, got None")
     batch, channels = gz.shape[:2]
-    gy = torch.empty_like(gz)
     e = torch.empty_like(r) if with_dot else None
+    if to_channels_last:
+        return _to_channels_last(gz, r, groups, z, e), e
+    gy = torch.empty_like(gz)
     _call(f"scale_and_dot{_layout(gz)}", gz.dtype)(
         gz.data_ptr(), _ptr(z), r.data_ptr(), batch, channels, math.prod(r.shape[2:]), groups, gy.data_ptr(),
         _ptr(e), torch.get_num_threads(),
@@ -269,3 +281,32 @@ def group_update_(t: Tensor, r: Tensor, groups: int, src: Tensor | None = None) 
         t.data_ptr(), _ptr(src), r.data_ptr(), batch, channels, math.prod(r.shape[2:]), groups, torch.get_num_threads()
     )
     return t
+
+
+def channels_last_copy(t: Tensor, into: Tensor | None = None) -> Tensor:
+    """t (N, C, H, W) contiguous, copied channels_last into ``into`` (a contiguous tensor of t's
+    shape, allocated if None; its storage then holds the (N, H, W, C) rows): returns the
+    channels_last view of ``into``, which stays reusable in its own layout afterwards."""
+    return _to_channels_last(t, into=into)
+
+
+def _to_channels_last(t, r=None, groups=1, z=None, e=None, into=None) -> Tensor:
+    """``channels_last_copy``; with r: t·r (see ``scale_and_dot``), with z and e: e too."""
+    batch, channels, height, width = t.shape
+    rows = (torch.empty_like(t) if into is None else into).view(batch, height, width, channels)
+    _call("scale_and_dot_to_cl", t.dtype)(
+        t.data_ptr(), _ptr(z), _ptr(r), batch, channels, height * width, groups, rows.data_ptr(), _ptr(e),
+        torch.get_num_threads(),
+    )
+    return rows.permute(0, 3, 1, 2)
+
+
+def group_update_from_channels_last(d: Tensor, r: Tensor, groups: int, src: Tensor, out: Tensor) -> Tensor:
+    """out = d + src·r (``group_update_`` with src, across layouts): d channels_last (N, C, H,
+    W), src and out contiguous; r (N, groups, H, W), each group's over its channels. Returns out."""
+    batch, channels, height, width = d.shape
+    _call("group_update_from_cl", d.dtype)(
+        d.data_ptr(), src.data_ptr(), r.data_ptr(), batch, channels, height * width, groups, out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return out

@@ -12,7 +12,10 @@
 
    PatchNorm convolutions, on NCHW or channels_last tensors: group_squares (the per-position
    sums of x^2 over each group's channels), box (1/sqrt(box sum + 1) over each receptive field)
-   and its transpose, scale_and_dot (gy = r * gz with the per-position <gz, z>), group_update.
+   and its transpose, scale_and_dot (gy = r * gz with the per-position <gz, z>), group_update;
+   and, for an NCHW layer whose backward convolution runs channels_last, scale_and_dot_to_cl
+   (gy written channels_last; also a plain transpose) and group_update_from_cl (d + src * r
+   written back NCHW).
 
    Dot products are accumulated in LANES partial sums in T, combined pairwise (as torch's own
    vectorised sums: float32 rounding for float32); column sums in per-thread partials in T
@@ -33,10 +36,15 @@
 #include <omp.h>
 #endif
 
+/* Vector clones picked at load time: AVX2 (x86-64-v3) for every pass; the transposing passes
+   also get an AVX-512 (v4) clone, for its 32 vector registers (with AVX2's 16 their register
+   transposes spill, 2.5x slower). */
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && __GNUC__ >= 12
 #define VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#define TRANSPOSE_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define VECTOR_CLONES
+#define TRANSPOSE_CLONES
 #endif
 
 /* Partial sums per dot product: two AVX2 registers of float. */
@@ -423,12 +431,192 @@ static void taps(int64_t o, int64_t size, int64_t kernel, int64_t stride, int64_
         }                                                                                          \
     }
 
+/* Between the two layouts, fused into the passes around a channels_last backward convolution
+   of NCHW tensors (P = H*W positions, each sample's planes (C, P) against its rows (P, C)):
+   scale_and_dot_to_cl writes gy = r * gz in rows and e as scale_and_dot (no r: a plain
+   transpose, e.g. x itself); group_update_from_cl writes out = d + src * r in planes from d
+   in rows (group_update with src, across the layouts). Square blocks of W = 32 bytes /
+   sizeof(T) channels by W positions are transposed in vector registers, so that reads and
+   writes both run along memory, two blocks at a time (a whole cache line of each plane);
+   blocks cut by the edge of a group or of the positions go element by element. e sums each
+   position's channels in channel order, as scale_and_dot. */
+typedef float vec_f32 __attribute__((vector_size(32)));
+typedef double vec_f64 __attribute__((vector_size(32)));
+
+#if defined(__has_builtin) && __has_builtin(__builtin_shufflevector)
+#define SHUFFLE __builtin_shufflevector
+/* r[i] (lane j) <-> r[j] (lane i): unpack pairs, then quadruples, then halves. */
+static inline void transpose_f32(vec_f32 r[8]) {
+    vec_f32 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = SHUFFLE(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+        t[i + 1] = SHUFFLE(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+    }
+    for (int i = 0; i < 8; i += 4)
+        for (int k = 0; k < 2; ++k) {
+            u[i + 2 * k] = SHUFFLE(t[i + k], t[i + k + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+            u[i + 2 * k + 1] = SHUFFLE(t[i + k], t[i + k + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+        }
+    for (int i = 0; i < 4; ++i) {
+        r[i] = SHUFFLE(u[i], u[i + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+        r[i + 4] = SHUFFLE(u[i], u[i + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+    }
+}
+
+static inline void transpose_f64(vec_f64 r[4]) {
+    const vec_f64 t0 = SHUFFLE(r[0], r[1], 0, 4, 2, 6), t1 = SHUFFLE(r[0], r[1], 1, 5, 3, 7);
+    const vec_f64 t2 = SHUFFLE(r[2], r[3], 0, 4, 2, 6), t3 = SHUFFLE(r[2], r[3], 1, 5, 3, 7);
+    r[0] = SHUFFLE(t0, t2, 0, 1, 4, 5);
+    r[1] = SHUFFLE(t1, t3, 0, 1, 4, 5);
+    r[2] = SHUFFLE(t0, t2, 2, 3, 6, 7);
+    r[3] = SHUFFLE(t1, t3, 2, 3, 6, 7);
+}
+#else /* (compilers without the shuffle builtin: GCC < 12) */
+#define DEFINE_LANE_TRANSPOSE(T, SUFFIX, W)                                                        \
+    static inline void transpose_##SUFFIX(vec_##SUFFIX r[W]) {                                    \
+        for (int i = 0; i < W; ++i)                                                                \
+            for (int j = 0; j < i; ++j) {                                                          \
+                const T swap = r[i][j];                                                            \
+                r[i][j] = r[j][i];                                                                 \
+                r[j][i] = swap;                                                                    \
+            }                                                                                      \
+    }
+DEFINE_LANE_TRANSPOSE(float, f32, 8)
+DEFINE_LANE_TRANSPOSE(double, f64, 4)
+#endif
+
+/* Positions per parallel work item (a multiple of 2 W for both types). */
+#define TILE 64
+#define DEFINE_TRANSPOSING_OPS(T, SUFFIX, W)                                                       \
+    /* One sample, positions [p0, p0 + np) (np <= TILE): see scale_and_dot_to_cl. Vector blocks    \
+       take 2 W positions (a cache line of each plane, used up at once) by W channels. */          \
+    TRANSPOSE_CLONES static void scale_and_dot_to_cl_tile_##SUFFIX(                                \
+        const T *restrict gz, const T *restrict z, const T *restrict r, int64_t channels,          \
+        int64_t positions, int64_t groups, int64_t p0, int64_t np, T *restrict gy,                 \
+        T *restrict e) {                                                                           \
+        const int64_t per_group = channels / groups;                                               \
+        for (int64_t g = 0; g < groups; ++g) {                                                     \
+            const T *rg = r ? r + g * positions + p0 : NULL;                                       \
+            T *eg = e ? e + g * positions + p0 : NULL;                                             \
+            if (eg)                                                                                \
+                for (int64_t p = 0; p < np; ++p) eg[p] = 0;                                        \
+            const int64_t end = (g + 1) * per_group;                                               \
+            for (int64_t c0 = g * per_group; c0 < end; c0 += W)                                    \
+                for (int64_t q = 0; q < np; q += 2 * W) {                                          \
+                    const int64_t at = c0 * positions + p0 + q;                                    \
+                    T *out = gy + (p0 + q) * channels + c0;                                        \
+                    if (end - c0 >= W && np - q >= 2 * W) {                                        \
+                        vec_##SUFFIX rows[2][W], scale[2] = {0}, dot[2] = {0};                     \
+                        for (int h = 0; h < 2; ++h) {                                              \
+                            if (rg) memcpy(&scale[h], rg + q + h * W, sizeof scale[h]);            \
+                            if (eg) memcpy(&dot[h], eg + q + h * W, sizeof dot[h]);                \
+                        }                                                                          \
+                        for (int i = 0; i < W; ++i)                                                \
+                            for (int h = 0; h < 2; ++h) {                                          \
+                                memcpy(&rows[h][i], gz + at + i * positions + h * W, sizeof rows[h][i]); \
+                                if (eg) {                                                          \
+                                    vec_##SUFFIX zi;                                               \
+                                    memcpy(&zi, z + at + i * positions + h * W, sizeof zi);        \
+                                    dot[h] += rows[h][i] * zi;                                     \
+                                }                                                                  \
+                                if (rg) rows[h][i] *= scale[h];                                    \
+                            }                                                                      \
+                        for (int h = 0; h < 2; ++h) {                                              \
+                            if (eg) memcpy(eg + q + h * W, &dot[h], sizeof dot[h]);                \
+                            transpose_##SUFFIX(rows[h]);                                           \
+                            for (int i = 0; i < W; ++i)                                            \
+                                memcpy(out + (h * W + i) * channels, &rows[h][i], sizeof rows[h][i]); \
+                        }                                                                          \
+                        continue;                                                                  \
+                    }                                                                              \
+                    for (int64_t c = 0; c < W && c0 + c < end; ++c)                                \
+                        for (int64_t p = 0; p < 2 * W && q + p < np; ++p) {                        \
+                            const T v = gz[at + c * positions + p];                                \
+                            out[p * channels + c] = rg ? v * rg[q + p] : v;                        \
+                            if (eg) eg[q + p] += v * z[at + c * positions + p];                    \
+                        }                                                                          \
+                }                                                                                  \
+            if (eg)                                                                                \
+                for (int64_t p = 0; p < np; ++p) eg[p] *= -rg[p] * rg[p];                          \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    /* gz, z (N, O, P) planes, r and e (N, groups, P), gy (N, P, O) rows: gy = r * gz (gz          \
+       itself without r) and, when e is given, e = -r^2 * sum over the group's channels of gz*z. */ \
+    void scale_and_dot_to_cl_##SUFFIX(const T *gz, const T *z, const T *r, int64_t batch,          \
+                                      int64_t channels, int64_t positions, int64_t groups, T *gy,  \
+                                      T *e, int threads) {                                         \
+        const int64_t tiles = (positions + TILE - 1) / TILE;                                       \
+        _Pragma("omp parallel for schedule(static) num_threads(team_size(batch * channels * positions, threads))") \
+        for (int64_t q = 0; q < batch * tiles; ++q) {                                              \
+            const int64_t n = q / tiles, p0 = (q % tiles) * TILE;                                  \
+            const int64_t planes = n * channels * positions, scales = n * groups * positions;      \
+            scale_and_dot_to_cl_tile_##SUFFIX(gz + planes, z ? z + planes : NULL,                  \
+                                              r ? r + scales : NULL, channels, positions, groups,  \
+                                              p0, positions - p0 < TILE ? positions - p0 : TILE,   \
+                                              gy + planes, e ? e + scales : NULL);                 \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    /* One sample, positions [p0, p0 + np): see group_update_from_cl; blocks as above. */          \
+    TRANSPOSE_CLONES static void group_update_from_cl_tile_##SUFFIX(                               \
+        const T *restrict d, const T *restrict src, const T *restrict r, int64_t channels,         \
+        int64_t positions, int64_t groups, int64_t p0, int64_t np, T *restrict out) {              \
+        const int64_t per_group = channels / groups;                                               \
+        for (int64_t c0 = 0; c0 < channels; c0 += W)                                               \
+            for (int64_t q = 0; q < np; q += 2 * W) {                                              \
+                const T *dc = d + (p0 + q) * channels + c0;                                        \
+                const int64_t at = c0 * positions + p0 + q;                                        \
+                if (channels - c0 >= W && np - q >= 2 * W) {                                       \
+                    vec_##SUFFIX rows[2][W];                                                       \
+                    for (int h = 0; h < 2; ++h) {                                                  \
+                        for (int i = 0; i < W; ++i)                                                \
+                            memcpy(&rows[h][i], dc + (h * W + i) * channels, sizeof rows[h][i]);   \
+                        transpose_##SUFFIX(rows[h]);                                               \
+                    }                                                                              \
+                    for (int i = 0; i < W; ++i)                                                    \
+                        for (int h = 0; h < 2; ++h) {                                              \
+                            const int64_t k = at + i * positions + h * W;                          \
+                            vec_##SUFFIX x, scale;                                                 \
+                            memcpy(&x, src + k, sizeof x);                                         \
+                            memcpy(&scale, r + (c0 + i) / per_group * positions + p0 + q + h * W, sizeof scale); \
+                            rows[h][i] += x * scale;                                               \
+                            memcpy(out + k, &rows[h][i], sizeof rows[h][i]);                       \
+                        }                                                                          \
+                    continue;                                                                      \
+                }                                                                                  \
+                for (int64_t c = 0; c < W && c0 + c < channels; ++c) {                             \
+                    const T *rg = r + (c0 + c) / per_group * positions + p0 + q;                   \
+                    for (int64_t p = 0; p < 2 * W && q + p < np; ++p)                              \
+                        out[at + c * positions + p] = dc[p * channels + c] + src[at + c * positions + p] * rg[p]; \
+                }                                                                                  \
+            }                                                                                      \
+    }                                                                                              \
+                                                                                                   \
+    /* d (N, P, C) rows; src and out (N, C, P) planes; r (N, groups, P): out = d + src * r. */     \
+    void group_update_from_cl_##SUFFIX(const T *d, const T *src, const T *r, int64_t batch,        \
+                                     int64_t channels, int64_t positions, int64_t groups, T *out,  \
+                                     int threads) {                                                \
+        const int64_t tiles = (positions + TILE - 1) / TILE;                                       \
+        _Pragma("omp parallel for schedule(static) num_threads(team_size(batch * channels * positions, threads))") \
+        for (int64_t q = 0; q < batch * tiles; ++q) {                                              \
+            const int64_t n = q / tiles, p0 = (q % tiles) * TILE;                                  \
+            const int64_t planes = n * channels * positions;                                       \
+            group_update_from_cl_tile_##SUFFIX(d + planes, src + planes, r + n * groups * positions, \
+                                             channels, positions, groups, p0,                      \
+                                             positions - p0 < TILE ? positions - p0 : TILE,        \
+                                             out + planes);                                        \
+        }                                                                                          \
+    }
+
 DEFINE_ROWOPS(float, f32)
 DEFINE_ROWOPS(double, f64)
 DEFINE_CONVOPS(float, f32)
 DEFINE_CONVOPS(double, f64)
 DEFINE_CHANNELS_LAST_OPS(float, f32)
 DEFINE_CHANNELS_LAST_OPS(double, f64)
+DEFINE_TRANSPOSING_OPS(float, f32, 8)
+DEFINE_TRANSPOSING_OPS(double, f64, 4)
 
 static struct PyModuleDef fused_cpu_module = {
     PyModuleDef_HEAD_INIT,

@@ -313,6 +313,45 @@ def test_scale_and_dot_matches_torch(layout, threads, shape, seed, with_dot):
         assert e is None
 
 
+# channels and positions past the vector blocks (8 float32 channels × 16 positions, 4 × 8 in
+# float64) and past a 64-position tile, with ragged edges on both
+cross_layout_shapes = st.tuples(st.integers(0, 3), st.integers(1, 3), st.integers(1, 20), st.integers(1, 12),
+                                st.integers(1, 12))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+@settings(max_examples=25, deadline=None)
+@given(threads=threads, shape=cross_layout_shapes, seed=st.integers(0, 2**16), with_dot=st.booleans())
+def test_passes_across_layouts_match_torch(dtype, threads, shape, seed, with_dot):
+    batch, groups, per_group, h, w = shape
+    gz, z, d = (_planes(batch, groups, per_group, h, w, seed + i, torch.contiguous_format).to(dtype) for i in range(3))
+    d = d.contiguous(memory_format=torch.channels_last)
+    r = _data(batch * groups * h, w, seed + 3).reshape(batch, groups, h, w).abs().to(dtype)
+    into, out = torch.empty_like(gz), torch.empty_like(gz)
+    with intra_op_threads(threads):
+        gy, e = _fused.scale_and_dot(gz, z, r, groups, with_dot, to_channels_last=True)
+        copy = _fused.channels_last_copy(z, into=into)
+        updated = _fused.group_update_from_channels_last(d, r, groups, src=z, out=out)
+    grouped = lambda v: v.unflatten(1, (groups, per_group)).double()  # noqa: E731
+    # one product or none: exact in any dtype
+    assert torch.equal(gy, (gz.unflatten(1, (groups, per_group)) * r.unsqueeze(2)).flatten(1, 2))
+    assert torch.equal(copy, z)
+    assert gy.is_contiguous(memory_format=torch.channels_last) and copy.is_contiguous(memory_format=torch.channels_last)
+    assert copy.data_ptr() == into.data_ptr() and updated is out and out.is_contiguous()
+    # a sum of n terms: within (n + 2)·u·Σ|terms| of the float64 result (u = unit roundoff)
+    u = torch.finfo(dtype).eps / 2
+    expected = (grouped(d) + grouped(z) * r.double().unsqueeze(2)).flatten(1, 2)
+    bound = 4 * u * (grouped(d).abs() + (grouped(z) * r.double().unsqueeze(2)).abs()).flatten(1, 2)
+    assert bool(((updated.double() - expected).abs() <= bound).all())
+    if with_dot:
+        r2 = r.double() ** 2
+        exact, terms = -r2 * (grouped(gz) * grouped(z)).sum(2), r2 * (grouped(gz) * grouped(z)).abs().sum(2)
+        assert bool(((e.double() - exact).abs() <= (per_group + 3) * u * terms).all())
+    else:
+        assert e is None
+
+
 @needs_kernels
 @pytest.mark.parametrize("d", [1, 2])
 @settings(max_examples=25, deadline=None)
@@ -376,18 +415,61 @@ def test_patchnorm_conv2d_agrees_with_and_without_kernels(layout, kwargs, bias):
         torch.testing.assert_close(a, b, **TOL)
 
 
+# the kernels each layout's forward+backward goes through: an NCHW backward runs its
+# convolution channels_last, with the layout changes in the passes around it
+PASSES = {torch.contiguous_format: {"group_squares", "box", "scale_and_dot", "channels_last_copy", "box_transpose",
+                                    "group_update_", "group_update_from_channels_last"},
+          torch.channels_last: {"group_squares", "box", "scale_and_dot", "box_transpose", "group_update_"}}
+
+
+def _count_passes(monkeypatch) -> list[str]:
+    calls = []
+    for name in set.union(*PASSES.values()):
+        original = getattr(_fused, name)
+        monkeypatch.setattr(_fused, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    return calls
+
+
 @needs_kernels
 @pytest.mark.parametrize("layout", LAYOUTS, ids=["nchw", "channels_last"])
 def test_patchnorm_gradcheck_through_the_kernels(layout, monkeypatch):
-    calls = []
-    for name in ("group_squares", "box", "scale_and_dot", "box_transpose", "group_update_"):
-        original = getattr(_fused, name)
-        monkeypatch.setattr(_fused, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    calls = _count_passes(monkeypatch)
     x = _data(2 * 4 * 5, 5, 0).reshape(2, 4, 5, 5).contiguous(memory_format=layout).requires_grad_()
     w, b = _data(6 * 2 * 9, 1, 1).reshape(6, 2, 3, 3).requires_grad_(), _data(6, 1, 2)[:, 0].requires_grad_()
     fn = lambda x, w, b: LF.patchnorm_conv2d(x, w, b, stride=1, padding=1, groups=2)  # noqa: E731
     assert torch.autograd.gradcheck(fn, (x, w, b), atol=1e-7, rtol=1e-7)
-    assert {"group_squares", "box", "scale_and_dot", "box_transpose", "group_update_"} <= set(calls)
+    assert set(calls) == PASSES[layout]
+
+
+@needs_kernels
+@pytest.mark.parametrize("mkldnn", [True, False])
+@pytest.mark.parametrize("x_grad", [True, False])
+def test_nchw_backward_convolves_channels_last_and_returns_gradients_in_place(mkldnn, x_grad, monkeypatch):
+    # with oneDNN on, the NCHW layer's backward convolution runs channels_last (as inductor's);
+    # gradients still come back in the layout of x and of the weight, and equal the torch path's
+    x = _data(3 * 16 * 9, 7, 0).reshape(3, 16, 9, 7)
+    grad = _data(3 * 16 * 5, 4, 1).reshape(3, 16, 5, 4)
+
+    def run():
+        torch.manual_seed(1)
+        layer = PatchNormConv2d(16, 16, 3, stride=2, padding=1, groups=2, dtype=F64)
+        xi = x.detach().requires_grad_(x_grad)
+        layer(xi).backward(grad)
+        return layer, xi.grad
+
+    calls = _count_passes(monkeypatch)
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", mkldnn)
+    layer, dx = run()
+    assert ("channels_last_copy" in calls) == mkldnn
+    assert ("group_update_from_channels_last" in calls) == (mkldnn and x_grad)
+    assert layer.weight.grad.stride() == layer.weight.stride()
+    with _fused.disabled():
+        plain, plain_dx = run()
+    torch.testing.assert_close(layer.weight.grad, plain.weight.grad, **TOL)
+    torch.testing.assert_close(layer.bias.grad, plain.bias.grad, **TOL)
+    if x_grad:
+        assert dx.is_contiguous()
+        torch.testing.assert_close(dx, plain_dx, **TOL)
 
 
 # --------------------------------------------------------------------------------------------
