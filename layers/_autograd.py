@@ -297,12 +297,14 @@ class PatchNormConv(Function):
 
 
 def _channels_last_backward(x: Tensor, layout: torch.memory_format) -> bool:
-    """Whether the backward convolution of this contiguous (N, C, H, W) input runs channels_last,
-    as torch.compile (inductor) runs every oneDNN convolution on CPU. In NCHW, oneDNN reorders
-    x, gy and dx to and from its blocked layout and runs slower kernels; the transposes that
-    channels_last needs ride on the passes around the convolution instead (all but x's own,
-    which fills the buffer dx is later written to). Measured in docs/FINDINGS.md."""
-    return (layout == torch.contiguous_format and x.dim() == 4 and _fused.usable(x)
+    """Whether the backward convolution of this contiguous (N, C, H, W) float32 input runs
+    channels_last, as torch.compile (inductor) runs every oneDNN convolution on CPU. In NCHW,
+    oneDNN reorders x, gy and dx to and from its blocked layout and runs slower kernels; the
+    transposes that channels_last needs ride on the passes around the convolution instead (all
+    but x's own, which fills the buffer dx is later written to). Float64 convolutions do not go
+    to oneDNN and cost the same in both layouts, so there the transposes would be pure cost.
+    Measured in docs/FINDINGS.md."""
+    return (layout == torch.contiguous_format and x.dim() == 4 and x.dtype == torch.float32 and _fused.usable(x)
             and torch.backends.mkldnn.enabled and torch.backends.mkldnn.is_available())
 
 
