@@ -258,17 +258,18 @@ class PatchNormConv(Function):
             z = apply(PatchNormConv, x, weight, z_or_bias, stride, padding, dilation, groups, True)[0]
         dx = dw = db = None
         dsq2 = None  # 2·boxᵀ(ds): dx gets x·dsq2, per group
-        x_conv = x
+        dx_buffer = None  # set when the convolution runs channels_last: where dx is written back
         if grad_z is not None:
             fused = grad_r is None and _fused.usable(r)
             if fused:
                 layout = _fused.layout_of(grad_z if z is None else z)
                 grad_z = grad_z.contiguous(memory_format=layout)  # (a no-op unless the consumer's layout differs)
                 fused = _fused.usable(grad_z, z, memory_format=layout)
+            x_conv = x
             if fused and _channels_last_backward(x, layout):  # gy and x transposed in the passes
                 gy, e = _fused.scale_and_dot(grad_z, z, r, groups, with_dot=need_x, to_channels_last=True)
-                dx_buffer = torch.empty_like(x)  # x channels_last now, dx in x's layout later
-                x_conv = _fused.channels_last_copy(x, into=dx_buffer)
+                dx_buffer = torch.empty_like(x)  # x channels_last now (only dW reads it), dx later
+                x_conv = _fused.channels_last_copy(x, dx_buffer) if need_w else _fused.channels_last_view(dx_buffer)
             elif fused:  # one pass for gy and e = 2·ds
                 gy, e = _fused.scale_and_dot(grad_z, z, r, groups, with_dot=need_x)
             else:
@@ -277,8 +278,8 @@ class PatchNormConv(Function):
                 gy, x_conv, weight, ctx.bias_shape, stride, padding, dilation,
                 False, _zeros(x), groups, [need_x, need_w, need_b and ctx.bias_shape is not None],
             )
-            if dw is not None and dw.stride() != weight.stride():  # (oneDNN returns it channels_last)
-                dw = torch.empty_like(weight).copy_(dw)
+            if dx_buffer is not None and dw is not None:  # (oneDNN returns it channels_last)
+                dw = dw.contiguous(memory_format=_fused.layout_of(weight))
             if need_x and fused:
                 dsq2 = _fused.box_transpose(e, x.shape[2:], weight.shape[2:], stride, padding, dilation)
             elif need_x:
@@ -288,7 +289,7 @@ class PatchNormConv(Function):
                 dsq2 = _doubled_box_transpose(ds, x, weight.shape[2:], stride, padding, dilation)
         elif grad_r is not None and need_x:
             dsq2 = _doubled_box_transpose(-0.5 * r * r * r * grad_r, x, weight.shape[2:], stride, padding, dilation)
-        if dsq2 is not None and x_conv is not x:  # dx = dx_cl + x·dsq2, back in x's layout
+        if dsq2 is not None and dx_buffer is not None:  # dx = dx_cl + x·dsq2, back in x's layout
             dx_rows = dx.contiguous(memory_format=torch.channels_last)  # (a no-op: oneDNN keeps the layout)
             dx = _fused.group_update_from_channels_last(dx_rows, dsq2, groups, src=x, out=dx_buffer)
         elif dsq2 is not None:

@@ -21,7 +21,8 @@ and, for an NCHW layer whose backward convolution runs channels_last (4-D), the 
 writing across the layouts (blocks transposed in vector registers):
 
     scale_and_dot(…, to_channels_last=True)   gy written channels_last
-    channels_last_copy(t, into)                 t itself, channels_last
+    channels_last_copy(t, into)                 t itself, channels_last (channels_last_view: a
+                                                buffer's storage read so, without copying)
     group_update_from_channels_last(d, r, …)   d + src·r, from channels_last d to contiguous
 
 Sums are accumulated in 16 partial sums in the tensors' dtype, combined pairwise (float32
@@ -261,10 +262,10 @@ def scale_and_dot(
     ``to_channels_last`` (gz and z contiguous and 4-D), gy is written channels_last."""
     if with_dot and z is None:
         raise ValueError("scale_and_dot: e = −r²·Σ gz·z needs z, got None")
-    batch, channels = gz.shape[:2]
     e = torch.empty_like(r) if with_dot else None
     if to_channels_last:
         return _to_channels_last(gz, r, groups, z, e), e
+    batch, channels = gz.shape[:2]
     gy = torch.empty_like(gz)
     _call(f"scale_and_dot{_layout(gz)}", gz.dtype)(
         gz.data_ptr(), _ptr(z), r.data_ptr(), batch, channels, math.prod(r.shape[2:]), groups, gy.data_ptr(),
@@ -285,20 +286,28 @@ def group_update_(t: Tensor, r: Tensor, groups: int, src: Tensor | None = None) 
 
 def channels_last_copy(t: Tensor, into: Tensor | None = None) -> Tensor:
     """t (N, C, H, W) contiguous, copied channels_last into ``into`` (a contiguous tensor of t's
-    shape, allocated if None; its storage then holds the (N, H, W, C) rows): returns the
-    channels_last view of ``into``, which stays reusable in its own layout afterwards."""
+    shape, not t itself, allocated if None): returns ``channels_last_view(into)``."""
+    if into is not None and t.numel() and into.data_ptr() == t.data_ptr():
+        raise ValueError("channels_last_copy: `into` must not be t's own storage")
     return _to_channels_last(t, into=into)
+
+
+def channels_last_view(buffer: Tensor) -> Tensor:
+    """A contiguous (N, C, H, W) buffer's storage read as (N, H, W, C) rows: the same-shaped
+    channels_last view; ``buffer`` stays usable in its own layout afterwards."""
+    batch, channels, height, width = buffer.shape
+    return buffer.view(batch, height, width, channels).permute(0, 3, 1, 2)
 
 
 def _to_channels_last(t, r=None, groups=1, z=None, e=None, into=None) -> Tensor:
     """``channels_last_copy``; with r: t·r (see ``scale_and_dot``), with z and e: e too."""
     batch, channels, height, width = t.shape
-    rows = (torch.empty_like(t) if into is None else into).view(batch, height, width, channels)
+    out = channels_last_view(torch.empty_like(t) if into is None else into)
     _call("scale_and_dot_to_cl", t.dtype)(
-        t.data_ptr(), _ptr(z), _ptr(r), batch, channels, height * width, groups, rows.data_ptr(), _ptr(e),
+        t.data_ptr(), _ptr(z), _ptr(r), batch, channels, height * width, groups, out.data_ptr(), _ptr(e),
         torch.get_num_threads(),
     )
-    return rows.permute(0, 3, 1, 2)
+    return out
 
 
 def group_update_from_channels_last(d: Tensor, r: Tensor, groups: int, src: Tensor, out: Tensor) -> Tensor:

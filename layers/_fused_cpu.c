@@ -38,7 +38,7 @@
 
 /* Vector clones picked at load time: AVX2 (x86-64-v3) for every pass; the transposing passes
    also get an AVX-512 (v4) clone, for its 32 vector registers (with AVX2's 16 their register
-   transposes spill, 2.5x slower). */
+   transposes spill: 1.2-2.5x slower in a harness, see docs/FINDINGS.md). */
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && __GNUC__ >= 12
 #define VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #define TRANSPOSE_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
@@ -435,15 +435,21 @@ static void taps(int64_t o, int64_t size, int64_t kernel, int64_t stride, int64_
    of NCHW tensors (P = H*W positions, each sample's planes (C, P) against its rows (P, C)):
    scale_and_dot_to_cl writes gy = r * gz in rows and e as scale_and_dot (no r: a plain
    transpose, e.g. x itself); group_update_from_cl writes out = d + src * r in planes from d
-   in rows (group_update with src, across the layouts). Square blocks of W = 32 bytes /
-   sizeof(T) channels by W positions are transposed in vector registers, so that reads and
+   in rows (group_update with src, across the layouts). Square blocks of V = 32 bytes /
+   sizeof(T) channels by V positions are transposed in vector registers, so that reads and
    writes both run along memory, two blocks at a time (a whole cache line of each plane);
    blocks cut by the edge of a group or of the positions go element by element. e sums each
    position's channels in channel order, as scale_and_dot. */
 typedef float vec_f32 __attribute__((vector_size(32)));
 typedef double vec_f64 __attribute__((vector_size(32)));
 
-#if defined(__has_builtin) && __has_builtin(__builtin_shufflevector)
+#if defined(__has_builtin) /* (nested: an undefined __has_builtin(...) is a syntax error) */
+#if __has_builtin(__builtin_shufflevector)
+#define HAVE_SHUFFLE 1
+#endif
+#endif
+
+#ifdef HAVE_SHUFFLE
 #define SHUFFLE __builtin_shufflevector
 /* r[i] (lane j) <-> r[j] (lane i): unpack pairs, then quadruples, then halves. */
 static inline void transpose_f32(vec_f32 r[8]) {
@@ -472,9 +478,9 @@ static inline void transpose_f64(vec_f64 r[4]) {
     r[3] = SHUFFLE(t1, t3, 2, 3, 6, 7);
 }
 #else /* (compilers without the shuffle builtin: GCC < 12) */
-#define DEFINE_LANE_TRANSPOSE(T, SUFFIX, W)                                                        \
-    static inline void transpose_##SUFFIX(vec_##SUFFIX r[W]) {                                    \
-        for (int i = 0; i < W; ++i)                                                                \
+#define DEFINE_LANE_TRANSPOSE(T, SUFFIX, V)                                                        \
+    static inline void transpose_##SUFFIX(vec_##SUFFIX r[V]) {                                    \
+        for (int i = 0; i < V; ++i)                                                                \
             for (int j = 0; j < i; ++j) {                                                          \
                 const T swap = r[i][j];                                                            \
                 r[i][j] = r[j][i];                                                                 \
@@ -485,11 +491,11 @@ DEFINE_LANE_TRANSPOSE(float, f32, 8)
 DEFINE_LANE_TRANSPOSE(double, f64, 4)
 #endif
 
-/* Positions per parallel work item (a multiple of 2 W for both types). */
+/* Positions per parallel work item (a multiple of 2 V for both types). */
 #define TILE 64
-#define DEFINE_TRANSPOSING_OPS(T, SUFFIX, W)                                                       \
+#define DEFINE_TRANSPOSING_OPS(T, SUFFIX, V)                                                       \
     /* One sample, positions [p0, p0 + np) (np <= TILE): see scale_and_dot_to_cl. Vector blocks    \
-       take 2 W positions (a cache line of each plane, used up at once) by W channels. */          \
+       take 2 V positions (a cache line of each plane, used up at once) by V channels. */          \
     TRANSPOSE_CLONES static void scale_and_dot_to_cl_tile_##SUFFIX(                                \
         const T *restrict gz, const T *restrict z, const T *restrict r, int64_t channels,          \
         int64_t positions, int64_t groups, int64_t p0, int64_t np, T *restrict gy,                 \
@@ -501,36 +507,36 @@ DEFINE_LANE_TRANSPOSE(double, f64, 4)
             if (eg)                                                                                \
                 for (int64_t p = 0; p < np; ++p) eg[p] = 0;                                        \
             const int64_t end = (g + 1) * per_group;                                               \
-            for (int64_t c0 = g * per_group; c0 < end; c0 += W)                                    \
-                for (int64_t q = 0; q < np; q += 2 * W) {                                          \
+            for (int64_t c0 = g * per_group; c0 < end; c0 += V)                                    \
+                for (int64_t q = 0; q < np; q += 2 * V) {                                          \
                     const int64_t at = c0 * positions + p0 + q;                                    \
                     T *out = gy + (p0 + q) * channels + c0;                                        \
-                    if (end - c0 >= W && np - q >= 2 * W) {                                        \
-                        vec_##SUFFIX rows[2][W], scale[2] = {0}, dot[2] = {0};                     \
+                    if (end - c0 >= V && np - q >= 2 * V) {                                        \
+                        vec_##SUFFIX rows[2][V], scale[2] = {0}, dot[2] = {0};                     \
                         for (int h = 0; h < 2; ++h) {                                              \
-                            if (rg) memcpy(&scale[h], rg + q + h * W, sizeof scale[h]);            \
-                            if (eg) memcpy(&dot[h], eg + q + h * W, sizeof dot[h]);                \
+                            if (rg) memcpy(&scale[h], rg + q + h * V, sizeof scale[h]);            \
+                            if (eg) memcpy(&dot[h], eg + q + h * V, sizeof dot[h]);                \
                         }                                                                          \
-                        for (int i = 0; i < W; ++i)                                                \
+                        for (int i = 0; i < V; ++i)                                                \
                             for (int h = 0; h < 2; ++h) {                                          \
-                                memcpy(&rows[h][i], gz + at + i * positions + h * W, sizeof rows[h][i]); \
+                                memcpy(&rows[h][i], gz + at + i * positions + h * V, sizeof rows[h][i]); \
                                 if (eg) {                                                          \
                                     vec_##SUFFIX zi;                                               \
-                                    memcpy(&zi, z + at + i * positions + h * W, sizeof zi);        \
+                                    memcpy(&zi, z + at + i * positions + h * V, sizeof zi);        \
                                     dot[h] += rows[h][i] * zi;                                     \
                                 }                                                                  \
                                 if (rg) rows[h][i] *= scale[h];                                    \
                             }                                                                      \
                         for (int h = 0; h < 2; ++h) {                                              \
-                            if (eg) memcpy(eg + q + h * W, &dot[h], sizeof dot[h]);                \
+                            if (eg) memcpy(eg + q + h * V, &dot[h], sizeof dot[h]);                \
                             transpose_##SUFFIX(rows[h]);                                           \
-                            for (int i = 0; i < W; ++i)                                            \
-                                memcpy(out + (h * W + i) * channels, &rows[h][i], sizeof rows[h][i]); \
+                            for (int i = 0; i < V; ++i)                                            \
+                                memcpy(out + (h * V + i) * channels, &rows[h][i], sizeof rows[h][i]); \
                         }                                                                          \
                         continue;                                                                  \
                     }                                                                              \
-                    for (int64_t c = 0; c < W && c0 + c < end; ++c)                                \
-                        for (int64_t p = 0; p < 2 * W && q + p < np; ++p) {                        \
+                    for (int64_t c = 0; c < V && c0 + c < end; ++c)                                \
+                        for (int64_t p = 0; p < 2 * V && q + p < np; ++p) {                        \
                             const T v = gz[at + c * positions + p];                                \
                             out[p * channels + c] = rg ? v * rg[q + p] : v;                        \
                             if (eg) eg[q + p] += v * z[at + c * positions + p];                    \
@@ -541,8 +547,9 @@ DEFINE_LANE_TRANSPOSE(double, f64, 4)
         }                                                                                          \
     }                                                                                              \
                                                                                                    \
-    /* gz, z (N, O, P) planes, r and e (N, groups, P), gy (N, P, O) rows: gy = r * gz (gz          \
-       itself without r) and, when e is given, e = -r^2 * sum over the group's channels of gz*z. */ \
+    /* gz, z (N, O, P) planes, r and e (N, groups, P), gy (N, P, O) rows: gy = r * gz (gz      \
+       itself without r) and, when e is given (with r), e = -r^2 * sum over the group's         \
+       channels of gz*z. gy must not overlap gz. */                                               \
     void scale_and_dot_to_cl_##SUFFIX(const T *gz, const T *z, const T *r, int64_t batch,          \
                                       int64_t channels, int64_t positions, int64_t groups, T *gy,  \
                                       T *e, int threads) {                                         \
@@ -563,31 +570,31 @@ DEFINE_LANE_TRANSPOSE(double, f64, 4)
         const T *restrict d, const T *restrict src, const T *restrict r, int64_t channels,         \
         int64_t positions, int64_t groups, int64_t p0, int64_t np, T *restrict out) {              \
         const int64_t per_group = channels / groups;                                               \
-        for (int64_t c0 = 0; c0 < channels; c0 += W)                                               \
-            for (int64_t q = 0; q < np; q += 2 * W) {                                              \
+        for (int64_t c0 = 0; c0 < channels; c0 += V)                                               \
+            for (int64_t q = 0; q < np; q += 2 * V) {                                              \
                 const T *dc = d + (p0 + q) * channels + c0;                                        \
                 const int64_t at = c0 * positions + p0 + q;                                        \
-                if (channels - c0 >= W && np - q >= 2 * W) {                                       \
-                    vec_##SUFFIX rows[2][W];                                                       \
+                if (channels - c0 >= V && np - q >= 2 * V) {                                       \
+                    vec_##SUFFIX rows[2][V];                                                       \
                     for (int h = 0; h < 2; ++h) {                                                  \
-                        for (int i = 0; i < W; ++i)                                                \
-                            memcpy(&rows[h][i], dc + (h * W + i) * channels, sizeof rows[h][i]);   \
+                        for (int i = 0; i < V; ++i)                                                \
+                            memcpy(&rows[h][i], dc + (h * V + i) * channels, sizeof rows[h][i]);   \
                         transpose_##SUFFIX(rows[h]);                                               \
                     }                                                                              \
-                    for (int i = 0; i < W; ++i)                                                    \
+                    for (int i = 0; i < V; ++i)                                                    \
                         for (int h = 0; h < 2; ++h) {                                              \
-                            const int64_t k = at + i * positions + h * W;                          \
+                            const int64_t k = at + i * positions + h * V;                          \
                             vec_##SUFFIX x, scale;                                                 \
                             memcpy(&x, src + k, sizeof x);                                         \
-                            memcpy(&scale, r + (c0 + i) / per_group * positions + p0 + q + h * W, sizeof scale); \
+                            memcpy(&scale, r + (c0 + i) / per_group * positions + p0 + q + h * V, sizeof scale); \
                             rows[h][i] += x * scale;                                               \
                             memcpy(out + k, &rows[h][i], sizeof rows[h][i]);                       \
                         }                                                                          \
                     continue;                                                                      \
                 }                                                                                  \
-                for (int64_t c = 0; c < W && c0 + c < channels; ++c) {                             \
+                for (int64_t c = 0; c < V && c0 + c < channels; ++c) {                             \
                     const T *rg = r + (c0 + c) / per_group * positions + p0 + q;                   \
-                    for (int64_t p = 0; p < 2 * W && q + p < np; ++p)                              \
+                    for (int64_t p = 0; p < 2 * V && q + p < np; ++p)                              \
                         out[at + c * positions + p] = dc[p * channels + c] + src[at + c * positions + p] * rg[p]; \
                 }                                                                                  \
             }                                                                                      \
