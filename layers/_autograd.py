@@ -266,7 +266,7 @@ class PatchNormConv(Function):
                 grad_z = grad_z.contiguous(memory_format=layout)  # (a no-op unless the consumer's layout differs)
                 fused = _fused.usable(grad_z, z, memory_format=layout)
             x_conv = x
-            if fused and _channels_last_backward(x, layout):  # gy and x transposed in the passes
+            if fused and (need_x or need_w) and _channels_last_backward(x, layout):  # gy and x transposed in the passes
                 gy, e = _fused.scale_and_dot(grad_z, z, r, groups, with_dot=need_x, to_channels_last=True)
                 dx_buffer = torch.empty_like(x)  # x channels_last now (only dW reads it), dx later
                 x_conv = _fused.channels_last_copy(x, dx_buffer) if need_w else _fused.channels_last_view(dx_buffer)
