@@ -7,7 +7,8 @@ Subpackages:
     affdiv.experiments  the falsification harness: data, sweeps, results store, statistics, reports
 """
 
-from importlib.metadata import PackageNotFoundError, version as _version
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
 
 try:
     __version__ = _version("affdiv")

@@ -1,7 +1,14 @@
-"""The `affdiv` command line: one subcommand family per subpackage.
+"""The `affdiv` command line and its conventions.
 
-Each module in COMMAND_MODULES exposes ``register(subparsers)``, which adds its subcommands
-and sets ``func`` (called with the parsed namespace, returning the exit status).
+Every subcommand lives in the module that owns its work (``COMMANDS``); that module's
+``register(subparsers)`` adds its parsers and sets ``func(args) -> int``. Only the module of the
+command being run is imported, so ``affdiv --help`` and ``affdiv --version`` answer without
+importing torch or sympy.
+
+Exit status, the same for every command: 0 success; 1 a check or test failed (the command says
+which); 2 bad input — an argparse usage error, or a :class:`BadInput`, ``ValueError`` or missing,
+unreadable or unwritable file raised by the command, printed as one line
+``affdiv CMD: error: ...`` without a traceback. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -12,30 +19,53 @@ import sys
 
 from affdiv import __version__
 
-COMMAND_MODULES = (
-    "affdiv.verify.cli",
-    "affdiv.experiments.cli",
-    "affdiv.layers.cli",
-    "affdiv.experiments.probe",
-)
+# command -> (module that registers it, one-line help shown by `affdiv --help`)
+COMMANDS = {
+    "verify": ("affdiv.verify.cli", "prove every derivation and check it against autograd and a real SGD step"),
+    "falsify": ("affdiv.experiments.cli", "run (or resume) a preset's sweep and write its falsification report"),
+    "analyse": ("affdiv.experiments.cli", "analyse a CSV (method, batch_size, seed, metric) or a results database"),
+    "probe": ("affdiv.experiments.cli", "measure the update alignment behind the batch-size prediction"),
+    "bench": ("affdiv.layers.cli", "timing benchmarks of the corrected layers"),
+}
+
+# Errors that mean "the input is bad", not "the program is wrong".
+_BAD_INPUT = (ValueError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError,
+              PermissionError)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser with ``command``'s module registered in full and the other commands as entries
+    of the help list only (every module in full when ``command`` is ``"all"``)."""
     parser = argparse.ArgumentParser(
         prog="affdiv",
         description="The affine divergence under numerical test (arXiv 2512.22247).",
     )
     parser.add_argument("--version", action="version", version=f"affdiv {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).register(subparsers)  # a misspelled name raises here
+    if command == "all":
+        modules = {module for module, _ in COMMANDS.values()}
+    else:
+        modules = {COMMANDS[command][0]} if command in COMMANDS else set()
+    for module in sorted(modules):
+        importlib.import_module(module).register(subparsers)
+    registered = set(subparsers.choices)
+    for name, (_, text) in COMMANDS.items():
+        if name not in registered:
+            subparsers.add_parser(name, help=text)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command)
     args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except _BAD_INPUT as error:
+        message = error.args[0] if isinstance(error, ValueError) and error.args else error
+        print(f"affdiv {args.command}: error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

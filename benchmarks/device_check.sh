@@ -15,7 +15,7 @@ export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 status=0
 python3 -c "import torch, affdiv; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(),
       torch.cuda.get_device_name() if torch.cuda.is_available() else '')" 2>&1 | tee "$out/environment.txt" || status=1
-python3 -m pytest -q -rs -p no:cacheprovider tests/test_layers_cuda.py tests/test_triton_affine_like.py 2>&1 \
+python3 -m pytest -q -rs -p no:cacheprovider tests/layers/test_cuda.py tests/layers/test_triton_affine_like.py 2>&1 \
     | tee "$out/cuda_tests.log" || status=1
 python3 benchmarks/gpu_check.py --json "$out/gpu_check.json" 2>&1 | tee "$out/gpu_check.log" || status=1
 exit $status

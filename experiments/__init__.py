@@ -1,21 +1,39 @@
 """The falsification harness: does performance fall with batch size for the corrected layers?
 
-Modules (flat, one job each):
-    data            datasets (digits, fashion-mnist, cifar10, synthetic), split, standardised, fingerprinted
-    data_raw        the arrays a data source hands over, checked once for all sources
-    data_idx        the IDX container (MNIST, Fashion-MNIST);  data_fashion  Fashion-MNIST from IDX files
-    data_cifar      CIFAR-10 from the official pickle release, checksummed
-    data_synthetic  a teacher-student task whose inputs share a component of tunable weight
-    models          MLP / CNN built from a method name (which layer every hidden layer is)
-    training        one run: plain SGD (or momentum, Adam), explicit budget, LR rule per batch size
-    store           SQLite results, one transaction per finished run, keyed by the config hash
-    sweep           a grid of runs in parallel workers, resumed after any interruption
-    presets         TOML presets (smoke, fashion, paper) -> studies of run configs
-    stats           trend estimators and tests (clustered OLS, mixed model, Page's L, bootstrap, Holm)
-    analysis        the decision rule: verdicts per method and group from the records
-    calibration     the tests' error rates and power on simulated sweeps with a planted slope
-    figures         the report's figures (matplotlib, no pyplot state)
-    report          the written report (Markdown, HTML, summary.json, LaTeX)
-    probe           ``affdiv probe``: the update alignment behind the prediction, on real data
-    cli             ``affdiv falsify`` and ``affdiv analyse``
+Sub-packages by pipeline stage; an import only ever points down this list:
+
+    data/       datasets (digits, fashion-mnist, cifar10, synthetic): one module per source, and
+                the API that splits, standardises and fingerprints them (load_dataset)
+    runs/       one run and many: config (RunConfig, its hash, grids), models, training, the
+                SQLite store, the parallel sweep, presets and their TOML files
+    records     the one place that reads and writes record CSVs
+    analysis/   trend statistics, the decision rule, the groups analysed together, calibration
+    report/     the written report (Markdown, HTML, JSON, LaTeX) and its figures
+    probe       the update alignment behind the prediction, measured on real data
+    pipeline    the whole study: sweep, analysis, calibration, report (what the CLI calls)
+    cli         ``affdiv falsify``, ``affdiv analyse``, ``affdiv probe``
+
+The public API below is imported on first use, so that importing the package costs nothing.
 """
+
+from __future__ import annotations
+
+import importlib
+
+_PUBLIC = {
+    "load_dataset": "affdiv.experiments.data",
+    "RunConfig": "affdiv.experiments.runs.config",
+    "run_sweep": "affdiv.experiments.runs.sweep",
+    "analyse": "affdiv.experiments.analysis.decision",
+    "write_report": "affdiv.experiments.report.writer",
+    "falsify": "affdiv.experiments.pipeline",
+    "analyse_file": "affdiv.experiments.pipeline",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -19,9 +19,7 @@ grows with B for correlated inputs for every member: what the corrections cannot
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -29,7 +27,7 @@ import numpy as np
 import torch
 
 from affdiv.atomic import atomic_write
-from affdiv.experiments.data import DATASETS, load_dataset
+from affdiv.experiments.data.dataset import load_dataset
 from affdiv.provenance import provenance
 from affdiv.theory.affine import MEMBERS, ReferenceAffineFamily
 from affdiv.verify.engine import effective_update
@@ -105,26 +103,19 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines)
 
 
-def register(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "probe", help="measure the update alignment behind the batch-size prediction on real data", description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--dataset", default="digits", choices=DATASETS)
-    parser.add_argument("--data-dir", default=None)
-    parser.add_argument("--members", nargs="+", default=[m.name for m in MEMBERS], choices=[m.name for m in MEMBERS])
-    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4, 16, 64, 256])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="reports/probe", help="folder for probe.json, probe.md, probe.png")
-    parser.set_defaults(func=main)
-
-
-def main(args: argparse.Namespace) -> int:
-    if args.repeats < 1 or any(b < 1 for b in args.batch_sizes):
-        raise SystemExit(f"affdiv probe: --repeats and --batch-sizes must be ≥ 1, got {args.repeats}, {args.batch_sizes}")
+def probe(out: str | Path, *, dataset: str = "digits", data_dir: str | None = None,
+          members: list[str] | None = None, batch_sizes: list[int] = (1, 4, 16, 64, 256), repeats: int = 5,
+          seed: int = 0) -> dict[str, Path]:
+    """Measure every member at every batch size and write ``probe.json``, ``probe.md`` and
+    ``probe.png`` under ``out``; returns the written paths."""
+    members = list(members or [m.name for m in MEMBERS])
+    unknown = sorted(set(members) - {m.name for m in MEMBERS})
+    if unknown:
+        raise ValueError(f"--members: unknown member(s) {unknown}; expected among {[m.name for m in MEMBERS]}")
+    if repeats < 1 or not batch_sizes or any(b < 1 for b in batch_sizes):
+        raise ValueError(f"--repeats and --batch-sizes must be >= 1, got {repeats}, {list(batch_sizes)}")
     start = time.perf_counter()
-    dataset = load_dataset(args.dataset, data_dir=args.data_dir, seed=args.seed)
+    data = load_dataset(dataset, data_dir=data_dir, seed=seed)
 
     def progress(done, total, row):
         print(
@@ -133,20 +124,20 @@ def main(args: argparse.Namespace) -> int:
             flush=True,
         )
 
-    rows = run_probe(dataset, args.members, sorted(set(args.batch_sizes)), args.repeats, args.seed, progress)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    rows = run_probe(data, members, sorted(set(batch_sizes)), repeats, seed, progress)
+    out = Path(out)
     meta = {
-        "dataset": args.dataset,
-        "repeats": args.repeats,
+        "dataset": dataset,
+        "repeats": repeats,
         "provenance": provenance(
-            seed=args.seed, data_fingerprint=dataset.fingerprint, wall_time_s=round(time.perf_counter() - start, 2)
+            seed=seed, data_fingerprint=data.fingerprint, wall_time_s=round(time.perf_counter() - start, 2)
         ),
     }
-    atomic_write(out / "probe.json", json.dumps({**meta, "rows": rows}, indent=2) + "\n")
-    atomic_write(out / "probe.md", to_markdown(rows, meta))
-    from affdiv.experiments import figures  # here: matplotlib is not needed to list the CLI's commands
+    paths = {
+        "json": atomic_write(out / "probe.json", json.dumps({**meta, "rows": rows}, indent=2) + "\n"),
+        "markdown": atomic_write(out / "probe.md", to_markdown(rows, meta)),
+    }
+    from affdiv.experiments.report import figures  # here: matplotlib only when a figure is drawn
 
-    figures.probe_alignment(rows, METRICS, out / "probe.png")
-    print(f"wrote {out}/probe.json, probe.md, probe.png", file=sys.stderr)
-    return 0
+    paths["figure"] = figures.probe_alignment(rows, METRICS, out / "probe.png")
+    return paths

@@ -35,13 +35,13 @@ def select(names: list[str] | None):
         return list(derivations.values())
     unknown = [n for n in names if n not in derivations]
     if unknown:
-        raise SystemExit(f"affdiv verify: unknown derivation(s) {unknown}; registered: {sorted(derivations)}")
+        raise ValueError(f"--only: unknown derivation(s) {unknown}; registered: {sorted(derivations)}")
     return [derivations[n] for n in names]
 
 
 def run(args: argparse.Namespace) -> int:
     if args.seeds < 1:
-        raise SystemExit(f"affdiv verify: --seeds must be at least 1, got {args.seeds}")
+        raise ValueError(f"--seeds must be at least 1, got {args.seeds}")
     derivations = select(args.only)
     if args.list:
         for d in derivations:

@@ -1,0 +1,1 @@
+"""The written report (writer: Markdown, HTML, summary.json, LaTeX) and its figures."""

@@ -1,0 +1,121 @@
+"""The networks the falsification sweeps train, built from a method name.
+
+A *method* names what every hidden layer is; everything else (depth, width, activation, the
+linear read-out) is shared, so that two methods differ only in the layer the theory is about.
+
+MLP (input flattened):   [hidden(method) -> activation] x depth -> Linear read-out
+    affine       z = W x + b                               (no normalisation)
+    batchnorm    Linear (no bias, BN shifts) -> BatchNorm1d
+    layernorm    Linear -> LayerNorm
+    rmsnorm      Linear -> RMSNorm
+    norm_l2      NormLike(mode="l2")                   (the paper's norm-like correction)
+    affine_like  AffineLike                                (the paper's affine-like correction)
+
+CNN (image input C,H,W): [conv block(method) -> activation -> 2x2 max-pool while H,W >= 2] x depth
+                         -> global average pool -> Linear read-out; every block has `width` channels.
+    conv             Conv2d 3x3
+    conv+batchnorm   Conv2d 3x3 (no bias) -> BatchNorm2d
+    patchnorm        PatchNormConv2d 3x3                   (the paper's convolutional correction)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+Block = Callable[[int, int], list[nn.Module]]
+
+ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
+    "tanh": nn.Tanh,
+    "relu": nn.ReLU,
+    "gelu": nn.GELU,
+    "identity": nn.Identity,
+}
+
+
+def _norm_like(n_in: int, n_out: int) -> list[nn.Module]:
+    from affdiv.layers import NormLike
+
+    return [NormLike(n_in, n_out, mode="l2")]
+
+
+def _affine_like(n_in: int, n_out: int) -> list[nn.Module]:
+    from affdiv.layers import AffineLike
+
+    return [AffineLike(n_in, n_out)]
+
+
+def _patchnorm(c_in: int, c_out: int) -> list[nn.Module]:
+    from affdiv.layers import PatchNormConv2d
+
+    return [PatchNormConv2d(c_in, c_out, 3, padding=1)]
+
+
+MLP_METHODS: dict[str, Block] = {
+    "affine": lambda n_in, n_out: [nn.Linear(n_in, n_out)],
+    "batchnorm": lambda n_in, n_out: [nn.Linear(n_in, n_out, bias=False), nn.BatchNorm1d(n_out)],
+    "layernorm": lambda n_in, n_out: [nn.Linear(n_in, n_out), nn.LayerNorm(n_out)],
+    "rmsnorm": lambda n_in, n_out: [nn.Linear(n_in, n_out), nn.RMSNorm(n_out)],
+    "norm_l2": _norm_like,
+    "affine_like": _affine_like,
+}
+
+CNN_METHODS: dict[str, Block] = {
+    "conv": lambda c_in, c_out: [nn.Conv2d(c_in, c_out, 3, padding=1)],
+    "conv+batchnorm": lambda c_in, c_out: [
+        nn.Conv2d(c_in, c_out, 3, padding=1, bias=False),
+        nn.BatchNorm2d(c_out),
+    ],
+    "patchnorm": _patchnorm,
+}
+
+METHODS: tuple[str, ...] = (*MLP_METHODS, *CNN_METHODS)
+
+
+def check_choice(kind: str, value: str, valid) -> str:
+    """Return ``value`` if it is one of ``valid``, else raise a ValueError listing them."""
+    if value not in valid:
+        raise ValueError(f"unknown {kind} {value!r}; expected one of: {', '.join(valid)}")
+    return value
+
+
+def build_model(
+    method: str,
+    *,
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    depth: int,
+    width: int,
+    activation: str,
+) -> nn.Sequential:
+    """The network for ``method`` (an MLP or CNN method name) on inputs of ``input_shape``."""
+    check_choice("method", method, METHODS)
+    check_choice("activation", activation, ACTIVATIONS)
+    if depth < 1 or width < 1:
+        raise ValueError(f"depth and width must be >= 1, got depth={depth}, width={width}")
+    act = ACTIVATIONS[activation]
+    layers: list[nn.Module] = []
+    if method in MLP_METHODS:
+        n_in = 1
+        for size in input_shape:
+            n_in *= size
+        layers.append(nn.Flatten())
+        for _ in range(depth):
+            layers += [*MLP_METHODS[method](n_in, width), act()]
+            n_in = width
+    else:
+        if len(input_shape) != 3:
+            raise ValueError(
+                f"CNN method {method!r} needs image inputs (C, H, W); got input shape {input_shape}"
+            )
+        channels, height, breadth = input_shape
+        for _ in range(depth):
+            layers += [*CNN_METHODS[method](channels, width), act()]
+            channels = width
+            if min(height, breadth) >= 2:
+                layers.append(nn.MaxPool2d(2))
+                height, breadth = height // 2, breadth // 2
+        layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten()]
+    layers.append(nn.Linear(width, num_classes))
+    return nn.Sequential(*layers)

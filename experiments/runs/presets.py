@@ -1,0 +1,106 @@
+"""Sweep presets: TOML files naming the runs of a falsification study and how to analyse them.
+
+A preset has three tables that apply to every study, and optionally a list of studies that
+override them (one report each):
+
+    description = "..."
+    [run]        settings shared by every run (any ``RunConfig`` field: dataset, depth, budget, ...)
+    [grid]       axes: lists of values, crossed (method, batch_size, seed, lr_rule, ...)
+    [analysis]   metric, corrected, baselines, margin, ... (keyword arguments of ``analyse``)
+    [[study]]    name = "...", and its own [study.run] / [study.grid] / [study.analysis]
+
+Command-line overrides replace grid axes (``seed``, ``batch_size``), restrict ``method`` to the
+named methods of the right kind (MLP or CNN) per study, and set run fields (``--set k=v``; when
+k is a grid axis, v, or the list v, replaces the axis).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import tomllib
+
+from affdiv.experiments.runs.config import RunConfig, expand_grid
+from affdiv.experiments.runs.models import CNN_METHODS, METHODS, MLP_METHODS, check_choice
+
+_SECTIONS = {"description", "run", "grid", "analysis", "study"}
+
+
+def available_presets() -> list[str]:
+    folder = resources.files("affdiv.experiments.runs") / "presets"
+    return sorted(p.name[: -len(".toml")] for p in folder.iterdir() if p.name.endswith(".toml"))
+
+
+@dataclass
+class Study:
+    """One analysed family of runs: its configs and the keyword arguments of ``analyse``."""
+
+    name: str
+    configs: list[RunConfig]
+    analysis: dict = field(default_factory=dict)
+
+
+@dataclass
+class Preset:
+    name: str
+    description: str
+    raw: dict  # the parsed TOML, recorded in provenance
+
+    def studies(
+        self,
+        *,
+        seeds: list[int] | None = None,
+        batch_sizes: list[int] | None = None,
+        methods: list[str] | None = None,
+        run: dict | None = None,
+    ) -> list[Study]:
+        """The studies of this preset after command-line overrides (see module docstring)."""
+        for method in methods or ():
+            check_choice("method", method, METHODS)
+        for size in batch_sizes or ():
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"batch sizes must be integers >= 1, got {size!r}")
+        blocks = self.raw.get("study") or [{"name": self.name}]
+        studies = []
+        for block in blocks:
+            grid = {**self.raw.get("grid", {}), **block.get("grid", {})}
+            if seeds:
+                grid["seed"] = list(seeds)
+            if batch_sizes:
+                grid["batch_size"] = list(batch_sizes)
+            if methods:
+                kinds = [MLP_METHODS if m in MLP_METHODS else CNN_METHODS for m in grid.get("method", [])]
+                grid["method"] = [m for m in methods if any(m in kind for kind in kinds)]
+                if not grid["method"]:
+                    continue  # none of the requested methods belongs to this study
+            for key, value in (run or {}).items():
+                if key in grid:  # a setting that is a grid axis replaces the axis
+                    grid[key] = list(value) if isinstance(value, list) else [value]
+            base = {**self.raw.get("run", {}), **block.get("run", {}), **(run or {})}
+            base = {k: v for k, v in base.items() if k not in grid}
+            analysis = {**self.raw.get("analysis", {}), **block.get("analysis", {})}
+            studies.append(Study(block["name"], expand_grid(base, grid), analysis))
+        if not studies:
+            raise ValueError(f"none of the methods {methods} is in preset {self.name!r}")
+        return studies
+
+
+def load_preset(name_or_path: str) -> Preset:
+    """A packaged preset by name (``smoke``, ``fashion``, ``paper``) or a TOML file by path."""
+    path = Path(name_or_path)
+    if path.suffix == ".toml" and path.is_file():
+        text, name = path.read_text(), path.stem
+    else:
+        check_choice("preset", name_or_path, available_presets())
+        text = (resources.files("affdiv.experiments.runs") / "presets" / f"{name_or_path}.toml").read_text()
+        name = name_or_path
+    raw = tomllib.loads(text)
+    unknown = sorted(set(raw) - _SECTIONS)
+    if unknown:
+        raise ValueError(f"preset {name!r}: unknown table(s) {unknown}; expected among {sorted(_SECTIONS)}")
+    for block in raw.get("study", []):
+        if "name" not in block:
+            raise ValueError(f"preset {name!r}: every [[study]] needs a name, got {block}")
+    return Preset(name, raw.get("description", ""), raw)

@@ -1,0 +1,175 @@
+"""`affdiv falsify` and `affdiv analyse` end to end on tiny grids, kill -9 and resume, bad input."""
+
+import csv
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import pytest
+
+from affdiv.cli import main
+
+# A tiny grid: 2 methods x 2 batch sizes x 3 seeds x 2 LR rules (sqrt, tuned) = 24 runs of one epoch.
+TINY = ["--preset", "smoke", "--methods", "affine", "norm_l2", "--batch-sizes", "32", "128",
+        "--seeds", "3", "--set", "length=1", "--set", "width=16", "--set", "lr_grid=[0.1, 0.4]"]
+
+
+def _summary_without_provenance(path):
+    summary = json.loads(path.read_text())
+    summary.pop("provenance")
+    return summary
+
+
+def _rows(db):
+    """Every stored run, by config hash ({} while the file or its table does not exist yet)."""
+    if not db.exists():
+        return {}
+    connection = sqlite3.connect(db)
+    try:
+        return {row[0]: row for row in connection.execute("SELECT * FROM runs")}
+    except sqlite3.OperationalError:  # created, table not yet
+        return {}
+    finally:
+        connection.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny")
+    assert main(["falsify", *TINY, "--out", str(out), "--workers", "1"]) == 0
+    return out
+
+
+def test_falsify_writes_the_report_and_the_database(tiny_report):
+    summary = json.loads((tiny_report / "summary.json").read_text())
+    assert set(summary["methods"]) == {"affine", "norm_l2"}
+    for result in summary["methods"].values():
+        assert {"slope", "ci_low", "ci_high", "p_value", "verdict"} <= set(result)
+    assert set(summary["groups"]) == {"sqrt", "tuned"}
+    provenance = summary["provenance"]
+    assert provenance["seeds"] == [0, 1, 2] and provenance["runs"] == 24
+    assert list(provenance["data_fingerprint"]) == ["digits"] and len(provenance["data_fingerprint"]["digits"]) == 1
+    assert len(provenance["config_hash"]) == 64
+    assert {"command", "version", "git_commit", "libraries", "hardware", "wall_time_s"} <= set(provenance)
+    for name in ("report.md", "report.html", "summary.tex", "records.csv", "metric_vs_batch.png"):
+        assert (tiny_report / name).is_file(), name
+    assert len(_rows(tiny_report / "results.sqlite")) == 24
+    with open(tiny_report / "records.csv", newline="") as handle:
+        records = list(csv.DictReader(handle))
+    assert len(records) == 24 and {r["lr_rule"] for r in records} == {"sqrt", "tuned"}
+    assert {float(r["lr"]) for r in records if r["lr_rule"] == "tuned"} <= {0.1, 0.4}
+    assert all(r["metric"] == r["test_accuracy"] for r in records)
+
+
+def test_analyse_reproduces_falsify_from_the_csv_and_the_database(tiny_report, tmp_path):
+    expected = _summary_without_provenance(tiny_report / "summary.json")
+    for source in ("records.csv", "results.sqlite"):
+        out = tmp_path / source
+        assert main(["analyse", "--input", str(tiny_report / source), "--out", str(out)]) == 0
+        got = _summary_without_provenance(out / "summary.json")
+        assert got["methods"] == expected["methods"], source
+        assert got["groups"] == expected["groups"], source
+
+
+def test_groups_are_named_by_every_varying_setting_but_method_batch_and_seed():
+    from affdiv.experiments.analysis.groups import label_groups
+
+    records = [{"method": m, "batch_size": b, "seed": 0, "lr_rule": r, "width": 8}
+               for m in ("affine", "norm_l2") for b in (16, 32) for r in ("sqrt", "tuned")]
+    assert label_groups(records) == "lr_rule" and "group" not in records[0]
+    records[0]["width"] = 16
+    assert label_groups(records) == "group"
+    assert [r["group"] for r in records[:2]] == ["lr_rule=sqrt, width=16", "lr_rule=tuned, width=8"]
+
+
+def test_settings_a_run_ignores_name_no_group():
+    from affdiv.experiments.analysis.groups import label_groups
+
+    # As stored: the scaling rule uses ref_batch_size 64; the tuned rule ignores it (stored at its default).
+    records = [{"method": "affine", "batch_size": b, "seed": 0, "lr_rule": r, "lr_grid": [0.1, 1.0] if r == "tuned"
+                else [], "ref_batch_size": 32 if r == "tuned" else 64} for b in (16, 32) for r in ("sqrt", "tuned")]
+    assert label_groups(records) == "lr_rule"
+    records.append({**records[0], "ref_batch_size": 128})  # a second reference batch size: a second sqrt group
+    assert label_groups(records) == "group"
+    assert sorted({r["group"] for r in records}) == ["lr_rule=sqrt, ref_batch_size=128",
+                                                     "lr_rule=sqrt, ref_batch_size=64", "lr_rule=tuned"]
+
+
+def test_analyse_a_minimal_csv(tmp_path):
+    # Any CSV with columns method, batch_size, seed, metric; here a planted fall of 0.1 per doubling.
+    path = tmp_path / "mine.csv"
+    rows = ["method,batch_size,seed,metric"]
+    rows += [f"{m},{b},{s},{0.9 - (0.1 if m == 'norm_l2' else 0.0) * (b.bit_length() - 1) + 0.01 * ((s * 7 + b) % 3)}"
+             for m in ("affine", "norm_l2") for b in (16, 32, 64, 128) for s in range(4)]
+    path.write_text("\n".join(rows) + "\n")
+    assert main(["analyse", "--input", str(path), "--out", str(tmp_path / "out")]) == 0
+    methods = json.loads((tmp_path / "out" / "summary.json").read_text())["methods"]
+    assert methods["norm_l2"]["slope"] == pytest.approx(-0.1, abs=0.01)
+    assert methods["affine"]["slope"] == pytest.approx(0.0, abs=0.01)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["falsify", "--preset", "smok"], "unknown preset 'smok'; expected one of: fashion, paper, smoke"),
+        (["falsify", "--preset", "smoke", "--methods", "bn"], "unknown method 'bn'; expected one of: affine"),
+        (["falsify", "--preset", "smoke", "--batch-sizes", "0"], "batch sizes must be integers >= 1, got 0"),
+        (["falsify", "--preset", "smoke", "--batch-sizes", "100000", "--methods", "affine", "--seeds", "1"],
+         "batch_size 100000 exceeds the 1294 training samples of digits"),
+        (["falsify", "--preset", "smoke", "--set", "lenght=2"], "unknown run setting(s) ['lenght']"),
+        (["falsify", "--preset", "smoke", "--set", "length"], "--set expects KEY=VALUE, got 'length'"),
+        (["analyse", "--input", "nowhere.csv"], "--input nowhere.csv: no such file"),
+    ],
+)
+def test_bad_input_exits_2_with_a_clear_message(argv, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out" / "results.sqlite").exists()  # refused before any run
+
+
+def test_analyse_a_csv_without_the_metric_column(tmp_path, capsys):
+    path = tmp_path / "bad.csv"
+    path.write_text("method,batch_size,seed,accuracy\naffine,32,0,0.5\n")
+    assert main(["analyse", "--input", str(path), "--out", str(tmp_path / "out")]) == 2
+    assert "missing column(s) ['metric']" in capsys.readouterr().err
+
+
+def test_kill_minus_9_loses_no_finished_run_and_resume_matches_an_uninterrupted_sweep(tmp_path):
+    # Slow enough runs (batch 8, 3 epochs: ~0.5 s each) that the kill lands mid-sweep.
+    grid = ["--preset", "smoke", "--methods", "affine", "batchnorm", "--batch-sizes", "8", "64",
+            "--seeds", "3", "--set", "lr_rule=['constant']", "--set", "length=3", "--set", "width=16"]
+    interrupted = tmp_path / "interrupted"
+    command = [sys.executable, "-m", "affdiv", "falsify", *grid, "--out", str(interrupted), "--workers", "2"]
+    process = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    db = interrupted / "results.sqlite"
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline and process.poll() is None:
+            if len(_rows(db)) >= 3:
+                break
+            time.sleep(0.05)
+        assert process.poll() is None, "the sweep finished before it could be killed: " + process.stderr.read().decode()
+        os.killpg(process.pid, signal.SIGKILL)  # the parent and its workers, mid-sweep
+    finally:
+        process.wait()
+        process.stderr.close()
+    before = _rows(db)
+    assert 3 <= len(before) < 12 and not (interrupted / "summary.json").exists()
+
+    # Resume (and the reference sweep) in this process: one torch thread per run whatever the
+    # number of workers, so the numbers cannot depend on it.
+    assert main(["falsify", *grid, "--out", str(interrupted), "--workers", "1"]) == 0
+    after = _rows(db)
+    assert len(after) == 12
+    assert all(after[key] == row for key, row in before.items())  # finished runs kept, untouched
+
+    fresh = tmp_path / "fresh"
+    assert main(["falsify", *grid, "--out", str(fresh), "--workers", "1"]) == 0
+    assert (interrupted / "records.csv").read_text() == (fresh / "records.csv").read_text()
+    resumed = _summary_without_provenance(interrupted / "summary.json")
+    assert resumed == _summary_without_provenance(fresh / "summary.json")

@@ -1,0 +1,188 @@
+"""The statistical building blocks against independent computations (statsmodels, explicit algebra)."""
+
+import math
+
+import numpy as np
+import pytest
+import statsmodels.api as sm
+from hypothesis import given
+from hypothesis import strategies as st
+
+from affdiv.experiments.analysis import stats
+
+
+def sweep(rng, *, n_seeds=5, batch_sizes=(16, 32, 64, 128, 256), slope=-0.01, seed_sd=0.01, noise_sd=0.005,
+          drop=0):
+    """Flat arrays (log2 B, metric, seed) of a simulated sweep; ``drop`` random runs removed (unbalanced)."""
+    x = np.tile(np.log2(batch_sizes), n_seeds)
+    seeds = np.repeat(np.arange(n_seeds), len(batch_sizes))
+    y = 0.9 + slope * x + rng.normal(0, seed_sd, n_seeds)[seeds] + rng.normal(0, noise_sd, x.size)
+    keep = np.sort(rng.permutation(x.size)[: x.size - drop])
+    return x[keep], y[keep], seeds[keep]
+
+
+# Tolerances: the sandwich and OLS are a handful of float64 operations on O(1) numbers; 1e-10
+# relative bounds their rounding error with margin (statsmodels uses pinv, we use lstsq + inv).
+@pytest.mark.parametrize("drop", [0, 4])
+def test_clustered_slope_matches_statsmodels_cluster_cr1(drop):
+    x, y, seeds = sweep(np.random.default_rng(drop), drop=drop)
+    ours = stats.clustered_slope(x, y, seeds)
+    fit = sm.OLS(y, sm.add_constant(x)).fit(cov_type="cluster", cov_kwds={"groups": seeds}, use_t=True)
+    assert ours.estimate == pytest.approx(fit.params[1], rel=1e-10)
+    assert ours.se == pytest.approx(fit.bse[1], rel=1e-10)
+    assert ours.df == 4  # G - 1
+    assert ours.p_two_sided() == pytest.approx(fit.pvalues[1], rel=1e-8)
+    low, high = ours.ci(0.95)
+    assert (low, high) == pytest.approx(tuple(fit.conf_int(0.05)[1]), rel=1e-9)
+
+
+def test_clustered_slope_hand_computed_small_example():
+    # Two seeds × three batch sizes, x = 0, 1, 2. Seed 0: y = 0, 1, 3; seed 1: y = 1, 1, 2.
+    # OLS on all six points: xbar = 1, ybar = 4/3, Sxx = 4,
+    # Sxy = sum (x - 1)(y - 4/3) = (-1)(-4/3) + 0 + (1)(5/3) + (-1)(-1/3) + 0 + (1)(2/3) = 4 -> b = 1, a = 1/3.
+    # Residuals: seed 0: -1/3, -1/3, 2/3; seed 1: 2/3, -1/3, -1/3.
+    # Centred-x scores per seed (slope row of the sandwich): seed 0: (-1)(-1/3) + (1)(2/3) = 1;
+    # seed 1: (-1)(2/3) + (1)(-1/3) = -1. Meat = 1 + 1 = 2, bread = 1/Sxx = 1/4:
+    # V = c · 2 / 16, c = G/(G-1) · (N-1)/(N-2) = 2 · 5/4 = 5/2  ->  V = 5/16, se = sqrt(5)/4.
+    x = np.array([0, 1, 2, 0, 1, 2.0])
+    y = np.array([0, 1, 3, 1, 1, 2.0])
+    fit = stats.clustered_slope(x, y, [0, 0, 0, 1, 1, 1])
+    assert fit.estimate == pytest.approx(1.0, rel=1e-14)
+    assert fit.se == pytest.approx(math.sqrt(5) / 4, rel=1e-14)
+    assert fit.df == 1
+
+
+def test_balanced_clustered_se_is_the_per_seed_slope_t_inflated_by_cr1():
+    # Balanced design (same x per seed): the OLS slope is the mean of the per-seed slopes and the
+    # CR1 variance is var(slopes)/G · (N-1)/(N-2): derived by centring x in each cluster score.
+    x, y, seeds = sweep(np.random.default_rng(3))
+    slopes = np.array(list(stats.per_cluster_slopes(x, y, seeds).values()))
+    fit = stats.clustered_slope(x, y, seeds)
+    n = x.size
+    assert fit.estimate == pytest.approx(slopes.mean(), rel=1e-12)
+    assert fit.se == pytest.approx(slopes.std(ddof=1) / math.sqrt(slopes.size) * math.sqrt((n - 1) / (n - 2)),
+                                   rel=1e-12)
+
+
+@given(seed=st.integers(0, 2**32 - 1), scale=st.floats(0.01, 100), shift=st.floats(-10, 10),
+       n_seeds=st.integers(2, 8), n_batches=st.integers(2, 6))
+def test_clustered_slope_equivariance_and_label_invariance(seed, scale, shift, n_seeds, n_batches):
+    rng = np.random.default_rng(seed)
+    x, y, seeds = sweep(rng, n_seeds=n_seeds, batch_sizes=tuple(2 ** np.arange(3, 3 + n_batches)))
+    base = stats.clustered_slope(x, y, seeds)
+    moved = stats.clustered_slope(x, shift + scale * y, seeds)
+    relabelled = stats.clustered_slope(x, y, rng.permutation(n_seeds)[seeds] + 100)
+    per_seed_shift = stats.clustered_slope(x, y + rng.normal(0, 1, n_seeds)[seeds], seeds)
+    # Rounding of O(10) sums of O(1) numbers, amplified at most by 1/scale: 1e-9 relative is ample.
+    assert moved.estimate == pytest.approx(scale * base.estimate, rel=1e-9, abs=1e-12)
+    assert moved.se == pytest.approx(scale * base.se, rel=1e-9, abs=1e-12)
+    assert (relabelled.estimate, relabelled.se) == pytest.approx((base.estimate, base.se), rel=1e-9, abs=1e-12)
+    # Balanced design: a constant per seed changes neither the slope nor its clustered SE.
+    assert (per_seed_shift.estimate, per_seed_shift.se) == pytest.approx((base.estimate, base.se), rel=1e-7, abs=1e-10)
+
+
+def test_mixed_model_cross_checked_with_within_seed_regression():
+    # Balanced random-intercept model: GLS gives exactly the OLS slope, and when the REML seed
+    # variance is interior, s_e^2 equals the residual mean square of the fixed-seed-effects
+    # regression (RSS / (N - G - 1)), and se(b) = sqrt(s_e^2 / Sxx) with Sxx summed over all runs.
+    x, y, seeds = sweep(np.random.default_rng(7), seed_sd=0.02)
+    fit = stats.mixed_slope(x, y, seeds)
+    assert fit.converged and fit.seed_variance > 0
+    dummies = (seeds[:, None] == np.unique(seeds)[None, :]).astype(float)
+    design = np.column_stack([dummies, x])
+    coef, rss, *_ = np.linalg.lstsq(design, y, rcond=None)
+    n, g = x.size, dummies.shape[1]
+    residual_ms = rss[0] / (n - g - 1)
+    sxx = ((x - x.mean()) ** 2).sum()
+    # The slope is a linear function of y independent of the variance parameters: rounding only.
+    assert fit.slope.estimate == pytest.approx(coef[-1], rel=1e-9)
+    # The variances come from a numerical REML optimiser (gradient tolerance ~1e-6 on the
+    # standardised scale): 1e-4 relative.
+    assert fit.residual_variance == pytest.approx(residual_ms, rel=1e-4)
+    assert fit.slope.se == pytest.approx(math.sqrt(residual_ms / sxx), rel=1e-4)
+
+
+def test_holm_hand_computed():
+    # Sorted 0.005, 0.01, 0.03, 0.04 -> 4·0.005 = 0.02, 3·0.01 = 0.03, 2·0.03 = 0.06, max(1·0.04, 0.06) = 0.06.
+    adjusted = stats.holm([0.01, 0.04, 0.03, 0.005])
+    np.testing.assert_allclose(adjusted, [0.03, 0.06, 0.06, 0.02], rtol=1e-15)
+    np.testing.assert_allclose(stats.holm([0.5, np.nan, 0.6]), [1.0, np.nan, 1.0])  # m = 2 valid tests
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        stats.holm([0.2, 1.5])
+
+
+@given(st.lists(st.floats(0.0, 1.0), min_size=1, max_size=12))
+def test_holm_matches_its_definition_written_out(p_values):
+    # Holm (1979): reject H_(i) iff p_(j) <= alpha / (m - j + 1) for all j <= i; the adjusted p-value
+    # is the smallest alpha at which H_(i) is rejected: max over j <= i of min(1, (m - j + 1) p_(j)).
+    m = len(p_values)
+    order = sorted(range(m), key=lambda i: p_values[i])
+    expected = [0.0] * m
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * p_values[i]))
+        expected[i] = running
+    adjusted = stats.holm(p_values)
+    # Ties may be ordered differently, but tied p-values get equal adjusted values either way.
+    np.testing.assert_allclose(adjusted, expected, rtol=1e-15)
+    assert np.all(adjusted >= np.asarray(p_values)) and np.all(adjusted <= 1.0)
+
+
+def test_estimate_tests_and_tost():
+    est = stats.Estimate(-0.002, 0.001, 4.0)
+    from scipy import stats as st_
+
+    assert est.p_less() == pytest.approx(st_.t(4).cdf(-2.0), rel=1e-12)
+    assert est.p_greater() == pytest.approx(st_.t(4).sf(-2.0), rel=1e-12)
+    assert est.p_two_sided() == pytest.approx(2 * st_.t(4).cdf(-2.0), rel=1e-12)
+    # TOST with margin 0.005: max(P(T > 3), P(T < -7)) under t(4).
+    assert est.p_equivalent(0.005) == pytest.approx(st_.t(4).sf(3.0), rel=1e-12)
+    # TOST rejects at alpha exactly when the 1 - 2 alpha CI lies inside the margin.
+    low, high = est.ci(0.90)
+    assert (est.p_equivalent(0.005) < 0.05) == (-0.005 < low and high < 0.005)
+    noiseless = stats.Estimate(-0.002, 0.0, 4.0)
+    assert (noiseless.p_less(), noiseless.p_greater(), noiseless.p_equivalent(0.005)) == (0.0, 1.0, 0.0)
+    with pytest.raises(ValueError, match="margin"):
+        est.p_equivalent(0.0)
+
+
+def test_page_trend_exact_extreme_and_direction():
+    # Every block strictly decreasing in 3 columns: the exact one-sided p is (1/3!)^m, m = 2 blocks.
+    table = np.array([[3.0, 2.0, 1.0], [0.3, 0.2, 0.1]])
+    page = stats.page_trend(table)
+    assert page.p_decreasing == pytest.approx(1 / 36, rel=1e-12)
+    assert page.p_increasing == pytest.approx(1.0)
+    with pytest.raises(ValueError, match=r"\(2, 2\)"):
+        stats.page_trend(table[:, :2])
+
+
+def test_cluster_bootstrap_is_the_ols_slope_of_resampled_seeds():
+    x, y, seeds = sweep(np.random.default_rng(11), drop=3)
+    slopes = stats.cluster_bootstrap(x, y, seeds, n_boot=20, rng=np.random.default_rng(5))
+    # The same resamples rebuilt explicitly: whole seeds repeated by their multiplicities, then polyfit.
+    weights = np.random.default_rng(5).multinomial(5, np.full(5, 0.2), size=20)
+    for w, slope in zip(weights, slopes):
+        pick = np.concatenate([np.flatnonzero(seeds == s) for s in range(5) for _ in range(w[s])])
+        assert slope == pytest.approx(np.polyfit(x[pick], y[pick], 1)[0], rel=1e-9)
+
+
+def test_cluster_bootstrap_of_identical_seed_slopes_is_degenerate():
+    x = np.tile(np.arange(4.0), 3)
+    seeds = np.repeat(np.arange(3), 4)
+    y = np.array([0.1, 0.5, -0.2])[seeds] - 0.01 * x  # the same slope in every seed
+    boot = stats.cluster_bootstrap(x, y, seeds, n_boot=500, rng=np.random.default_rng(0))
+    np.testing.assert_allclose(boot, -0.01, rtol=1e-10)
+
+
+def test_bad_input_is_named():
+    with pytest.raises(ValueError, match="two distinct values"):
+        stats.clustered_slope([3.0, 3.0], [1.0, 2.0], [0, 1])
+    with pytest.raises(ValueError, match=">= 2 clusters"):
+        stats.clustered_slope([1.0, 2.0], [1.0, 2.0], [0, 0])
+    with pytest.raises(ValueError, match="equal length"):
+        stats.clustered_slope([1.0, 2.0], [1.0], [0, 1])
+    # Two runs in two seeds: CR1's (N-1)/(N-2) would divide by zero.
+    with pytest.raises(ValueError, match=">= 3 observations .*got 2 clusters and 2 observations"):
+        stats.clustered_slope([1.0, 2.0], [1.0, 2.0], [0, 1])
+    with pytest.raises(ValueError, match=">= 2 values"):
+        stats.mean_estimate([1.0])

@@ -1,0 +1,185 @@
+"""Sweeps: grid expansion, resuming, parallel workers equal to serial, presets."""
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from affdiv.experiments.runs.config import config_hash, expand_grid
+from affdiv.experiments.runs.presets import available_presets, load_preset
+from affdiv.experiments.runs.store import ResultStore
+from affdiv.experiments.runs.sweep import Progress, run_sweep
+
+BASE = dict(dataset="digits", depth=1, width=8, length=1)
+
+
+def test_grid_is_the_full_product_in_a_fixed_order():
+    axes = {"method": ["norm_l2", "affine"], "batch_size": [64, 16, 32], "seed": [1, 0]}
+    configs = expand_grid(BASE, axes)
+    assert len(configs) == 12
+    assert {(c.method, c.batch_size, c.seed) for c in configs} == {
+        (m, b, s) for m in ["norm_l2", "affine"] for b in [64, 16, 32] for s in [1, 0]
+    }
+    order = [(c.method, c.batch_size, c.seed) for c in configs]
+    assert order[:3] == [("affine", 16, 0), ("affine", 16, 1), ("affine", 32, 0)]
+    assert expand_grid(BASE, dict(reversed(list(axes.items())))) == configs
+
+
+def test_grid_collapses_duplicates_and_refuses_empty_axes():
+    # lr_grid only matters to the tuned rule, so these two grid points are one run.
+    assert len(expand_grid({**BASE, "method": "affine", "batch_size": 8, "seed": 0},
+                           {"lr_grid": [[0.1], [0.2]]})) == 1
+    with pytest.raises(ValueError, match="grid axis 'seed' must be a non-empty list, got \\[\\]"):
+        expand_grid(BASE, {"seed": []})
+
+
+def test_resume_skips_finished_runs_and_parallel_equals_serial(tmp_path):
+    configs = expand_grid(BASE, {"method": ["affine", "batchnorm"], "batch_size": [32, 128], "seed": [0]})
+    first = configs[:2]
+    serial = ResultStore(tmp_path / "serial.sqlite")
+    outcome = run_sweep(first, serial, workers=1, threads=1, progress=None)
+    assert (outcome.ran, outcome.skipped) == (2, 0)
+
+    seen = []
+    stream = io.StringIO()
+    outcome = run_sweep(configs, serial, workers=1, threads=1, progress=stream, on_result=seen.append)
+    assert (outcome.ran, outcome.skipped) == (2, 2)
+    assert seen == sorted(configs[2:], key=lambda c: c.batch_size)  # only the unfinished ones ran
+    assert "4/4" not in stream.getvalue() and "2/2 runs (2 already done)" in stream.getvalue()
+    assert serial.finished() == {config_hash(c.to_dict()) for c in configs} == set(outcome.hashes)
+
+    parallel = ResultStore(tmp_path / "parallel.sqlite")
+    outcome = run_sweep(configs, parallel, workers=2, threads=1, progress=None)
+    assert (outcome.workers, outcome.ran) == (2, 4)
+    drop = ("config_hash",)
+    assert [{k: v for k, v in r.items() if k not in drop} for r in parallel.records()] == [
+        {k: v for k, v in r.items() if k not in drop} for r in serial.records()
+    ]
+    assert parallel.curves() == serial.curves()
+
+
+def test_progress_bar_reports_count_and_eta():
+    stream = io.StringIO()
+    bar = Progress(total=3, skipped=1, stream=stream, width=6)
+    bar.advance(), bar.advance(), bar.advance()
+    lines = stream.getvalue().splitlines()
+    assert lines[0].startswith("[......] 0/3 runs (1 already done)") and lines[0].endswith("ETA --:--")
+    assert lines[-1].startswith("[######] 3/3 runs") and lines[-1].endswith("ETA 00:00")
+
+
+def test_packaged_presets_expand():
+    assert available_presets() == ["fashion", "paper", "smoke"]
+    sizes = {name: [len(s.configs) for s in load_preset(name).studies()] for name in available_presets()}
+    assert sizes["smoke"] == [4 * 4 * 5 * 2] and sizes["fashion"] == [6 * 4 * 4 * 2]
+    paper = load_preset("paper").studies()
+    assert [s.name for s in paper] == ["mlp-tanh", "mlp-relu", "cnn"]
+    assert {c.dataset for s in paper for c in s.configs} == {"cifar10"}
+    assert {c.activation for c in paper[0].configs} == {"tanh"}
+    assert {c.method for c in paper[2].configs} == {"conv", "conv+batchnorm", "patchnorm"}
+
+
+def test_preset_overrides():
+    (smoke,) = load_preset("smoke").studies(seeds=[7], batch_sizes=[16], methods=["norm_l2"], run={"length": 1})
+    assert {(c.method, c.batch_size, c.seed, c.length) for c in smoke.configs} == {("norm_l2", 16, 7, 1)}
+    (smoke,) = load_preset("smoke").studies(run={"lr_rule": ["sqrt"], "seed": 3})
+    assert {(c.lr_rule, c.seed) for c in smoke.configs} == {("sqrt", 3)}
+    paper = load_preset("paper").studies(methods=["affine", "patchnorm"])
+    assert [{c.method for c in s.configs} for s in paper] == [{"affine"}, {"affine"}, {"patchnorm"}]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"methods": ["dropout"]}, "unknown method 'dropout'; expected one of: affine, batchnorm"),
+        ({"methods": ["patchnorm"]}, "none of the methods \\['patchnorm'\\] is in preset 'smoke'"),
+        ({"batch_sizes": [0]}, "batch sizes must be integers >= 1, got 0"),
+        ({"run": {"optimiser": "sgd"}}, "unknown run setting\\(s\\) \\['optimiser'\\]"),
+    ],
+)
+def test_bad_overrides_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        load_preset("smoke").studies(**kwargs)
+
+
+def test_unknown_preset_lists_the_packaged_ones(tmp_path):
+    with pytest.raises(ValueError, match="unknown preset 'smok'; expected one of: fashion, paper, smoke"):
+        load_preset("smok")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[runs]\nlength = 1\n")
+    with pytest.raises(ValueError, match="unknown table\\(s\\) \\['runs'\\]"):
+        load_preset(str(bad))
+
+
+# A sweep whose runs take hours (10**7 steps each): its workers are busy whenever the parent dies.
+_ENDLESS_SWEEP = textwrap.dedent("""
+    import sys
+    from affdiv.experiments.runs.store import ResultStore
+    from affdiv.experiments.runs.config import expand_grid
+    from affdiv.experiments.runs.sweep import run_sweep
+    configs = expand_grid(dict(dataset="digits", method="affine", depth=1, width=8, batch_size=8,
+                               budget="steps", length=10**7), {"seed": [0, 1]})
+    run_sweep(configs, ResultStore(sys.argv[1]), workers=2, threads=1, progress=None)
+""")
+
+
+def _children(parent: int) -> list[int]:
+    """Pool workers of ``parent`` (spawned interpreters running multiprocessing's spawn_main)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except (FileNotFoundError, ProcessLookupError, NotADirectoryError, PermissionError):
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == parent and b"spawn_main" in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:  # a zombie (state Z) has exited; it only waits to be reaped by whoever adopted it
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait(condition, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc (Linux)")
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
+def test_workers_die_with_the_parent(tmp_path, signum):
+    parent = subprocess.Popen([sys.executable, "-c", _ENDLESS_SWEEP, str(tmp_path / "runs.sqlite")])
+    workers: list[int] = []
+    try:
+        # Both workers up and past their imports (torch mapped): they are (about to be) training.
+        def training() -> bool:
+            workers = _children(parent.pid)
+            return len(workers) == 2 and all(b"libtorch" in Path(f"/proc/{w}/maps").read_bytes() for w in workers)
+
+        assert _wait(training, 120), f"the sweep did not start its 2 workers: {_children(parent.pid)}"
+        workers = _children(parent.pid)
+        os.kill(parent.pid, signum)
+        assert parent.wait(30) == (-signal.SIGKILL if signum == signal.SIGKILL else 128 + signal.SIGTERM)
+        # A surviving worker would train for hours; 30 s covers a worker still finishing its start-up.
+        assert _wait(lambda: not any(map(_alive, workers)), 30), [w for w in workers if _alive(w)]
+    finally:  # a failed check must not leave hours of training behind
+        parent.kill()
+        parent.wait()
+        for worker in filter(_alive, workers):
+            os.kill(worker, signal.SIGKILL)
