@@ -4,9 +4,9 @@ Sub-packages by pipeline stage; an import only ever points down this list:
 
     data/       datasets (digits, fashion-mnist, cifar10, synthetic): one module per source, and
                 the API that splits, standardises and fingerprints them (load_dataset)
+    records     the one place that reads and writes record CSVs
     runs/       one run and many: config (RunConfig, its hash, grids), models, training, the
                 SQLite store, the parallel sweep, presets and their TOML files
-    records     the one place that reads and writes record CSVs
     analysis/   trend statistics, the decision rule, the groups analysed together, calibration
     report/     the written report (Markdown, HTML, JSON, LaTeX) and its figures
     probe       the update alignment behind the prediction, measured on real data

@@ -1,0 +1,48 @@
+"""experiments/ is layered by pipeline stage: an import never points from a stage to a later one."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import affdiv.experiments
+
+ROOT = Path(affdiv.experiments.__file__).parent
+# The stages in pipeline order; a module may import its own stage and earlier ones only.
+STAGES = ["data", "records", "runs", "analysis", "report", "probe", "pipeline", "cli"]
+
+
+def _stage(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[:2] != ["affdiv", "experiments"] or len(parts) < 3:
+        return None
+    return parts[2]
+
+
+def _imports(path: Path) -> list[str]:
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.append(node.module)
+            names += [f"{node.module}.{alias.name}" for alias in node.names]
+    return names
+
+
+MODULES = sorted(p for p in ROOT.rglob("*.py") if p.name != "__init__.py" or p.parent != ROOT)
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_import_points_to_a_later_stage(path):
+    own = path.relative_to(ROOT).parts[0].removesuffix(".py")
+    assert own in STAGES, f"{path}: not in a known stage {STAGES}"
+    later = [name for name in _imports(path)
+             if (stage := _stage(name)) in STAGES and STAGES.index(stage) > STAGES.index(own)]
+    assert not later, f"{path.relative_to(ROOT)} ({own}) imports a later stage: {later}"
+
+
+def test_the_test_sees_a_violation(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from affdiv.experiments.report.writer import write_report\n")
+    assert [n for n in _imports(bad) if _stage(n) == "report"]
