@@ -1,16 +1,104 @@
-"""Writing result files so that a killed process never leaves a half-written one."""
+"""Writing result files so that a killed process or a second writer never leaves a half-written one,
+and checking up front that a result can be written at all."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 from pathlib import Path
 
 
+def _current_umask() -> int:
+    """The process umask (read once: setting it back at once is the only portable way to read it)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _current_umask()
+
+
+def _fsync_directory(folder: Path) -> None:
+    """Make a rename in ``folder`` durable (best effort: not every platform can open a folder)."""
+    with contextlib.suppress(OSError):
+        handle = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(handle)
+        finally:
+            os.close(handle)
+
+
 def atomic_write(path: str | Path, data: str | bytes) -> Path:
-    """Write ``data`` to a temporary sibling, then rename it over ``path`` (creating its folder)."""
+    """Write ``data`` to ``path`` so that every reader sees either the old file or the new one, whole.
+
+    The bytes go to a temporary file with a unique name in the same folder (so concurrent writers
+    of the same path never share one), are flushed and fsynced, and the file is renamed over
+    ``path`` (``os.replace``: atomic on POSIX and Windows); the folder is created if missing and
+    fsynced after the rename. On any error the temporary file is removed and ``path`` is left as
+    it was. The new file gets the usual permissions (0o666 minus the umask), not the temporary
+    file's 0o600. Text is written as UTF-8.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp")
-    temporary.write_bytes(data.encode() if isinstance(data, str) else data)
-    os.replace(temporary, path)
+    payload = data.encode("utf-8") if isinstance(data, str) else data
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "wb") as stream:
+            stream.write(payload)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.chmod(temporary, 0o666 & ~_UMASK)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+    _fsync_directory(path.parent)
+    return path
+
+
+def _reason(error: OSError) -> str:
+    return error.strerror or type(error).__name__
+
+
+def check_writable_folder(folder: str | Path, option: str) -> Path:
+    """Create ``folder`` (and its parents) if missing and prove a file can be written in it.
+
+    Raises ``NotADirectoryError`` (a file is in the way) or ``PermissionError`` (cannot create the
+    folder or a file in it) with a one-line message naming ``option`` and the path. Call it before
+    the expensive work, so that a result is never computed and then lost.
+    """
+    return _check_folder(Path(folder), f"{option} {folder}", "the folder")
+
+
+def _check_folder(folder: Path, subject: str, what: str) -> Path:
+    if folder.exists() and not folder.is_dir():
+        raise NotADirectoryError(f"{subject}: exists and is not a folder" if what == "the folder"
+                                 else f"{subject}: {what} is a file")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):  # a parent is a file
+        raise NotADirectoryError(f"{subject}: a parent of {what} is a file") from None
+    except OSError as error:
+        raise PermissionError(f"{subject}: cannot create {what} ({_reason(error)})") from None
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".affdiv-write-check."):
+            pass
+    except OSError as error:
+        raise PermissionError(f"{subject}: cannot write in {what} ({_reason(error)})") from None
+    return folder
+
+
+def check_writable_file(path: str | Path, option: str) -> Path:
+    """Check up front that :func:`atomic_write` can write ``path``: its folder is writable (created if
+    missing), ``path`` is not a folder, and an existing ``path`` is not read-only (a read-only
+    file is taken as "do not overwrite", although a rename could replace it). Errors as in
+    :func:`check_writable_folder`, naming ``option`` and ``path``."""
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{option} {path}: is a folder, expected a file path")
+    _check_folder(path.parent, f"{option} {path}", f"its folder {path.parent}")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise PermissionError(f"{option} {path}: the file is read-only")
     return path

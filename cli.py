@@ -6,7 +6,8 @@ command being run is imported, so ``affdiv --help`` and ``affdiv --version`` ans
 importing torch or sympy.
 
 Exit status, the same for every command: 0 success; 1 a check or test failed (the command says
-which); 2 bad input — an argparse usage error, or a :class:`BadInput`, ``ValueError`` or missing,
+which); 2 bad input — an argparse usage error, a missing optional dependency group
+(:class:`affdiv._extras.MissingExtra`, naming the extra to install), or a ``ValueError`` or missing,
 unreadable or unwritable file raised by the command, printed as one line
 ``affdiv CMD: error: ...`` without a traceback. Anything else is a bug and keeps its traceback.
 """
@@ -18,6 +19,7 @@ import importlib
 import sys
 
 from affdiv import __version__
+from affdiv._extras import MissingExtra
 
 # command -> (module that registers it, one-line help shown by `affdiv --help`)
 COMMANDS = {
@@ -58,13 +60,15 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
-    parser = build_parser(command)
-    args = parser.parse_args(argv)
     try:
+        args = build_parser(command).parse_args(argv)
         return int(args.func(args) or 0)
+    except MissingExtra as error:  # an optional dependency group is not installed
+        print(f"affdiv {command}: error: {error}", file=sys.stderr)
+        return 2
     except _BAD_INPUT as error:
         message = error.args[0] if isinstance(error, ValueError) and error.args else error
-        print(f"affdiv {args.command}: error: {message}", file=sys.stderr)
+        print(f"affdiv {command}: error: {message}", file=sys.stderr)
         return 2
 
 

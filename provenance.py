@@ -1,4 +1,18 @@
-"""Provenance of a result: what produced it, where and when, so that a reader can reproduce it."""
+"""Provenance of a result: what produced it, where and when, so that a reader can reproduce it.
+
+The code that produced a result is named by the package ``version`` always, and by a git commit
+only when one is known for *this package's own source*:
+
+* ``git_source = "checkout"``: the package runs from a git checkout whose top level is the folder
+  holding the package's ``__init__.py`` (a development or editable install): ``git_commit`` is its
+  HEAD and ``git_dirty`` whether tracked or untracked, not ignored, files differ from it;
+* ``git_source = "build"``: the package was installed from a wheel built from a checkout
+  (``setup.py`` records the commit and dirty flag in ``affdiv/_build_info.py`` at build time);
+* otherwise ``git_commit``, ``git_dirty`` and ``git_source`` are null.
+
+The working directory is never consulted: run from a user's own project, a result does not carry
+that project's commit.
+"""
 
 from __future__ import annotations
 
@@ -14,20 +28,47 @@ from affdiv import __version__
 
 _LIBRARIES = ("torch", "numpy", "scipy", "sympy", "matplotlib", "scikit-learn", "statsmodels")
 
+PACKAGE_ROOT = Path(__file__).resolve().parent  # the folder holding affdiv/__init__.py
+
+
+def _git(root: Path, *args: str) -> str | None:
+    """stdout of ``git -C root args``, or None when git is missing or fails."""
+    try:
+        done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def checkout_state(root: Path | str = PACKAGE_ROOT) -> dict:
+    """``{"git_commit", "git_dirty"}`` of the git checkout whose top level is exactly ``root``;
+    both None when ``root`` is not the top of a checkout (not in one, or inside another project's)."""
+    root = Path(root).resolve()
+    top = _git(root, "rev-parse", "--show-toplevel")
+    if top is None or Path(top).resolve() != root:
+        return {"git_commit": None, "git_dirty": None}
+    commit = _git(root, "rev-parse", "HEAD")
+    status = _git(root, "status", "--porcelain")
+    return {"git_commit": commit, "git_dirty": None if commit is None or status is None else bool(status)}
+
+
+def source_state() -> dict:
+    """``{"git_commit", "git_dirty", "git_source"}`` of this package's own source (module docstring)."""
+    state = checkout_state(PACKAGE_ROOT)
+    if state["git_commit"] is not None:
+        return {**state, "git_source": "checkout"}
+    try:
+        from affdiv import _build_info  # written by setup.py into built wheels only
+    except ImportError:
+        return {"git_commit": None, "git_dirty": None, "git_source": None}
+    if getattr(_build_info, "GIT_COMMIT", None) is None:
+        return {"git_commit": None, "git_dirty": None, "git_source": None}
+    return {"git_commit": _build_info.GIT_COMMIT, "git_dirty": _build_info.GIT_DIRTY, "git_source": "build"}
+
 
 def git_commit() -> str | None:
-    """The commit of the checkout this package runs from, else of the working directory, else
-    $AFFDIV_GIT_COMMIT (set it where there is no git, e.g. an installed copy), else None."""
-    for where in (Path(__file__).resolve().parent, Path.cwd()):
-        try:
-            out = subprocess.run(
-                ["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, timeout=5
-            )
-        except (OSError, subprocess.SubprocessError):  # no git, or no such directory: try the next
-            continue
-        if out.returncode == 0:
-            return out.stdout.strip()
-    return os.environ.get("AFFDIV_GIT_COMMIT")
+    """The commit of this package's own source (see :func:`source_state`), else None."""
+    return source_state()["git_commit"]
 
 
 def library_versions() -> dict[str, str | None]:
@@ -41,18 +82,21 @@ def library_versions() -> dict[str, str | None]:
 
 
 def provenance(**extra) -> dict:
-    """A JSON-ready provenance record; ``extra`` (seed, config hash, ...) is merged in."""
+    """A JSON-ready provenance record; ``extra`` (seed, config hash, ...) is merged in.
+
+    Keys: package, version, git_commit, git_dirty, git_source (module docstring), libraries,
+    command, platform, machine, processor, cpu_count, time_utc, then ``extra``."""
     record = {
         "package": "affdiv",
         "version": __version__,
-        "git_commit": git_commit(),
+        **source_state(),
         "libraries": library_versions(),
         "command": " ".join(sys.argv),
         "platform": platform.platform(),
         "machine": platform.machine(),
         "processor": platform.processor() or None,
         "cpu_count": os.cpu_count(),
-        "time_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "time_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
     }
     record.update(extra)
     return record

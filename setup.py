@@ -1,20 +1,77 @@
-"""The one compiled part: the fused CPU passes of the corrected layers (layers/_fused_cpu.c).
+"""The build's two extras beyond pyproject.toml (where the metadata lives).
 
-Metadata lives in pyproject.toml. The extension is optional: without a C compiler (or OpenMP)
-the install still succeeds and the layers run their plain-torch passes instead
-(``affdiv.layers._fused.available()`` tells which).
+1. The one compiled part: the fused CPU passes of the corrected layers (layers/_fused_cpu.c). The
+   extension is optional: without a C compiler (or OpenMP) the install still succeeds and the
+   layers run their plain-torch passes instead (``affdiv.layers._fused.available()`` tells which).
+2. ``build_py`` with two changes. Because the package ``affdiv`` is the repository root, setuptools
+   would ship every top-level ``.py`` file as a module of it: this file is left out (it must not
+   install as ``affdiv.setup``). And a wheel built from a git checkout records that checkout's
+   commit and dirty flag in ``affdiv/_build_info.py``, which ``affdiv.provenance`` reports
+   (``git_source: "build"``) when the installed copy is not itself a checkout.
 """
 
-from setuptools import Extension, setup
+import subprocess
+from pathlib import Path
 
-setup(
-    ext_modules=[
-        Extension(
-            "affdiv.layers._fused_cpu",
-            sources=["layers/_fused_cpu.c"],
-            extra_compile_args=["-O3", "-fopenmp"],
-            extra_link_args=["-fopenmp"],
-            optional=True,
-        )
-    ]
-)
+from setuptools import Extension, setup
+from setuptools.command.build_py import build_py
+
+HERE = Path(__file__).resolve().parent
+NOT_MODULES = {"setup"}  # top-level files of the repository that are not modules of affdiv
+
+
+def _git(*args):
+    try:
+        done = subprocess.run(["git", "-C", str(HERE), *args], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def build_info() -> str:
+    """The text of affdiv/_build_info.py: the commit this source was built from, if it is the top of
+    a git checkout (else None), and whether tracked or untracked, not ignored, files differed."""
+    top = _git("rev-parse", "--show-toplevel")
+    commit = _git("rev-parse", "HEAD") if top is not None and Path(top).resolve() == HERE else None
+    status = _git("status", "--porcelain") if commit is not None else None
+    dirty = None if status is None else bool(status)
+    return (
+        '"""Written by setup.py when this copy was built; read by affdiv.provenance."""\n\n'
+        f"GIT_COMMIT = {commit!r}\nGIT_DIRTY = {dirty!r}\n"
+    )
+
+
+class BuildPy(build_py):
+    def find_package_modules(self, package, package_dir):
+        modules = super().find_package_modules(package, package_dir)
+        if package == "affdiv":
+            modules = [m for m in modules if m[1] not in NOT_MODULES]
+        return modules
+
+    def run(self):
+        super().run()
+        if not self.dry_run:
+            for name in NOT_MODULES:  # a copy left in build/ by an older build would still be packed
+                (Path(self.build_lib) / "affdiv" / f"{name}.py").unlink(missing_ok=True)
+            target = Path(self.build_lib) / "affdiv" / "_build_info.py"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(build_info())
+
+    def get_outputs(self, include_bytecode=True):
+        outputs = super().get_outputs(include_bytecode)
+        return [*outputs, str(Path(self.build_lib) / "affdiv" / "_build_info.py")]
+
+
+if __name__ == "__main__":  # (setuptools runs this file as __main__; tests import BuildPy)
+    setup(
+        cmdclass={"build_py": BuildPy},
+        ext_modules=[
+            Extension(
+                "affdiv.layers._fused_cpu",
+                sources=["layers/_fused_cpu.c"],
+                extra_compile_args=["-O3", "-fopenmp"],
+                extra_link_args=["-fopenmp"],
+                optional=True,
+            )
+        ],
+    )

@@ -272,7 +272,8 @@ def environment():
     import triton
 
     props = torch.cuda.get_device_properties(0)
-    return dict(gpu=props.name, sm_count=props.multi_processor_count, capability=list(torch.cuda.get_device_capability()),
+    return dict(gpu=props.name, sm_count=props.multi_processor_count,
+                capability=list(torch.cuda.get_device_capability()),
                 torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
                 python=platform.python_version(), float32_matmul_precision=torch.get_float32_matmul_precision())
 
@@ -344,8 +345,9 @@ def main(argv=None) -> int:
         rec["torch.compile"] = run_compile_child(*rec["shape"], budget, args.rep_ms)
         if "ms" in rec["torch.compile"] and "ms" in rec:
             c = rec["torch.compile"]["ms"]
-            rec["ratio_to_linear"]["torch.compile composite (child)"] = c["torch.compile composite"] / c["nn.Linear (cuBLAS)"]
-            rec["ratio_to_linear"]["triton kernels / torch.compile"] = rec["ms"]["triton kernels"] / c["torch.compile composite"]
+            ratios = rec["ratio_to_linear"]
+            ratios["torch.compile composite (child)"] = c["torch.compile composite"] / c["nn.Linear (cuBLAS)"]
+            ratios["triton kernels / torch.compile"] = rec["ms"]["triton kernels"] / c["torch.compile composite"]
         save()
 
     result["forward_autotuned_configs"] = {str(k): str(v) for tuned in tk._FORWARD_TUNED.values()

@@ -20,6 +20,12 @@ from __future__ import annotations
 
 import importlib
 
+from affdiv._extras import require
+
+# The harness's libraries come with the experiments extra; checked here (without importing them)
+# so that a missing one is named with the extra, whichever submodule needs it first.
+require("scipy", "matplotlib", "sklearn", "statsmodels", "sympy", extra="experiments", feature="affdiv.experiments")
+
 _PUBLIC = {
     "load_dataset": "affdiv.experiments.data",
     "RunConfig": "affdiv.experiments.runs.config",

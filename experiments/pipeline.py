@@ -4,55 +4,196 @@ layout, and write the report. ``affdiv falsify`` and ``affdiv analyse`` call the
 from __future__ import annotations
 
 import hashlib
+import math
+import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from affdiv.atomic import check_writable_file, check_writable_folder
 from affdiv.experiments.analysis.calibration import calibrate_for
-from affdiv.experiments.analysis.decision import analyse
+from affdiv.experiments.analysis.decision import analyse, check_settings
 from affdiv.experiments.analysis.groups import label_groups
-from affdiv.experiments.records import read_csv
+from affdiv.experiments.records import RENAMED_METHODS, read_csv
 from affdiv.experiments.report.writer import write_report
-from affdiv.experiments.runs.config import config_hash
+from affdiv.experiments.runs.config import RunConfig, config_hash
+from affdiv.experiments.runs.grouping import DEFAULT_ENSEMBLE_MEMORY, parse_memory
+from affdiv.experiments.runs.models import METHODS
 from affdiv.experiments.runs.presets import load_preset
-from affdiv.experiments.runs.store import ResultStore, is_sqlite
-from affdiv.experiments.runs.sweep import available_cpus, dataset_for, run_sweep
+from affdiv.experiments.runs.store import ResultStore, data_key, identify, is_sqlite
+from affdiv.experiments.runs.sweep import available_cpus, check_executor, dataset_for, run_sweep
 from affdiv.experiments.runs.training import steps_per_epoch
 from affdiv.provenance import provenance
 
+#: The files :func:`~affdiv.experiments.report.writer.write_report` may write into its folder
+#: (tests/experiments/test_pipeline.py checks this list against a written report).
+REPORT_FILES = ("records.csv", "metric_vs_batch.png", "slope_forest.png", "contrast_forest.png",
+                "steps_vs_batch.png", "examples_vs_steps.png",
+                "training_curves.png", "calibration.png", "summary.json", "summary.tex", "report.md", "report.html")
+#: torch's seed range (``torch.manual_seed``; a negative seed s is taken as s + 2**64, so it is refused).
+MAX_SEED = 2**64 - 1
+#: From this many records on, the analysis prints a line before each long step.
+PROGRESS_FROM = 5000
+
 
 def _check_calibration_sims(n: int) -> None:
-    if n < 0:
-        raise ValueError(f"--calibration-sims must be >= 0, got {n}")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"--calibration-sims must be an integer >= 0, got {n!r}")
+
+
+def _progress(started: float):
+    def show(line: str) -> None:
+        print(f"[{time.monotonic() - started:7.1f} s] {line}", file=sys.stderr, flush=True)
+
+    return show
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    if a.resolve() == b.resolve():
+        return True
+    try:
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def check_no_overwrite(inputs: Mapping[str, Path], out_dirs: Sequence[Path]) -> None:
+    """Refuse a report folder whose files would replace an input (``{option: path}``): the report
+    writes :data:`REPORT_FILES` into each of ``out_dirs``."""
+    for option, path in inputs.items():
+        for folder in out_dirs:
+            clash = [name for name in REPORT_FILES if _same_file(Path(folder) / name, Path(path))]
+            if clash:
+                raise ValueError(f"{option} {path} would be overwritten by the report written to {folder} (its "
+                                 f"{clash[0]}); choose another --out or move the input")
+
+
+def _check_device(name) -> None:
+    """Refuse a device torch cannot parse or this machine does not have (before any run)."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError, ValueError) as error:
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ValueError(f"device {name!r} (--device or --set device=...): not a torch device ({reason})") from None
+    if device.type == "cpu":
+        return
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "torch is built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ValueError(f"device {name!r}: CUDA is not available on this machine ({why}); use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        return
+    if device.type == "mps" and torch.backends.mps.is_available():
+        return
+    raise ValueError(f"device {name!r}: not available for training here; expected cpu, cuda[:N] or mps")
+
+
+def _check_number(config: RunConfig, name: str, low: float, high: float | None, text: str) -> None:
+    value = getattr(config, name)
+    good = not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
+    if not (good and low <= value and (high is None or value < high)):
+        raise ValueError(f"{name} must be {text}, got {value!r}")
+
+
+def _check_finite(settings: Mapping, where: str) -> None:
+    """Refuse inf and nan anywhere in run settings (a run's key is JSON, which has neither)."""
+    def walk(value, name):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{where}{name}: {value!r} is not a finite number")
+        for key, item in (value.items() if isinstance(value, Mapping) else
+                          enumerate(value) if isinstance(value, list | tuple) else ()):
+            walk(item, f"{name}.{key}" if isinstance(value, Mapping) else f"{name}[{key}]")
+
+    for key, value in settings.items():
+        walk(value, key)
+
+
+def check_run_config(config: RunConfig) -> None:
+    """Refuse settings that :class:`RunConfig` lets through but a run (or its key) cannot take:
+    a seed outside torch's range, a non-finite learning rate, a momentum outside [0, 1),
+    data_options that are not a table, a device this machine lacks. Raises ValueError naming the
+    setting and the value."""
+    for name in ("seed", "data_seed"):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SEED:
+            raise ValueError(f"{name} must be an integer in [0, 2**64 - 1] (torch's seed range), got {value!r}")
+    _check_number(config, "base_lr", 0, None, "a finite number > 0")
+    _check_number(config, "momentum", 0, 1, "a number in [0, 1)")
+    if any(not math.isfinite(lr) for lr in config.lr_grid):
+        raise ValueError(f"every lr in lr_grid must be finite, got {list(config.lr_grid)}")
+    if not isinstance(config.data_options, dict):
+        raise ValueError(f"data_options must be a table of dataset options, e.g. --set "
+                         f"'data_options={{standardize=\"none\"}}', got {config.data_options!r}")
+    if not isinstance(config.device, str):
+        raise ValueError(f"device must be a string such as 'cpu' or 'cuda:0', got {config.device!r}")
 
 
 def analyse_and_report(out: Path, records: list[dict], curves, settings: Mapping, provenance: Mapping,
-                       calibration_sims: int) -> dict[str, Path]:
+                       calibration_sims: int, progress=None) -> dict[str, Path]:
     """``analyse`` by the groups of ``label_groups``, calibrate the tests in that layout, and
-    ``write_report``; returns the written paths."""
+    ``write_report``; returns the written paths. ``progress``: called with a line before each
+    long step (None: quiet)."""
     _check_calibration_sims(calibration_sims)
     group_by = label_groups(records)
     if curves:
         label_groups(curves)
-    analysis = analyse(records, group_by=group_by, **settings)
+    analysis = analyse(records, group_by=group_by, progress=progress, **settings)
     calibration = None
     if calibration_sims:
-        print(f"calibrating the tests ({calibration_sims} simulated studies per planted slope) ...", file=sys.stderr)
+        print(f"calibrating the tests ({calibration_sims} simulated studies per planted effect) ...", file=sys.stderr)
         try:
             calibration = calibrate_for(analysis, n_sims=calibration_sims)
         except ValueError as error:  # the sweep's layout cannot be simulated (< 3 batch sizes, no fit)
             print(f"calibration left out of the report: {error}", file=sys.stderr)
+    if progress is not None:
+        progress(f"writing the report to {out} ...")
     return write_report(
         out, analysis, records=records, curves=curves, provenance=provenance, calibration=calibration
     )
+
+
+def _check_probe_every(n) -> None:
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ValueError(f"--probe-every must be an integer >= 1, got {n!r}")
+
+
+def _probe_interval(measurements: Sequence[Mapping]):
+    """The ``--probe-every`` a stored run was measured with: None (no divergence measurements),
+    the step between its first two divergence measurements, or "?" when it has only one (the run
+    was shorter than the interval: any interval that long gives the same measurements)."""
+    from affdiv.experiments.runs.divergence_measurement import NAME
+
+    steps = sorted(m["step"] for m in measurements if m.get("measurement") == NAME)
+    if not steps:
+        return None
+    return steps[1] - steps[0] if len(steps) > 1 else "?"
+
+
+def check_probe_resume(store: ResultStore, hashes: Sequence[str], probe_every: int | None) -> None:
+    """Refuse to resume a sweep whose finished runs were measured with another ``--probe-every``
+    (or with none, or without one now) while runs are still to train: their divergence columns
+    would mix intervals. A sweep with nothing left to train is never refused."""
+    done = store.finished() & set(hashes)
+    if not done or done == set(hashes):
+        return
+    measured = store.measurements(done)
+    found = {_probe_interval(measured.get(key, [])) for key in done} - {"?"}
+    other = sorted(found - {probe_every}, key=str)
+    if other:
+        said = lambda n: "without --probe-every" if n is None else f"with --probe-every {n}"  # noqa: E731
+        raise ValueError(f"--db {store.path} holds runs of this sweep measured {said(other[0])}; resuming "
+                         f"{said(probe_every)} would mix them; rerun {said(other[0])} or use another --db")
 
 
 def _hardware(outcome, devices: set[str]) -> dict:
     import torch
 
     info = {"usable_cpus": available_cpus(), "workers": outcome.workers, "threads_per_worker": outcome.threads,
-            "devices": sorted(devices)}
+            "devices": sorted(devices), "executor": outcome.executor}
     if torch.cuda.is_available() and any(d.startswith("cuda") for d in devices):
         info["gpu"] = torch.cuda.get_device_name()
     return info
@@ -70,6 +211,12 @@ def falsify(
     methods: Sequence[str] | None = None,
     settings: Mapping | None = None,
     calibration_sims: int = 500,
+    stack: bool = True,
+    ensemble_memory: int | str = DEFAULT_ENSEMBLE_MEMORY,
+    probe_every: int | None = None,
+    executor: str = "local",
+    scheduler: str | None = None,
+    retries: int | None = None,
 ) -> dict[str, dict[str, Path]]:
     """Run every run of ``preset`` (a packaged name or a TOML path) not yet in the store, then
     analyse each of its studies and write its report under ``out``.
@@ -83,32 +230,99 @@ def falsify(
         seeds, batch_sizes, methods: replace the preset's grid axes (methods: only those of each
             study's kind).
         settings: run settings applied to every run (``--set KEY=VALUE``; a grid axis is replaced).
-        calibration_sims: simulated studies per planted slope for the report's calibration (0: none).
+        calibration_sims: simulated studies per planted effect for the report's calibration (0: none).
+        stack: train the runs that can share one as a stacked ensemble (False: one at a time).
+        ensemble_memory: memory budget of one ensemble, bytes or a size such as "2GiB".
+        probe_every: measure every run with the divergence meter
+            (:mod:`affdiv.experiments.runs.divergence_measurement`) at step 0 and every
+            ``probe_every`` steps; kept in the store, its columns join the records. Not part of a
+            run's key: resuming a store whose runs were measured otherwise is refused
+            (:func:`check_probe_resume`), and the provenance records the setting.
+        executor: ``"local"`` (worker processes here) or ``"dask"`` (tasks on a Dask scheduler;
+            :mod:`affdiv.experiments.runs.dask_executor`).
+        scheduler: the Dask scheduler's address (default: a LocalCluster of ``workers`` processes).
+        retries: retries of a unit whose worker died (dask: also of one that raised; default 2).
+            The dask executor then records its runs as failed and goes on; the report lists them.
 
     Returns:
         ``{study name: {file kind: path}}`` of the written reports.
     """
     started = time.monotonic()
+    # Every setting and output path is checked before the first run trains, and the store is
+    # created only then: a refused sweep leaves no results database behind.
     _check_calibration_sims(calibration_sims)
+    _check_probe_every(probe_every)
+    check_executor(executor, scheduler, retries)
+    ensemble_memory = parse_memory(ensemble_memory)
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise ValueError(f"--workers must be an integer >= 1, got {workers!r}")
     preset_ = load_preset(preset)
-    studies = preset_.studies(seeds=seeds, batch_sizes=batch_sizes, methods=methods, run=dict(settings or {}))
+    _check_finite(settings or {}, "--set ")
+    for block in [preset_.raw, *preset_.raw.get("study", [])]:
+        for table in ("run", "grid"):
+            _check_finite(block.get(table, {}), f"preset {preset_.name!r} [{table}] ")
+    try:
+        studies = preset_.studies(seeds=seeds, batch_sizes=batch_sizes, methods=methods, run=dict(settings or {}))
+    except TypeError as error:  # a setting of the wrong type (e.g. base_lr = "fast") met a comparison
+        raise ValueError(f"preset {preset_.name!r}: a run setting has the wrong type ({error})") from None
+    for study in studies:
+        for config in study.configs:
+            check_run_config(config)
     configs = {config_hash(c.to_dict()): c for study in studies for c in study.configs}
-
-    # Bad batch sizes and missing data files are reported before any training starts.
-    fingerprints: dict[str, set[str]] = {}
-    for config in configs.values():
-        data = dataset_for(config, data_dir)
-        fingerprints.setdefault(config.dataset, set()).add(str(data.fingerprint))
-        steps_per_epoch(config, len(data.train.y))
+    for device in sorted({c.device for c in configs.values()}):
+        _check_device(device)
+    for study in studies:
+        check_settings(study.analysis, methods=METHODS, where=f"preset {preset_.name!r} [analysis] of study "
+                                                              f"{study.name!r}")
 
     out = Path(out)
     db = Path(db) if db else out / "results.sqlite"
+    out_dirs = [out if len(studies) == 1 else out / study.name for study in studies]
+    check_no_overwrite({"--db": db}, out_dirs)
+    for folder in out_dirs:
+        check_writable_folder(folder, "--out")
+    try:
+        existing = identify(db) in ("affdiv", "legacy")
+    except (ValueError, IsADirectoryError) as error:
+        raise type(error)(f"--db {error}") from None
+    check_writable_file(db, "--db")
+
+    # Bad batch sizes, bad data options and missing data files are reported before any training
+    # starts; so is data that differs from the data of the runs the store already holds.
+    fingerprints: dict[str, set[str]] = {}
+    expected: dict[str, str] = {}
+    for config in configs.values():
+        data = dataset_for(config, data_dir)
+        fingerprints.setdefault(config.dataset, set()).add(str(data.fingerprint))
+        expected[data_key(config.to_dict())] = str(data.fingerprint)
+        steps_per_epoch(config, len(data.train.y))
+    if existing:
+        try:
+            with ResultStore(db, read_only=True) as store:
+                store.verify()
+                store.check_fingerprints(expected)
+                check_probe_resume(store, list(configs), probe_every)
+        except ValueError as error:
+            raise ValueError(f"--db {error}") from None
+
+    measurements = []
+    if probe_every is not None:
+        from affdiv.experiments.runs import divergence_measurement
+
+        measurements.append(divergence_measurement.measurement(every=probe_every))
     print(f"affdiv falsify: preset {preset_.name}: {len(configs)} runs -> {db}", file=sys.stderr)
     written = {}
     with ResultStore(db) as store:
-        outcome = run_sweep(list(configs.values()), store, data_dir=data_dir, workers=workers)
+        outcome = run_sweep(list(configs.values()), store, data_dir=data_dir, workers=workers, stack=stack,
+                            ensemble_memory=ensemble_memory, measurements=measurements, executor=executor,
+                            scheduler=scheduler, retries=retries)
+        if outcome.failed:
+            print(f"affdiv falsify: {len(outcome.failed)} run(s) failed on every attempt; the report lists them and "
+                  "leaves them out (the same command tries them again)", file=sys.stderr)
         for study in studies:
-            analysis_settings = {"metric": "test_accuracy", **study.analysis}
+            # The metric follows the budget unless the preset names one: steps under "target".
+            budget_metric = "steps_to_target" if all(c.budget == "target" for c in study.configs) else "test_accuracy"
+            analysis_settings = {"metric": budget_metric, **study.analysis}
             metric = analysis_settings["metric"]
             hashes = sorted(config_hash(c.to_dict()) for c in study.configs)
             records = store.records(hashes, metric=metric)
@@ -127,10 +341,15 @@ def falsify(
                 compute_time_s=round(store.seconds(hashes), 1),
                 runs_this_invocation=outcome.ran,
                 runs_resumed_from_db=outcome.skipped,
+                probe_every=probe_every,
+                failed_runs=[{k: f[k] for k in ("config_hash", "error", "kind", "attempts")}
+                             | {k: f["config"].get(k) for k in ("method", "batch_size", "seed", "lr_rule")}
+                             for f in store.failures(hashes)],
             )
             study_out = out if len(studies) == 1 else out / study.name
             written[study.name] = analyse_and_report(
-                study_out, records, store.curves(hashes), analysis_settings, record, calibration_sims
+                study_out, records, store.curves(hashes), analysis_settings, record, calibration_sims,
+                progress=_progress(started) if len(records) >= PROGRESS_FROM else None,
             )
     return written
 
@@ -144,28 +363,66 @@ def analyse_file(
     corrected: Sequence[str] | None = None,
     baselines: Sequence[str] | None = None,
     margin: float | None = None,
+    contrast_margin: float | None = None,
     alpha: float = 0.05,
     calibration_sims: int = 500,
 ) -> dict[str, Path]:
     """Test the batch-size prediction on existing results: a record CSV (default metric column
-    ``metric``) or a results store (default ``test_accuracy``); returns the written paths."""
+    ``metric``) or a results store (default ``test_accuracy``); returns the written paths.
+
+    The input is only read: a store is opened read-only (its bytes, and the folder it is in, stay
+    as they were), and a report folder whose files would replace the input is refused. The
+    provenance records the SHA-256 of the input as it was read. Names in ``corrected`` and
+    ``baselines`` must be methods of the records. Every setting is checked before the analysis.
+    """
+    started = time.monotonic()
     _check_calibration_sims(calibration_sims)
-    path = Path(path)
+    path, out = Path(path), Path(out)
+    if path.is_dir():
+        raise IsADirectoryError(f"--input {path}: is a folder, expected a CSV file or a results database")
     if not path.is_file():
         raise FileNotFoundError(f"--input {path}: no such file")
+    names = {role: None if given is None else tuple(RENAMED_METHODS.get(m, m) for m in given)
+             for role, given in (("corrected", corrected), ("baselines", baselines))}
+    settings = {"metric": metric, "higher_is_better": higher_is_better, "alpha": alpha, "margin": margin,
+                "contrast_margin": contrast_margin, **{role: given for role, given in names.items() if given}}
+    check_settings({k: v for k, v in settings.items() if k != "metric"}, where="analyse")
+    check_no_overwrite({"--input": path}, [out])
+    check_writable_folder(out, "--out")
+
+    with open(path, "rb") as handle:  # before reading it: the file as analysed
+        digest = hashlib.file_digest(handle, "sha256").hexdigest()
     database = is_sqlite(path)
-    metric = metric or ("test_accuracy" if database else "metric")
+    settings["metric"] = metric = metric or ("test_accuracy" if database else "metric")
     if database:
-        with ResultStore(path) as store:
-            records, curves = store.records(metric=metric), store.curves()
+        try:
+            with ResultStore(path, read_only=True) as store:
+                records, curves = store.records(metric=metric), store.curves()
+        except (ValueError, IsADirectoryError) as error:
+            raise ValueError(f"--input {error}") from None
     else:
         records, curves = read_csv(path, metric=metric), None
     if not records:
         raise ValueError(f"--input {path}: no records")
-    settings = {"metric": metric, "higher_is_better": higher_is_better, "alpha": alpha, "margin": margin}
-    if corrected:
-        settings["corrected"] = tuple(corrected)
-    if baselines:
-        settings["baselines"] = tuple(baselines)
-    record = provenance(input=str(path), input_sha256=hashlib.sha256(path.read_bytes()).hexdigest(), metric=metric)
-    return analyse_and_report(Path(out), records, curves, settings, record, calibration_sims)
+    present = sorted({RENAMED_METHODS.get(str(r["method"]), str(r["method"])) for r in records})
+    for role, given in names.items():
+        unknown = sorted(set(given or ()) - set(present))
+        if unknown:
+            raise ValueError(f"--{role}: unknown method(s) {unknown}; the methods in {path} are {present}")
+    extra = {}
+    if database:  # the data the runs were trained on, as the store recorded it
+        by_data: dict[str, set[str]] = {}
+        for r in records:
+            by_data.setdefault(data_key(r), set()).add(str(r.get("data_fingerprint")))
+        mixed = {key: sorted(found) for key, found in by_data.items() if len(found) > 1}
+        if mixed:
+            print(f"affdiv analyse: warning: {path} mixes runs on different data for the same data settings "
+                  f"(written before stores refused it): {mixed}", file=sys.stderr)
+        extra["data_fingerprint"] = {dataset: sorted({str(r.get("data_fingerprint")) for r in records
+                                                      if str(r.get("dataset")) == dataset})
+                                     for dataset in sorted({str(r.get("dataset")) for r in records})}
+    record = provenance(input=str(path), input_sha256=digest, metric=metric, **extra)
+    progress = _progress(started) if len(records) >= PROGRESS_FROM else None
+    if progress is not None:
+        progress(f"read {len(records)} records from {path}")
+    return analyse_and_report(out, records, curves, settings, record, calibration_sims, progress=progress)

@@ -1,143 +1,473 @@
-"""`affdiv probe`: the mechanism behind the batch-size prediction, measured on real data.
+"""`affdiv probe`: the divergence meter (affdiv.verify.divergence) on real data, per layer and
+batch size, for built-in or your own models.
 
-For each member of the affine family (theory's reference layers, float64) and each batch size B,
-a freshly initialised layer maps a batch of real inputs to class logits; one SGD step on the
-mean cross-entropy is measured with :func:`affdiv.verify.effective_update`, and its alignment with
-the ideal activation step −η g is summarised over ``repeats`` random batches:
+For each model, seed and batch size B, a freshly initialised model (torch.manual_seed(seed), in
+train mode, float64 by default) meets ``--batches`` random batches of the training split; on each
+batch one SGD step on the mean cross-entropy is measured for every module that owns trainable
+parameters:
 
-    diagonal_scale_cv    std/mean over samples of each sample's own factor, the scale of −ηΘ_ii g_i
-                         against u*_i (K_ii for this family): 0 when every sample is scaled alike,
-                         the corrections' claim
-    scale_cv             the same for the whole update u_i (off-diagonal terms included)
-    cosine               mean over samples of cos(u_i, u*_i)
-    batch_cosine         cos(u, u*) of the whole batch's update
-    off_diagonal_share   mean over samples of ‖Σ_{j≠i} Θ_ij g_j‖ / ‖Θ_ii g_i‖
+    scale               ⟨u_i, u*_i⟩/‖u*_i‖²: each sample's real update u_i against the ideal
+                        u*_i = −η g_i, as a factor (mean over the batch)
+    diagonal_scale      the same for the sample's update from its own gradient alone, d_i:
+                        ‖x‖²+1 for a plain affine layer (layer scope), 1 for AffineLike
+    diagonal_scale_cv   its spread over the batch, std/mean: 0 when every sample is scaled alike
+    cosine              cos(u_i, u*_i) (mean over the batch)
+    off_diagonal_share  ‖u_i − d_i‖/‖d_i‖: what the other samples of the batch add (mean, median)
+    batch_cosine        cos(u, u*) of the whole batch's update
+    diagonal_norm_correlation  Pearson correlation of the diagonal scale with ‖x_i‖ (null where
+                        the diagonal scale is constant to rounding: nothing to correlate)
+    site_diagonal_scale each token's / output position's own factor (layer scope, closed forms:
+                        the affine family, Conv, PatchNormConv), mean and spread: 1 for AffineLike
+                        and PatchNorm wherever they sit; diagonal_scale also holds the sample's
+                        other tokens or positions
 
-The theory predicts scale_cv ≈ 0 for the corrections at every B, and an off-diagonal share that
-grows with B for correlated inputs for every member: what the corrections cannot remove.
+under ``--scope layer`` (only the module's own parameters step: the theory's quantity) or
+``network`` (every parameter steps; the update is read at the module's output). Every number in
+probe.json is the mean over seeds of the per-seed mean over batches, with a 95% t interval over
+seeds (seeds are the independent units: batches of one seed share its initialisation); null
+where undefined (one seed, or a metric undefined in every batch).
+
+Written to ``--out``: probe.json (rows per model, layer and batch size; per layer kind and batch
+size; per-sample diagonal scales and input norms at one batch size for the scatter figure;
+provenance), probe.md, share_vs_batch.png (off-diagonal share and cosine against batch size,
+one line per layer kind) and diagonal_vs_norm.png (diagonal scale against ‖x‖ for plain and
+corrected layers).
+
+Models: the built-ins of affdiv.experiments.runs.zoo (``layer-<member>``, ``mlp-<method>``,
+``cnn-<method>``, ``resnet[-conv|-patchnorm]``, ``transformer[-affine_like][-qknorm]``), ``all``,
+or ``package.module:factory``.
 """
 
 from __future__ import annotations
 
-import json
+import math
 import time
+from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
-import torch
+SCOPES = ("layer", "network")
+DTYPES = ("float64", "float32")
+DEFAULT_BATCH_SIZES = (8, 32, 128, 512)
+DEFAULT_LR = 0.1  # the metrics do not depend on it (first order: u, d and u* all scale with η)
+SUMMARY_METRICS = (
+    "scale_mean", "diagonal_scale_mean", "diagonal_scale_cv", "cosine_mean", "off_diagonal_share_mean",
+    "off_diagonal_share_median", "batch_cosine", "diagonal_norm_correlation", "site_diagonal_scale_mean",
+    "site_diagonal_scale_cv",
+)
+SAMPLES_MAX_BATCH = 128  # the per-sample scatter is stored at the largest batch size up to this
 
-from affdiv.atomic import atomic_write
-from affdiv.experiments.data.dataset import load_dataset
-from affdiv.provenance import provenance
-from affdiv.theory.affine import MEMBERS, ReferenceAffineFamily
-from affdiv.verify.engine import effective_update
-from affdiv.verify.metrics import alignment, cosine
-
-METRICS = ("diagonal_scale_cv", "scale_cv", "cosine", "batch_cosine", "off_diagonal_share")
-LR = 0.1
-
-
-def coefficient_of_variation(values: torch.Tensor) -> float:
-    return float(values.std(unbiased=False) / values.mean().abs()) if len(values) > 1 else 0.0
-
-
-def probe_once(member: str, x: torch.Tensor, y: torch.Tensor, classes: int, seed: int) -> dict[str, float]:
-    """The five alignment metrics (``METRICS``) of one SGD step of a fresh layer on the batch (x, y)."""
-    torch.manual_seed(seed)
-    layer = ReferenceAffineFamily(member, x.shape[1], classes)
-
-    def per_sample_loss(z: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.cross_entropy(z, y, reduction="none")
-
-    update = effective_update(layer, x, loss=per_sample_loss, reduction="mean", lr=LR)
-    metrics = alignment(layer, x, update.grad_output, LR, update.linear)
-    return {
-        "diagonal_scale_cv": coefficient_of_variation(metrics.diagonal_scale),
-        "scale_cv": coefficient_of_variation(metrics.scale),
-        "cosine": float(metrics.cosine.mean()),
-        "batch_cosine": float(cosine(update.linear.reshape(1, -1), update.ideal.reshape(1, -1))),
-        "off_diagonal_share": float(metrics.off_diagonal_share.mean()),
-    }
+# (plain model, corrected model, layer, what): the pairs the scatter figure draws when measured
+SCATTER_PAIRS = (
+    ("layer-affine", "layer-affine_like", "1", "one layer"),
+    ("layer-affine", "layer-norm_l2", "1", "one layer"),
+    ("mlp-affine", "mlp-affine_like", "3", "MLP, second hidden layer"),
+    ("mlp-affine", "mlp-norm_l2", "3", "MLP, second hidden layer"),
+)
 
 
-def run_probe(dataset, members, batch_sizes, repeats: int, seed: int, progress=None) -> list[dict]:
-    """One row per (member, batch size): mean and standard error of each metric over repeats."""
-    split = dataset.train.flat()
-    x_all, y_all = split.x.double(), split.y
-    rng = np.random.default_rng(seed)
-    rows, total, done = [], len(members) * len(batch_sizes), 0
-    for member in members:
-        for batch in batch_sizes:
-            if batch > len(y_all):
-                raise ValueError(f"batch size {batch} exceeds the {len(y_all)} training samples of {dataset.name}")
-            samples = []
-            for r in range(repeats):
-                index = torch.from_numpy(rng.choice(len(y_all), size=batch, replace=False))
-                samples.append(probe_once(member, x_all[index], y_all[index], dataset.num_classes, seed + r))
-            row = {"member": member, "batch_size": batch, "repeats": repeats}
-            for name in METRICS:
-                values = np.array([s[name] for s in samples])
-                row[name] = float(values.mean())
-                row[f"{name}_se"] = float(values.std(ddof=1) / np.sqrt(repeats)) if repeats > 1 else float("nan")
-            rows.append(row)
-            done += 1
-            if progress:
-                progress(done, total, row)
-    return rows
+# ---------------------------------------------------------------------------------------------
+# input
 
 
-def to_markdown(rows: list[dict], meta: dict) -> str:
+def parse_int_list(text: str | Sequence[int], what: str) -> list[int]:
+    """``"8,32,128"`` (or a list of ints) as sorted distinct positive ints; a ValueError otherwise."""
+    if isinstance(text, str):
+        parts = [p.strip() for p in text.split(",") if p.strip()]
+        try:
+            values = [int(p) for p in parts]
+        except ValueError:
+            raise ValueError(f"{what} must be comma-separated positive integers, got {text!r}") from None
+    else:
+        values = list(text)
+    if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+        raise ValueError(f"{what} must be comma-separated positive integers, got {text!r}")
+    return sorted(set(values))
+
+
+def model_list(spec: str | Sequence[str]) -> list[str]:
+    """``"all"``, one name, or a comma-separated list of built-in names and package.module:factory."""
+    from affdiv.experiments.runs import zoo
+
+    names = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec) if s.strip()]
+    if not names:
+        raise ValueError(f"--model must name at least one model, got {spec!r}")
+    out = []
+    for name in names:
+        out += list(zoo.BUILTIN) if name == "all" else [name]
+    for name in out:
+        zoo.resolve(name)  # unknown names and failed imports fail here, before any work
+    return list(dict.fromkeys(out))
+
+
+# ---------------------------------------------------------------------------------------------
+# measuring
+
+
+def measure(dataset, models: Sequence[str], batch_sizes: Sequence[int], *, seeds: Sequence[int], batches: int,
+            scope: str, lr: float = DEFAULT_LR, dtype: str = "float64", per_sample: bool = True,
+            masked_limit: int | None = 128, progress=None) -> tuple[list[dict], list[dict]]:
+    """Every (model, seed, batch size, batch): one :func:`affdiv.verify.divergence` report.
+
+    Returns (measurements, samples): one row per module and measurement with its summary, and the
+    per-sample (‖x_i‖, diagonal scale) of every module of the models the scatter figure draws
+    (``SCATTER_PAIRS``; else the first four models) at one batch size (the first seed's first
+    batch at the largest B ≤ ``SAMPLES_MAX_BATCH``)."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from affdiv.experiments.runs import zoo
+    from affdiv.verify.divergence import divergence
+
+    torch_dtype = {"float64": torch.float64, "float32": torch.float32}[dtype]
+    split = dataset.train
+    n_train = len(split)
+    too_big = [b for b in batch_sizes if b > n_train]
+    if too_big:
+        raise ValueError(f"batch size {too_big[0]} exceeds the {n_train} training samples of {dataset.name}")
+    for name in models:  # every model must build on this data before any measurement starts
+        zoo.build(name, input_shape=tuple(dataset.input_shape), num_classes=dataset.num_classes)
+    scatter_batch = max([b for b in batch_sizes if b <= SAMPLES_MAX_BATCH] or [min(batch_sizes)])
+    paired = {m for pair in SCATTER_PAIRS for m in pair[:2]} & set(models)
+    scatter_models = paired or set(models[:4])
+    rows, samples = [], []
+    for name in models:
+        for seed in seeds:
+            torch.manual_seed(seed)
+            model = zoo.build(name, input_shape=tuple(dataset.input_shape), num_classes=dataset.num_classes)
+            model = model.to(torch_dtype).train()
+            for batch_size in batch_sizes:
+                rng = np.random.default_rng([seed, batch_size])
+                start = time.perf_counter()
+                for b in range(batches):
+                    index = torch.from_numpy(rng.choice(n_train, size=batch_size, replace=False))
+                    x, y = split.x[index].to(torch_dtype), split.y[index]
+                    report = divergence(
+                        model, x, lambda out, y=y: F.cross_entropy(out, y, reduction="none"), lr=lr, scope=scope,
+                        per_sample=per_sample, masked_limit=masked_limit,
+                    )
+                    for record in report.records():
+                        rows.append({"model": name, "seed": seed, "batch": b, **record,
+                                     "skipped": len(report.skipped)})
+                    for layer, reason in report.skipped.items():
+                        rows.append({"model": name, "seed": seed, "batch": b, "layer": layer, "skipped_reason": reason,
+                                     "batch_size": batch_size})
+                    if b == 0 and seed == seeds[0] and batch_size == scatter_batch and name in scatter_models:
+                        for layer_name, layer in report.layers.items():
+                            if layer.diagonal_scale is None:
+                                continue
+                            samples.append({
+                                "model": name, "layer": layer_name, "kind": layer.kind, "batch_size": batch_size,
+                                "scope": scope,
+                                "input_norm": [_round(v) for v in layer.input_norm.tolist()],
+                                "diagonal_scale": [_round(v) for v in layer.diagonal_scale.tolist()],
+                            })
+                if progress:
+                    progress(name, seed, batch_size, time.perf_counter() - start)
+    return rows, samples
+
+
+def _round(value: float) -> float | None:
+    return float(f"{value:.4g}") if math.isfinite(value) else None
+
+
+# ---------------------------------------------------------------------------------------------
+# aggregating: per seed over batches, then over seeds
+
+
+def _interval(values: list[float]) -> tuple[float | None, float | None, float | None]:
+    """(mean, low, high) of a 95% t interval over ``values`` (None where undefined)."""
+    from scipy.stats import t
+
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    if not values:
+        return None, None, None
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return mean, None, None
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+    half = float(t.ppf(0.975, len(values) - 1)) * sd / math.sqrt(len(values))
+    return mean, mean - half, mean + half
+
+
+def _seed_means(rows: list[dict], keys: tuple[str, ...]) -> dict[tuple, dict[int, dict[str, float]]]:
+    """(group key) -> seed -> metric -> mean over that seed's measurements (layers and batches)."""
+    acc: dict[tuple, dict[int, dict[str, list[float]]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    for row in rows:
+        if "skipped_reason" in row:
+            continue
+        for metric in SUMMARY_METRICS:
+            value = row.get(metric)
+            if value is not None:
+                acc[tuple(row[k] for k in keys)][row["seed"]][metric].append(value)
+    return {key: {seed: {m: sum(v) / len(v) for m, v in metrics.items()} for seed, metrics in by_seed.items()}
+            for key, by_seed in acc.items()}
+
+
+def aggregate(rows: list[dict], keys: tuple[str, ...]) -> list[dict]:
+    """One row per distinct ``keys``: for every metric its mean over seeds and 95% CI."""
+    kinds = {(r["model"], r["layer"]): r.get("kind") for r in rows if "kind" in r}
+    out = []
+    def order(item):  # numbers (batch sizes) as numbers, names as text
+        return tuple((0, k, "") if isinstance(k, (int, float)) else (1, 0, str(k)) for k in item[0])
+
+    for key, by_seed in sorted(_seed_means(rows, keys).items(), key=order):
+        row = dict(zip(keys, key))
+        if "layer" in keys and "kind" not in keys:
+            row["kind"] = kinds.get((row["model"], row["layer"]))
+        row["seeds"] = len(by_seed)
+        for metric in SUMMARY_METRICS:
+            mean, low, high = _interval([s.get(metric) for s in by_seed.values()])
+            row[metric], row[f"{metric}_ci"] = mean, (None if low is None else [low, high])
+        out.append(row)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# writing
+
+
+def _write_json(path: Path, obj) -> Path:
+    try:
+        from affdiv.reporting import write_json
+    except ImportError:  # before affdiv.reporting existed
+        import json
+
+        from affdiv.atomic import atomic_write
+
+        return atomic_write(path, json.dumps(obj, indent=1, allow_nan=False) + "\n")
+    return write_json(path, obj, indent=1)
+
+
+def _fmt(value, ci=None) -> str:
+    if value is None:
+        return "—"
+    text = f"{value:.3g}"
+    if ci:
+        text += f" [{ci[0]:.3g}, {ci[1]:.3g}]"
+    return text
+
+
+def to_markdown(meta: dict, by_kind: list[dict], by_layer: list[dict], skipped: dict) -> str:
     lines = [
-        f"# affdiv probe — {meta['dataset']}",
+        f"# affdiv probe — {meta['data']}, {meta['scope']} scope",
         "",
-        "Alignment of one SGD step's effective activation update with the ideal −ηg, per layer and batch size "
-        f"(mean ± s.e. over {meta['repeats']} random batches; fresh layer, mean cross-entropy, η = {LR}).",
+        f"Models: {', '.join(meta['models'])}. Batch sizes {meta['batch_sizes']}, {len(meta['seeds'])} seeds × "
+        f"{meta['batches']} batches, {meta['dtype']}, fresh models in train mode, mean cross-entropy, "
+        f"η = {meta['lr']}. "
+        "Each cell: mean over seeds of the per-seed mean over batches [95% t interval over seeds].",
         "",
-        "| layer | B | diagonal scale CV | scale CV | cosine | batch cosine | off-diagonal share |",
-        "|---|---|---|---|---|---|---|",
+        "## Per layer kind",
+        "",
+        "| kind | B | layers | off-diagonal share, median | cosine | diagonal scale | diagonal scale CV "
+        "| site diagonal scale (CV) | corr(diag, ‖x‖) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        cells = " | ".join(f"{r[m]:.4g} ± {r[m + '_se']:.2g}" for m in METRICS)
-        lines.append(f"| {r['member']} | {r['batch_size']} | {cells} |")
-    lines += ["", "```json", json.dumps(meta["provenance"], indent=2), "```", ""]
+    layers_per_kind = defaultdict(set)
+    for r in by_layer:
+        layers_per_kind[r["kind"]].add((r["model"], r["layer"]))
+    for r in by_kind:
+        lines.append(
+            f"| {r['kind']} | {r['batch_size']} | {len(layers_per_kind[r['kind']])} | "
+            f"{_fmt(r['off_diagonal_share_median'], r['off_diagonal_share_median_ci'])} | "
+            f"{_fmt(r['cosine_mean'], r['cosine_mean_ci'])} | {_fmt(r['diagonal_scale_mean'])} | "
+            f"{_fmt(r['diagonal_scale_cv'])} | {_fmt(r['site_diagonal_scale_mean'])} "
+            f"({_fmt(r['site_diagonal_scale_cv'])}) | {_fmt(r['diagonal_norm_correlation'])} |"
+        )
+    lines += ["", "## Per model and layer", "",
+              "| model | layer | kind | B | off-diagonal share (median) | cosine | scale | diagonal scale "
+              "| diagonal scale CV | batch cosine | corr(diag, ‖x‖) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in by_layer:
+        lines.append(
+            f"| {r['model']} | `{r['layer']}` | {r['kind']} | {r['batch_size']} | "
+            f"{_fmt(r['off_diagonal_share_mean'], r['off_diagonal_share_mean_ci'])} "
+            f"({_fmt(r['off_diagonal_share_median'])}) | {_fmt(r['cosine_mean'])} | {_fmt(r['scale_mean'])} | "
+            f"{_fmt(r['diagonal_scale_mean'])} | {_fmt(r['diagonal_scale_cv'])} | {_fmt(r['batch_cosine'])} | "
+            f"{_fmt(r['diagonal_norm_correlation'])} |"
+        )
+    if skipped:
+        lines += ["", "## Not measured", ""]
+        lines += [f"- {model} `{layer}`: {reason}" for (model, layer), reason in sorted(skipped.items())]
+    if meta.get("routes"):
+        lines += ["", "## How each kind was computed", ""]
+        lines += [f"- {kind}: {route}" for kind, route in sorted(meta["routes"].items())]
+    try:
+        from affdiv.reporting import provenance_markdown
+
+        lines += ["", provenance_markdown(meta["provenance"])]
+    except ImportError:
+        import json
+
+        lines += ["", "```json", json.dumps(meta["provenance"], indent=2), "```", ""]
     return "\n".join(lines)
 
 
-def probe(out: str | Path, *, dataset: str = "digits", data_dir: str | None = None,
-          members: list[str] | None = None, batch_sizes: list[int] = (1, 4, 16, 64, 256), repeats: int = 5,
-          seed: int = 0) -> dict[str, Path]:
-    """Measure every member at every batch size and write ``probe.json``, ``probe.md`` and
-    ``probe.png`` under ``out``; returns the written paths."""
-    members = list(members or [m.name for m in MEMBERS])
-    unknown = sorted(set(members) - {m.name for m in MEMBERS})
-    if unknown:
-        raise ValueError(f"--members: unknown member(s) {unknown}; expected among {[m.name for m in MEMBERS]}")
-    if repeats < 1 or not batch_sizes or any(b < 1 for b in batch_sizes):
-        raise ValueError(f"--repeats and --batch-sizes must be >= 1, got {repeats}, {list(batch_sizes)}")
+_MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "<", ">", "h", "p")
+_STYLES = ("-", "--", "-.", ":")
+
+
+def _figure(panels: int, width: float = 4.6, height: float = 3.6):
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(width * panels, height), layout="constrained")
+    return figure, figure.subplots(1, panels, squeeze=False)[0]
+
+
+def _save(figure, path: Path) -> Path:
+    import io
+
+    from affdiv.atomic import atomic_write
+
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=120, bbox_inches="tight")
+    return atomic_write(path, buffer.getvalue())
+
+
+def figure_share_vs_batch(by_kind: list[dict], meta: dict, path: Path) -> Path:
+    """Off-diagonal share and cosine against batch size, one line (marker, line style) per kind."""
+    figure, axes = _figure(2)
+    kinds = list(dict.fromkeys(r["kind"] for r in by_kind))
+    panels = [("off_diagonal_share_median", "off-diagonal share ‖u_i − d_i‖/‖d_i‖ (median over samples)"),
+              ("cosine_mean", "cosine of real and ideal update (mean over samples)")]
+    for ax, (metric, label) in zip(axes, panels):
+        for k, kind in enumerate(kinds):
+            mine = [r for r in by_kind if r["kind"] == kind and r[metric] is not None]
+            if not mine:
+                continue
+            xs, ys = [r["batch_size"] for r in mine], [r[metric] for r in mine]
+            low = [y - r[f"{metric}_ci"][0] if r[f"{metric}_ci"] else 0.0 for y, r in zip(ys, mine)]
+            high = [r[f"{metric}_ci"][1] - y if r[f"{metric}_ci"] else 0.0 for y, r in zip(ys, mine)]
+            ax.errorbar(xs, ys, yerr=[low, high], marker=_MARKERS[k % len(_MARKERS)],
+                        ls=_STYLES[(k // len(_MARKERS) + k) % len(_STYLES)], ms=5, capsize=2, label=kind)
+        ax.set_xscale("log", base=2)
+        if metric.startswith("off"):
+            ax.set_yscale("log")
+        ax.set_xlabel("batch size (samples per step)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7, title="layer kind", title_fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    figure.suptitle(f"{meta['data']}, {meta['scope']} scope: mean over the layers of each kind, "
+                    f"95% interval over {len(meta['seeds'])} seeds", fontsize=9)
+    return _save(figure, path)
+
+
+def _scatter_panels(samples: list[dict]) -> list[tuple[str, list[dict]]]:
+    index = {(s["model"], s["layer"]): s for s in samples}
+    panels = [(what, [index[(a, layer)], index[(b, layer)]]) for a, b, layer, what in SCATTER_PAIRS
+              if (a, layer) in index and (b, layer) in index]
+    if panels:
+        return panels
+    firsts = {}
+    for s in samples:
+        firsts.setdefault(s["model"], s)
+    return [(f"{s['model']} `{s['layer']}`", [s]) for s in list(firsts.values())[:4]]
+
+
+def figure_diagonal_vs_norm(samples: list[dict], meta: dict, path: Path) -> Path:
+    """Each sample's diagonal scale against the norm of the layer's input, plain vs corrected."""
+    panels = _scatter_panels(samples)
+    figure, axes = _figure(max(1, len(panels)), width=4.2)
+    for ax, (what, series) in zip(axes, panels):
+        for k, s in enumerate(series):
+            pairs = [(x, d) for x, d in zip(s["input_norm"], s["diagonal_scale"]) if x and d and d > 0]
+            color = ("tab:red", "tab:blue")[k % 2]
+            ax.scatter([p[0] for p in pairs], [p[1] for p in pairs], s=12, marker=("o", "^")[k % 2],
+                       facecolors="none" if k == 0 else color, edgecolors=color, linewidths=0.8, alpha=0.8,
+                       label=f"{s['model']}: {s['kind']}")
+        from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        for axis in (ax.xaxis, ax.yaxis):  # ticks at 1, 2, 5 × 10^k, labelled plainly: never crowded
+            axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+            axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            axis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("norm of the layer's input ‖x_i‖")
+        ax.set_ylabel("diagonal scale (own-gradient update / ideal)")
+        ax.set_title(f"{what}, B = {series[0]['batch_size']}", fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    figure.suptitle(f"{meta['data']}, {meta['scope']} scope: one point per sample of one batch", fontsize=9)
+    return _save(figure, path)
+
+
+def probe(out: str | Path, *, models: str | Sequence[str], data: str = "digits", data_dir: str | None = None,
+          batch_sizes: str | Sequence[int] = DEFAULT_BATCH_SIZES, seeds: int = 3, seed: int = 0, batches: int = 2,
+          scope: str = "layer", lr: float = DEFAULT_LR, dtype: str = "float64", per_sample: bool = True,
+          masked_limit: int | None = 128, quiet: bool = False) -> dict[str, Path]:
+    """Measure every model at every batch size; write probe.json, probe.md and the two figures
+    under ``out``; returns the written paths. Bad input raises a one-line ValueError before any
+    measurement (the data are loaded first, to check the batch sizes and the models against them)."""
+    batch_sizes = parse_int_list(batch_sizes, "--batch-sizes")
+    names = model_list(models)
+    if scope not in SCOPES:
+        raise ValueError(f"--scope must be one of {', '.join(SCOPES)}, got {scope!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    for what, value in (("--seeds", seeds), ("--batches", batches)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{what} must be an integer >= 1, got {value!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"--seed must be an integer >= 0, got {seed!r}")
+    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+        raise ValueError(f"--lr must be a finite number > 0, got {lr!r}")
+    if masked_limit is not None and masked_limit < 1:
+        raise ValueError(f"--masked-limit must be >= 1, got {masked_limit!r}")
+    from affdiv.experiments.data.dataset import load_dataset
+    from affdiv.provenance import provenance
+
     start = time.perf_counter()
-    data = load_dataset(dataset, data_dir=data_dir, seed=seed)
+    dataset = load_dataset(data, data_dir=data_dir, seed=seed)
+    seed_list = list(range(seed, seed + seeds))
 
-    def progress(done, total, row):
-        print(
-            f"[{done}/{total}] {row['member']:<12} B={row['batch_size']:<5} "
-            + " ".join(f"{m}={row[m]:.4g}" for m in METRICS),
-            flush=True,
-        )
+    def progress(name, s, batch_size, seconds):
+        if not quiet:
+            print(f"{name:<32} seed {s} B={batch_size:<5} {seconds:7.2f} s", flush=True)
 
-    rows = run_probe(data, members, sorted(set(batch_sizes)), repeats, seed, progress)
-    out = Path(out)
+    rows, samples = measure(dataset, names, batch_sizes, seeds=seed_list, batches=batches, scope=scope, lr=lr,
+                            dtype=dtype, per_sample=per_sample, masked_limit=masked_limit, progress=progress)
+    by_layer = aggregate(rows, ("model", "layer", "batch_size"))
+    by_kind = aggregate(rows, ("kind", "batch_size"))
+    skipped = {(r["model"], r["layer"]): r["skipped_reason"] for r in rows if "skipped_reason" in r}
+    routes = {}
+    for r in rows:
+        if "kind" in r:
+            routes.setdefault(r["kind"], f"{r['route']}; diagonal: {r['diagonal_route']}")
     meta = {
-        "dataset": dataset,
-        "repeats": repeats,
-        "provenance": provenance(
-            seed=seed, data_fingerprint=data.fingerprint, wall_time_s=round(time.perf_counter() - start, 2)
-        ),
+        "data": data, "models": names, "batch_sizes": batch_sizes, "seeds": seed_list, "batches": batches,
+        "scope": scope, "lr": lr, "dtype": dtype, "per_sample": per_sample, "masked_limit": masked_limit,
+        "ci": "95% t interval over seeds of the per-seed means over batches",
+        "routes": routes,
+        "provenance": provenance(seed=seed, data_fingerprint=dataset.fingerprint,
+                                 wall_time_s=round(time.perf_counter() - start, 2)),
     }
-    paths = {
-        "json": atomic_write(out / "probe.json", json.dumps({**meta, "rows": rows}, indent=2) + "\n"),
-        "markdown": atomic_write(out / "probe.md", to_markdown(rows, meta)),
-    }
-    from affdiv.experiments.report import figures  # here: matplotlib only when a figure is drawn
-
-    paths["figure"] = figures.probe_alignment(rows, METRICS, out / "probe.png")
+    out = Path(out)
+    record = {"schema_version": 2, **meta, "by_kind": by_kind, "rows": by_layer,
+              "skipped": [{"model": m, "layer": layer, "reason": why} for (m, layer), why in sorted(skipped.items())],
+              "samples": samples}
+    paths = {"json": _write_json(out / "probe.json", record),
+             "markdown": _write_md(out / "probe.md", to_markdown(meta, by_kind, by_layer, skipped))}
+    paths["share_figure"] = figure_share_vs_batch(by_kind, meta, out / "share_vs_batch.png")
+    if samples:
+        paths["diagonal_figure"] = figure_diagonal_vs_norm(samples, meta, out / "diagonal_vs_norm.png")
     return paths
+
+
+def replot(out: str | Path) -> dict[str, Path]:
+    """Draw the two figures again from ``out``/probe.json (no measurement)."""
+    import json
+
+    out = Path(out)
+    record = json.loads((out / "probe.json").read_text())
+    paths = {"share_figure": figure_share_vs_batch(record["by_kind"], record, out / "share_vs_batch.png")}
+    if record["samples"]:
+        paths["diagonal_figure"] = figure_diagonal_vs_norm(record["samples"], record, out / "diagonal_vs_norm.png")
+    return paths
+
+
+def _write_md(path: Path, text: str) -> Path:
+    from affdiv.atomic import atomic_write
+
+    return atomic_write(path, text)

@@ -1,12 +1,18 @@
 """Records: the one place that reads and writes record CSVs and checks a record's types.
 
 A record is one run's row: ``method``, ``batch_size``, ``seed``, the metric column, and any other
-columns (``lr_rule``, ``diverged``, ...). Floats are written with ``repr``, so a CSV round trip
-gives back the same numbers bit for bit.
+columns (``lr_rule``, ``diverged``, ...). Runs of the ``target`` budget add ``steps_to_target``
+(empty when the run was censored), ``censored`` (0/1), ``max_steps`` and ``target``; with
+``steps_to_target`` as the metric an empty value is a censored run, not a missing one. Floats are
+written with ``repr``, so a CSV round trip gives back the same numbers bit for bit.
+
+Reading accepts what spreadsheets write: UTF-8 with or without a BOM, UTF-16/32 with a BOM,
+comma-, tab- or semicolon-separated; seeds are exact integers of any size.
 """
 
 from __future__ import annotations
 
+import codecs
 import csv
 import io
 import math
@@ -18,20 +24,76 @@ from affdiv.atomic import atomic_write
 REQUIRED_COLUMNS = ("method", "batch_size", "seed")
 # Method names of earlier versions, read as today's (0.1 called the norm-like layer "l2").
 RENAMED_METHODS = {"l2": "norm_l2"}
+#: Metrics that may be empty: the run was censored (it did not reach the target within max_steps).
+CENSORED_METRICS = ("steps_to_target",)
 
 
 def _as_int(value, column: str, where: str) -> int:
+    """``value`` as an exact int: an int, an integral float, or text of either ("7", "7.0", "1e3")."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value.strip())  # exact, however large (a float would round above 2**53)
+        except ValueError:
+            pass
     try:
         number = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         number = math.nan
     if not math.isfinite(number) or number != int(number):
         raise ValueError(f"{where}: column {column!r} must be an integer, got {value!r}")
     return int(number)
 
 
+def _is_empty(value) -> bool:
+    return value is None or value == "" or (isinstance(value, float) and math.isnan(value))
+
+
+def _target_columns(row: dict, record: Mapping, metric: str, where: str) -> None:
+    """Type the optional columns of target-budget runs in ``row``; with ``steps_to_target`` as the
+    metric, also check that each run is either reached (steps in (0, max_steps]) or censored."""
+    if not _is_empty(record.get("censored")):
+        row["censored"] = _as_int(record["censored"], "censored", where)
+        if row["censored"] not in (0, 1):
+            raise ValueError(f"{where}: column 'censored' must be 0 or 1, got {record['censored']!r}")
+    if not _is_empty(record.get("max_steps")):
+        row["max_steps"] = _as_int(record["max_steps"], "max_steps", where)
+        if row["max_steps"] <= 0:
+            raise ValueError(f"{where}: max_steps must be > 0, got {record['max_steps']!r}")
+    if not _is_empty(record.get("target")):
+        try:
+            row["target"] = float(record["target"])
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}: column 'target' must be a number, got {record['target']!r}") from None
+    if metric not in CENSORED_METRICS:
+        return
+    if "max_steps" not in row:
+        raise ValueError(f"{where}: missing value for column 'max_steps'; a {metric} record needs it (the "
+                         "censoring bound)")
+    if _is_empty(record.get(metric)):
+        if row.get("censored") == 0:
+            raise ValueError(f"{where}: censored = 0 but no {metric}; a run that reached the target records "
+                             "its steps")
+        row[metric], row["censored"] = None, 1
+        return
+    try:
+        steps = float(record[metric])
+    except (TypeError, ValueError):
+        steps = math.nan
+    if not (math.isfinite(steps) and steps > 0):
+        raise ValueError(f"{where}: column {metric!r} must be a positive number of steps, or empty for a "
+                         f"censored run, got {record[metric]!r}")
+    if steps > row["max_steps"]:
+        raise ValueError(f"{where}: {metric} = {steps:g} exceeds max_steps = {row['max_steps']}")
+    if row.get("censored") == 1:
+        raise ValueError(f"{where}: censored = 1 but {metric} = {steps:g}; a censored run has no steps to target")
+    row[metric], row["censored"] = steps, 0
+
+
 def _validate_record(record: Mapping, metric: str, where: str) -> dict:
-    missing = [c for c in (*REQUIRED_COLUMNS, metric) if c not in record or record[c] in (None, "")]
+    required = REQUIRED_COLUMNS if metric in CENSORED_METRICS else (*REQUIRED_COLUMNS, metric)
+    missing = [c for c in required if c not in record or record[c] in (None, "")]
     if missing:
         raise ValueError(f"{where}: missing value for column(s) {missing}; expected columns "
                          f"{[*REQUIRED_COLUMNS, metric]}, got {sorted(record)}")
@@ -42,12 +104,14 @@ def _validate_record(record: Mapping, metric: str, where: str) -> dict:
     if row["batch_size"] <= 0:
         raise ValueError(f"{where}: batch_size must be > 0, got {record['batch_size']!r}")
     row["seed"] = _as_int(record["seed"], "seed", where)
-    try:
-        row[metric] = float(record[metric])
-    except (TypeError, ValueError):
-        row[metric] = math.nan
-    if not math.isfinite(row[metric]):
-        raise ValueError(f"{where}: column {metric!r} must be a finite number, got {record[metric]!r}")
+    _target_columns(row, record, metric, where)
+    if metric not in CENSORED_METRICS:
+        try:
+            row[metric] = float(record[metric])
+        except (TypeError, ValueError):
+            row[metric] = math.nan
+        if not math.isfinite(row[metric]):
+            raise ValueError(f"{where}: column {metric!r} must be a finite number, got {record[metric]!r}")
     if record.get("diverged") not in (None, ""):
         row["diverged"] = _as_int(record["diverged"], "diverged", where)
         if row["diverged"] not in (0, 1):
@@ -65,24 +129,60 @@ def validate_records(records: Sequence[Mapping], *, metric: str = "metric") -> l
     return [_validate_record(record, metric, f"record {i}") for i, record in enumerate(records, start=1)]
 
 
+# Byte-order marks, longest first (UTF-32's little-endian mark starts with UTF-16's).
+_BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"), (codecs.BOM_UTF8, "utf-8-sig"),
+         (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
+_DELIMITERS = (",", "\t", ";")
+
+
+def decode_text(data: bytes, where) -> tuple[str, str]:
+    """(text, encoding) of a text file as spreadsheets write it: UTF-8 with or without a BOM, or
+    UTF-16/UTF-32 with a BOM. Anything else raises ValueError naming the file and the encoding."""
+    encoding = next((name for bom, name in _BOMS if data.startswith(bom)), "utf-8")
+    if encoding == "utf-8" and b"\x00" in data[:4096]:  # text has no NUL; UTF-16 of ASCII is half NULs
+        order = "big-endian" if data[:1] == b"\x00" else "little-endian"
+        raise ValueError(f"{where}: not valid utf-8 text (NUL bytes): it looks like UTF-16 ({order}) without a "
+                         "byte-order mark; save it as UTF-8, or as UTF-16 with a BOM")
+    try:
+        return data.decode(encoding), encoding
+    except UnicodeDecodeError as error:
+        hint = "; save it as UTF-8 (or UTF-16 with a BOM)"
+        raise ValueError(f"{where}: not valid {encoding} text (byte {data[error.start]:#04x} at offset "
+                         f"{error.start}){hint}") from None
+
+
 def read_csv(path, *, metric: str = "metric") -> list[dict]:
     """Records from a CSV with (at least) columns method, batch_size, seed and ``metric``.
 
-    Typed as in :func:`validate_records`; other columns (lr_rule, ...) stay text.
+    Read as spreadsheets write it: UTF-8 (a BOM is skipped), or UTF-16/32 with a BOM; comma-,
+    tab- or semicolon-separated (the delimiter is the one the header line uses); column names
+    stripped of surrounding spaces. Typed as in :func:`validate_records`; other columns (lr_rule,
+    ...) stay text. Any problem raises ValueError naming the file and the line.
     """
     path = Path(path)
-    with path.open(newline="") as handle:
-        reader = csv.DictReader(handle)
-        header = reader.fieldnames or []
+    text, _encoding = decode_text(path.read_bytes(), path)
+    first = text.split("\n", 1)[0]
+    delimiter = max(_DELIMITERS, key=first.count) if any(d in first for d in _DELIMITERS) else ","
+    reader = csv.DictReader(io.StringIO(text, newline=""), delimiter=delimiter)
+    try:
+        header = [name.strip() for name in reader.fieldnames or []]
+        reader.fieldnames = header
         missing = [c for c in (*REQUIRED_COLUMNS, metric) if c not in header]
         if missing:
             raise ValueError(f"{path}: missing column(s) {missing}; expected {[*REQUIRED_COLUMNS, metric]}, "
                              f"got header {header}")
         rows = list(reader)
+    except csv.Error as error:  # e.g. a field over csv.field_size_limit() characters
+        raise ValueError(f"{path} line {reader.line_num + 1}: {error}") from None  # the line being read
     if not rows:
         raise ValueError(f"{path}: no data rows below the header")
-    # Line numbers count the header as line 1.
-    return [_validate_record(row, metric, f"{path} line {i}") for i, row in enumerate(rows, start=2)]
+    records = []
+    for number, row in enumerate(rows, start=2):  # line numbers count the header as line 1
+        if None in row:
+            raise ValueError(f"{path} line {number}: {len(row[None])} more field(s) than the {len(header)} "
+                             f"columns of the header")
+        records.append(_validate_record(row, metric, f"{path} line {number}"))
+    return records
 
 
 def write_csv(path, records: Sequence[Mapping], *, metric: str = "metric") -> Path:

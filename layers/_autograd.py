@@ -1,18 +1,21 @@
-"""The corrected layers as autograd Functions with hand-written, twice-differentiable backwards.
+"""The corrected layers as autograd Functions with hand-written, twice-differentiable backwards
+and forward-mode derivatives (``jvp``).
 
 Every Function returns (z, scale): the layer output and the per-row (per-position) scale it
 applied, which is also the only thing it saves beyond what nn.Linear / nn.Conv save (the input
-and the weight; PatchNormConv also saves z unless ``recompute``, see ``PatchNormConv``). The
+and the weight; PatchNormConvFunction also keeps z unless ``recompute``, see there). The
 scale is an output so that double backward sees its dependence on x: its gradient arrives as
-``grad_scale``.
+``grad_scale``, and forward mode gives its tangent too.
 
 Where ``_fused.usable`` (plain eager CPU float32/float64, no graph being recorded) the passes
 around the GEMM / convolution run as the fused C kernels of ``_fused``; otherwise as the torch
 ops written out below, which are the reference the fused path is tested against.
 
 All are ``generate_vmap_rule = True`` with ``setup_context``, so torch.func (vmap, jacrev,
-functional_call) works; the backward formulas are derived in each docstring and checked
-against autograd of the closed form by the tests (gradcheck, gradgradcheck in float64).
+jvp, jacfwd, functional_call) and ``torch.autograd.forward_ad`` work; the backward and jvp
+formulas are derived in each docstring and checked by the tests against autograd of the
+closed form (gradcheck, gradgradcheck), central finite differences and the naive composite's
+jvp, in float64. The jvp formulas hold where ‖x‖² is finite in x's dtype (as the backward's).
 Inputs are already validated and 2-D (rows) or (N, C, *spatial) by ``functional``.
 """
 
@@ -26,9 +29,10 @@ from torch.autograd import Function
 
 from affdiv.layers import _fused
 from affdiv.layers._scale import accumulation_dtype, matvec, plain_eager, prepare, rowdot, safe_exponent, small_norm
+from affdiv.layers._torch_internals import functorch_transforms_active, is_compiling, saved_tensors_hooks_active
 
 
-class AffineLike(Function):
+class AffineLikeFunction(Function):
     """z = r·(x Wᵀ + b),  r = 1/√(‖x‖² + 1) per row.
 
     Forward on x' = c·x (``prepare``): z = ρ·(x' Wᵀ + c·b), ρ = 1/hypot(‖x'‖, c), r = ρ·c.
@@ -36,6 +40,9 @@ class AffineLike(Function):
     dr = ⟨gz, y⟩ + g_r = (⟨u, x⟩ + ⟨gy, b⟩)/r + g_r  and  ∂r/∂x = −r³ x, so
         dx = u − r²·(⟨u, x⟩ + ⟨gy, b⟩ + r·g_r)·x.
     No output is saved: ⟨gz, y⟩ comes from u, which dx needs anyway.
+    Forward mode (tangents ẋ, Ẇ, ḃ): ṙ = −r³⟨x, ẋ⟩ = −r·c with c = r²⟨x, ẋ⟩, so
+        ż = ṙ·y + r·ẏ = r·((ẋ − c·x) Wᵀ + x Ẇᵀ + ḃ − c·b):
+    the tangent of the augmented input [x; 1] less its part along [x; 1], through the layer.
     """
 
     generate_vmap_rule = True
@@ -61,15 +68,20 @@ class AffineLike(Function):
     def setup_context(ctx, inputs, output):
         x, weight, bias = inputs
         ctx.save_for_backward(x, weight, bias, output[1])
+        ctx.save_for_forward(x, weight, bias, output[1])
         ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx, grad_z: Tensor | None, grad_r: Tensor | None):
         return affine_like_grads(*ctx.saved_tensors, grad_z, grad_r, ctx.needs_input_grad[:3])
 
+    @staticmethod
+    def jvp(ctx, x_t: Tensor | None, weight_t: Tensor | None, bias_t: Tensor | None):
+        return affine_like_tangents(*ctx.saved_tensors, x_t, weight_t, bias_t)
+
 
 def affine_like_grads(x, weight, bias, r, grad_z, grad_r, needs) -> tuple[Tensor | None, ...]:
-    """(dx, dW, db) of AffineLike from the saved (x, W, b, r); see ``AffineLike``."""
+    """(dx, dW, db) of AffineLikeFunction from the saved (x, W, b, r); see there."""
     need_x, need_w, need_b = needs
     if grad_z is not None:
         grad_z = grad_z.contiguous()  # (a no-op but for e.g. the expanded gradient of a sum)
@@ -100,6 +112,12 @@ def affine_like_grads(x, weight, bias, r, grad_z, grad_r, needs) -> tuple[Tensor
     return dx, dw, db
 
 
+def affine_like_tangents(x, weight, bias, r, x_t, weight_t, bias_t) -> tuple[Tensor, Tensor]:
+    """(ż, ṙ) of AffineLikeFunction from the saved (x, W, b, r) and the input tangents; see there."""
+    c = None if x_t is None else r * (r * rowdot(x, x_t))
+    return _dense_tangent(x, weight, bias, r, c, x_t, weight_t, bias_t, bias_scaled=True), _scale_tangent(r, c)
+
+
 def _dense_grads_fused(x, weight, s, grad_z, extra, need_x, need_w, column_sum, bias=None, m=1.0,
                        limit=math.inf) -> tuple[Tensor | None, ...]:
     """(dx, dW, db) of a dense layer z = s·(x Wᵀ) (+ bias) in three fused row passes around the
@@ -124,13 +142,43 @@ def _minus_coef_times(u: Tensor | None, coef: Tensor, x: Tensor) -> Tensor:
     return torch.addcmul(u, coef, x, value=-1)
 
 
-class NormLike(Function):
-    """z = q·(x Wᵀ) + b,  q = k/max(‖x‖, eps) per row (k = 1 for l2, √m for rms).
+def _dense_tangent(x, weight, bias, s, c, x_t, weight_t, bias_t, bias_scaled: bool) -> Tensor:
+    """ż of a dense layer z = s·(x Wᵀ + b) (``bias_scaled``, AffineLike) or z = s·(x Wᵀ) + b
+    (NormLike) whose row scale has the tangent ṡ = −s·c:
+        ż = s·((ẋ − c·x) Wᵀ + x Ẇᵀ [+ ḃ − c·b]) [+ ḃ],
+    the bracketed terms where the bias is inside the scale, the last where it is outside
+    (c is None exactly where ẋ is; jvp is called with at least one tangent)."""
+    inner = []
+    if x_t is not None:
+        c_x = c.to(x.dtype)
+        inner.append((x_t - c_x * x) @ weight.t())
+        if bias_scaled and bias is not None:
+            inner.append(-c_x * bias)
+    if weight_t is not None:
+        inner.append(x @ weight_t.t())
+    if bias_scaled and bias_t is not None:
+        inner.append(bias_t)
+    z_t = sum(inner[1:], inner[0]) * s.to(x.dtype) if inner else None
+    if not bias_scaled and bias_t is not None:
+        z_t = bias_t.expand(x.shape[0], -1) if z_t is None else z_t + bias_t
+    return z_t
+
+
+def _scale_tangent(s: Tensor, c: Tensor | None) -> Tensor:
+    """ṡ = −s·c of a row (position) scale s whose relative tangent is −c; zeros where c is None
+    (no ẋ: s depends on x only), as torch.func needs a tangent for every differentiable output."""
+    return torch.zeros_like(s) if c is None else -s * c
+
+
+class NormLikeFunction(Function):
+    """z = q·(x Wᵀ) + b,  q = k/max(‖x‖, eps) per row (k = 1 for mode l2, √m for mode rms).
 
     An all-zero row gives z = b (it is x/max(‖x‖, eps) = 0). Forward on x' = c·x:
     q' = k/max(‖x'‖, eps·c), z = q'·(x' Wᵀ) + b, q = q'·c. Backward: gy = q·gz, dW = gyᵀ x,
     db = Σ_rows gz, u = gy W. Where ‖x‖ > eps (i.e. q < k/eps), ∂q/∂x = −q x/‖x‖² and with
     p = q/k = 1/‖x‖:  dx = u − p²·(⟨u, x⟩ + q·g_q)·x;  elsewhere q is constant and dx = u.
+    Forward mode: q̇ = −q·c with c = p²⟨x, ẋ⟩ (0 where q is constant), so
+        ż = q·((ẋ − c·x) Wᵀ + x Ẇᵀ) + ḃ:  ẋ less its radial part, through the layer.
     """
 
     generate_vmap_rule = True
@@ -154,8 +202,18 @@ class NormLike(Function):
     def setup_context(ctx, inputs, output):
         x, weight, bias, k, eps = inputs
         ctx.save_for_backward(x, weight, output[1])  # db = Σ gz needs no b
+        ctx.save_for_forward(x, weight, output[1])
         ctx.k, ctx.eps, ctx.has_bias = k, eps, bias is not None
         ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def jvp(ctx, x_t: Tensor | None, weight_t: Tensor | None, bias_t: Tensor | None, _k, _eps):
+        x, weight, q = ctx.saved_tensors
+        c = None
+        if x_t is not None:
+            p = _inverse_norm(q, ctx.k, ctx.eps)
+            c = p * (p * rowdot(x, x_t))
+        return _dense_tangent(x, weight, None, q, c, x_t, weight_t, bias_t, bias_scaled=False), _scale_tangent(q, c)
 
     @staticmethod
     def backward(ctx, grad_z: Tensor | None, grad_q: Tensor | None):
@@ -169,7 +227,7 @@ class NormLike(Function):
                 grads = _dense_grads_fused(x, weight, q, grad_z, extra, need_x, need_w, column_sum,
                                            m=1 / ctx.k, limit=ctx.k / ctx.eps)
                 return *grads, None, None
-        p = torch.where(q < ctx.k / ctx.eps, q / ctx.k, 0.0)  # 1/‖x‖ where the norm branch is live
+        p = _inverse_norm(q, ctx.k, ctx.eps)
         dx = dw = db = None
         dot = None
         if grad_z is not None:
@@ -188,7 +246,13 @@ class NormLike(Function):
         return dx, dw, db, None, None
 
 
-class PatchNormConv(Function):
+def _inverse_norm(q: Tensor, k: float, eps: float) -> Tensor:
+    """p = 1/‖x‖ where NormLike's norm branch is live (q = k/‖x‖ < k/eps), 0 where q = k/eps is
+    constant: ∂q/∂x = −q·p²·x."""
+    return torch.where(q < k / eps, q / k, 0.0)
+
+
+class PatchNormConvFunction(Function):
     """z_{o,p} = r_{g,p}·(conv(x, W)_{o,p} + b_o),  r_{g,p} = 1/√(‖P_{g,p}‖² + 1),
 
     P_{g,p} the receptive field of output position p restricted to the input channels of group g
@@ -202,11 +266,19 @@ class PatchNormConv(Function):
     channels; ∂r/∂s = −r³/2, so ds = −(r²/2)·⟨gz, z⟩ − (r³/2)·g_r; dx += 2 x · boxᵀ(ds).
     The per-position ⟨gz, y⟩ needs y (or z): it is bilinear in gz, unknown until backward, and
     y_p (O/groups numbers per group and position) cannot be rebuilt from less: not from the
-    conv's dx, which sums overlapping patches. So either z is saved (``recompute=False``, the
+    conv's dx, which sums overlapping patches. So either z is kept (``recompute=False``, the
     default: the memory of Conv2d→BatchNorm2d, which saves the conv output too, and shared with
     a consumer that saves its input) or the forward is run again in backward (``recompute=True``:
     one float per group and position saved beyond nn.Conv2d, at the cost of one more
-    convolution). Under a double backward the recomputed z is itself differentiable.
+    convolution). In plain eager mode z is kept as a ``_HeldOutput``, outside the saved tensors:
+    a consumer may modify z in place (Conv2d→ReLU(inplace=True), as VGG and AlexNet are built),
+    which would make a saved z fail backward; a held z is found changed by its version counter
+    and recomputed. The same recompute serves a backward that builds a graph (double backward:
+    the recomputed z is differentiable; torch.func transforms always build one) and forwards
+    under saved-tensor hooks (checkpointing, offloading: a held z would escape them). Traced by
+    torch.compile, z is saved (traced in-place ops are functionalised).
+    Forward mode: ṙ = −r·h with h = r²·box(Σ_{c∈g} x_c·ẋ_c) (= ½r²·ṡ), so
+        ż = r·(conv(ẋ, W) + conv(x, Ẇ) + ḃ) − h·z,  per group.
     With the fused passes, an NCHW input's backward convolution runs channels_last (see
     ``_channels_last_backward``); its gradients still come back in the layouts of x and W.
     """
@@ -225,7 +297,7 @@ class PatchNormConv(Function):
                     return _fused.group_update_(y, r, groups), r
                 return _per_group(y, r, groups, True), r
         x_scaled, c, _ = prepare(x, tuple(range(1, x.dim())), floor=1.0, finite_only=True)
-        patch_sq = _box(_group_squares(x_scaled, groups), weight.shape[2:], stride, padding, dilation)
+        patch_sq = _box(_group_dot(x_scaled, x_scaled, groups), weight.shape[2:], stride, padding, dilation)
         rho = 1.0 / torch.hypot(patch_sq.clamp_min(0).sqrt(), c)
         r = rho * c
         in_place = plain_eager(x)
@@ -242,20 +314,55 @@ class PatchNormConv(Function):
     def setup_context(ctx, inputs, output):
         x, weight, bias, stride, padding, dilation, groups, recompute = inputs
         z, r = output
-        ctx.save_for_backward(x, weight, r, bias if recompute else z)
+        saved_z, ctx.held_output = None, None
+        if not recompute and ctx.needs_input_grad[0]:  # (z is needed for dx only)
+            if is_compiling():
+                saved_z = z
+            elif plain_eager(z) and not functorch_transforms_active() and not saved_tensors_hooks_active():
+                ctx.held_output = _HeldOutput(z)
+        # One tuple for both modes: torch's generated vmap rule keeps a single saved-tensor layout
+        # per context, so two different tuples break vmap followed by autograd.
+        ctx.save_for_backward(x, weight, r, bias, saved_z)
+        ctx.save_for_forward(x, weight, r, bias, saved_z)
         ctx.geometry = (stride, padding, dilation, groups)
         ctx.bias_shape = None if bias is None else list(bias.shape)
-        ctx.recompute = recompute
         ctx.set_materialize_grads(False)
 
     @staticmethod
+    def jvp(ctx, x_t: Tensor | None, weight_t: Tensor | None, bias_t: Tensor | None, *_geometry_tangents):
+        x, weight, r, bias, z = ctx.saved_tensors
+        stride, padding, dilation, groups = ctx.geometry
+        if x_t is not None and z is None:  # z is kept only when backward needs it: held, or recomputed
+            held = ctx.held_output
+            z = held.tensor if held is not None and held.unchanged() else apply_patchnorm_conv(
+                x, weight, bias, stride, padding, dilation, groups, True)[0]
+        geometry = (stride, padding, dilation, False, _zeros(x), groups)
+        parts = []
+        if x_t is not None:
+            parts.append(torch.convolution(x_t, weight, None, *geometry))
+        if weight_t is not None:
+            parts.append(torch.convolution(x, weight_t, None, *geometry))
+        if bias_t is not None:
+            parts.append(bias_t.reshape((1, -1) + (1,) * (x.dim() - 2)))
+        z_t = _per_group(sum(parts[1:], parts[0]), r.to(x.dtype), groups) if parts else None
+        h = None
+        if x_t is not None:
+            h = r * r * _box(_group_dot(x, x_t, groups), weight.shape[2:], stride, padding, dilation)
+            z_t = z_t - _per_group(z, h.to(x.dtype), groups)
+        return z_t, _scale_tangent(r, h)
+
+    @staticmethod
     def backward(ctx, grad_z, grad_r):
-        x, weight, r, z_or_bias = ctx.saved_tensors
+        x, weight, r, bias, z = ctx.saved_tensors
         stride, padding, dilation, groups = ctx.geometry
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        z = None if ctx.recompute else z_or_bias  # z is needed only for dx
-        if ctx.recompute and grad_z is not None and need_x:  # z from the forward again
-            z = apply(PatchNormConv, x, weight, z_or_bias, stride, padding, dilation, groups, True)[0]
+        held, ctx.held_output = ctx.held_output, None  # released at the first backward
+        if grad_z is None or not need_x:
+            z = None  # (z is needed for dx only)
+        elif z is None and held is not None and held.unchanged() and not torch.is_grad_enabled():
+            z = held.tensor
+        elif z is None:  # recompute=True, z modified in place or released, or a graph being built
+            z = apply_patchnorm_conv(x, weight, bias, stride, padding, dilation, groups, True)[0]
         dx = dw = db = None
         dsq2 = None  # 2·boxᵀ(ds): dx gets x·dsq2, per group
         dx_buffer = None  # set when the convolution runs channels_last: where dx is written back
@@ -283,7 +390,7 @@ class PatchNormConv(Function):
             if need_x and fused:
                 dsq2 = _fused.box_transpose(e, x.shape[2:], weight.shape[2:], stride, padding, dilation)
             elif need_x:
-                ds = -0.5 * r * r * (grad_z * z).unflatten(1, (groups, -1)).sum(2, dtype=accumulation_dtype(x.dtype))
+                ds = -0.5 * r * r * _by_group(grad_z * z, groups).sum(2, dtype=accumulation_dtype(x.dtype))
                 if grad_r is not None:
                     ds = ds - 0.5 * r * r * r * grad_r
                 dsq2 = _doubled_box_transpose(ds, x, weight.shape[2:], stride, padding, dilation)
@@ -295,6 +402,21 @@ class PatchNormConv(Function):
         elif dsq2 is not None:
             dx = _add_radial(dx, x, dsq2, groups)
         return dx, dw, db, None, None, None, None, None
+
+
+class _HeldOutput:
+    """A layer output kept for backward outside ``save_for_backward``: a detached alias (no
+    reference cycle through the output's grad_fn; the same storage, so no copy) and the output's
+    version when it was made. The alias shares the output's version counter, so ``unchanged``
+    is False once anything modified the output in place."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, output: Tensor):
+        self.tensor, self.version = output.detach(), output._version
+
+    def unchanged(self) -> bool:
+        return self.tensor._version == self.version
 
 
 def _channels_last_backward(x: Tensor, layout: torch.memory_format) -> bool:
@@ -322,29 +444,45 @@ def _add_radial(dx: Tensor | None, x: Tensor, dsq2: Tensor, groups: int) -> Tens
         return _per_group(x, dsq2, groups)
     if _fused.usable(dx, x, memory_format=None) and _fused.usable(dsq2):
         return _fused.group_update_(dx, dsq2, groups, src=x)
-    x_groups, dsq2 = x.unflatten(1, (groups, -1)), dsq2.unsqueeze(2)
+    x_groups, dsq2 = _by_group(x, groups), dsq2.unsqueeze(2)
     if plain_eager(dx) and not dx.requires_grad:
-        dx.unflatten(1, (groups, -1)).addcmul_(x_groups, dsq2)
+        _by_group(dx, groups).addcmul_(x_groups, dsq2)
         return dx
-    return torch.addcmul(dx.unflatten(1, (groups, -1)), x_groups, dsq2).flatten(1, 2)
+    return _merge_groups(torch.addcmul(_by_group(dx, groups), x_groups, dsq2))
 
 
 def _zeros(x: Tensor) -> list[int]:
     return [0] * (x.dim() - 2)
 
 
+def _by_group(t: Tensor, groups: int) -> Tensor:
+    """t (N, C, *S) viewed as (N, groups, C/groups, *S); ``_merge_groups`` undoes it. (``view``
+    and ``reshape``, not ``unflatten`` and ``flatten``, which the legacy vmap of
+    ``autograd.grad(is_grads_batched=True)`` and of vectorised ``autograd.functional.jacobian``
+    cannot batch.)"""
+    return t.view(t.shape[0], groups, t.shape[1] // groups, *t.shape[2:])
+
+
+def _merge_groups(t: Tensor) -> Tensor:
+    """t (N, groups, C/groups, *S) as (N, C, *S)."""
+    return t.reshape(t.shape[0], t.shape[1] * t.shape[2], *t.shape[3:])
+
+
 def _per_group(t: Tensor, scale: Tensor, groups: int, in_place: bool = False) -> Tensor:
     """t (N, O, *S) times scale (N, groups, *S), each group's scale over its O/groups channels."""
     if in_place:
-        t.unflatten(1, (groups, -1)).mul_(scale.unsqueeze(2))
+        _by_group(t, groups).mul_(scale.unsqueeze(2))
         return t
-    return (t.unflatten(1, (groups, -1)) * scale.unsqueeze(2)).flatten(1, 2)
+    return _merge_groups(_by_group(t, groups) * scale.unsqueeze(2))
 
 
-def _group_squares(x: Tensor, groups: int) -> Tensor:
-    """Σ_{c∈g} x_c² per group g: (N, C, *S) -> (N, groups, *S), in the accumulation dtype."""
-    x = x.to(accumulation_dtype(x.dtype))
-    return (x * x).unflatten(1, (groups, -1)).sum(2)  # (x * x: faster than square() on CPU)
+def _group_dot(a: Tensor, b: Tensor, groups: int) -> Tensor:
+    """Σ_{c∈g} a_c·b_c per group g: (N, C, *S) -> (N, groups, *S), in the accumulation dtype
+    (a·a: the squares; faster than square() on CPU)."""
+    accumulation = accumulation_dtype(a.dtype)
+    a_acc = a.to(accumulation)
+    b_acc = a_acc if b is a else b.to(accumulation)
+    return _by_group(a_acc * b_acc, groups).sum(2)
 
 
 def _ones_kernel(groups: int, kernel, like: Tensor) -> Tensor:
@@ -371,14 +509,30 @@ def _box_transpose(ds: Tensor, x: Tensor, kernel, stride, padding, dilation) -> 
     return torch.convolution(ds, ones, None, stride, padding, dilation, True, extra, groups)
 
 
-def apply(function: type[Function], *args):
-    """``function.apply(*args)``; in plain eager mode through its old-style twin (forward taking
-    ctx, no setup_context), which Function.apply calls directly: for setup_context-style
-    Functions it first binds the arguments with inspect.signature, about 30 µs a call, while
-    torch.func needs that style. Same forward, same saved tensors, same backward."""
-    if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
-        return function.apply(*args)
-    return _EAGER_TWINS[function].apply(*args)
+def _applier(function: type[Function]):
+    """``function.apply`` through the twin that suits the mode:
+
+    * under torch.func transforms, ``function`` itself (setup_context style, which they need);
+    * traced by torch.compile, its twin without ``jvp``: dynamo refuses to trace a Function
+      that defines one (and has no forward mode to use it in);
+    * in plain eager mode, its old-style twin (forward taking ctx, no setup_context), which
+      Function.apply calls directly: for setup_context-style Functions it first binds the
+      arguments with inspect.signature, about 30 µs a call.
+
+    Same forward, same saved tensors, same backward (and jvp, where there is one). (The twins
+    are closure variables: dynamo can trace neither a dict lookup nor an attribute keyed by a
+    Function class.)"""
+    eager = _eager_twin(function)
+    traceable = type(f"{function.__name__}Traceable", (function,), {"jvp": staticmethod(Function.jvp)})
+
+    def apply(*args):
+        if functorch_transforms_active():
+            return function.apply(*args)
+        if is_compiling():
+            return traceable.apply(*args)
+        return eager.apply(*args)
+
+    return apply
 
 
 def _eager_twin(function: type[Function]) -> type[Function]:
@@ -387,8 +541,11 @@ def _eager_twin(function: type[Function]) -> type[Function]:
         function.setup_context(ctx, args, output)
         return output
 
-    body = {"forward": staticmethod(forward), "backward": staticmethod(function.backward)}
+    body = {"forward": staticmethod(forward), "backward": staticmethod(function.backward),
+            "jvp": staticmethod(function.jvp)}
     return type(f"{function.__name__}Eager", (Function,), body)
 
 
-_EAGER_TWINS = {function: _eager_twin(function) for function in (AffineLike, NormLike, PatchNormConv)}
+apply_affine_like = _applier(AffineLikeFunction)
+apply_norm_like = _applier(NormLikeFunction)
+apply_patchnorm_conv = _applier(PatchNormConvFunction)

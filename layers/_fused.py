@@ -30,8 +30,9 @@ rounding for float32, as torch's own vectorised sums). The extension is optional
 install where a C compiler with OpenMP is present); ``usable`` says whether a call may take
 it: the library loaded and not ``disabled``, every tensor a contiguous (or, for the
 convolutions, channels_last) plain CPU float32/float64 tensor of one dtype, in eager mode (not
-traced, not under torch.func) and not recording a graph (a double backward needs the
-differentiable torch formulas). Otherwise the layers run the same passes as torch ops.
+traced, not under torch.func, no dispatch mode, no forward-mode AD) and not recording a graph
+(a double backward needs the differentiable torch formulas, forward mode their tangents).
+Otherwise the layers run the same passes as torch ops.
 """
 
 from __future__ import annotations
@@ -46,6 +47,14 @@ from collections.abc import Iterator
 
 import torch
 from torch import Tensor
+
+from affdiv.layers._torch_internals import (
+    dispatch_mode_active,
+    forward_ad_active,
+    is_compiling,
+    is_functorch_wrapped,
+    is_legacy_batched,
+)
 
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 _MAX = {dtype: torch.finfo(dtype).max for dtype in _SUFFIX}
@@ -109,10 +118,11 @@ def disabled() -> Iterator[None]:
 def usable(*tensors: Tensor | None, memory_format: torch.memory_format | None = torch.contiguous_format) -> bool:
     """Whether these tensors (None entries ignored; the first is not None) may go through the
     compiled passes: no graph being recorded, no dispatch mode active (FakeTensorMode,
-    FlopCounterMode, …), and each a ``plain`` CPU tensor of one float32/float64 dtype,
-    contiguous in ``memory_format`` (None: the first tensor's own, see ``layout_of``)."""
-    if (_LIB is None or _state["disabled"] or torch.is_grad_enabled() or torch.compiler.is_compiling()
-            or torch._C._len_torch_dispatch_stack()):
+    FlopCounterMode, …), no forward-mode AD (tangents), and each a ``plain`` CPU tensor of one
+    float32/float64 dtype, contiguous in ``memory_format`` (None: the first tensor's own, see
+    ``layout_of``)."""
+    if (_LIB is None or _state["disabled"] or torch.is_grad_enabled() or is_compiling() or dispatch_mode_active()
+            or forward_ad_active()):
         return False
     dtype = tensors[0].dtype
     if dtype not in _SUFFIX:
@@ -128,14 +138,12 @@ def usable(*tensors: Tensor | None, memory_format: torch.memory_format | None = 
 
 
 _PLAIN_TYPES = (Tensor, torch.nn.Parameter)
-_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-_is_batched = torch._C._functorch.is_legacy_batchedtensor
 
 
 def plain(t: Tensor) -> bool:
     """A tensor with its own storage: not a subclass (FakeTensor, …), not wrapped by torch.func,
     not a batched gradient (``is_grads_batched``, vectorised jacobians)."""
-    return type(t) in _PLAIN_TYPES and not _is_wrapped(t) and not _is_batched(t)
+    return type(t) in _PLAIN_TYPES and not is_functorch_wrapped(t) and not is_legacy_batched(t)
 
 
 def layout_of(x: Tensor) -> torch.memory_format:
@@ -198,7 +206,9 @@ def minus_radial_(
     """u_i ← u_i − a_i·(⟨u_i, x_i⟩ + c_i)·x_i in place, a_i = (m·s_i)² where s_i < ``limit``
     else 0 (s, c: (rows, 1); c None: 0); returns u."""
     rows, cols = u.shape
-    _call("minus_radial", u.dtype)(u.data_ptr(), x.data_ptr(), rows, cols, s.data_ptr(), m, limit, _ptr(c), torch.get_num_threads())
+    _call("minus_radial", u.dtype)(
+        u.data_ptr(), x.data_ptr(), rows, cols, s.data_ptr(), m, limit, _ptr(c), torch.get_num_threads()
+    )
     return u
 
 
@@ -209,7 +219,8 @@ def group_squares(x: Tensor, groups: int) -> tuple[Tensor, bool]:
     batch, channels = x.shape[:2]
     sq = torch.empty((batch, groups, *x.shape[2:]), dtype=x.dtype)
     unsafe = _call(f"group_squares{_layout(x)}", x.dtype)(
-        x.data_ptr(), batch, channels, math.prod(x.shape[2:]), groups, _MAX[x.dtype], sq.data_ptr(), torch.get_num_threads()
+        x.data_ptr(), batch, channels, math.prod(x.shape[2:]), groups, _MAX[x.dtype], sq.data_ptr(),
+        torch.get_num_threads(),
     )
     return sq, unsafe == 0
 

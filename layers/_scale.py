@@ -24,6 +24,8 @@ import math
 import torch
 from torch import Tensor
 
+from affdiv.layers._torch_internals import is_compiling, is_functorch_wrapped
+
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """float32 for half-precision inputs (bf16, fp16), the input dtype otherwise."""
@@ -65,7 +67,7 @@ def small_norm(dtype: torch.dtype) -> float:
 def plain_eager(t: Tensor) -> bool:
     """True for a plain tensor in eager mode: not under a torch.func transform, not being traced
     by torch.compile. Only then may a layer branch on data or update its own temporaries in place."""
-    return not (torch.compiler.is_compiling() or torch._C._functorch.is_functorch_wrapped_tensor(t))
+    return not (is_compiling() or is_functorch_wrapped(t))
 
 
 def needs_rescale(x: Tensor, norm: Tensor) -> bool:

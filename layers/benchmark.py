@@ -35,14 +35,23 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from scipy.stats import quantile_test
 from torch import nn
+
+from affdiv._extras import missing_extra
+
+try:
+    from scipy.stats import quantile_test
+except ModuleNotFoundError as error:
+    raise missing_extra(error, extra="bench", feature="affdiv bench (affdiv.layers.benchmark)") from None
 
 from affdiv.layers import _fused
 from affdiv.layers.modules import AffineLike, NormLike, PatchNormConv2d
+from affdiv.reporting import nonfinite_to_null
+from affdiv.reporting import write_json as write_json_file
 
 DENSE_SIZES = ((512, 1024, 1024), (4096, 256, 256))
 CONV_SIZE = (64, 64, 64, 32, 3)  # N, C_in, C_out, H=W, k
@@ -94,23 +103,25 @@ class _Naive(nn.Module):
 
 def dense_variants(m: int, n: int, backend: str | None) -> list[Variant]:
     """The dense case's variants; ``backend`` None: without the compiled naive composites."""
-    affine, l2, rms = AffineLike(m, n), NormLike(m, n, mode="l2"), NormLike(m, n, mode="rms")
+    affine_like, norm_l2, norm_rms = AffineLike(m, n), NormLike(m, n, mode="l2"), NormLike(m, n, mode="rms")
     variants = [
         Variant("nn.Linear", nn.Linear(m, n), "plain"),
         Variant("LayerNorm->Linear", nn.Sequential(nn.LayerNorm(m), nn.Linear(m, n)), "composite"),
         Variant("RMSNorm->Linear", nn.Sequential(nn.RMSNorm(m), nn.Linear(m, n)), "composite"),
         Variant("F.normalize->Linear", nn.Sequential(_Normalize(), nn.Linear(m, n)), "composite"),
         Variant("Linear->LayerNorm", nn.Sequential(nn.Linear(m, n), nn.LayerNorm(n)), "composite"),
-        Variant("AffineLike", affine, "layer"),
-        Variant("NormLike(l2)", l2, "layer"),
-        Variant("NormLike(rms)", rms, "layer"),
+        Variant("AffineLike", affine_like, "layer"),
+        Variant("NormLike(l2)", norm_l2, "layer"),
+        Variant("NormLike(rms)", norm_rms, "layer"),
     ]
     if backend is None:
         return variants
     return variants + [
-        Variant("compiled naive AffineLike", torch.compile(_Naive(affine, "affine_like"), backend=backend), "compiled"),
-        Variant("compiled naive NormLike(l2)", torch.compile(_Naive(l2, "norm_l2"), backend=backend), "compiled"),
-        Variant("compiled naive NormLike(rms)", torch.compile(_Naive(rms, "norm_rms"), backend=backend), "compiled"),
+        Variant("compiled naive AffineLike", torch.compile(_Naive(affine_like, "affine_like"), backend=backend),
+                "compiled"),
+        Variant("compiled naive NormLike(l2)", torch.compile(_Naive(norm_l2, "norm_l2"), backend=backend), "compiled"),
+        Variant("compiled naive NormLike(rms)", torch.compile(_Naive(norm_rms, "norm_rms"), backend=backend),
+                "compiled"),
     ]
 
 
@@ -260,3 +271,14 @@ def format_table(rows: list[dict]) -> str:
         lines.append(f"{r['case']:<{wc}} {r['layer']:<{wl}} {r['baseline']:<{wb}} {r['layer_ms']:>9.3f} "
                      f"{r['baseline_ms']:>9.3f} {r['ratio']:>6.3f} {ci:>13}  {target}")
     return "\n".join(lines)
+
+
+def write_json(path, result: dict, provenance: dict) -> Path:
+    """Write :func:`run`'s result with ``provenance`` to ``path`` as JSON, atomically.
+
+    A non-finite number (a zero-time round, say) is written as null and listed under the top-level
+    ``"nonfinite"``: {key path: "inf"|"-inf"|"nan"}; JSON never holds NaN/inf (affdiv.reporting)."""
+    record, nonfinite = nonfinite_to_null({**result, "provenance": provenance})
+    if nonfinite:
+        record["nonfinite"] = nonfinite
+    return write_json_file(path, record)

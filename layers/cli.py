@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from affdiv.atomic import atomic_write
+from affdiv.atomic import atomic_write, check_writable_file
 
 
 def register(subparsers) -> None:
@@ -28,7 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="untimed rounds first (default 3, quick 1)")
     parser.add_argument("--compile-backend", default="inductor",
                         help="torch.compile backend of the naive composites (default inductor)")
-    parser.add_argument("--json", type=Path, default=None, help="also write the results (with provenance) here")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH",
+                        help="also write the results (with provenance) here")
 
 
 def _int_at_least(minimum: int):
@@ -44,15 +45,29 @@ def _int_at_least(minimum: int):
     return parse
 
 
+def check_backend(name: str) -> str:
+    """``name`` if torch.compile knows a backend of that name, else a ValueError listing them."""
+    import torch._dynamo
+
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if name not in known:
+        raise ValueError(f"--compile-backend {name!r}: not a torch.compile backend; expected one of: "
+                         f"{', '.join(torch._dynamo.list_backends())} (or another of {len(known)} registered ones)")
+    return name
+
+
 def main(args: argparse.Namespace) -> int:
     from affdiv.layers import benchmark
     from affdiv.provenance import provenance
 
+    # Settings and the output path are checked before the minutes of timing, not after.
+    check_backend(args.compile_backend)
+    if args.json is not None:
+        check_writable_file(args.json, "--json")
     result = benchmark.run(quick=args.quick, threads=args.threads, repeats=args.repeats, warmup=args.warmup,
                            backend=args.compile_backend, progress=lambda line: print(line, flush=True))
     print(benchmark.format_table(result["rows"]))
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         result["provenance"] = provenance(benchmark="layers")
         atomic_write(args.json, json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.json}")

@@ -1,7 +1,7 @@
 """Functional forms of the corrected layers (the modules in ``affdiv.layers`` call these).
 
     affine_like(x, W, b)           z = (W x + b)/√(‖x‖² + 1)          over the last dim of x
-    norm_like(x, W, b, mode, eps)  z = W·k x/max(‖x‖, eps) + b          k = 1 (l2) or √m (rms)
+    norm_like(x, W, b, mode, eps)  z = W·k x/max(‖x‖, eps) + b          k = 1 (mode l2) or √m (rms)
     patchnorm_conv1d/2d(x, W, b, stride, padding, dilation, groups)
                                    z_{o,p} = conv(x, W, b)_{o,p}/√(‖P_{g,p}‖² + 1)
 
@@ -47,27 +47,70 @@ DEFAULT_EPS = 1e-12
 
 
 def affine_like(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """z = (x Wᵀ + b)/√(‖x‖² + 1) over the last dim; x (*, in), W (out, in), b (out,)."""
+    r"""The affine-like correction over the last dimension: :math:`z = (x W^\top + b)/\sqrt{\|x\|^2 + 1}`.
+
+    See :class:`affdiv.layers.AffineLike`.
+
+    Args:
+        x: the input.
+        weight: W.
+        bias: b. Default: ``None`` (then z = x Wᵀ/√(‖x‖² + 1)).
+
+    Shape:
+        - x: :math:`(*, m)`; weight: :math:`(n, m)`; bias: :math:`(n,)`.
+        - Output: :math:`(*, n)`.
+
+    Example::
+
+        >>> import torch
+        >>> from affdiv.layers.functional import affine_like
+        >>> x = torch.tensor([[3.0, 4.0]])  # ‖x‖² + 1 = 26
+        >>> affine_like(x, torch.eye(2), torch.tensor([1.0, 0.0]))  # (4, 4)/√26
+        tensor([[0.7845, 0.7845]])
+    """
     x, weight, bias = _prepare_dense("affine_like", x, weight, bias)
     rows = _rows(x)
     kernel = _gpu_kernel(rows)
     if kernel is not None:
         z, _ = _TritonAffineLike.apply(rows, weight, bias, kernel)
     else:
-        z, _ = _autograd.apply(_autograd.AffineLike, rows, weight, bias)
+        z, _ = _autograd.apply_affine_like(rows, weight, bias)
     return _unrows(z, x)
 
 
 def norm_like(
     x: Tensor, weight: Tensor, bias: Tensor | None = None, mode: str = "l2", eps: float = DEFAULT_EPS
 ) -> Tensor:
-    """z = W·k x/max(‖x‖, eps) + b over the last dim; k = 1 (mode "l2") or √in (mode "rms")."""
+    r"""The norm-like correction over the last dimension: :math:`z = W\,k\,x/\max(\|x\|, \epsilon) + b`.
+
+    See :class:`affdiv.layers.NormLike`.
+
+    Args:
+        x: the input.
+        weight: W.
+        bias: b. Default: ``None``.
+        mode: ``"l2"`` (k = 1) or ``"rms"`` (k = √m). Default: ``"l2"``.
+        eps: the smallest norm divided by, a finite number > 0. Default: ``1e-12``.
+
+    Shape:
+        - x: :math:`(*, m)`; weight: :math:`(n, m)`; bias: :math:`(n,)`.
+        - Output: :math:`(*, n)`.
+
+    Example::
+
+        >>> import torch
+        >>> from affdiv.layers.functional import norm_like
+        >>> x = torch.tensor([[3.0, 4.0], [0.0, 0.0]])  # a row of norm 5, an all-zero row
+        >>> norm_like(x, torch.eye(2), torch.tensor([1.0, 0.0]))
+        tensor([[1.6000, 0.8000],
+                [1.0000, 0.0000]])
+    """
     if mode not in NORM_MODES:
         raise ValueError(f"norm_like: mode must be one of {NORM_MODES}, got {mode!r}")
     eps = _check_eps("norm_like", eps)
     x, weight, bias = _prepare_dense("norm_like", x, weight, bias)
     k = 1.0 if mode == "l2" else math.sqrt(x.shape[-1])
-    z, _ = _autograd.apply(_autograd.NormLike, _rows(x), weight, bias, k, eps)
+    z, _ = _autograd.apply_norm_like(_rows(x), weight, bias, k, eps)
     return _unrows(z, x)
 
 
@@ -111,15 +154,68 @@ def _prepare_dense(name, x, weight, bias):
 
 
 def patchnorm_conv1d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, recompute=False) -> Tensor:
-    """conv1d(x, W, b) with each output position divided by √(‖patch‖² + 1), per group.
-    ``recompute``: save one float per group and position instead of the output, and run the
-    forward again in backward (see ``_autograd.PatchNormConv``)."""
+    r"""``conv1d`` with each output position divided by √(‖patch‖² + 1), per group:
+    :math:`z_{o,p} = (W_o \cdot P_p + b_o)/\sqrt{\|P_p\|^2 + 1}`.
+
+    See :class:`affdiv.layers.PatchNormConv1d`.
+
+    Args:
+        x: the input.
+        weight: the filters.
+        bias: Default: ``None``.
+        stride: an int or one int. Default: 1.
+        padding: an int, one int, ``"same"`` or ``"valid"`` (zero padding). Default: 0.
+        dilation: an int or one int. Default: 1.
+        groups: Default: 1.
+        recompute: save one float per group and position instead of keeping the output, and
+            run the forward again in backward. Default: ``False``.
+
+    Shape:
+        - x: :math:`(N, C_{in}, L_{in})` or :math:`(C_{in}, L_{in})`;
+          weight: :math:`(C_{out}, C_{in}/groups, k)`; bias: :math:`(C_{out},)`.
+        - Output: :math:`(N, C_{out}, L_{out})` or :math:`(C_{out}, L_{out})`, as ``conv1d``'s.
+
+    Example::
+
+        >>> import torch
+        >>> from affdiv.layers.functional import patchnorm_conv1d
+        >>> x = torch.tensor([[[0.0, 2.0, 0.0]]])  # one patch of width 1 per position
+        >>> patchnorm_conv1d(x, torch.ones(1, 1, 1))  # 2/√(2² + 1) at the middle
+        tensor([[[0.0000, 0.8944, 0.0000]]])
+    """
     return _patchnorm_conv("patchnorm_conv1d", 1, x, weight, bias, stride, padding, dilation, groups, recompute)
 
 
 def patchnorm_conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, recompute=False) -> Tensor:
-    """conv2d(x, W, b) with each output position divided by √(‖patch‖² + 1), per group.
-    ``recompute``: as in ``patchnorm_conv1d``."""
+    r"""``conv2d`` with each output position divided by √(‖patch‖² + 1), per group:
+    :math:`z_{o,p} = (W_o \cdot P_p + b_o)/\sqrt{\|P_p\|^2 + 1}`.
+
+    See :class:`affdiv.layers.PatchNormConv2d`.
+
+    Args:
+        x: the input.
+        weight: the filters.
+        bias: Default: ``None``.
+        stride: an int or two ints. Default: 1.
+        padding: an int, two ints, ``"same"`` or ``"valid"`` (zero padding). Default: 0.
+        dilation: an int or two ints. Default: 1.
+        groups: Default: 1.
+        recompute: save one float per group and position instead of keeping the output, and
+            run the forward again in backward. Default: ``False``.
+
+    Shape:
+        - x: :math:`(N, C_{in}, H, W)` or :math:`(C_{in}, H, W)`;
+          weight: :math:`(C_{out}, C_{in}/groups, k_H, k_W)`; bias: :math:`(C_{out},)`.
+        - Output: :math:`(N, C_{out}, H_{out}, W_{out})` or without N, as ``conv2d``'s.
+
+    Example::
+
+        >>> import torch
+        >>> from affdiv.layers.functional import patchnorm_conv2d
+        >>> x = torch.ones(1, 1, 1, 3)  # one 1×3 patch: ‖P‖² = 3
+        >>> patchnorm_conv2d(x, torch.ones(1, 1, 1, 3), torch.tensor([1.0]))  # (3 + 1)/√(3 + 1)
+        tensor([[[[2.]]]])
+    """
     return _patchnorm_conv("patchnorm_conv2d", 2, x, weight, bias, stride, padding, dilation, groups, recompute)
 
 
@@ -153,7 +249,7 @@ def _patchnorm_conv(name, d, x, weight, bias, stride, padding, dilation, groups,
             f"{name}: the (dilated) kernel extent {tuple(reach)} exceeds the padded input size "
             f"{tuple(n + 2 * p for n, p in zip(x.shape[2:], padding))}"
         )
-    z, _ = _autograd.apply(_autograd.PatchNormConv, x, weight, bias, stride, padding, dilation, groups, recompute)
+    z, _ = _autograd.apply_patchnorm_conv(x, weight, bias, stride, padding, dilation, groups, recompute)
     return z.squeeze(0) if unbatched else z
 
 
@@ -242,15 +338,23 @@ def _gpu_kernel(rows: Tensor):
 
 class _TritonAffineLike(torch.autograd.Function):
     """affine_like through the fused kernel: its r is (rows,) float32, its backward first order
-    only; double backward (or a gradient on r) takes the differentiable torch formula."""
+    only; double backward (or a gradient on r) takes the differentiable torch formula, and
+    forward mode the torch formula's tangents."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, kernel):
         z, r = kernel.forward(x, weight, bias)
         ctx.save_for_backward(x, weight, bias, r)
+        ctx.save_for_forward(x, weight, bias, r)
         ctx.kernel = kernel
         ctx.set_materialize_grads(False)
         return z, r
+
+    @staticmethod
+    def jvp(ctx, x_t, weight_t, bias_t, _kernel):
+        x, weight, bias, r = ctx.saved_tensors
+        z_t, r_t = _autograd.affine_like_tangents(x, weight, bias, r.unsqueeze(-1), x_t, weight_t, bias_t)
+        return z_t, r_t.squeeze(-1)
 
     @staticmethod
     def backward(ctx, grad_z, grad_r):

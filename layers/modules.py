@@ -41,11 +41,37 @@ class _DenseBase(nn.Module):
 
 
 class AffineLike(_DenseBase):
-    """z = (W x + b)/√(‖x‖² + 1) over the last dim of x (any leading shape).
+    r"""The affine-like correction over the last dimension: :math:`z = (W x + b)/\sqrt{\|x\|^2 + 1}`.
 
-    The affine-like correction: equivalent to the affine map of the L2-normalised augmented
-    input [x; 1]/‖[x; 1]‖, so a one-sample gradient step moves z exactly along −g (K_ii = 1).
+    A drop-in for ``nn.Linear`` (the same constructor, parameters, initialisation and
+    state_dict keys). It is the affine map of the L2-normalised augmented input
+    [x; 1]/‖[x; 1]‖, so a one-sample gradient step moves z exactly along −g (K_ii = 1).
     Without bias: z = (W x)/√(‖x‖² + 1) (the augmented 1 stays, only b is absent).
+
+    Args:
+        in_features: size m of each input sample.
+        out_features: size n of each output sample.
+        bias: learn the additive bias b (inside the scale). Default: ``True``.
+        device: the parameters' device. Default: ``None`` (torch's default).
+        dtype: the parameters' dtype. Default: ``None`` (torch's default).
+
+    Shape:
+        - Input: :math:`(*, m)`, any leading dimensions.
+        - Output: :math:`(*, n)`.
+
+    Attributes:
+        weight: :math:`(n, m)`, initialised as ``nn.Linear``'s, :math:`U(-1/\sqrt{m}, 1/\sqrt{m})`.
+        bias: :math:`(n,)`, the same, or ``None``.
+
+    Example::
+
+        >>> import torch
+        >>> from affdiv.layers import AffineLike
+        >>> layer = AffineLike(20, 30)
+        >>> layer(torch.randn(128, 20)).shape
+        torch.Size([128, 30])
+        >>> torch.equal(layer(torch.zeros(20)), layer.bias)  # ‖x‖ = 0: z = b
+        True
     """
 
     def forward(self, x: Tensor) -> Tensor:
@@ -53,10 +79,41 @@ class AffineLike(_DenseBase):
 
 
 class NormLike(_DenseBase):
-    """z = W·n(x) + b,  n(x) = x/max(‖x‖, eps) (mode "l2") or √in·x/max(‖x‖, eps) (mode "rms").
+    r"""The norm-like correction over the last dimension: :math:`z = W\,k\,x/\max(\|x\|, \epsilon) + b`,
+    k = 1 (``mode="l2"``, the layer kind ``norm_l2``) or k = √m (``mode="rms"``, ``norm_rms``).
 
-    An all-zero input gives n(x) = 0, so z = b. ``eps`` (default 1e-12, as F.normalize) only
-    guards that case: for ‖x‖ > eps the layer is exactly W x/‖x‖ + b.
+    A drop-in for ``nn.Linear`` (the same parameters, initialisation and state_dict keys). An
+    all-zero input gives z = b; ``eps`` only guards that case: for ‖x‖ > eps the layer is
+    exactly W k x/‖x‖ + b, so z does not change when x is scaled.
+
+    Args:
+        in_features: size m of each input sample.
+        out_features: size n of each output sample.
+        bias: learn the additive bias b (outside the scale). Default: ``True``.
+        mode: ``"l2"`` (k = 1) or ``"rms"`` (k = √m). Default: ``"l2"``.
+        eps: the smallest norm divided by, a finite number > 0. Default: ``1e-12`` (as
+            ``F.normalize``).
+        device: the parameters' device. Default: ``None`` (torch's default).
+        dtype: the parameters' dtype. Default: ``None`` (torch's default).
+
+    Shape:
+        - Input: :math:`(*, m)`, any leading dimensions.
+        - Output: :math:`(*, n)`.
+
+    Attributes:
+        weight: :math:`(n, m)`, initialised as ``nn.Linear``'s.
+        bias: :math:`(n,)`, the same, or ``None``.
+
+    Example::
+
+        >>> import torch
+        >>> from affdiv.layers import NormLike
+        >>> layer = NormLike(16, 4, mode="rms")
+        >>> x = torch.randn(8, 16)
+        >>> layer(x).shape
+        torch.Size([8, 4])
+        >>> torch.allclose(layer(1000 * x), layer(x), rtol=1e-5, atol=1e-6)  # invariant to the scale of x
+        True
     """
 
     def __init__(
@@ -80,10 +137,11 @@ class _PatchNormConvNd(_ConvNd):
     output position by √(‖patch‖² + 1), the patch being that position's receptive field over the
     input channels of the output channel's group (per group when groups > 1).
 
-    ``recompute=False`` (default) saves the output for backward, as Conv→BatchNorm saves the
-    conv output; ``recompute=True`` saves one float per group and position instead and runs the
-    forward again in backward (one more convolution). The output keeps the input's memory format
-    (contiguous or channels_last, the faster one for CPU convolutions)."""
+    ``recompute=False`` (default) keeps the output for backward, as Conv→BatchNorm saves the
+    conv output (an in-place op on it afterwards, as ReLU(inplace=True), makes backward
+    recompute it instead); ``recompute=True`` saves one float per group and position instead
+    and runs the forward again in backward (one more convolution). The output keeps the
+    input's memory format (contiguous or channels_last, the faster one for CPU convolutions)."""
 
     _dims: int  # spatial dimensions, set by the concrete classes
     _functional = None  # set by the concrete classes
@@ -113,14 +171,93 @@ class _PatchNormConvNd(_ConvNd):
 
 
 class PatchNormConv1d(_PatchNormConvNd):
-    """nn.Conv1d with each output position divided by √(‖patch‖² + 1) (see module doc)."""
+    r"""``nn.Conv1d`` with each output position divided by √(‖patch‖² + 1):
+    :math:`z_{o,p} = (W_o \cdot P_p + b_o)/\sqrt{\|P_p\|^2 + 1}`, P_p the receptive field of
+    position p over the input channels of o's group.
+
+    A drop-in for ``nn.Conv1d``: every argument, every padding mode (``"same"``, ``"valid"``,
+    ints; zeros, reflect, replicate, circular) and groups, the same parameters, initialisation
+    and state_dict keys.
+
+    Args:
+        in_channels: C_in, the input channels.
+        out_channels: C_out, the output channels.
+        kernel_size: an int or 1 ints.
+        stride: an int or 1 ints. Default: 1.
+        padding: an int, 1 ints, ``"same"`` (stride 1 only) or ``"valid"``. Default: 0.
+        dilation: an int or 1 ints. Default: 1.
+        groups: input and output channels split into this many groups, each position
+            normalised per group. Default: 1.
+        bias: learn the additive bias (inside the scale). Default: ``True``.
+        padding_mode: ``"zeros"``, ``"reflect"``, ``"replicate"`` or ``"circular"``. Default:
+            ``"zeros"``.
+        device: the parameters' device. Default: ``None`` (torch's default).
+        dtype: the parameters' dtype. Default: ``None`` (torch's default).
+        recompute: save one float per group and position for backward instead of keeping the
+            output, and run the forward again in backward (one more convolution). Default:
+            ``False``.
+
+    Shape:
+        - Input: :math:`(N, C_{in}, L_{in})` or :math:`(C_{in}, L_{in})`.
+        - Output: :math:`(N, C_{out}, L_{out})` or :math:`(C_{out}, L_{out})`, :math:`L_{out}`
+          as ``nn.Conv1d``'s.
+
+    Example::
+
+        >>> import torch
+        >>> from affdiv.layers import PatchNormConv1d
+        >>> layer = PatchNormConv1d(4, 8, 3, padding="same", groups=2)
+        >>> layer(torch.randn(5, 4, 32)).shape
+        torch.Size([5, 8, 32])
+    """
 
     _dims = 1
     _functional = staticmethod(functional.patchnorm_conv1d)
 
 
 class PatchNormConv2d(_PatchNormConvNd):
-    """nn.Conv2d with each output position divided by √(‖patch‖² + 1) (see module doc)."""
+    r"""``nn.Conv2d`` with each output position divided by √(‖patch‖² + 1):
+    :math:`z_{o,p} = (W_o \cdot P_p + b_o)/\sqrt{\|P_p\|^2 + 1}`, P_p the receptive field of
+    position p over the input channels of o's group.
+
+    A drop-in for ``nn.Conv2d``: every argument, every padding mode and groups, the same
+    parameters, initialisation and state_dict keys; the output keeps the input's memory format
+    (contiguous or channels_last).
+
+    Args:
+        in_channels: C_in, the input channels.
+        out_channels: C_out, the output channels.
+        kernel_size: an int or 2 ints.
+        stride: an int or 2 ints. Default: 1.
+        padding: an int, 2 ints, ``"same"`` (stride 1 only) or ``"valid"``. Default: 0.
+        dilation: an int or 2 ints. Default: 1.
+        groups: input and output channels split into this many groups, each position
+            normalised per group. Default: 1.
+        bias: learn the additive bias (inside the scale). Default: ``True``.
+        padding_mode: ``"zeros"``, ``"reflect"``, ``"replicate"`` or ``"circular"``. Default:
+            ``"zeros"``.
+        device: the parameters' device. Default: ``None`` (torch's default).
+        dtype: the parameters' dtype. Default: ``None`` (torch's default).
+        recompute: save one float per group and position for backward instead of keeping the
+            output, and run the forward again in backward (one more convolution). Default:
+            ``False``.
+
+    Shape:
+        - Input: :math:`(N, C_{in}, H_{in}, W_{in})` or :math:`(C_{in}, H_{in}, W_{in})`.
+        - Output: :math:`(N, C_{out}, H_{out}, W_{out})` or :math:`(C_{out}, H_{out}, W_{out})`,
+          :math:`H_{out}, W_{out}` as ``nn.Conv2d``'s.
+
+    Example::
+
+        >>> import torch
+        >>> from torch import nn
+        >>> from affdiv.layers import PatchNormConv2d
+        >>> model = nn.Sequential(PatchNormConv2d(3, 8, 3, padding=1), nn.ReLU(inplace=True))
+        >>> z = model(torch.randn(2, 3, 16, 16, requires_grad=True))
+        >>> z.shape
+        torch.Size([2, 8, 16, 16])
+        >>> z.sum().backward()  # the in-place ReLU changed the output it keeps: recomputed
+    """
 
     _dims = 2
     _functional = staticmethod(functional.patchnorm_conv2d)

@@ -339,7 +339,7 @@ def exact_first_order_proof(seed: int = 0) -> Proof:
         params = {k: random_rational_matrix(*shape, rng) for k, shape in shapes.items()}
         g = random_rational_matrix(tokens, out, rng)
 
-        def forward(p):
+        def forward(p, x=x, causal=causal, heads=heads, tokens=tokens, out=out):  # this case's sizes
             return sum(
                 (_exact_softmax_rows(c * x * p[f"Q{h}"] * p[f"K{h}"].T * x.T, causal) * x * p[f"V{h}"] * p[f"O{h}"]
                  for h in range(heads)),
@@ -361,7 +361,8 @@ def exact_first_order_proof(seed: int = 0) -> Proof:
         y = sp.Matrix.hstack(*y)
         closed -= ETA * y * y.T * g
         if not is_zero(linear - closed):
-            return Proof("attention first order", ProofKind.EXACT_CONCRETE, False, f"differs at T={tokens}, causal={causal}")
+            return Proof("attention first order", ProofKind.EXACT_CONCRETE, False,
+                         f"differs at T={tokens}, causal={causal}")
         checked.append(f"(T={tokens}, d_model={m}, heads={heads}, d={d}, d_out={out}, causal={causal})")
     return Proof(
         claim="first order: ΔZ = Σ_h [J(S1) V W_O − η (AX)(AX)ᵀ G_Y W_O]_h − η Y Yᵀ g with S1 = −η c² (Γ_X D Γ_K + "
@@ -405,7 +406,8 @@ def second_order_step(seed: int = 0) -> Proof:
         kind=ProofKind.NUMERIC_ONLY,
         holds=err <= _SECOND_ORDER_TOL,
         detail=f"assembled from the pieces above by the product rule; vs ½ d²/dt² Z(θ + tΔθ) by nested forward-mode "
-        f"AD at {_SECOND_ORDER_SIZES}, seed {seed}, η = {lr}: rel. error {err:.1e} (tolerance {_SECOND_ORDER_TOL:.0e}); "
+        f"AD at {_SECOND_ORDER_SIZES}, seed {seed}, η = {lr}: rel. error {err:.1e} "
+        f"(tolerance {_SECOND_ORDER_TOL:.0e}); "
         "the Taylor check then requires the remainder after Z2 to fall as η³",
     )
 

@@ -201,7 +201,7 @@ def coupling(x: Tensor, geometry: Geometry, grad_output: Tensor, normalised: boo
 # reference layers
 
 
-class PatchNormConv(nn.Module):
+class ReferencePatchNormConv(nn.Module):
     """Reference PatchNorm: a conv whose output at p is divided by √(‖P_p‖²+1), ‖P_p‖² computed as
     the box filter (so the check against the unfold closed form also tests box = unfold)."""
 
@@ -247,7 +247,8 @@ def _exact_patch_rows(x: list, geometry: Geometry, in_channels: int, out_size: t
     positions = [(b, p) for b in range(len(x)) for p in _index_grid(out_size)]
     return [
         [
-            [_tap(x, b, g * per_group + c, p, k, geometry) for c in range(per_group) for k in _index_grid(geometry.kernel)]
+            [_tap(x, b, g * per_group + c, p, k, geometry)
+             for c in range(per_group) for k in _index_grid(geometry.kernel)]
             for b, p in positions
         ]
         for g in range(geometry.groups)
@@ -287,7 +288,8 @@ def exact_conv_proof(sizes: Mapping[str, int], normalised: bool, seed: int = 0) 
     grad = random_rational_matrix(len(rows[0]), cout, rng)
     exact = exact_effective_update(forward, params, grad)
     kernels = [
-        sp.Matrix(len(r), len(r), lambda p, q: (sum(a * c for a, c in zip(r[p], r[q])) + 1) / (nm[p] * nm[q]))
+        sp.Matrix(len(r), len(r), lambda p, q, r=r, nm=nm: (sum(a * c for a, c in zip(r[p], r[q])) + 1)
+                  / (nm[p] * nm[q]))
         for r, nm in zip(rows, norms)
     ]
     predicted = sp.Matrix.hstack(
@@ -381,13 +383,13 @@ def build_case(sizes: Mapping[str, int], generator: torch.Generator, normalised:
     geometry = geometry_of(sizes)
     torch.manual_seed(seed_from(generator))
     conv = make_conv(geometry, sizes["in_channels"], sizes["out_channels"])
-    module = PatchNormConv(conv, geometry) if normalised else conv
+    module = ReferencePatchNormConv(conv, geometry) if normalised else conv
     x = correlated_rows((sizes["batch"], sizes["in_channels"]) + (sizes["size"],) * geometry.dims, generator)
     return Case(module, (x,))
 
 
 def _conv_of(case: Case) -> nn.Module:
-    return case.module.conv if isinstance(case.module, PatchNormConv) else case.module
+    return case.module.conv if isinstance(case.module, ReferencePatchNormConv) else case.module
 
 
 def _geometry_of_case(case: Case) -> Geometry:
@@ -399,7 +401,8 @@ def _geometry_of_case(case: Case) -> Geometry:
 def make_derivation(normalised: bool) -> Derivation:
     name = "patchnorm" if normalised else "conv"
     layer = (
-        r"z_{o,p} = \frac{W_o \cdot P_p + b_o}{\sqrt{\|P_p\|^2 + 1}}" if normalised else r"z_{o,p} = W_o \cdot P_p + b_o"
+        r"z_{o,p} = \frac{W_o \cdot P_p + b_o}{\sqrt{\|P_p\|^2 + 1}}" if normalised
+        else r"z_{o,p} = W_o \cdot P_p + b_o"
     )
     kernel = (
         r"\frac{P_p \cdot P_q + 1}{\sqrt{(\|P_p\|^2+1)(\|P_q\|^2+1)}}" if normalised else r"P_p \cdot P_q + 1"

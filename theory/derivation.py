@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 
-class ProofKind(str, enum.Enum):
+class ProofKind(str, enum.Enum):  # noqa: UP042 (str() and format() as before 3.11's StrEnum)
     """How strongly a claim is established, strongest first."""
 
     SYMBOLIC_GENERAL = "symbolic, general dimension"

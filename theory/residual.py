@@ -55,7 +55,7 @@ def activation(name: str):
     return sp.lambdify(_A, phi, modules=_TORCH), sp.lambdify(_A, sp.diff(phi, _A), modules=_TORCH)
 
 
-class TwoLayer(nn.Module):
+class ReferenceTwoLayer(nn.Module):
     """F(x) = W₂ φ(W₁ x + b₁) + b₂."""
 
     def __init__(self, width: int, hidden: int, phi: str, dtype=torch.float64):
@@ -68,7 +68,7 @@ class TwoLayer(nn.Module):
         return self.outer(activation(self.phi)[0](self.inner(x)))
 
 
-class ResidualBlock(nn.Module):
+class ReferenceResidualBlock(nn.Module):
     """Reference block: x = H(u), y = x + F(x)."""
 
     def __init__(self, in_features: int, width: int, branch: str, upstream: str = "affine", hidden: int = 0):
@@ -82,7 +82,7 @@ class ResidualBlock(nn.Module):
         elif hidden < 1:
             raise ValueError(f"a two-layer branch needs hidden ≥ 1, got {hidden}")
         else:
-            self.branch = TwoLayer(width, hidden, branch)
+            self.branch = ReferenceTwoLayer(width, hidden, branch)
 
     def forward(self, u: Tensor) -> Tensor:
         x = self.upstream(u)
@@ -93,7 +93,7 @@ class ResidualBlock(nn.Module):
 # closed form, numeric
 
 
-def _pieces(block: ResidualBlock, u: Tensor):
+def _pieces(block: ReferenceResidualBlock, u: Tensor):
     """x, k_H (B, B), M (B, n, n), and the branch's (h, D) (two-layer) at the current θ."""
     with torch.no_grad():
         x = block.upstream(u)
@@ -114,7 +114,7 @@ def _pieces(block: ResidualBlock, u: Tensor):
 
 
 @torch.no_grad()
-def branch_update(block: ResidualBlock, x: Tensor, two_layer, g: Tensor) -> Tensor:
+def branch_update(block: ReferenceResidualBlock, x: Tensor, two_layer, g: Tensor) -> Tensor:
     """Σ_j Θ_F(i,j) g_j (the branch's own parameters), rows i."""
     if two_layer is None:
         return affine.kernel_matrix(affine.member(block.branch_kind), x) @ g
@@ -263,7 +263,8 @@ def _exact_closed_form(branch: str, upstream: str, u: sp.Matrix, p: Mapping[str,
             d = sp.diag(*[dphi(v) for v in a])
             ms.append(sp.eye(n) + p["W2"] * d * p["W1"])
             own.append((a.applyfunc(sp.Function("phi")), d))
-    k_f = affine.exact_kernel_matrix(affine.member(branch), sp.Matrix.vstack(*[x.T for x in xs])) if branch in UPSTREAMS else None
+    k_f = (affine.exact_kernel_matrix(affine.member(branch), sp.Matrix.vstack(*[x.T for x in xs]))
+           if branch in UPSTREAMS else None)
     update = []
     for i in range(u.rows):
         total = sp.zeros(xs[i].rows, 1)
@@ -316,7 +317,7 @@ SIZES = (
 def build_case(sizes: Mapping[str, int], generator: torch.Generator, branch: str, upstream: str) -> Case:
     require(sizes, "batch", "in_features", "width")
     torch.manual_seed(seed_from(generator))
-    block = ResidualBlock(sizes["in_features"], sizes["width"], branch, upstream, sizes.get("hidden", 0))
+    block = ReferenceResidualBlock(sizes["in_features"], sizes["width"], branch, upstream, sizes.get("hidden", 0))
     return Case(block, (correlated_rows((sizes["batch"], sizes["in_features"]), generator, spread=0.5),))
 
 
@@ -372,5 +373,6 @@ def _corrected_diagonal_proof() -> Proof:
 
 DERIVATIONS = tuple(
     register(make_derivation(branch, upstream))
-    for branch, upstream in (("affine", "affine"), ("tanh", "affine"), ("gelu", "affine"), ("affine_like", "affine_like"))
+    for branch, upstream in (("affine", "affine"), ("tanh", "affine"), ("gelu", "affine"),
+                             ("affine_like", "affine_like"))
 )

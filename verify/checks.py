@@ -40,7 +40,7 @@ from affdiv.verify.ntk import empirical_ntk, ntk_update
 UNIT_ROUNDOFF = float(torch.finfo(torch.float64).eps) / 2
 TOL = 1e-10
 SLOPE_TOL = 0.1
-LR = 0.1
+DEFAULT_LR = 0.1  # the step size of the update and diagonal checks (and of `affdiv probe`)
 LINEARITY_LR = 10.0
 TAYLOR_LRS = tuple(float(v) for v in np.logspace(-1, -4, 7))
 ROUNDING_FLOOR = 1e3  # remainders below 10³ u ‖z‖∞ are rounding noise of z(θ+Δθ) − z(θ)
@@ -60,7 +60,32 @@ def cancellation_bound(output: Tensor, update: Tensor) -> float:
 
 @dataclass
 class CheckResult:
-    """One row of the verification report."""
+    r"""One row of the verification report: a check of one derivation at one size and seed,
+    passed when its error :math:`\|predicted - measured\|_\infty / \|measured\|_\infty` is within ``tol``.
+
+    Args:
+        name: ``"{derivation}/{check}"``.
+        derivation: the derivation's registered name.
+        check: ``"update"``, ``"diagonal"``, ``"site_diagonal"``, ``"linearity"`` or ``"taylor"``.
+        sizes: the case's sizes.
+        seed: the case's seed.
+        lr: the step size η (the list of η for ``taylor``).
+        tol: the tolerance the errors are held to (for ``taylor``: the slope tolerance).
+        passed: whether every error is within ``tol``.
+        max_rel_err: the largest error (for ``taylor``: the largest |slope − expected|).
+        errors: the error against each reference (``linear``, ``finite``, ``ntk``, …).
+            Default: empty.
+        proof: the derivation's proof kind. Default: ``""``.
+        detail: a line of explanation for the report. Default: ``""``.
+        metrics: the alignment summary of the measured update. Default: empty.
+
+    Example::
+
+        >>> from affdiv.verify.checks import CheckResult
+        >>> row = CheckResult("affine/update", "affine", "update", {"batch": 2}, 0, 0.1, 1e-10, True, 3e-16)
+        >>> row.to_dict()["max_rel_err"]
+        3e-16
+    """
 
     name: str
     derivation: str
@@ -77,6 +102,7 @@ class CheckResult:
     metrics: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
+        """The row as a JSON-ready dict (the ``checks`` entries of ``verify.json``)."""
         return asdict(self)
 
 
@@ -111,7 +137,9 @@ def _result(derivation: Derivation, check: str, sizes, seed: int, lr, tol: float
     )
 
 
-def check_update(derivation: Derivation, sizes: Mapping[str, int], seed: int, lr: float = LR) -> CheckResult:
+def check_update(
+    derivation: Derivation, sizes: Mapping[str, int], seed: int, lr: float = DEFAULT_LR
+) -> CheckResult:
     """Closed form vs jvp after vjp, vs the NTK (small problems) and, if linear in θ, vs the real step."""
     case, grad = _case(derivation, sizes, seed)
     measured = effective_update(case.module, case.inputs, grad, lr=lr)
@@ -132,7 +160,9 @@ def check_update(derivation: Derivation, sizes: Mapping[str, int], seed: int, lr
     return _result(derivation, "update", sizes, seed, lr, tol, passed, errors, metrics=metrics)
 
 
-def check_diagonal(derivation: Derivation, sizes: Mapping[str, int], seed: int, lr: float = LR) -> CheckResult:
+def check_diagonal(
+    derivation: Derivation, sizes: Mapping[str, int], seed: int, lr: float = DEFAULT_LR
+) -> CheckResult:
     """Each sample's update from its own gradient alone vs −η K_ii g_i with the derived K_ii."""
     case, grad = _case(derivation, sizes, seed)
     measured = diagonal_update(case.module, case.inputs, grad, lr)
@@ -144,7 +174,7 @@ def check_diagonal(derivation: Derivation, sizes: Mapping[str, int], seed: int, 
 
 
 def check_site_diagonal(
-    derivation: Derivation, sizes: Mapping[str, int], seed: int, lr: float = LR
+    derivation: Derivation, sizes: Mapping[str, int], seed: int, lr: float = DEFAULT_LR
 ) -> CheckResult:
     """Each site's update from its own gradient alone vs −η k_ss g_s with the derived k_ss."""
     case, grad = _case(derivation, sizes, seed)
@@ -239,7 +269,25 @@ def run_checks(
     seeds: Sequence[int],
     progress: Callable[[int, int, CheckResult], None] | None = None,
 ) -> list[CheckResult]:
-    """Every check of every derivation at each of its sizes and each seed."""
+    r"""Every check of every derivation at each of its sizes and each seed: the closed form against
+    jvp after vjp, the NTK and the real step (tolerances in the module docstring).
+
+    Args:
+        derivations: the derivations to check (e.g. values of ``affdiv.theory.registry()``).
+        seeds: the seeds of the cases, each at every size.
+        progress: called as ``progress(index, total, result)`` after each check. Default: ``None``.
+
+    Returns:
+        one :class:`CheckResult` per check, in the order derivation, size, seed, check.
+
+    Example::
+
+        >>> from affdiv.theory import registry
+        >>> from affdiv.verify import run_checks
+        >>> results = run_checks([registry()["affine_like"]], seeds=[0])
+        >>> len(results), all(r.passed for r in results)  # 4 sizes × (update, diagonal, linearity)
+        (12, True)
+    """
     pending = [
         check
         for derivation in derivations

@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from affdiv.atomic import atomic_write
+from affdiv.atomic import atomic_write, check_writable_file
 from affdiv.provenance import provenance
 from affdiv.theory import registry
 from affdiv.verify import report
@@ -20,7 +20,8 @@ def register(subparsers) -> None:
         description=__doc__,
     )
     parser.add_argument("--seed", type=int, default=0, help="first seed (default 0)")
-    parser.add_argument("--seeds", type=int, default=3, help="number of seeds per size (default 3)")
+    parser.add_argument("--seeds", type=int, default=3, metavar="K",
+                        help="K seeds from --seed at every size (default 3)")
     parser.add_argument("--only", nargs="+", metavar="NAME", help="check only these derivations")
     parser.add_argument("--list", action="store_true", help="list the registered derivations and exit")
     parser.add_argument("--json", metavar="PATH", help="write the full record as JSON")
@@ -44,38 +45,66 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--seeds must be at least 1, got {args.seeds}")
     derivations = select(args.only)
     if args.list:
+        w = max(len(d.name) for d in derivations)
         for d in derivations:
-            print(f"{d.name:<24} {d.layer}")
+            print(f"{d.name:<{w}}  {d.layer}")
         return 0
+    # The report paths are checked before the proofs and checks run, so a bad one loses nothing.
+    for option, path in (("--json", args.json), ("--markdown", args.markdown), ("--latex", args.latex)):
+        if path:
+            check_writable_file(path, option)
     start = time.perf_counter()
     print(f"proving {len(derivations)} derivations (sympy) ...", file=sys.stderr, flush=True)
-    unproven = []
+    failing = []  # derivations with a proof step that does not hold
     for d in derivations:
         for step in d.proof_steps():
             verdict = "PASS" if step.holds else "FAIL"
             print(f"{verdict}  {d.name + '/proof':<28} [{step.kind.value}] {step.claim}")
         if not d.proven:
-            unproven.append(d.name)
+            failing.append(d.name)
+
+    bar = None
 
     def progress(index: int, total: int, check) -> None:
-        print(report.format_row(check), flush=True)
-        print(f"  [{index}/{total}]", file=sys.stderr, end="\r", flush=True)
+        nonlocal bar
+        if bar is None:
+            bar = _bar(total)
+        if bar is None:
+            print(report.format_row(check), flush=True)
+        else:  # the row above the bar (tqdm clears and redraws it)
+            bar.write(report.format_row(check), file=sys.stdout)
+            bar.update(index - bar.n)
 
     seeds = list(range(args.seed, args.seed + args.seeds))
-    checks = run_checks(derivations, seeds, progress)
+    try:
+        checks = run_checks(derivations, seeds, progress)
+    finally:
+        if bar is not None:
+            bar.close()
     record = report.build_record(
         derivations, checks, provenance(seeds=seeds, wall_time_s=round(time.perf_counter() - start, 2))
     )
-    for path, render in ((args.json, report.to_json), (args.markdown, report.to_markdown), (args.latex, report.to_latex)):
+    outputs = ((args.json, report.to_json), (args.markdown, report.to_markdown), (args.latex, report.to_latex))
+    for path, render in outputs:
         if path:
             print(f"wrote {atomic_write(path, render(record))}", file=sys.stderr)
     failed = [c.name for c in checks if not c.passed]
     summary = record["summary"]
     print(
         f"{summary['passed']} passed, {summary['failed']} failed "
-        f"({len(derivations) - len(unproven)}/{len(derivations)} derivations proven, "
-        f"{record['provenance']['wall_time_s']} s)"
+        f"(derivations: {report.proof_summary(record)}; {record['provenance']['wall_time_s']} s)"
     )
-    if unproven:
-        print(f"NOT PROVEN: {', '.join(unproven)}", file=sys.stderr)
-    return 1 if failed or unproven else 0
+    if failing:
+        print(f"PROOF STEP FAILS: {', '.join(failing)}", file=sys.stderr)
+    return 1 if failed or failing else 0
+
+
+def _bar(total: int):
+    """A tqdm bar on stderr when it is a terminal; None otherwise (a log gets no progress debris)."""
+    if not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty()):
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # an install without the extra: no bar
+        return None
+    return tqdm(total=total, file=sys.stderr, unit="check", leave=False, dynamic_ncols=True)

@@ -12,20 +12,43 @@ Taylor remainder, O(η²), and exactly 0 for modules linear in θ.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, jvp, vjp
+from torch.func import jvp, vjp
+
+from affdiv.verify._measurement import ModuleFunction, as_inputs, check_lr
 
 REDUCTIONS = ("sum", "mean")
 
 
 @dataclass(frozen=True)
 class EffectiveUpdate:
-    """The three activation updates of one step, each shaped like the module's output."""
+    r"""The activation updates of one SGD step: ideal −ηg, linear J_θ·(−η∇θL), finite
+    z(θ − η∇θL) − z(θ); what :func:`effective_update` returns.
+
+    Args:
+        ideal: −η g, the step taken directly in activation space.
+        linear: the first-order effective update −η Σ_j Θ(x_i, x_j) g_j (jvp after vjp).
+        finite: the real step's change of the output.
+        output: z(θ), the output before the step.
+        grad_output: g = ∂L/∂z.
+        lr: η.
+
+    Shape:
+        every tensor: the module output's shape, e.g. :math:`(B, *)`.
+
+    Example::
+
+        >>> import torch
+        >>> from affdiv.verify import EffectiveUpdate
+        >>> z, g = torch.zeros(2, 3), torch.ones(2, 3)
+        >>> u = EffectiveUpdate(ideal=-0.5 * g, linear=-g, finite=-1.25 * g, output=z, grad_output=g, lr=0.5)
+        >>> u.remainder[0]  # finite − linear: what first order misses
+        tensor([-0.2500, -0.2500, -0.2500])
+    """
 
     ideal: Tensor
     linear: Tensor
@@ -38,28 +61,6 @@ class EffectiveUpdate:
     def remainder(self) -> Tensor:
         """finite − linear: the part of the real step that first order misses."""
         return self.finite - self.linear
-
-
-def as_inputs(inputs: Tensor | tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-    if isinstance(inputs, Tensor):
-        return (inputs,)
-    if isinstance(inputs, (tuple, list)) and all(isinstance(t, Tensor) for t in inputs):
-        return tuple(inputs)
-    raise TypeError(f"inputs must be a Tensor or a tuple of Tensors, got {type(inputs).__name__}")
-
-
-def parameters_of(module: nn.Module) -> dict[str, Tensor]:
-    """The trainable parameters, detached: the θ that the step moves."""
-    params = {name: p.detach() for name, p in module.named_parameters() if p.requires_grad}
-    if not params:
-        raise ValueError(f"{type(module).__name__} has no trainable parameters: there is no step to take")
-    return params
-
-
-def check_lr(lr: float) -> float:
-    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not math.isfinite(lr) or lr <= 0:
-        raise ValueError(f"lr must be a finite positive number, got {lr!r}")
-    return float(lr)
 
 
 def output_gradient(
@@ -97,13 +98,50 @@ def effective_update(
     loss: Callable[[Tensor], Tensor] | None = None,
     reduction: str | None = None,
 ) -> EffectiveUpdate:
-    """The ideal, first-order and real activation updates of one SGD step of ``module``.
+    r"""The ideal −ηg, first-order J_θ(−η∇θL) and real z(θ − η∇θL) − z(θ) activation updates of
+    one SGD step of ``module``.
 
-    Give either ``grad_output`` (g = ∂L/∂z, any reduction already in it) or ``loss``: a function of
-    the output returning per-sample losses (then ``reduction`` is "sum" or "mean") or a scalar.
-    The module's parameters and buffers are never modified: every forward gets fresh copies of the
-    buffers (a BatchNorm in train mode updates those copies, not the module's running statistics),
-    and the forward runs in the module's current mode (train or eval).
+    The gradient comes from one vjp, the first-order update from one jvp, the real step from a
+    forward with the stepped parameters. The module is never modified: every Parameter and
+    buffer is the same object with the same value afterwards, for modules used twice and tied
+    weights too; a BatchNorm in train mode updates copies of its running statistics; the three
+    forward passes run from one RNG state (a Dropout draws one mask for all of them) and leave
+    the global RNG state as it was. The forward runs in the module's current mode (train or
+    eval). Any module that torch.func differentiates in reverse and forward mode can be
+    measured, the layers of :mod:`affdiv.layers` included.
+
+    Args:
+        module: the layer or model z = f(x; θ); θ is its parameters with ``requires_grad``.
+        inputs: its positional input: a Tensor, or a tuple of Tensors.
+        grad_output: g = ∂L/∂z, the output's shape, dtype and device, any loss reduction
+            already in it. Default: ``None`` (then ``loss`` is required).
+        lr: the step size η > 0 (keyword only, required).
+        loss: instead of ``grad_output``, a function of the output returning per-sample losses
+            (then ``reduction`` is ``"sum"`` or ``"mean"``) or a scalar. Default: ``None``.
+        reduction: ``"sum"`` or ``"mean"`` over per-sample losses; ``None`` for a scalar loss.
+            Default: ``None``.
+
+    Returns:
+        :class:`EffectiveUpdate` with ``ideal``, ``linear``, ``finite``, ``output``,
+        ``grad_output`` (detached) and ``lr``.
+
+    Shape:
+        - inputs: what ``module`` takes, e.g. :math:`(B, *)`.
+        - grad_output and every update: the output's shape, e.g. :math:`(B, *)`.
+
+    Example::
+
+        >>> import torch
+        >>> from affdiv.verify import effective_update
+        >>> _ = torch.manual_seed(0)
+        >>> layer = torch.nn.Linear(3, 2, dtype=torch.float64)
+        >>> x = torch.tensor([[1.0, 2.0, 2.0]], dtype=torch.float64)  # ‖x‖² + 1 = 10
+        >>> g = torch.tensor([[1.0, -2.0]], dtype=torch.float64)
+        >>> u = effective_update(layer, x, g, lr=0.1)
+        >>> (u.linear / u.ideal).round(decimals=12)  # the affine divergence of one sample
+        tensor([[10., 10.]], dtype=torch.float64)
+        >>> float(u.remainder.abs().max()) < 1e-15  # linear in θ: the real step is first order
+        True
     """
     lr = check_lr(lr)
     if (grad_output is None) == (loss is None):
@@ -111,11 +149,11 @@ def effective_update(
     if grad_output is not None and reduction is not None:
         raise ValueError("reduction applies to a loss function; grad_output already includes it")
     args = as_inputs(inputs)
-    params = parameters_of(module)
-    buffers = {name: b.detach() for name, b in module.named_buffers()}
+    function = ModuleFunction(module, args)
+    params = function.params
 
     def f(p: dict[str, Tensor]) -> Tensor:
-        return functional_call(module, {**p, **{k: b.clone() for k, b in buffers.items()}}, args)
+        return function(p, args)
 
     output, pullback = vjp(f, params)
     if loss is not None:

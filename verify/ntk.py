@@ -13,18 +13,41 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, jacrev, vmap
+from torch.func import jacrev, vmap
 
-from affdiv.verify.engine import as_inputs, parameters_of
+from affdiv.verify._measurement import ModuleFunction, as_inputs
 
 
 def empirical_ntk(module: nn.Module, inputs: Tensor | tuple[Tensor, ...]) -> Tensor:
-    """Θ as a tensor of shape (B, B, *out, *out) for a batch of B samples (leading dim of inputs)."""
+    r"""The empirical NTK of ``module`` over its trainable parameters: :math:`\Theta(x_i, x_j) = J_i J_j^\top`.
+
+    ``vmap(jacrev)`` over single samples, contracted over every parameter; the module is left
+    untouched as by :func:`effective_update`. Memory B·out·P: for small problems.
+
+    Args:
+        module: the layer or model; it must treat the samples of a batch independently.
+        inputs: its positional input(s), batched along the first dimension.
+
+    Shape:
+        - inputs: :math:`(B, *)`, the output :math:`(B, *out)`.
+        - Output: :math:`(B, B, *out, *out)`.
+
+    Example::
+
+        >>> import torch
+        >>> from affdiv.verify import empirical_ntk
+        >>> layer = torch.nn.Linear(2, 1, dtype=torch.float64)
+        >>> x = torch.tensor([[1.0, 0.0], [3.0, 4.0]], dtype=torch.float64)
+        >>> empirical_ntk(layer, x).squeeze()  # x_i·x_j + 1
+        tensor([[ 2.,  4.],
+                [ 4., 26.]], dtype=torch.float64)
+    """
     args = as_inputs(inputs)
-    params = parameters_of(module)
+    function = ModuleFunction(module, args)
+    params = function.params
 
     def single(p: dict[str, Tensor], *sample: Tensor) -> Tensor:
-        return functional_call(module, p, tuple(t.unsqueeze(0) for t in sample)).squeeze(0)
+        return function(p, tuple(t.unsqueeze(0) for t in sample)).squeeze(0)
 
     jac = vmap(jacrev(single), in_dims=(None,) + (0,) * len(args))(params, *args)
     total = None
@@ -38,7 +61,26 @@ def empirical_ntk(module: nn.Module, inputs: Tensor | tuple[Tensor, ...]) -> Ten
 
 
 def ntk_update(ntk: Tensor, grad_output: Tensor, lr: float) -> Tensor:
-    """−η Σ_j Θ(x_i, x_j) g_j, shaped like grad_output (B, *out)."""
+    r"""The first-order update that an NTK predicts: :math:`-\eta \sum_j \Theta(x_i, x_j)\, g_j`.
+
+    Args:
+        ntk: Θ, as :func:`empirical_ntk` returns it.
+        grad_output: g = ∂L/∂z.
+        lr: η.
+
+    Shape:
+        - ntk: :math:`(B, B, *out, *out)`; grad_output: :math:`(B, *out)`.
+        - Output: :math:`(B, *out)`.
+
+    Example::
+
+        >>> import torch
+        >>> from affdiv.verify import ntk_update
+        >>> theta = torch.tensor([[2.0, 4.0], [4.0, 26.0]]).reshape(2, 2, 1, 1)
+        >>> ntk_update(theta, torch.tensor([[1.0], [0.0]]), lr=0.5)
+        tensor([[-1.],
+                [-2.]])
+    """
     batch = grad_output.shape[0]
     out_size = grad_output[0].numel()
     theta = ntk.reshape(batch, batch, out_size, out_size).permute(0, 2, 1, 3).reshape(batch * out_size, -1)

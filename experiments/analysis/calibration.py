@@ -1,41 +1,49 @@
-"""Calibration of the trend tests on simulated sweeps with a planted slope.
+"""Calibration of the decision rules on simulated studies with a known truth.
 
-A simulated sweep has the layout of a real one (seeds × batch sizes) and the model
+Two levels:
 
-    metric(seed s, batch B) = base + u_s + slope · log2 B + e,   u_s ~ N(0, seed_sd²), e ~ N(0, noise_sd²),
+* **Verdict level** (what the report shows): whole simulated studies in the layout of a real one
+  — its batch sizes and seed count, and for every method its own noise — run through the same
+  functions as the real analysis, counting each verdict.
 
-and, for the differential test, a baseline with slope 0 and its own seed effects and noise. For each
-planted slope, :func:`calibrate` counts how often each test rejects at level ``alpha`` (unadjusted,
-one test at a time — the size of each building block of the decision rule):
+  - Fixed budget (:func:`fixed_budget_layout`, :func:`verdict_calibration`): every method's
+    performance is ``shape(B) + u_s + v_s (x - mean x) + e + eta_B`` with its own run noise s.d.,
+    seed-shift s.d. and seed-slope s.d. (:func:`~affdiv.experiments.analysis.contrast.noise_components`,
+    moments, curvature excluded), the *shared batch-size shock* eta_B ~ N(0, shock_sd^2) common to
+    all seeds of a method at B (what a data split shared by the seeds produces), and the study's
+    own curvature: the shape is the mean cell curve of its baselines. The planted effect is an
+    extra fall of the corrected layers after the shape's peak, reaching ``effect`` at the largest
+    batch size. Effect 0: "supported" is a false positive. Effect >= margin: "supported" is power.
+  - Steps to target (:func:`target_layout`, :func:`target_calibration`): every method's steps
+    follow the fitted curve S_min (1 + B_crit/B) with its fitted run noise and seed shift, censored
+    at the study's max_steps; the baselines share one reference B_crit (the geometric mean of the
+    fitted ones) and the corrected layers get ``ratio`` times it. Ratio 1: "supported" is a false
+    positive and the pair test's rejection rate is its size; ratios 0.5 and 0.25: power.
 
-* ``falls``        seed-clustered OLS slope, one-sided "performance falls" (the primary test);
-* ``differential`` per-seed slope of (method − baseline), one-sided t across seeds;
-* ``page``         Page's L, one-sided decreasing trend;
-* ``bootstrap``    the one-sided (1 − 2·alpha) cluster-bootstrap percentile bound lies below 0;
-* ``flat``         TOST with ``margin`` (its size is read at slope = ±margin, its power at 0);
-* ``mixed``        random-intercept REML model, Wald z (slow: ~30 ms a fit; not run by default).
+* **Test level** (the slope tests, now descriptive; :func:`calibrate`): rejection rates of the
+  slope tests on sweeps with a planted linear slope, as before.
 
-At slope 0 the rejection rate of a one-sided test is its false-positive rate; at a negative slope
-it is its power. The rates are binomial proportions over ``n_sims`` datasets: their Monte-Carlo
-standard error is sqrt(r (1 − r) / n_sims).
+A rate r over n simulated studies has Monte-Carlo standard error sqrt(r (1 - r) / n).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from affdiv.experiments.analysis import stats
-from affdiv.experiments.analysis.decision import Analysis, analyse
+from affdiv.experiments.analysis import contrast, stats
 
-TESTS = ("falls", "differential", "page", "bootstrap", "flat", "mixed")
+TESTS = ("falls", "differential", "page", "bootstrap", "flat")
+JOINT_VERDICTS = ("supported", "contradicted", "mixed", "inconclusive")
 
 
+# ------------------------------------------------------------------------- slope tests (descriptive)
 @dataclass(frozen=True)
 class Layout:
-    """The shape and noise of a simulated sweep (defaults: a smoke-sized accuracy sweep)."""
+    """The shape and noise of a simulated sweep with a linear trend (the slope tests' calibration)."""
 
     batch_sizes: tuple[int, ...] = (16, 32, 64, 128, 256)
     n_seeds: int = 5
@@ -87,14 +95,13 @@ def rejections(table: np.ndarray, baseline: np.ndarray, layout: Layout, *, tests
         "bootstrap": lambda: stats.percentile_ci(
             stats.cluster_bootstrap(x, y, seeds, n_boot=n_boot, rng=rng), 1 - 2 * alpha)[1] < 0,
         "flat": lambda: clustered.p_equivalent(margin) < alpha,
-        "mixed": lambda: stats.mixed_slope(x, y, seeds).slope.p_less() < alpha,
     }
     return {test: bool(decide[test]()) for test in tests}
 
 
 @dataclass(frozen=True)
 class Calibration:
-    """Rejection rates: ``rates[test][i]`` at planted slope ``planted[i]``, over ``n_sims`` datasets."""
+    """Rejection rates of the slope tests: ``rates[test][i]`` at planted slope ``planted[i]``."""
 
     planted: tuple[float, ...]
     rates: dict[str, tuple[float, ...]]
@@ -103,7 +110,6 @@ class Calibration:
     margin: float
     layout: Layout
     seed: int
-    verdicts: dict[str, tuple[float, ...]] | None = None  # verdict_rates at the same slopes, if computed
 
     def rate(self, test: str, slope: float) -> float:
         """The rejection rate of ``test`` at a planted slope (which must be one of ``planted``)."""
@@ -118,19 +124,17 @@ class Calibration:
     def to_dict(self) -> dict:
         return {"planted": list(self.planted), "rates": {k: list(v) for k, v in self.rates.items()},
                 "n_sims": self.n_sims, "alpha": self.alpha, "margin": self.margin,
-                "layout": asdict(self.layout), "seed": self.seed,
-                "verdicts": None if self.verdicts is None else {k: list(v) for k, v in self.verdicts.items()}}
+                "layout": asdict(self.layout), "seed": self.seed}
 
 
 def calibrate(planted: Sequence[float], *, layout: Layout = Layout(), n_sims: int = 1000, alpha: float = 0.05,
               margin: float = 0.005, n_boot: int = 1000, seed: int = 0,
               tests: Sequence[str] = ("falls", "differential", "page", "bootstrap", "flat"),
               progress: Callable[[int, int], None] | None = None) -> Calibration:
-    """Rejection rate of every test at every planted slope (metric units per doubling of B).
+    """Rejection rate of every slope test at every planted slope (metric units per doubling of B).
 
-    ``progress(done, total)`` is called after each planted slope. The data of each slope come from
-    a stream seeded by (seed, slope), the bootstrap resamples from another: adding slopes or tests
-    does not change the other rates.
+    At slope 0 the rate of 'falls', 'differential', 'page' and 'bootstrap' is a false-positive
+    rate; the rate of 'flat' (TOST) there is its power, and its size is read at slope = ±margin.
     """
     if n_sims < 1:
         raise ValueError(f"n_sims must be >= 1, got {n_sims}")
@@ -156,61 +160,325 @@ def calibrate(planted: Sequence[float], *, layout: Layout = Layout(), n_sims: in
     return Calibration(planted, {k: tuple(v) for k, v in counts.items()}, n_sims, alpha, margin, layout, seed)
 
 
-def verdict_rates(planted: Sequence[float], *, layout: Layout = Layout(), n_sims: int = 200, alpha: float = 0.05,
-                  margin: float = 0.005, groups: Sequence[str] = ("constant", "sqrt"), seed: int = 0,
-                  progress: Callable[[int, int], None] | None = None) -> dict[str, tuple[float, ...]]:
-    """How often the whole decision rule of :func:`analyse` gives each overall verdict.
+# ----------------------------------------------------------------------------- verdict level
+@dataclass(frozen=True)
+class MethodModel:
+    """One method of a simulated fixed-budget study (performance scale)."""
 
-    Each simulated study has, in every group, ``affine_like`` with the planted slope and the
-    baselines ``affine`` and ``batchnorm`` with slope 0 — the full Holm family of a real study.
-    Returns {verdict: rate at each planted slope} for ``affine_like``; at slope 0 the rate of
-    "supported" is the false-positive rate of the prediction's claim.
-    """
-    rates: dict[str, list[float]] = {v: [] for v in ("supported", "contradicted", "mixed", "inconclusive")}
-    for i, slope in enumerate(float(s) for s in planted):
-        rng = np.random.default_rng([seed, int(np.float64(slope).view(np.uint64)), 2])
-        counts = dict.fromkeys(rates, 0)
+    role: str
+    noise_sd: float
+    seed_sd: float = 0.0
+    slope_sd: float = 0.0
+
+
+@dataclass(frozen=True)
+class StudyLayout:
+    """A fixed-budget study to simulate: the shape is the performance per batch size without effect."""
+
+    batch_sizes: tuple[int, ...]
+    n_seeds: int
+    shape: tuple[float, ...]
+    methods: dict[str, MethodModel]
+    margin: float
+    test_baselines: bool
+    shock_sd: float = 0.0
+
+    def __post_init__(self):
+        if len(self.batch_sizes) < 2 or len(self.shape) != len(self.batch_sizes):
+            raise ValueError(f"need >= 2 batch sizes and one shape value per batch size, got {self.batch_sizes} "
+                             f"and {self.shape}")
+        if self.n_seeds < 2:
+            raise ValueError(f"need >= 2 seeds, got {self.n_seeds}")
+        if not any(m.role == "corrected" for m in self.methods.values()):
+            raise ValueError("the layout has no corrected method: there is no verdict to calibrate")
+
+    def effect_profile(self) -> np.ndarray:
+        """h(B): 0 up to the shape's peak, then a linear fall in log2 B to -1 at the largest B."""
+        x = np.log2(np.asarray(self.batch_sizes, dtype=np.float64))
+        peak = int(np.argmax(self.shape))
+        if peak == len(x) - 1:
+            return -(np.arange(len(x)) == len(x) - 1).astype(np.float64)
+        return -np.clip((x - x[peak]) / (x[-1] - x[peak]), 0.0, None)
+
+    def describe(self) -> dict:
+        return {"batch_sizes": list(self.batch_sizes), "n_seeds": self.n_seeds, "shape": list(self.shape),
+                "margin": self.margin, "test_baselines": self.test_baselines, "shock_sd": self.shock_sd,
+                "methods": {m: asdict(model) for m, model in self.methods.items()}}
+
+
+def simulate_study(layout: StudyLayout, effect: float, rng: np.random.Generator) -> dict[str, list[dict]]:
+    """One simulated study: {method: records {method, batch_size, seed, metric}} (metric = performance)."""
+    x = np.log2(np.asarray(layout.batch_sizes, dtype=np.float64))
+    xc = x - x.mean()
+    shape = np.asarray(layout.shape, dtype=np.float64)
+    fall = layout.effect_profile()
+    out = {}
+    for method, model in layout.methods.items():
+        curve = shape + (effect * fall if model.role == "corrected" else 0.0)
+        shock = rng.normal(0.0, layout.shock_sd, size=x.size) if layout.shock_sd > 0 else 0.0
+        u = rng.normal(0.0, model.seed_sd, size=(layout.n_seeds, 1))
+        v = rng.normal(0.0, model.slope_sd, size=(layout.n_seeds, 1))
+        e = rng.normal(0.0, model.noise_sd, size=(layout.n_seeds, x.size))
+        table = curve + shock + u + v * xc + e
+        out[method] = [{"method": method, "batch_size": b, "seed": s, "metric": float(table[s, j])}
+                       for s in range(layout.n_seeds) for j, b in enumerate(layout.batch_sizes)]
+    return out
+
+
+def fixed_budget_verdicts(layout: StudyLayout, rows: Mapping[str, Sequence[Mapping]], alpha: float) -> dict:
+    """The verdicts the real rule gives on simulated rows (the same functions as ``analyse``)."""
+    methods = {m: {"role": model.role, "status": "ok", "n_runs": len(rows[m])} for m, model in layout.methods.items()}
+    baselines = [m for m, model in layout.methods.items() if model.role == "baseline"]
+    contrast.group_contrasts(methods, rows, metric="metric", sign=1.0, alpha=alpha, margin=layout.margin,
+                             baselines=baselines, noise=False)
+    joint = contrast.assign_verdicts(methods, alpha=alpha, test_baselines=layout.test_baselines)
+    return {"joint": joint["verdict"], "methods": {m: r["verdict"] for m, r in methods.items()},
+            "pairs": {f"{m} vs {b}": d.get("p_less", 1.0) < alpha for m, r in methods.items()
+                      for b, d in r.get("did", {}).items()}}
+
+
+@dataclass(frozen=True)
+class VerdictCalibration:
+    """Verdict rates of a decision rule on simulated studies: ``joint[verdict][i]`` at ``effects[i]``."""
+
+    design: str
+    effect_name: str
+    effects: tuple[float, ...]
+    null_effect: float  # the effect at which 'supported' is a false positive
+    joint: dict[str, tuple[float, ...]]
+    methods: dict[str, tuple[float, ...]]  # rate of 'supported' per corrected method
+    pairs: dict[str, tuple[float, ...]]  # rejection rate of each pair's one-sided test (p < alpha)
+    pair_event: str
+    n_sims: int
+    alpha: float
+    seed: int
+    layout: dict
+    scenarios: dict = field(default_factory=dict)  # {name: VerdictCalibration.to_dict()} (e.g. shared shocks)
+
+    def mc_se(self, rate: float) -> float:
+        return float(math.sqrt(rate * (1 - rate) / self.n_sims))
+
+    def rate(self, verdict: str, effect: float) -> float:
+        if effect not in self.effects:
+            raise ValueError(f"effect {effect} was not simulated; the effects are {self.effects}")
+        return self.joint[verdict][self.effects.index(effect)]
+
+    def to_dict(self) -> dict:
+        return {"design": self.design, "effect_name": self.effect_name, "effects": list(self.effects),
+                "null_effect": self.null_effect, "joint": {k: list(v) for k, v in self.joint.items()},
+                "methods": {k: list(v) for k, v in self.methods.items()},
+                "pairs": {k: list(v) for k, v in self.pairs.items()}, "pair_event": self.pair_event,
+                "n_sims": self.n_sims, "alpha": self.alpha, "seed": self.seed, "layout": self.layout,
+                "scenarios": self.scenarios}
+
+
+def _rates(counts: list[dict], n: int) -> dict[str, tuple[float, ...]]:
+    keys = sorted({k for c in counts for k in c})
+    return {k: tuple(c.get(k, 0) / n for c in counts) for k in keys}
+
+
+def verdict_calibration(layout: StudyLayout, effects: Sequence[float], *, n_sims: int = 200, alpha: float = 0.05,
+                        seed: int = 0, progress: Callable[[int, int], None] | None = None) -> VerdictCalibration:
+    """Verdict rates of the fixed-budget rule at each planted extra fall (performance units)."""
+    if n_sims < 1:
+        raise ValueError(f"n_sims must be >= 1, got {n_sims}")
+    effects = tuple(float(e) for e in effects)
+    joint, methods, pairs = [], [], []
+    for i, effect in enumerate(effects):
+        rng = np.random.default_rng([seed, int(np.float64(effect).view(np.uint64)), 3])
+        j_count, m_count, p_count = dict.fromkeys(JOINT_VERDICTS, 0), {}, {}
         for _ in range(n_sims):
-            records = [r for group in groups for r in simulate_records(
-                layout, {"affine_like": slope, "affine": 0.0, "batchnorm": 0.0}, rng, lr_rule=group)]
-            result = analyse(records, alpha=alpha, margin=margin, sensitivity=False)
-            counts[result.overall["affine_like"]] += 1
-        for verdict, count in counts.items():
-            rates[verdict].append(count / n_sims)
+            result = fixed_budget_verdicts(layout, simulate_study(layout, effect, rng), alpha)
+            j_count[result["joint"]] += 1
+            for m, v in result["methods"].items():
+                if layout.methods[m].role == "corrected":
+                    m_count[m] = m_count.get(m, 0) + (v == "supported")
+            for name, rejected in result["pairs"].items():
+                p_count[name] = p_count.get(name, 0) + rejected
+        joint.append(j_count)
+        methods.append(m_count)
+        pairs.append(p_count)
         if progress is not None:
-            progress(i + 1, len(planted))
-    return {verdict: tuple(r) for verdict, r in rates.items()}
+            progress(i + 1, len(effects))
+    return VerdictCalibration("fixed budget", "planted extra fall of the corrected layers at the largest batch "
+                              "size (performance units)", effects, 0.0, _rates(joint, n_sims),
+                              _rates(methods, n_sims), _rates(pairs, n_sims),
+                              "the one-sided test of DiD < 0 rejects (p < alpha)", n_sims, alpha, seed,
+                              layout.describe())
 
 
-def layout_of(analysis: Analysis) -> Layout:
-    """The layout of a real sweep on the performance scale: its primary group's batch sizes and
-    seed count; seed_sd and noise_sd the medians, over the methods with a mixed-model fit, of the
-    REML seed and residual standard deviations; base the mean performance."""
-    fitted = [r for r in analysis.methods.values() if r["status"] == "ok" and "seed_variance" in r.get("mixed", {})]
-    if not fitted:
-        raise ValueError("no method of the primary group has a mixed-model fit to take the noise from")
-    sign = 1.0 if analysis.settings["higher_is_better"] else -1.0
-    return Layout(
-        batch_sizes=tuple(sorted({b for r in fitted for b in r["batch_sizes"]})),
-        n_seeds=int(min(r["n_seeds"] for r in fitted)),
-        seed_sd=float(np.median([np.sqrt(max(r["mixed"]["seed_variance"], 0.0)) for r in fitted])),
-        noise_sd=float(np.median([np.sqrt(r["mixed"]["residual_variance"]) for r in fitted])),
-        base=sign * float(np.mean([c["mean"] for r in fitted for c in r["cells"]])),
-    )
+def fixed_budget_layout(analysis, *, shock_sd: float = 0.0) -> StudyLayout:
+    """The layout of a real fixed-budget analysis: its primary group's batch sizes, seed count and
+    per-method noise (``noise`` of each method, moments), and its baselines' mean curve as the shape."""
+    methods = analysis.methods
+    fitted = {m: r for m, r in methods.items() if r.get("noise", {}).get("status") == "ok" and r["role"] != "other"}
+    if not any(r["role"] == "corrected" for r in fitted.values()):
+        raise ValueError("no corrected method of the primary group has a noise estimate (needs >= 3 batch sizes "
+                         "and >= 2 complete seeds)")
+    shapes = [np.asarray(r["noise"]["cell_means"]) for r in fitted.values() if r["role"] == "baseline"] or \
+             [np.asarray(r["noise"]["cell_means"]) for r in fitted.values()]
+    batch_sizes = tuple(next(iter(fitted.values()))["noise"]["batch_sizes"])
+    if any(tuple(r["noise"]["batch_sizes"]) != batch_sizes for r in fitted.values()):
+        raise ValueError("the methods of the primary group ran different batch sizes; no common layout")
+    shape = np.mean(shapes, axis=0)
+    shape = shape - shape.max()
+    if analysis.settings.get("test_baselines", True):
+        peak = int(np.argmax(shape))
+        shape[peak:] = shape[peak]  # the prediction's world: the baselines do not fall after their peak
+    return StudyLayout(batch_sizes, int(min(r["noise"]["n_seeds"] for r in fitted.values())),
+                       tuple(float(v) for v in shape),
+                       {m: MethodModel(r["role"], r["noise"]["noise_sd"], r["noise"]["seed_sd"], r["noise"]["slope_sd"])
+                        for m, r in fitted.items()},
+                       analysis.settings["contrast_margin"], bool(analysis.settings.get("test_baselines", True)),
+                       shock_sd)
 
 
-def calibrate_for(analysis: Analysis, *, n_sims: int = 1000, verdict_sims: int = 0, seed: int = 0,
-                  progress: Callable[[int, int], None] | None = None) -> Calibration:
-    """Calibrate the tests in the layout of a real sweep (:func:`layout_of`) with its alpha and
-    margin, at planted performance slopes from -2 to +1 equivalence margins per doubling; with
-    ``verdict_sims`` > 0 also the whole decision rule (:func:`verdict_rates`, same number of groups)."""
-    margin, alpha = analysis.settings["margin"], analysis.settings["alpha"]
-    planted = [k * margin for k in (-2.0, -1.5, -1.0, -0.5, 0.0, 0.5, 1.0)]
-    layout = layout_of(analysis)
-    result = calibrate(planted, layout=layout, n_sims=n_sims, alpha=alpha, margin=margin, seed=seed,
-                       progress=progress)
-    if verdict_sims > 0:
-        verdicts = verdict_rates(planted, layout=layout, n_sims=verdict_sims, alpha=alpha, margin=margin,
-                                 groups=tuple(analysis.groups), seed=seed, progress=progress)
-        result = replace(result, verdicts=verdicts)
-    return result
+# -------------------------------------------------------------------------- steps to target
+@dataclass(frozen=True)
+class TargetMethod:
+    role: str
+    s_min: float
+    b_crit: float
+    noise_sd: float
+    seed_sd: float = 0.0
+
+
+@dataclass(frozen=True)
+class TargetLayout:
+    batch_sizes: tuple[int, ...]
+    n_seeds: int
+    max_steps: int
+    methods: dict[str, TargetMethod]
+    reference_b_crit: float
+
+    def describe(self) -> dict:
+        return {"batch_sizes": list(self.batch_sizes), "n_seeds": self.n_seeds, "max_steps": self.max_steps,
+                "reference_b_crit": self.reference_b_crit,
+                "methods": {m: asdict(model) for m, model in self.methods.items()}}
+
+
+def target_layout(analysis) -> TargetLayout:
+    """The layout of a real steps-to-target analysis (primary group): its batch sizes, seeds and
+    max_steps, each method's fitted S_min, run noise and seed shift; the reference B_crit is the
+    geometric mean of the resolved baselines' fits (of every resolved method if none)."""
+    fits = analysis.primary["critical_batch"]
+    fitted = {m: r for m, r in fits.items() if r.get("status") == "ok" and "noise_sd" in r and r["role"] != "other"}
+    if not any(r["role"] == "corrected" for r in fitted.values()):
+        raise ValueError("no corrected method of the primary group has a fitted curve to simulate")
+    references = [r["b_crit"] for r in fitted.values() if r["role"] == "baseline" and r.get("resolved")] or \
+                 [r["b_crit"] for r in fitted.values() if r.get("resolved")]
+    if not references:
+        raise ValueError("no method's B_crit is resolved by the batch sizes: no reference B_crit to simulate")
+    reference = float(np.exp(np.mean(np.log(references))))
+    batch_sizes = tuple(sorted({b for r in fitted.values() for b in r["batch_sizes"]}))
+    n_seeds = int(min(r["n_seeds"] for r in fitted.values()))
+    max_steps = int(max(c["max_steps"] for r in fitted.values() for c in r["cells"]))
+    return TargetLayout(batch_sizes, n_seeds, max_steps,
+                        {m: TargetMethod(r["role"], r["s_min"], reference, r["noise_sd"], r.get("seed_sd", 0.0))
+                         for m, r in fitted.items()}, reference)
+
+
+def simulate_target_study(layout: TargetLayout, ratio: float, rng: np.random.Generator) -> list[dict]:
+    """Records of one simulated steps-to-target study: corrected methods at ``ratio`` x the reference
+    B_crit, baselines at the reference; log-normal run noise and seed shifts; censored at max_steps.
+    The records are typed as :func:`~affdiv.experiments.analysis.critical_batch.check_target_records`
+    returns them (``log_steps`` included)."""
+    from affdiv.experiments.analysis.critical_batch import TARGET_METRIC
+
+    records = []
+    b = np.asarray(layout.batch_sizes, dtype=np.float64)
+    for method, model in layout.methods.items():
+        b_crit = layout.reference_b_crit * (ratio if model.role == "corrected" else 1.0)
+        log_median = math.log(model.s_min) + np.log1p(b_crit / b)
+        shift = rng.normal(0.0, model.seed_sd, size=(layout.n_seeds, 1))
+        steps = np.ceil(np.exp(log_median + shift + rng.normal(0.0, model.noise_sd, size=(layout.n_seeds, b.size))))
+        for s in range(layout.n_seeds):
+            for j, batch_size in enumerate(layout.batch_sizes):
+                value = max(1, int(steps[s, j]))
+                reached = value <= layout.max_steps
+                records.append({"method": method, "batch_size": batch_size, "seed": s, "max_steps": layout.max_steps,
+                                TARGET_METRIC: float(value) if reached else None, "censored": int(not reached),
+                                "log_steps": math.log(value if reached else layout.max_steps)})
+    return records
+
+
+def target_calibration(layout: TargetLayout, ratios: Sequence[float] = (1.0, 0.5, 0.25), *, n_sims: int = 200,
+                       alpha: float = 0.05, seed: int = 0,
+                       progress: Callable[[int, int], None] | None = None) -> VerdictCalibration:
+    """Verdict rates of the steps-to-target rule at each planted B_crit ratio (no bootstrap: the rule
+    does not use it). The curves of all simulated studies (and their leave-one-seed-out refits) are
+    fitted in one vectorised call per method; the verdicts then come from the same
+    :func:`~affdiv.experiments.analysis.critical_batch.analyse_group` as a real study's."""
+    from affdiv.experiments.analysis.critical_batch import TARGET_METRIC, analyse_group, fit_curves
+
+    if n_sims < 1:
+        raise ValueError(f"n_sims must be >= 1, got {n_sims}")
+    corrected = [m for m, t in layout.methods.items() if t.role == "corrected"]
+    baselines = [m for m, t in layout.methods.items() if t.role == "baseline"]
+    g = layout.n_seeds
+    pattern = np.vstack([np.ones((1, g)), 1.0 - np.eye(g)])  # the data, then leave one seed out
+    ratios = tuple(float(r) for r in ratios)
+    joint, methods, pairs = [], [], []
+    for i, ratio in enumerate(ratios):
+        rng = np.random.default_rng([seed, int(np.float64(ratio).view(np.uint64)), 4])
+        studies = [simulate_target_study(layout, ratio, rng) for _ in range(n_sims)]
+        fits = {}
+        for method in layout.methods:
+            runs = [sorted((r for r in study if r["method"] == method), key=lambda r: (r["batch_size"], r["seed"]))
+                    for study in studies]
+            batch = np.array([r["batch_size"] for r in runs[0]], dtype=np.float64)
+            seed_index = np.array([r["seed"] for r in runs[0]])
+            log_steps = np.repeat(np.array([[r["log_steps"] for r in rs] for rs in runs]), g + 1, axis=0)
+            censored = np.repeat(np.array([[bool(r["censored"]) for r in rs] for rs in runs]), g + 1, axis=0)
+            weights = np.tile(pattern[:, seed_index], (n_sims, 1))
+            fits[method] = fit_curves(batch, log_steps, censored, weights)
+        j_count, m_count, p_count = dict.fromkeys(JOINT_VERDICTS, 0), {}, {}
+        for k, study in enumerate(studies):
+            rows = slice(k * (g + 1), (k + 1) * (g + 1))
+
+            def fitter(method, _data, weights, rows=rows, fits=fits):
+                if weights.shape != pattern.shape:
+                    raise AssertionError("the calibration's fits assume the jackknife rows only")
+                f = fits[method]
+                return type(f)(f.log_b_crit[rows], f.log_s_min[rows], f.sigma[rows], f.at_edge[rows], f.valid[rows])
+
+            result = analyse_group(study, metric=TARGET_METRIC, corrected=corrected, baselines=baselines,
+                                   alpha=alpha, n_boot=0, seed=0, fitter=fitter)
+            j_count[result["prediction"]["verdict"]] += 1
+            for m in corrected:
+                m_count[m] = m_count.get(m, 0) + (result["critical_batch"][m]["verdict"] == "supported")
+            for c, against in result["ratios"].items():
+                for b, pair in against.items():
+                    p_count[f"{c} vs {b}"] = p_count.get(f"{c} vs {b}", 0) + (pair.get("p", 1.0) < alpha)
+        joint.append(j_count)
+        methods.append(m_count)
+        pairs.append(p_count)
+        if progress is not None:
+            progress(i + 1, len(ratios))
+    return VerdictCalibration("steps_to_target", "planted ratio B_crit(corrected) / B_crit(baseline)", ratios, 1.0,
+                              _rates(joint, n_sims), _rates(methods, n_sims), _rates(pairs, n_sims),
+                              "the one-sided test of ratio < 1 rejects (p < alpha)", n_sims, alpha, seed,
+                              layout.describe())
+
+
+# ------------------------------------------------------------------------------- dispatch
+def calibrate_for(analysis, *, n_sims: int = 200, seed: int = 0,
+                  progress: Callable[[int, int], None] | None = None, **_ignored) -> VerdictCalibration:
+    """Verdict-level calibration in the layout of a real analysis (either design).
+
+    Fixed budget: planted extra falls of 0, 1, 2 and 3 contrast margins, without shared shocks, and
+    the same with shocks of the median run noise (what a data split shared by every seed adds) as a
+    second scenario. Steps to target: ratios 1, 0.5 and 0.25.
+    """
+    if getattr(analysis, "design", "fixed budget") == "steps_to_target":
+        return target_calibration(target_layout(analysis), n_sims=n_sims, alpha=analysis.settings["alpha"],
+                                  seed=seed, progress=progress)
+    layout = fixed_budget_layout(analysis)
+    alpha = analysis.settings["alpha"]
+    effects = [k * layout.margin for k in (0.0, 1.0, 2.0, 3.0)]
+    result = verdict_calibration(layout, effects, n_sims=n_sims, alpha=alpha, seed=seed, progress=progress)
+    shock = float(np.median([m.noise_sd for m in layout.methods.values()]))
+    shocked = verdict_calibration(StudyLayout(**{**layout.__dict__, "shock_sd": shock}), effects[:2],
+                                  n_sims=n_sims, alpha=alpha, seed=seed + 1)
+    return VerdictCalibration(**{**result.__dict__, "scenarios": {f"shared batch-size shocks, s.d. {shock:.3g}":
+                                                                  shocked.to_dict()}})

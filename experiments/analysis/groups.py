@@ -16,9 +16,12 @@ def label_groups(records: list[dict]) -> str:
     activation, ...), each record gets a ``group`` label such as ``lr_rule=sqrt, depth=3,
     width=512``. A setting varies only if it does among the records that use it
     (:func:`~affdiv.experiments.runs.config.unused_settings`): the grid of the tuned rule, or the
-    reference batch size of the scaling rules, names no group by itself.
+    reference batch size of the scaling rules, names no group by itself. Nor does ``data_seed``
+    when it equals every record's seed (``data_seed = "seed"`` in a preset).
     """
     fields = [f for f in RunConfig.__dataclass_fields__ if f not in _NOT_GROUPS]
+    if all(r.get("data_seed") == r.get("seed") for r in records):
+        fields.remove("data_seed")  # each seed draws its own split: data_seed is the seed axis, not a group
     unused = [unused_settings(r) for r in records]
     varying = [f for f in fields if len({repr(r.get(f)) for r, idle in zip(records, unused) if f not in idle}) > 1]
     if not varying or varying == ["lr_rule"]:

@@ -6,13 +6,18 @@ and the degrees of freedom of its reference distribution (``inf`` for a normal o
 one-sided, two-sided and equivalence (TOST) p-values and confidence intervals follow.
 
 * :func:`clustered_slope` — OLS of y on [1, x] with the cluster-robust sandwich variance and the CR1
-  small-sample factor G/(G-1)·(N-1)/(N-k) (k = 2), t reference with G-1 df (G = clusters).
+  small-sample factor G/(G-1)·(N-1)/(N-k) (k = 2), t reference with G-1 df (G = clusters):
+  statsmodels' ``OLS(...).fit(cov_type="cluster", use_t=True)``.
 * :func:`mixed_slope` — linear mixed model y = a + b x + u_seed + e (REML, statsmodels MixedLM).
 * :func:`per_cluster_slopes` / :func:`mean_estimate` — the OLS slope within each seed, and the
   one-sample t estimate of their mean (the differential test runs on these).
 * :func:`cluster_bootstrap` — percentile CI of the OLS slope from resampling whole seeds.
 * :func:`page_trend` — Page's L across batch sizes with seeds as blocks.
-* :func:`holm` — Holm's step-down adjustment of a family of p-values.
+* :func:`holm` — Holm's step-down adjustment of a family of p-values (statsmodels' ``multipletests``).
+
+The TOST on a slope and the cluster bootstrap are written out here (statsmodels has neither).
+Arithmetic that leaves the floats (finite metrics like ±1e308 whose sums overflow) raises
+:class:`NonFiniteError` rather than returning a NaN slope that a test would read as a verdict.
 """
 
 from __future__ import annotations
@@ -23,6 +28,10 @@ from dataclasses import dataclass
 
 import numpy as np
 from scipy import stats as _st
+
+
+class NonFiniteError(ArithmeticError, ValueError):
+    """A fit whose arithmetic overflowed or produced NaN from finite data: no inference is possible."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +49,8 @@ class Estimate:
         return _st.norm.sf(t) if math.isinf(self.df) else _st.t.sf(t, self.df)
 
     def _t(self, null: float) -> float:
+        if math.isnan(self.estimate) or math.isnan(self.se):
+            return math.nan  # no estimate: every p-value is NaN, never 0 or 1
         if self.se > 0:
             return (self.estimate - null) / self.se
         # No sampling variability at all (noiseless data): the sign alone decides.
@@ -54,13 +65,17 @@ class Estimate:
         return float(self._sf(self._t(null)))
 
     def p_two_sided(self, null: float = 0.0) -> float:
-        return float(min(1.0, 2.0 * min(self.p_less(null), self.p_greater(null))))
+        less, greater = self.p_less(null), self.p_greater(null)
+        if math.isnan(less) or math.isnan(greater):  # min() would quietly pick a number over NaN
+            return math.nan
+        return float(min(1.0, 2.0 * min(less, greater)))
 
     def p_equivalent(self, margin: float) -> float:
         """TOST p-value of H0: |parameter| >= margin against H1: |parameter| < margin."""
         if not margin > 0:
             raise ValueError(f"the equivalence margin must be > 0, got {margin!r}")
-        return max(self.p_greater(-margin), self.p_less(margin))
+        lower, upper = self.p_greater(-margin), self.p_less(margin)
+        return math.nan if math.isnan(lower) or math.isnan(upper) else max(lower, upper)
 
     def ci(self, level: float) -> tuple[float, float]:
         """Two-sided confidence interval of coverage ``level``."""
@@ -86,24 +101,48 @@ def _check_xy(x, y, clusters=None):
 
 
 def clustered_slope(x, y, clusters) -> Estimate:
-    """OLS slope of y on x with the CR1 cluster-robust standard error and G-1 df.
+    """OLS slope of y on x with the CR1 cluster-robust standard error and G-1 df (statsmodels).
 
-    V = c (X'X)^-1 [sum_g X_g' u_g u_g' X_g] (X'X)^-1, c = G/(G-1) · (N-1)/(N-2), X = [1, x].
-    With x centred X'X is diagonal, so the slope entry is V_bb = c · sum_g (sum_{i in g} xc_i u_i)^2 / Sxx^2.
-    The centred form also makes a constant y give exactly b = 0 and se = 0 (no rounding-level "trend").
+    V = c (X'X)^-1 [sum_g X_g' u_g u_g' X_g] (X'X)^-1, c = G/(G-1) · (N-1)/(N-2), X = [1, x]:
+    ``OLS(y, X).fit(cov_type="cluster", cov_kwds={"groups": g}, use_t=True)``, whose t reference has
+    G - 1 degrees of freedom (``df_resid_inference``). x is centred and y shifted by its first value
+    first (the slope and its clustered variance do not change), so a constant y gives exactly
+    b = 0 and se = 0 (no rounding-level "trend"). Raises :class:`NonFiniteError` if the arithmetic
+    leaves the floats.
     """
+    from statsmodels.regression.linear_model import OLS  # not statsmodels.api: that imports everything (~2 s)
+
     x, y, clusters = _check_xy(x, y, clusters)
-    labels, index = np.unique(clusters, return_inverse=True)
-    n, n_clusters = x.size, labels.size
+    _labels, index = _cluster_index(clusters)
+    n, n_clusters = x.size, int(index.max()) + 1
     if n_clusters < 2 or n < 3:
         raise ValueError(f"a clustered slope needs >= 2 clusters (seeds) and >= 3 observations (runs; N-2 "
                          f"residual degrees of freedom), got {n_clusters} clusters and {n} observations")
-    xc, yc = x - x.mean(), y - y.mean()
-    sxx = xc @ xc
-    slope = (xc @ yc) / sxx
-    scores = np.bincount(index, weights=xc * (yc - slope * xc), minlength=n_clusters)
-    factor = n_clusters / (n_clusters - 1) * (n - 1) / (n - 2)
-    return Estimate(float(slope), float(math.sqrt(factor * (scores @ scores)) / sxx), float(n_clusters - 1))
+    with np.errstate(all="ignore"):
+        # Shifting y by one of its values keeps the slope and its variance, and makes a constant y
+        # exactly 0, so that it gives exactly b = 0 and se = 0 (no rounding-level "trend").
+        xc, yc = x - x.mean(), y - y[0]
+        if not np.all(np.isfinite(yc)):
+            raise NonFiniteError(f"non-finite arithmetic in the OLS fit: differences of {n} values of magnitude up "
+                                 f"to {np.abs(y).max():.3g} overflow float64")
+        fit = OLS(yc, np.column_stack([np.ones_like(xc), xc])).fit(
+            cov_type="cluster", cov_kwds={"groups": index}, use_t=True)
+    slope, se, df = float(fit.params[1]), float(fit.bse[1]), float(fit.df_resid_inference)
+    if not (math.isfinite(slope) and math.isfinite(se)):
+        raise NonFiniteError(f"non-finite arithmetic in the clustered OLS fit (slope {slope}, se {se}) from {n} "
+                             f"values of magnitude up to {np.abs(y).max():.3g}")
+    return Estimate(slope, se, df)
+
+
+def _cluster_index(clusters) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted distinct labels, index of each entry's label): np.unique, also for Python ints of any size."""
+    clusters = np.asarray(clusters)
+    if clusters.dtype == object:  # e.g. seeds beyond int64, mixed with negative ones
+        labels = sorted(set(clusters.tolist()))
+        code = {label: i for i, label in enumerate(labels)}
+        return np.array(labels, dtype=object), np.fromiter((code[c] for c in clusters.tolist()), np.intp,
+                                                          count=clusters.size)
+    return np.unique(clusters, return_inverse=True)
 
 
 @dataclass(frozen=True)
@@ -126,11 +165,15 @@ def mixed_slope(x, y, clusters) -> MixedFit:
     from statsmodels.tools.sm_exceptions import ConvergenceWarning
 
     x, y, clusters = _check_xy(x, y, clusters)
-    scale = float(y.std()) or 1.0
+    with np.errstate(all="ignore"):
+        centre, scale = float(y.mean()), float(y.std()) or 1.0
+    if not (math.isfinite(centre) and math.isfinite(scale)):
+        raise NonFiniteError(f"non-finite arithmetic: standardising {y.size} values of magnitude up to "
+                             f"{np.abs(y).max():.3g} overflows float64")
     design = np.column_stack([np.ones_like(x), x])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = MixedLM((y - y.mean()) / scale, design, groups=clusters).fit(reml=True)
+        result = MixedLM((y - centre) / scale, design, groups=clusters).fit(reml=True)
     converged = bool(result.converged) and not any(
         issubclass(w.category, ConvergenceWarning) for w in caught
     )
@@ -143,17 +186,29 @@ def mixed_slope(x, y, clusters) -> MixedFit:
 
 
 def per_cluster_slopes(x, y, clusters) -> dict:
-    """OLS slope of y on x within each cluster that has >= 2 distinct x values: {label: slope}."""
+    """OLS slope of y on x within each cluster that has >= 2 distinct x values: {label: slope}.
+
+    Vectorised over clusters (per-cluster means, then the centred cross-products, by bincount):
+    O(N log N) however many clusters there are.
+    """
     x = np.asarray(x, dtype=np.float64)
     y = np.asarray(y, dtype=np.float64)
-    clusters = np.asarray(clusters)
-    slopes = {}
-    for label in np.unique(clusters):
-        xs, ys = x[clusters == label], y[clusters == label]
-        if np.ptp(xs) > 0:
-            xc = xs - xs.mean()
-            slopes[label.item() if hasattr(label, "item") else label] = float(xc @ (ys - ys.mean()) / (xc @ xc))
-    return slopes
+    if x.size == 0:
+        return {}
+    labels, index = _cluster_index(clusters)
+    size = labels.size
+    counts = np.bincount(index, minlength=size)
+    with np.errstate(all="ignore"):
+        xc = x - (np.bincount(index, weights=x, minlength=size) / counts)[index]
+        yc = y - (np.bincount(index, weights=y, minlength=size) / counts)[index]
+        sxx = np.bincount(index, weights=xc * xc, minlength=size)
+        sxy = np.bincount(index, weights=xc * yc, minlength=size)
+        slopes = sxy / sxx
+    order = np.argsort(index, kind="stable")  # every label occurs, so cluster i is the i-th run of equal index
+    starts = np.flatnonzero(np.r_[True, np.diff(index[order]) != 0])
+    varies = np.maximum.reduceat(x[order], starts) > np.minimum.reduceat(x[order], starts)
+    return {(labels[i].item() if hasattr(labels[i], "item") else labels[i]): float(slopes[i])
+            for i in np.flatnonzero(varies)}
 
 
 def mean_estimate(values) -> Estimate:
@@ -166,28 +221,40 @@ def mean_estimate(values) -> Estimate:
 
 def _cluster_sums(x, y, clusters):
     """Per-cluster sufficient statistics [n, Sx, Sy, Sxx, Sxy] of a simple regression."""
-    labels, index = np.unique(clusters, return_inverse=True)
+    labels, index = _cluster_index(clusters)
     sums = np.zeros((labels.size, 5))
     np.add.at(sums, index, np.column_stack([np.ones_like(x), x, y, x * x, x * y]))
     return sums
 
 
+def bootstrap_multiplicities(n_clusters: int, n_boot: int, rng: np.random.Generator, *, chunk: int = 256):
+    """Yield (rows, n_clusters) blocks of resample multiplicities, ``n_boot`` rows in all: row r
+    counts how often each of the G clusters is among G draws with replacement
+    (``rng.integers(0, G, size=(n_boot, G))``, drawn block by block to bound the memory)."""
+    for start in range(0, n_boot, chunk):
+        rows = min(chunk, n_boot - start)
+        draws = rng.integers(0, n_clusters, size=(rows, n_clusters))
+        flat = (np.arange(rows)[:, None] * n_clusters + draws).ravel()
+        yield np.bincount(flat, minlength=rows * n_clusters).reshape(rows, n_clusters)
+
+
 def cluster_bootstrap(x, y, clusters, *, n_boot: int, rng: np.random.Generator) -> np.ndarray:
     """OLS slopes of ``n_boot`` datasets made of seeds drawn with replacement (whole seeds kept).
 
-    A resample is a vector of multiplicities w over the G seeds, so its slope follows from the
-    weighted per-seed sums S = w @ sums: b = (n Sxy - Sx Sy) / (n Sxx - Sx^2). Resamples whose x is
-    constant (possible only when some seeds ran a single batch size) give NaN and are dropped.
+    A resample is a vector of multiplicities w over the G seeds (:func:`bootstrap_multiplicities`),
+    so its slope follows from the weighted per-seed sums S = w @ sums:
+    b = (n Sxy - Sx Sy) / (n Sxx - Sx^2). O(n_boot · G), with no per-resample Python work.
+    Resamples whose x is constant (possible only when some seeds ran a single batch size) give NaN
+    and are dropped.
     """
     x, y, clusters = _check_xy(x, y, clusters)
-    sums = _cluster_sums(x - x.mean(), y - y.mean(), clusters)  # centred: a constant y gives exactly 0
-    n_clusters = sums.shape[0]
-    weights = rng.multinomial(n_clusters, np.full(n_clusters, 1.0 / n_clusters), size=n_boot)
-    n, sx, sy, sxx, sxy = (weights @ sums).T
-    denominator = n * sxx - sx * sx
-    with np.errstate(invalid="ignore", divide="ignore"):
+    with np.errstate(all="ignore"):
+        sums = _cluster_sums(x - x.mean(), y - y.mean(), clusters)  # centred: a constant y gives exactly 0
+        totals = np.concatenate([weights @ sums for weights in bootstrap_multiplicities(sums.shape[0], n_boot, rng)])
+        n, sx, sy, sxx, sxy = totals.T
+        denominator = n * sxx - sx * sx
         slopes = (n * sxy - sx * sy) / denominator
-    return slopes[denominator > 1e-12 * np.maximum(n * sxx, 1.0)]
+        return slopes[denominator > 1e-12 * np.maximum(n * sxx, 1.0)]
 
 
 def percentile_ci(samples, level: float) -> tuple[float, float]:
@@ -212,7 +279,7 @@ def page_trend(table) -> PageResult:
     table = np.asarray(table, dtype=np.float64)
     if table.ndim != 2 or table.shape[0] < 2 or table.shape[1] < 3:
         raise ValueError(f"Page's L needs >= 2 complete seeds × >= 3 batch sizes, got a {table.shape} table")
-    ties = any(np.unique(row).size < row.size for row in table)
+    ties = bool(np.any(np.diff(np.sort(table, axis=1), axis=1) == 0))
     method = "asymptotic" if ties else "auto"
     columns = table.shape[1]
     up = _st.page_trend_test(table, predicted_ranks=np.arange(1, columns + 1), method=method)
@@ -221,7 +288,10 @@ def page_trend(table) -> PageResult:
 
 
 def holm(p_values) -> np.ndarray:
-    """Holm step-down adjusted p-values: p~_(i) = max_{j<=i} min(1, (m-j+1) p_(j)); NaN entries are ignored."""
+    """Holm step-down adjusted p-values: p~_(i) = max_{j<=i} min(1, (m-j+1) p_(j)); NaN entries are ignored
+    (statsmodels' ``multipletests(method="holm")`` on the others)."""
+    from statsmodels.stats.multitest import multipletests
+
     p = np.asarray(p_values, dtype=np.float64)
     adjusted = np.full_like(p, np.nan)
     valid = np.flatnonzero(~np.isnan(p))
@@ -229,8 +299,5 @@ def holm(p_values) -> np.ndarray:
         return adjusted
     if np.any((p[valid] < 0) | (p[valid] > 1)):
         raise ValueError(f"p-values must lie in [0, 1], got {p[valid].min()}..{p[valid].max()}")
-    order = valid[np.argsort(p[valid], kind="stable")]
-    m = order.size
-    stepped = np.minimum(1.0, (m - np.arange(m)) * p[order])
-    adjusted[order] = np.maximum.accumulate(stepped)
+    adjusted[valid] = multipletests(p[valid], method="holm")[1]
     return adjusted

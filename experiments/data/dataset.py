@@ -199,12 +199,34 @@ def load_dataset(
     val_fraction: float = 0.1,
     **options: Any,
 ) -> Dataset:
-    """Load dataset ``name`` (one of ``DATASETS``), split by ``seed``, standardised on its training split.
+    """Load dataset ``name`` (one of ``DATASETS``), split by ``seed``, standardised on its training split:
+    x ↦ (x − mean_train)/std_train, per channel by default.
 
-    ``val_fraction`` of the training pool becomes the validation split (0 allowed: an empty one).
-    ``options``: ``standardize`` (one of ``STANDARDIZE_MODES``) and the dataset's own options in
-    ``DATASET_OPTIONS``. ``data_dir`` is where ``fashion-mnist`` and ``cifar10`` are read from
-    (ignored by the others). Bad input raises ``ValueError`` naming the valid choices.
+    Args:
+        name: ``"digits"``, ``"fashion-mnist"``, ``"cifar10"`` or ``"synthetic"``.
+        data_dir: where ``fashion-mnist`` and ``cifar10`` are read from (default: each loader's
+            search path; ignored by the others).
+        seed: the split's seed (default 0); the same seed and fractions give the same split.
+        val_fraction: share of the training pool that becomes the validation split (default 0.1;
+            0 allowed: an empty one).
+        **options: ``standardize`` (one of ``STANDARDIZE_MODES``, default ``"channel"``) and the
+            dataset's own options in ``DATASET_OPTIONS``.
+
+    Returns:
+        A :class:`Dataset` with ``train``, ``val`` and ``test`` splits (float32 inputs, int64
+        labels), ``num_classes`` and a ``fingerprint`` (SHA-256 of the raw data and the split).
+
+    Shape:
+        - ``split.x``: (N, *input_shape), e.g. (N, 1, 8, 8) for digits, (N, 1, 28, 28) for Fashion-MNIST.
+        - ``split.y``: (N,).
+
+    Bad input raises ``ValueError`` naming the valid choices.
+
+    Example::
+
+        >>> data = load_dataset("digits", seed=0)
+        >>> data.num_classes, tuple(data.train.x.shape[1:])
+        (10, (1, 8, 8))
     """
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; expected one of {', '.join(DATASETS)}")

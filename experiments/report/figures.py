@@ -1,14 +1,21 @@
 """Figures of the falsification report (matplotlib, no pyplot state: each function saves one PNG).
 
 * :func:`metric_vs_batch` — mean metric per batch size with the t confidence band over seeds, per
-  method, one panel per group.
-* :func:`slope_forest` — clustered-OLS slope per method and group with its CI (and the bootstrap
-  CI), the equivalence band ±margin shaded.
+  method (marker and line style as well as colour), one panel per group, shared y range.
+* :func:`contrast_forest` — the tests that decide a fixed-budget verdict: Δ per method and the DiD
+  of each corrected layer against each baseline, with CIs and the ± margin band, per group.
+* :func:`slope_forest` — the descriptive clustered-OLS slope per method and group with its CI (and
+  the bootstrap CI), the equivalence band ±margin shaded.
+* :func:`steps_vs_batch` — steps to target against batch size, log-log, per method: the runs
+  (censored ones at max_steps), the fitted S(B) = S_min (1 + B_crit/B) and B_crit marked.
+* :func:`examples_vs_steps` — examples E = B S against steps S: the trade-off curve
+  (S/S_min - 1)(E/E_min - 1) = 1 per method with the measured batch sizes.
 * :func:`training_curves` — mean over seeds per epoch: one row per curve metric (train loss,
   validation metric), one panel per method, one line per batch size.
-* :func:`calibration_curves` — rejection rate against planted slope per test, with α and ±margin.
-* :func:`probe_alignment` — ``affdiv probe``: each alignment metric against batch size, one line per
-  layer, ± its standard error over repeats.
+* :func:`calibration_curves` — verdict rates of the decision rule against the planted effect, with α.
+
+Each public function builds its Figure with a private ``_build_*`` (what the tests inspect) and saves
+it at ``_DPI``; no figure is wider than ``MAX_WIDTH_PX`` pixels (panels wrap into rows).
 """
 
 from __future__ import annotations
@@ -21,12 +28,57 @@ from pathlib import Path
 import numpy as np
 from matplotlib import colormaps
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from affdiv.atomic import atomic_write
-from affdiv.experiments.analysis.calibration import Calibration
-from affdiv.experiments.analysis.decision import Analysis
 
 _DPI = 120
+MAX_WIDTH_PX = 1800
+_MAX_WIDTH_IN = MAX_WIDTH_PX / _DPI - 0.5  # room for bbox_inches="tight"
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+_LINES = ("-", "--", "-.", ":")
+
+
+def _style(i: int) -> dict:
+    """Marker and line style of the i-th series: overlapping methods stay visible without colour."""
+    return {"marker": _MARKERS[i % len(_MARKERS)], "ls": _LINES[(i // len(_MARKERS) + i) % len(_LINES)],
+            "color": f"C{i % 10}"}
+
+
+def _group_title(analysis, group: str) -> str:
+    return _group_words(analysis.settings.get("group_by"), group)
+
+
+def _group_words(by: str | None, group: str) -> str:
+    """A group in words: the LR rule spelled out, else '<column> = <value>'."""
+    if by == "lr_rule":
+        return {"tuned": "learning rate tuned per method and batch size", "sqrt": "learning rate ∝ √B",
+                "linear": "learning rate ∝ B", "constant": "constant learning rate"}.get(group, f"LR rule {group}")
+    return group if by is None else f"{by} = {group}"
+
+
+_METRIC_WORDS = {"test_accuracy": "test accuracy (fraction correct)",
+                 "val_accuracy": "validation accuracy (fraction correct)",
+                 "accuracy": "accuracy (fraction correct)", "test_loss": "test loss (cross-entropy)",
+                 "val_loss": "validation loss (cross-entropy)", "train_loss": "training loss (cross-entropy)",
+                 "val_metric": "validation metric", "metric": "performance metric"}
+
+
+def _words(column: str) -> str:
+    """A column name in words (never the raw name with underscores)."""
+    return _METRIC_WORDS.get(column, column.replace("_", " "))
+
+
+def _grid(n: int, width: float, height: float, *, sharey: bool = False):
+    """n panels of width × height inches, wrapped into rows so the figure stays ≤ MAX_WIDTH_PX wide;
+    returns the figure and the n axes (unused grid cells removed)."""
+    cols = max(1, min(n, int(_MAX_WIDTH_IN // width)))
+    rows = -(-n // cols)
+    figure = Figure(figsize=(width * cols, height * rows), layout="constrained")
+    axes = list(figure.subplots(rows, cols, squeeze=False, sharey=sharey).ravel())
+    for ax in axes[n:]:
+        figure.delaxes(ax)
+    return figure, axes[:n]
 
 
 def _save(figure: Figure, path) -> Path:
@@ -35,36 +87,96 @@ def _save(figure: Figure, path) -> Path:
     return atomic_write(path, buffer.getvalue())
 
 
-def _panels(n: int, width: float = 4.2, height: float = 3.4):
-    figure = Figure(figsize=(width * n, height), layout="constrained")
-    axes = figure.subplots(1, n, squeeze=False)[0]
-    return figure, axes
+def metric_vs_batch(analysis, path) -> Path:
+    return _save(_build_metric_vs_batch(analysis), path)
 
 
-def metric_vs_batch(analysis: Analysis, path) -> Path:
+def _build_metric_vs_batch(analysis) -> Figure:
     metric = analysis.settings["metric"]
-    figure, axes = _panels(len(analysis.groups))
+    figure, axes = _grid(len(analysis.groups), 4.4, 3.6, sharey=True)
+    names = list(dict.fromkeys(m for content in analysis.groups.values() for m in content["methods"]))
+    ylabel = f"{_words(metric)}, mean over seeds ({1 - analysis.settings['alpha']:.0%} CI)"
     for ax, (group, content) in zip(axes, analysis.groups.items()):
         for method, result in content["methods"].items():
             cells = result["cells"]
             batch = [c["batch_size"] for c in cells]
-            (line,) = ax.plot(batch, [c["mean"] for c in cells], marker="o", ms=3,
-                              ls="-" if result["role"] != "other" else ":", label=method)
+            style = _style(names.index(method))
+            ax.plot(batch, [c["mean"] for c in cells], ms=4, label=f"{method} ({result['verdict']})", **style)
             banded = [c for c in cells if c["ci_low"] is not None]
             ax.fill_between([c["batch_size"] for c in banded], [c["ci_low"] for c in banded],
-                            [c["ci_high"] for c in banded], color=line.get_color(), alpha=0.2, lw=0)
+                            [c["ci_high"] for c in banded], color=style["color"], alpha=0.15, lw=0)
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch size")
-        ax.set_ylabel(f"{metric} (mean over seeds, {1 - analysis.settings['alpha']:.0%} CI)")
-        ax.set_title(group)
+        ax.set_xlabel("batch size (examples per step)")
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.set_title(_group_title(analysis, group), fontsize=9)
         ax.legend(fontsize=7)
-    return _save(figure, path)
+    return figure
 
 
-def slope_forest(analysis: Analysis, path) -> Path:
+_FOREST_STYLE = {"corrected": ("o", "C3", "Δ corrected layer (descriptive: its verdict comes from the DiD rows)"),
+                 "baseline": ("s", "C0", "Δ baseline (decides its verdict)"),
+                 "other": ("^", "0.55", "Δ other (no prediction)"),
+                 "did": ("D", "k", "DiD corrected − baseline (decides the corrected layer)")}
+
+
+def _contrast_rows(analysis) -> list[tuple[str, dict, str]]:
+    """(label, estimate, kind) of each plotted interval; each verdict sits on the row of the test that
+    decided it: a baseline's on its Δ, a corrected layer's on its DiD rows (intersection-union)."""
+    rows = []
+    for group, content in analysis.groups.items():
+        for method, r in content["methods"].items():
+            c = r.get("contrast", {})
+            role = r["role"]
+            if c.get("status") == "ok":
+                if role == "corrected":
+                    rows.append((f"Δ {method} [{group}] (see DiD)", c, role))
+                elif role == "baseline":
+                    rows.append((f"Δ {method} [{group}] ⇒ {r['verdict']}", c, role))
+                else:
+                    rows.append((f"Δ {method} [{group}] — {r['verdict']}", c, role))
+            for base, d in r.get("did", {}).items():
+                if d.get("status") == "ok":
+                    rows.append((f"DiD {method} − {base} [{group}]: {d['class']} ⇒ {method} {r['verdict']}", d, "did"))
+    return rows
+
+
+def contrast_forest(analysis, path) -> Path:
+    """Δ per method and DiD per (corrected, baseline), with CIs, per group: what decided the verdicts."""
+    return _save(_build_contrast_forest(analysis), path)
+
+
+def _build_contrast_forest(analysis) -> Figure:
+    rows = _contrast_rows(analysis)
+    figure = Figure(figsize=(8.0, 1.6 + 0.3 * max(len(rows), 1)), layout="constrained")
+    ax = figure.subplots()
+    margin = analysis.settings["contrast_margin"]
+    ax.axvspan(-margin, margin, color="0.88", label=f"± contrast margin ({margin:.3g})")
+    ax.axvline(0.0, color="0.3", lw=0.8)
+    seen = set()
+    for i, (_label, e, kind) in enumerate(rows):
+        y = len(rows) - i
+        marker, colour, name = _FOREST_STYLE[kind]
+        ax.errorbar(e["estimate"], y, xerr=[[e["estimate"] - e["ci_low"]], [e["ci_high"] - e["estimate"]]],
+                    fmt=marker, color=colour, capsize=3, ms=4, label=None if name in seen else name)
+        seen.add(name)
+    ax.set_yticks(range(len(rows), 0, -1), [label for label, _, _ in rows], fontsize=7)
+    words = _words(analysis.settings["metric"])
+    ax.set_xlabel(f"{words}: largest − best batch size (Δ), and Δ(corrected) − Δ(baseline) (DiD)", fontsize=8)
+    ax.set_ylabel("test [group] ⇒ the verdict it decided", fontsize=8)
+    ax.set_title("the tests that decide the verdicts, per group and LR rule "
+                 f"({1 - analysis.settings['alpha']:.0%} CI)", fontsize=9)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.6 / max(len(rows), 1)), ncols=2)
+    return figure
+
+
+def slope_forest(analysis, path) -> Path:
+    return _save(_build_slope_forest(analysis), path)
+
+
+def _build_slope_forest(analysis) -> Figure:
     rows = [(group, method, result) for group, content in analysis.groups.items()
             for method, result in content["methods"].items() if result["status"] == "ok"]
-    figure = Figure(figsize=(6.5, 0.9 + 0.32 * max(len(rows), 1)))
+    figure = Figure(figsize=(7.0, 1.4 + 0.32 * max(len(rows), 1)), layout="constrained")
     ax = figure.subplots()
     margin = analysis.settings["margin"]
     ax.axvspan(-margin, margin, color="0.85", label=f"±margin ({margin:.3g})")
@@ -77,74 +189,159 @@ def slope_forest(analysis: Analysis, path) -> Path:
         if "boot_ci_low" in r:
             ax.plot([r["boot_ci_low"], r["boot_ci_high"]], [y - 0.22] * 2, color="C1", lw=2,
                     label="cluster bootstrap CI" if i == 0 else None)
-    ax.set_yticks(range(len(rows), 0, -1), [f"{m} [{g}] — {r['verdict']}" for g, m, r in rows], fontsize=8)
-    ax.set_xlabel(f"slope of {analysis.settings['metric']} per doubling of the batch size")
+    ax.set_yticks(range(len(rows), 0, -1), [f"{m} [{g}] — trend {r['trend']}" for g, m, r in rows], fontsize=8)
+    words = _words(analysis.settings["metric"])
+    ax.set_xlabel(f"slope of {words} per doubling of the batch size", fontsize=8)
+    ax.set_ylabel("method [group]: descriptive trend", fontsize=8)
+    ax.set_title("descriptive slopes (no verdict: the verdicts come from the contrast forest)", fontsize=9)
     ax.legend(fontsize=7, loc="best")
-    return _save(figure, path)
+    return figure
 
 
 def training_curves(curves: Sequence[Mapping], path, *, metrics: Sequence[str] = ("train_loss", "val_metric"),
                     group_by: str | None = None, group: str | None = None) -> Path:
-    """Curves are points {method, batch_size, seed, epoch, <metric>...}: one row of panels per metric
-    present in them, one panel per method, one line per batch size (mean over seeds). Only ``group``
-    is drawn if given."""
+    """Curves are points {method, batch_size, seed, epoch or step, <metric>...}: per metric present in
+    them, one panel per method (wrapped into rows), one line per batch size (mean over seeds), against
+    ``step`` when the points carry it (one point per check), else against ``epoch``. Only ``group``
+    is drawn if given, and it is named in the figure's title."""
+    return _save(_build_training_curves(curves, metrics=metrics, group_by=group_by, group=group), path)
+
+
+def _build_training_curves(curves: Sequence[Mapping], *, metrics: Sequence[str] = ("train_loss", "val_metric"),
+                           group_by: str | None = None, group: str | None = None) -> Figure:
     if group_by is not None and group is not None:
         curves = [c for c in curves if str(c.get(group_by)) == group]
     present = [m for m in metrics if any(m in c for c in curves)]
     if not present:
         raise ValueError(f"no training-curve points with any of the metrics {list(metrics)}")
+    x_key = "step" if all(c.get("step") is not None for c in curves) else "epoch"
     methods = sorted({c["method"] for c in curves})
-    figure = Figure(figsize=(3.6 * len(methods), 2.8 * len(present)), layout="constrained")
-    axes = figure.subplots(len(present), len(methods), squeeze=False)
-    for row, metric in zip(axes, present):
-        for ax, method in zip(row, methods):
+    batch_all = sorted({int(c["batch_size"]) for c in curves})
+    figure, axes = _grid(len(present) * len(methods), 3.4, 2.8)
+    panels = iter(axes)
+    for metric in present:
+        for method in methods:
+            ax = next(panels)
             points = defaultdict(list)
             for c in curves:
                 if c["method"] == method and c.get(metric) is not None:
-                    points[int(c["batch_size"]), int(c["epoch"])].append(float(c[metric]))
-            batch_sizes = sorted({b for b, _ in points})
-            for k, batch_size in enumerate(batch_sizes):
-                epochs = sorted(e for b, e in points if b == batch_size)
-                ax.plot(epochs, [np.mean(points[batch_size, e]) for e in epochs],
-                        color=colormaps["viridis"](k / max(len(batch_sizes) - 1, 1)), label=f"B={batch_size}")
+                    points[int(c["batch_size"]), int(c[x_key])].append(float(c[metric]))
+            for batch_size in sorted({b for b, _ in points}):
+                k = batch_all.index(batch_size)
+                xs = sorted(x for b, x in points if b == batch_size)
+                style = _style(k)
+                ax.plot(xs, [np.mean(points[batch_size, x]) for x in xs], marker=style["marker"], ls=style["ls"],
+                        ms=3, color=colormaps["viridis"](k / max(len(batch_all) - 1, 1)), label=f"B = {batch_size}")
             ax.set_title(method, fontsize=9)
-            ax.set_xlabel("epoch")
-            ax.set_ylabel(f"{metric} (mean over seeds)", fontsize=8)
-            ax.legend(fontsize=6)
-    return _save(figure, path)
+            ax.set_xlabel("optimizer step" if x_key == "step" else "epoch", fontsize=8)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.set_ylabel(f"{_words(metric)}, mean over seeds", fontsize=8)
+            ax.legend(fontsize=7)
+    where = "" if group is None else f" — {_group_words(group_by, group)}"
+    figure.suptitle(f"training curves{where}", fontsize=10)
+    return figure
 
 
-def calibration_curves(calibration: Calibration, path) -> Path:
-    figure = Figure(figsize=(6.5, 4.0))
+def calibration_curves(calibration, path) -> Path:
+    """Verdict rates (joint 'supported' and 'contradicted', each corrected layer's 'supported')
+    against the planted effect, ±2 Monte-Carlo s.e., with alpha and the ± equivalence margin."""
+    return _save(_build_calibration_curves(calibration), path)
+
+
+def _build_calibration_curves(calibration) -> Figure:
+    figure = Figure(figsize=(7.0, 4.4), layout="constrained")
     ax = figure.subplots()
-    planted = np.asarray(calibration.planted)
-    order = np.argsort(planted)
-    for test, rates in calibration.rates.items():
+    effects = np.asarray(calibration.effects, dtype=np.float64)
+    order = np.argsort(effects)
+    series = [(f"joint verdict '{v}' of the prediction", calibration.joint[v])
+              for v in ("supported", "contradicted") if v in calibration.joint]
+    series += [(f"{m}: verdict 'supported'", rates) for m, rates in calibration.methods.items()]
+    for i, (label, rates) in enumerate(series):
         rates = np.asarray(rates)[order]
         se = np.sqrt(rates * (1 - rates) / calibration.n_sims)
-        (line,) = ax.plot(planted[order], rates, marker="o", ms=3, label=test)
-        ax.fill_between(planted[order], rates - 2 * se, rates + 2 * se, color=line.get_color(), alpha=0.2, lw=0)
-    ax.axhline(calibration.alpha, color="k", ls="--", lw=0.8, label=f"α = {calibration.alpha:g}")
-    for edge in (-calibration.margin, calibration.margin):
-        ax.axvline(edge, color="0.5", ls=":", lw=0.8)
-    ax.set_xlabel("planted slope per doubling of the batch size")
-    ax.set_ylabel(f"rejection rate ({calibration.n_sims} simulations, ±2 MC s.e.)")
+        style = _style(i)
+        ax.plot(effects[order], rates, ms=4, label=label, **style)
+        ax.fill_between(effects[order], rates - 2 * se, rates + 2 * se, color=style["color"], alpha=0.15, lw=0,
+                        label="±2 Monte-Carlo s.e. (shaded)" if i == 0 else None)
+    ax.axhline(calibration.alpha, color="k", ls="--", lw=0.8, label=f"α = {calibration.alpha:g} (nominal error rate)")
+    ax.axvline(calibration.null_effect, color="0.5", ls=":", lw=0.8, label="no planted effect (prediction false)")
+    margin = (calibration.layout or {}).get("margin")
+    if margin:
+        for k, x in enumerate((calibration.null_effect - margin, calibration.null_effect + margin)):
+            ax.axvline(x, color="C7", ls="-", lw=0.8,
+                       label=f"± equivalence margin ({margin:g})" if k == 0 else None)
+    ax.set_xlabel(calibration.effect_name, fontsize=8)
+    ax.set_ylabel(f"rate over {calibration.n_sims} simulated studies")
+    ax.set_title("calibration of the decision rule on simulated studies", fontsize=9)
     ax.set_ylim(-0.02, 1.02)
     ax.legend(fontsize=7)
-    return _save(figure, path)
+    return figure
 
 
-def probe_alignment(rows: Sequence[Mapping], metrics: Sequence[str], path) -> Path:
-    """Rows {member, batch_size, <metric>, <metric>_se}: one panel per metric, one line per member."""
-    figure, axes = _panels(len(metrics), width=4.0)
-    members = list(dict.fromkeys(r["member"] for r in rows))
-    for ax, metric in zip(axes, metrics):
-        for member in members:
-            mine = [r for r in rows if r["member"] == member]
-            ax.errorbar([r["batch_size"] for r in mine], [r[metric] for r in mine],
-                        yerr=[r[f"{metric}_se"] for r in mine], marker="o", ms=3, capsize=2, label=member)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch size")
-        ax.set_title(metric.replace("_", " "))
-    axes[0].legend(fontsize=7)
-    return _save(figure, path)
+def _curve_fits(analysis):
+    content = analysis.primary
+    return [(m, r) for m, r in content["critical_batch"].items()]
+
+
+def steps_vs_batch(analysis, path) -> Path:
+    """Log-log steps to target against B per method: runs, censored runs, the fit and B_crit."""
+    return _save(_build_steps_vs_batch(analysis), path)
+
+
+def _build_steps_vs_batch(analysis) -> Figure:
+    fits = _curve_fits(analysis)
+    figure = Figure(figsize=(6.5, 4.4), layout="constrained")
+    ax = figure.subplots()
+    for i, (method, r) in enumerate(fits):
+        style = _style(i)
+        cells = r["cells"]
+        reached = [(c["batch_size"], c["median_steps"]) for c in cells if c.get("median_steps")]
+        if reached:
+            ax.plot(*zip(*reached), marker=style["marker"], ls="none", color=style["color"], ms=5,
+                    label=f"{method} ({r['verdict']})")
+        censored = [(c["batch_size"], c["max_steps"]) for c in cells if c["censored"]]
+        if censored:
+            ax.plot(*zip(*censored), marker="^", ls="none", mfc="none", color=style["color"], ms=7)
+        if r.get("b_crit") and r.get("s_min"):
+            batch = np.geomspace(min(r["batch_sizes"]) / 1.5, max(r["batch_sizes"]) * 1.5, 100)
+            ax.plot(batch, r["s_min"] * (1 + r["b_crit"] / batch), ls=style["ls"], color=style["color"], lw=1)
+            if r.get("resolved"):
+                ax.axvline(r["b_crit"], color=style["color"], ls=":", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch size B (examples per step); dotted: B_crit")
+    ax.set_ylabel("optimizer steps to the target (median of the runs)")
+    ax.set_title(f"steps to target, {_group_title(analysis, analysis.primary_group)}\n"
+                 "open triangles: runs censored at max_steps", fontsize=9)
+    ax.legend(fontsize=7)
+    return figure
+
+
+def examples_vs_steps(analysis, path) -> Path:
+    """E = B S against S per method, with the fitted hyperbola (S/S_min - 1)(E/E_min - 1) = 1."""
+    return _save(_build_examples_vs_steps(analysis), path)
+
+
+def _build_examples_vs_steps(analysis) -> Figure:
+    fits = _curve_fits(analysis)
+    figure = Figure(figsize=(6.5, 4.4), layout="constrained")
+    ax = figure.subplots()
+    for i, (method, r) in enumerate(fits):
+        style = _style(i)
+        points = [(c["median_steps"], c["batch_size"] * c["median_steps"]) for c in r["cells"] if c.get("median_steps")]
+        if points:
+            ax.plot(*zip(*points), marker=style["marker"], ls="none", color=style["color"], ms=5,
+                    label=f"{method}")
+        if r.get("b_crit") and r.get("s_min"):
+            batch = np.geomspace(min(r["batch_sizes"]) / 2, max(r["batch_sizes"]) * 2, 100)
+            steps = r["s_min"] * (1 + r["b_crit"] / batch)
+            ax.plot(steps, steps * batch, ls=style["ls"], color=style["color"], lw=1)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("optimizer steps to the target S")
+    ax.set_ylabel("training examples to the target E = B·S")
+    ax.set_title(f"the steps–examples trade-off, {_group_title(analysis, analysis.primary_group)}\n"
+                 "S_min and E_min are the asymptotes", fontsize=9)
+    ax.legend(fontsize=7)
+    return figure
+

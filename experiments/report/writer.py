@@ -1,47 +1,55 @@
 """The falsification report: Markdown, self-contained HTML, summary.json, a LaTeX table, figures.
 
-:func:`write_report` writes into ``out_dir``:
+:func:`write_report` writes into ``out_dir`` (for either design: a fixed budget of epochs or steps,
+:class:`~affdiv.experiments.analysis.decision.Analysis`; or steps to a target,
+:class:`~affdiv.experiments.analysis.critical_batch.TargetAnalysis`):
 
-* ``report.md`` and ``report.html`` (the same document; the HTML embeds its figures);
-* ``summary.json`` — schema version 1::
+* ``report.md`` and ``report.html`` (the same document; the HTML embeds its figures). A preset's
+  caveats (``caveats`` in its TOML) and the design's own limits come first, then the decision rule,
+  then the numbers. The provenance closes the document (collapsed in the HTML).
+* ``summary.json`` — schema version 2. Common keys::
 
-    {"schema_version": 1,
+    {"schema_version": 2,
+     "design": "fixed budget" | "steps_to_target",
      "decision_rule": str,                 # the rule, stated before any number (one clause a line)
-     "provenance": {...},                  # affdiv.provenance.provenance(...) of the run
-     "settings": {"metric", "higher_is_better", "alpha", "margin", "margin_source", "corrected",
-                  "baselines", "group_by", "n_boot", "seed", "sensitivity", "n_records"},
-     "family_sizes": {"prediction": int, "exploratory": int},   # Holm families
-     "primary_group": str,
-     "methods": {name: <method> + {"overall_verdict"}},          # the primary group's methods
-     "overall": {name: "supported"|"contradicted"|"mixed"|"inconclusive"|"no prediction"},
-     "groups": {group: {"methods": {name: <method>}}},
-     "calibration": {...} | absent,        # Calibration.to_dict()
+     "provenance": {...},
+     "settings": {...},                    # the analysis settings (alpha, margins, roles, ...)
+     "primary_group": str,                 # the group whose joint verdict is the study's
+     "prediction": {"verdict", "reason", "rule", "group", ...},   # THE verdict: joint, primary group
+     "methods": {name: {"role", "verdict", "groups": {group: verdict}}},
+                                           # verdict: across groups; per-group verdicts beside it
+     "overall": {name: verdict across groups},
+     "groups": {group: {...}},             # every number, per group (below)
+     "calibration": {...} | absent,        # VerdictCalibration.to_dict()
      "files": {name: relative path}}
 
-  where <method> is
-    {"role": "corrected"|"baseline"|"other", "status": "ok"|"insufficient data: ...",
-     "n_runs", "n_seeds", "batch_sizes": [int],
-     "n_diverged", "diverged_batch_sizes": [int],  # only when records carry "diverged"; any diverged run
-                                                  # makes the verdict "inconclusive" (see the decision rule)
-     "cells": [{"batch_size", "n", "mean", "sd", "ci_low", "ci_high"}],    # per batch size, over seeds
-     "slope", "se", "df", "ci_low", "ci_high",    # clustered OLS (CR1), metric units per doubling, 1-alpha CI
-     "p_value",                                   # two-sided p of slope = 0 (unadjusted)
-     "tost_ci_low", "tost_ci_high",               # 1-2 alpha CI (TOST)
-     "boot_ci_low", "boot_ci_high", "n_boot",     # cluster-bootstrap percentile CI  } only when
-     (and "mixed", "page" below)                  #   settings.sensitivity is true
-     "tests": {"falls"|"rises"|"flat": {"p", "p_holm"}},   # performance scale; p_holm within its family
-     "mixed": {"slope", "se", "p_value", "p_falls", "p_rises", "seed_variance", "residual_variance",
-               "converged"} | {"error"},
-     "page": {"L", "n_blocks", "method", "p_falls", "p_rises"} | {"error"},
-     "differential": {baseline: {"status", "n_seeds", "slope", "se", "df", "ci_low", "ci_high",
-                      "boot_ci_low", "boot_ci_high", "p_value", "per_seed_slopes", "test": {"p", "p_holm"}}},
-                                                  # corrected methods only
-     "trend": "falls"|"rises"|"flat"|"unclear", "verdict": str, "reason": str}
+  Fixed budget, ``groups.<g>``: ``{"prediction": {"verdict", "reason", "stage1", "stage2"},
+  "methods": {name: <method>}}`` where <method> holds ``role``, ``status``, ``verdict``,
+  ``reason``, ``contrast`` (the primary estimand: ``estimate``, ``se``, ``df``, ``ci_low``,
+  ``ci_high``, ``tost_ci_low``, ``tost_ci_high``, ``p_less``, ``p_greater``, ``p_equivalent``,
+  ``per_seed``, ``chosen``, ``jackknife``, ``in_sample``, ``in_sample_best``, ``largest``),
+  ``contrast_class``, ``did`` (corrected: ``{baseline: {..., "class"}}``), ``lack_of_fit``
+  (``F``, ``df1``, ``df2``, ``p``, ``curvature_sign``), ``noise`` (``noise_sd``, ``seed_sd``,
+  ``slope_sd``, ``cell_means``), ``n_lr_edge``/``n_diverged`` where present, ``cells`` (per batch
+  size: ``n``, ``mean``, ``sd``, ``ci_low``, ``ci_high``) and the descriptive slope: ``slope``,
+  ``se``, ``df``, ``ci_low``, ``ci_high``, ``p_value``, ``tests`` (Holm-adjusted
+  ``falls``/``rises``/``flat``), ``trend``, ``differential``, ``boot_ci_low``/``boot_ci_high``
+  and ``page`` when ``settings.sensitivity``.
 
-  Non-finite numbers are written as null; fields of a method with insufficient data are absent.
-* ``summary.tex`` — a booktabs table of the verdicts;
-* ``records.csv`` — the analysed records (``affdiv analyse --input records.csv`` reproduces the numbers);
-* ``metric_vs_batch.png``, ``slope_forest.png``, and when given ``training_curves.png`` and ``calibration.png``.
+  Steps to target: top-level ``critical_batch`` and ``ratios`` (the primary group's, as in
+  ``groups.<g>``), and ``groups.<g>``: ``{"critical_batch": {method: {"b_crit", "ci_low",
+  "ci_high", "s_min", "s_min_ci_low", "s_min_ci_high", "e_min", "e_min_ci_low", "e_min_ci_high",
+  "censored", "sigma", "noise_sd", "seed_sd", "resolved", "search_range", "boot_ci_low",
+  "boot_ci_high", "cells", "status", "verdict", "reason", ...}}, "ratios": {corrected:
+  {baseline: {"ratio", "ci_low", "ci_high", "ci_low_one_sided", "ci_high_one_sided", "p", "t",
+  "df", "class", "boot_ci_low", "boot_ci_high"}}}, "prediction": {"verdict", "reason"}}``.
+
+  Non-finite numbers are written as null.
+* ``summary.tex`` — a booktabs table of the verdicts that fits a one-column page.
+* ``records.csv`` — the analysed records (``affdiv analyse --input records.csv`` reproduces the numbers).
+* figures: fixed budget ``metric_vs_batch.png``, ``contrast_forest.png`` (the tests that decided),
+  ``slope_forest.png`` (descriptive); steps to target ``steps_vs_batch.png``, ``examples_vs_steps.png``;
+  when given ``training_curves.png`` and ``calibration.png``.
 
 Every file is written to a temporary name and renamed, so a killed process leaves no half-written file.
 """
@@ -56,16 +64,29 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from affdiv.atomic import atomic_write
-from affdiv.experiments.analysis.calibration import Calibration
-from affdiv.experiments.analysis.decision import Analysis
 from affdiv.experiments.records import write_csv
 from affdiv.experiments.report import figures
-from affdiv.verify.latex import escape
+from affdiv.reporting import (
+    HTML_STYLE,
+    Column,
+    Latex,
+    html_table,
+    provenance_html,
+    provenance_latex,
+    provenance_markdown,
+)
+from affdiv.reporting import (
+    latex_table as _latex_table,
+)
 
 
 # --------------------------------------------------------------------------------------- output
-def _number(value) -> str:
-    return "—" if value is None else f"{value:.3g}"
+def _number(value, fmt: str = ".3g") -> str:
+    return "—" if value is None else f"{value:{fmt}}"
+
+
+def _signed(value) -> str:
+    return "—" if value is None else f"{value:+.3g}"
 
 
 def _p(value) -> str:
@@ -74,116 +95,252 @@ def _p(value) -> str:
     return "<1e-4" if value < 1e-4 else f"{value:.4f}"
 
 
-def _interval(low, high) -> str:
-    return "—" if low is None else f"[{_number(low)}, {_number(high)}]"
+def _interval(low, high, fmt: str = ".3g") -> str:
+    return "—" if low is None or high is None else f"[{low:{fmt}}, {high:{fmt}}]"
+
+
+def _design(summary: Mapping) -> str:
+    return summary.get("design", "fixed budget")
 
 
 # ------------------------------------------------------------------------------------- document
 # A document is a list of blocks: ("h", level, text), ("p", text), ("list", [text]),
-# ("table", header, rows), ("image", file, caption), ("code", text). It renders to both formats.
+# ("table", header, rows[, first]), ("image", file, caption), ("provenance", record).
 
-def _tables(summary: Mapping) -> list:
-    blocks = []
+def _caveats(summary: Mapping) -> list:
+    """The preset's caveats and the design's own limits, for the top of the report."""
+    provenance = summary.get("provenance", {})
+    preset = provenance.get("preset_settings") or {}
+    items = preset.get("caveats") or []
+    items = [items] if isinstance(items, str) else list(items)
+    failed = provenance.get("failed_runs") or []
+    if failed:  # the dask executor went on without them (affdiv.experiments.runs.sweep)
+        shown = "; ".join(f"{f.get('method')} B={f.get('batch_size')} seed={f.get('seed')} lr_rule={f.get('lr_rule')}: "
+                          f"{f.get('error')}" for f in failed[:10])
+        items.append(f"{len(failed)} run(s) failed on every attempt and are missing from the analysis (the same "
+                     f"command tries them again): {shown}{' ...' if len(failed) > 10 else ''} (all of them: "
+                     "failed_runs in the provenance).")
+    settings = summary["settings"]
+    if _design(summary) == "fixed budget" and not settings.get("test_baselines", True):
+        items.append("Epoch budget: a larger batch size takes fewer optimizer steps, so every method can fall "
+                     "with the batch size for that reason alone. Only the differences between methods "
+                     "(difference in differences) are evidence about the layers; the baselines' own fall is "
+                     "reported, not tested.")
+    if _design(summary) == "fixed budget":
+        groups = summary["groups"]
+        if len(groups) > 1:
+            items.append(f"{len(groups)} groups were analysed; the verdict is the primary group's "
+                         f"({summary['primary_group']}), the others are sensitivity analyses.")
+    if not items:
+        return []
+    title = f"Read this first (preset {provenance['preset']})" if provenance.get("preset") else "Read this first"
+    return [("h", 2, title), ("list", items)]
+
+
+def _verdict_block(summary: Mapping) -> list:
+    prediction = summary["prediction"]
     groups = summary["groups"]
-    header = ["method", "role", *[f"verdict [{g}]" for g in groups], "overall"]
-    rows = [[m, next(g["methods"][m]["role"] for g in groups.values() if m in g["methods"]),
-             *[groups[g]["methods"].get(m, {}).get("verdict", "—") for g in groups], verdict]
-            for m, verdict in summary["overall"].items()]
-    sizes = summary["family_sizes"]
-    blocks += [("h", 2, "Verdicts"), ("table", header, rows),
-               ("p", f"Holm families: {sizes['prediction']} tests on corrected and baseline methods (verdicts), "
-                     f"{sizes['exploratory']} on other methods (trend only). Equivalence margin "
-                     f"{summary['settings']['margin']:.4g} per doubling ({summary['settings']['margin_source']}).")]
-    for group, content in groups.items():
-        title = f"Group {group}" if summary["settings"]["group_by"] is None else \
-            f"Group {summary['settings']['group_by']} = {group}"
-        blocks.append(("h", 2, title))
-        rows = []
-        for m, r in content["methods"].items():
-            t = r["tests"]
-            rows.append([m, r["role"], str(r["n_seeds"]), " ".join(map(str, r["batch_sizes"])), _number(r.get("slope")),
-                         _interval(r.get("ci_low"), r.get("ci_high")),
-                         _interval(r.get("boot_ci_low"), r.get("boot_ci_high")), _p(r.get("p_value")),
-                         *[_p(t.get(k, {}).get("p_holm")) for k in ("falls", "rises", "flat")],
-                         r["trend"], f"**{r['verdict']}**", r["reason"]])
-        blocks.append(("table", ["method", "role", "seeds", "batch sizes", "slope", "CI (t, clustered)",
-                                 "CI (bootstrap)", "p (two-sided)", "p_Holm falls", "p_Holm rises",
-                                 "p_Holm flat", "trend", "verdict", "reason"], rows))
-        diffs = [[m, b, str(d["n_seeds"]), _number(d.get("slope")), _interval(d.get("ci_low"), d.get("ci_high")),
-                  _interval(d.get("boot_ci_low"), d.get("boot_ci_high")), _p(d.get("test", {}).get("p")),
-                  _p(d.get("test", {}).get("p_holm")), d["status"]]
-                 for m, r in content["methods"].items() for b, d in r.get("differential", {}).items()]
-        if diffs:
-            blocks += [("p", "Differential slopes (corrected − baseline, per seed, then averaged):"),
-                       ("table", ["corrected", "baseline", "seeds", "slope", "CI (t)", "CI (bootstrap)",
-                                  "p (falls faster)", "p_Holm", "status"], diffs)]
-        sensitivity = [[m, _number(r.get("mixed", {}).get("slope")), _number(r.get("mixed", {}).get("se")),
-                        _p(r.get("mixed", {}).get("p_falls")), str(r.get("mixed", {}).get("converged", "—")),
-                        _number(r.get("page", {}).get("L")), _p(r.get("page", {}).get("p_falls")),
-                        _p(r.get("page", {}).get("p_rises"))]
-                       for m, r in content["methods"].items() if r["status"] == "ok"]
-        if sensitivity:
-            blocks += [("p", "Sensitivity analyses (unadjusted; not part of the decision rule). The mixed model's "
-                             "Wald z and the percentile cluster bootstrap ignore that only G seeds inform the "
-                             "slope's variance: with few seeds both are liberal (see the calibration)."),
-                       ("table", ["method", "mixed-model slope", "s.e.", "p falls", "converged", "Page's L",
-                                  "Page p falls", "Page p rises"], sensitivity)]
+    header = ["method", "role", *[f"verdict [{g}]" for g in groups], "across groups"]
+    rows = [[m, info["role"], *[info["groups"].get(g, "—") for g in groups], info["verdict"]]
+            for m, info in summary["methods"].items()]
+    return [("h", 2, "Verdict"),
+            ("p", f"**The prediction: {prediction['verdict']}** (joint verdict of group "
+                  f"{summary['primary_group']}): {prediction['reason']}."),
+            ("table", header, rows, ["method", "across groups"])]
+
+
+def _fixed_group_blocks(name: str, content: Mapping, summary: Mapping) -> list:
+    settings = summary["settings"]
+    primary = " (primary)" if name == summary["primary_group"] else " (sensitivity)"
+    title = f"Group {name}" if settings.get("group_by") is None else f"Group {settings['group_by']} = {name}"
+    methods = content["methods"]
+    blocks = [("h", 2, title + primary),
+              ("p", f"Joint verdict of this group: **{content['prediction']['verdict']}** — "
+                    f"{content['prediction']['reason']}.")]
+    rows = []
+    for m, r in methods.items():
+        c = r.get("contrast", {})
+        chosen = sorted(set((c.get("chosen") or {}).values()))
+        rows.append([m, r["role"], f"**{r['verdict']}**", str(r.get("n_seeds", "—")),
+                     _signed(c.get("estimate")), _interval(c.get("ci_low"), c.get("ci_high"), "+.3g"),
+                     " ".join(map(str, chosen)) or "—", _signed(c.get("in_sample")),
+                     r.get("contrast_class", "—"), r.get("reason", "")])
+    level = f"{1 - settings['alpha']:.0%}"
+    blocks += [("p", "Primary estimand Δ = P(largest batch size) − P(best batch size), best chosen "
+                     "leave-one-seed-out (jackknife CI); the in-sample Δ (best chosen on the same runs, biased "
+                     "towards a fall) is shown for comparison only."),
+               ("table", ["method", "role", "verdict", "seeds", "Δ (cross-fitted)", f"{level} CI",
+                          "best B chosen", "Δ in-sample", "Δ class", "reason"], rows, ["method", "verdict"])]
+    dids = [[m, b, d.get("class", "—"), _signed(d.get("estimate")),
+             _interval(d.get("ci_low"), d.get("ci_high"), "+.3g"), _p(d.get("p_less")), _p(d.get("p_equivalent")),
+             d.get("status", "")]
+            for m, r in methods.items() for b, d in r.get("did", {}).items()]
+    if dids:
+        blocks += [("p", "Difference in differences DiD = Δ(corrected) − Δ(baseline) (paired seed jackknife): "
+                         "negative means the corrected layer falls further from its best batch size."),
+                   ("table", ["corrected", "baseline", "class", "DiD", f"{level} CI", "p (falls faster)",
+                              "p (equivalent)", "status"], dids, ["corrected", "baseline", "class"])]
+    shape = []
+    for m, r in methods.items():
+        lof, noise = r.get("lack_of_fit", {}), r.get("noise", {})
+        shape.append([m, _number(lof.get("F")), f"{lof['df1']}, {lof['df2']}" if "df1" in lof else "—",
+                      _p(lof.get("p")), lof.get("curvature_sign", lof.get("status", "—")),
+                      _number(noise.get("noise_sd")), _number(noise.get("seed_sd")), _number(noise.get("slope_sd"))])
+    blocks += [("p", "Shape and noise (descriptive): the lack-of-fit test of a straight line in log2 B (repeated-"
+                     "measures F on the degree ≥ 2 polynomial contrasts), and the noise decomposition the "
+                     "calibration simulates (moments around the cell means)."),
+               ("table", ["method", "lack-of-fit F", "df", "p", "curvature", "run noise s.d.", "seed s.d.",
+                          "seed-slope s.d."], shape)]
+    slopes = [[m, _number(r.get("slope")), _interval(r.get("ci_low"), r.get("ci_high")),
+               _interval(r.get("boot_ci_low"), r.get("boot_ci_high")), _p(r.get("p_value")),
+               *[_p(r.get("tests", {}).get(k, {}).get("p_holm")) for k in ("falls", "rises", "flat")],
+               r.get("trend", "—")]
+              for m, r in methods.items()]
+    blocks += [("p", f"Descriptive slopes per doubling of the batch size (clustered OLS; Holm over corrected and "
+                     f"baseline methods; margin {settings['margin']:.4g} per doubling). Not part of the rule: the "
+                     "lack-of-fit tests above say how far a straight line is from the data."),
+               ("table", ["method", "slope", "CI (t, clustered)", "CI (bootstrap)", "p (two-sided)",
+                          "p_Holm falls", "p_Holm rises", "p_Holm flat", "trend"], slopes)]
     return blocks
 
 
-def _calibration_blocks(calibration: Calibration) -> list:
-    layout = calibration.layout
-    rows = [[_number(s), *[f"{calibration.rates[t][i]:.3f}" for t in calibration.rates]]
-            for i, s in enumerate(calibration.planted)]
+def _target_group_blocks(name: str, content: Mapping, summary: Mapping) -> list:
+    settings = summary["settings"]
+    primary = " (primary)" if name == summary["primary_group"] else " (sensitivity)"
+    title = f"Group {name}" if settings.get("group_by") is None else f"Group {settings['group_by']} = {name}"
+    level = f"{1 - settings['alpha']:.0%}"
+    fits = content["critical_batch"]
+    rows = [[m, r["role"], f"**{r['verdict']}**", str(r["n_seeds"]), str(r["n_runs"]), str(r["censored"]),
+             _number(r.get("b_crit")), _interval(r.get("ci_low"), r.get("ci_high")),
+             _number(r.get("s_min")), _interval(r.get("s_min_ci_low"), r.get("s_min_ci_high")),
+             _number(r.get("e_min")), _interval(r.get("e_min_ci_low"), r.get("e_min_ci_high")),
+             _number(r.get("sigma")), r.get("ci_status", r["status"] if r["status"] != "ok" else "ok"),
+             r.get("reason", "")]
+            for m, r in fits.items()]
+    blocks = [("h", 2, title + primary),
+              ("p", f"Joint verdict of this group: **{content['prediction']['verdict']}** — "
+                    f"{content['prediction']['reason']}."),
+              ("p", f"Fitted S(B) = S_min (1 + B_crit/B) per method (censored log-normal likelihood); {level} "
+                    "intervals from the leave-one-seed-out jackknife (t with seeds − 1 df)."),
+              ("table", ["method", "role", "verdict", "seeds", "runs", "censored", "B_crit", f"{level} CI",
+                         "S_min", "CI", "E_min", "CI", "σ (log steps)", "fit", "reason"], rows,
+               ["method", "verdict", "B_crit"])]
+    ratios = [[c, b, r.get("class", "—"), _number(r.get("ratio")), _interval(r.get("ci_low"), r.get("ci_high")),
+               _interval(r.get("ci_low_one_sided"), r.get("ci_high_one_sided")), _p(r.get("p")),
+               _interval(r.get("boot_ci_low"), r.get("boot_ci_high")), r.get("status", "")]
+              for c, against in content["ratios"].items() for b, r in against.items()]
+    if ratios:
+        blocks += [("p", "Ratios B_crit(corrected) / B_crit(baseline); p is the one-sided jackknife t test of "
+                         "ratio < 1; the paired seed-bootstrap percentile interval is shown as a sensitivity "
+                         "analysis (it is too narrow with few seeds; see the module documentation)."),
+                   ("table", ["corrected", "baseline", "class", "ratio", f"{level} CI",
+                              f"{1 - 2 * settings['alpha']:.0%} interval", "p (ratio < 1)", "bootstrap CI",
+                              "status"], ratios, ["corrected", "baseline", "class"])]
+    cells = []
+    for m, r in fits.items():
+        for c in r["cells"]:
+            cells.append([m, str(c["batch_size"]), str(c["n"]), str(c["censored"]), _number(c.get("median_steps")),
+                          str(c["max_steps"]), _number(c.get("b_simple_init")), _number(c.get("b_simple")),
+                          _number(r.get("b_crit"))])
+    blocks += [("p", "Runs per method and batch size: the median steps to target of the runs that reached it, "
+                     "and the gradient noise scale B_simple = tr(Σ)/|G|² (median over seeds; at initialisation and "
+                     "at the last measurement), where the runs measured it, beside the method's fitted B_crit."),
+               ("table", ["method", "batch size", "runs", "censored", "median steps", "max_steps", "B_simple (init)",
+                          "B_simple (last)", "B_crit (fit)"], cells)]
+    return blocks
+
+
+def _calibration_blocks(calibration: Mapping) -> list:
+    n, alpha = calibration["n_sims"], calibration["alpha"]
+    effects, null = calibration["effects"], calibration["null_effect"]
+    target = calibration["design"] == "steps_to_target"
+    verdicts = [v for v in ("supported", "contradicted", "mixed", "inconclusive") if v in calibration["joint"]]
+    rows = [[_number(e), *[f"{calibration['joint'][v][i]:.3f}" for v in verdicts],
+             *[f"{calibration['methods'][m][i]:.3f}" for m in calibration["methods"]]]
+            for i, e in enumerate(effects)]
+    what = ("the planted ratio B_crit(corrected)/B_crit(baselines)" if target else
+            "the planted extra fall of the corrected layers at the largest batch size (performance units; the "
+            f"contrast margin is {calibration['layout'].get('margin', float('nan')):.3g})")
     blocks = [
-        ("h", 2, "Calibration on simulated sweeps"),
-        ("p", f"{calibration.n_sims} simulated sweeps per planted slope, {layout.n_seeds} seeds × batch sizes "
-              f"{', '.join(map(str, layout.batch_sizes))}, seed s.d. {layout.seed_sd:g}, noise s.d. "
-              f"{layout.noise_sd:g}; unadjusted one-sided tests at α = {calibration.alpha:g}, TOST margin "
-              f"{calibration.margin:g}. At slope 0 a rate is a false-positive rate, below 0 a power; the "
-              f"Monte-Carlo s.e. of a rate r is √(r(1−r)/{calibration.n_sims})."),
-        ("table", ["planted slope", *calibration.rates], rows),
+        ("h", 2, "Calibration of the decision rule on simulated studies"),
+        ("p", f"{n} simulated studies per row, in this study's own layout (its batch sizes and seed count; each "
+              "method with its own fitted noise), run through the same decision rule. Rows: "
+              f"{what}. At {_number(null)} the prediction is false: a 'supported' there is a false positive and "
+              f"its rate must stay at or below α = {alpha:g}; 'contradicted' there is the right answer, not an error. "
+              "At the other rows the prediction is true: 'supported' is the power, 'contradicted' a false "
+              f"contradiction. Monte-Carlo s.e. of a rate r: √(r(1−r)/{n}) (0.015 at r = 0.05)."),
+        ("table", ["effect", *[f"joint {v}" for v in verdicts],
+                   *[f"{m} supported" for m in calibration["methods"]]], rows),
     ]
-    if calibration.verdicts is not None:
-        rows = [[_number(s), *[f"{calibration.verdicts[v][i]:.3f}" for v in calibration.verdicts]]
-                for i, s in enumerate(calibration.planted)]
-        blocks += [("p", "The whole decision rule on simulated studies (affine_like at the planted slope, affine "
-                         "and batchnorm flat, every group, Holm over the full family): how often each overall "
-                         "verdict for affine_like comes out. At slope 0, 'supported' is a false positive."),
-                   ("table", ["planted slope", *calibration.verdicts], rows)]
+    if calibration["pairs"]:
+        pairs = list(calibration["pairs"])
+        rows = [[_number(e), *[f"{calibration['pairs'][p][i]:.3f}" for p in pairs]] for i, e in enumerate(effects)]
+        blocks += [("p", f"Each pair's own test ({calibration['pair_event']}): at {_number(null)} its rate is "
+                         "the test's size (α up to Monte-Carlo error); elsewhere its power. A rejection is "
+                         "not yet a verdict: the equivalence check comes first, and a corrected layer needs every "
+                         "pair."),
+                   ("table", ["effect", *pairs], rows)]
+    for name, scenario in (calibration.get("scenarios") or {}).items():
+        verdicts = [v for v in ("supported", "contradicted", "mixed", "inconclusive") if v in scenario["joint"]]
+        rows = [[_number(e), *[f"{scenario['joint'][v][i]:.3f}" for v in verdicts],
+                 *[f"{scenario['pairs'][p][i]:.3f}" for p in scenario["pairs"]]]
+                for i, e in enumerate(scenario["effects"])]
+        blocks += [("p", f"Scenario: {name} (a shock per method and batch size shared by every seed, as a data "
+                         "split shared by the seeds produces; with one split per seed it is part of each run's "
+                         "noise instead)."),
+                   ("table", ["effect", *[f"joint {v}" for v in verdicts], *scenario["pairs"]], rows)]
     return blocks
 
 
-def _provenance_block(provenance: Mapping) -> list:
-    return [("h", 2, "Provenance"), ("code", json.dumps(dict(provenance), indent=2, sort_keys=True, default=str))]
-
-
-def _document(summary: Mapping, files: Mapping[str, str], calibration: Calibration | None) -> list:
+def _document(summary: Mapping, files: Mapping[str, str]) -> list:
     s = summary["settings"]
-    blocks = [
-        ("h", 1, "Falsification report: does performance fall with batch size?"),
-        ("p", "Prediction under test (G. Bird, arXiv 2512.22247; see the affdiv README): the performance of "
-              f"the divergence-correcting layers ({', '.join(s['corrected'])}) falls as the batch size grows; "
-              f"the baselines ({', '.join(s['baselines'])}) do not show this. "
-              f"Metric: `{s['metric']}` ({'higher' if s['higher_is_better'] else 'lower'} is better), "
-              f"{s['n_records']} runs."),
-        ("h", 2, "Decision rule (fixed before the numbers)"),
-        ("list", summary["decision_rule"].splitlines()),
-        *_tables(summary),
-        ("h", 2, "Figures"),
-        ("image", files["metric_vs_batch"], "Metric against batch size, mean over seeds with its confidence band."),
-        ("image", files["slope_forest"], "Slopes per doubling of the batch size (shaded: equivalence margin)."),
-    ]
-    if "training_curves" in files:
-        blocks.append(("image", files["training_curves"], f"Training curves, group {summary['primary_group']}."))
-    if calibration is not None:
-        blocks += [*_calibration_blocks(calibration),
-                   ("image", files["calibration"], "Rejection rate against planted slope.")]
-    return blocks + _provenance_block(summary["provenance"])
+    target = _design(summary) == "steps_to_target"
+    if target:
+        blocks = [("h", 1, "Falsification report: steps to target and the critical batch size"),
+                  *_caveats(summary),
+                  ("p", "Prediction under test (G. Bird, arXiv 2512.22247; see the affdiv README), sharpened: the "
+                        "divergence-correcting layers "
+                        f"({', '.join(s['corrected'])}) stop profiting from larger batches sooner than the "
+                        f"baselines ({', '.join(s['baselines'])}): B_crit(corrected) / B_crit(baseline) < 1. "
+                        f"Metric: `{s['metric']}`, {s['n_records']} runs.")]
+    else:
+        blocks = [("h", 1, "Falsification report: does performance fall with batch size?"),
+                  *_caveats(summary),
+                  ("p", "Prediction under test (G. Bird, arXiv 2512.22247; see the affdiv README): the performance "
+                        f"of the divergence-correcting layers ({', '.join(s['corrected'])}) falls as the batch size "
+                        f"grows; the baselines ({', '.join(s['baselines'])}) do not show this. "
+                        f"Metric: `{s['metric']}` ({'higher' if s['higher_is_better'] else 'lower'} is better), "
+                        f"{s['n_records']} runs.")]
+    blocks += [("h", 2, "Decision rule (fixed before the numbers)"), ("list", summary["decision_rule"].splitlines()),
+               *_verdict_block(summary)]
+    group_blocks = _target_group_blocks if target else _fixed_group_blocks
+    for name, content in summary["groups"].items():
+        blocks += group_blocks(name, content, summary)
+    blocks.append(("h", 2, "Figures"))
+    captions = {
+        "steps_vs_batch": "Steps to target against batch size (log–log): runs (censored ones as open triangles at "
+                          "max_steps), the fitted S(B) = S_min(1 + B_crit/B), B_crit marked.",
+        "examples_vs_steps": "Examples against steps to target: the trade-off curve (S/S_min − 1)(E/E_min − 1) = 1 "
+                             "per method, the measured batch sizes on it.",
+        "metric_vs_batch": "Metric against batch size, mean over seeds with its confidence band.",
+        "contrast_forest": "The tests that decide: Δ per method and DiD per corrected layer and baseline, with "
+                           "their CIs; shaded: ± the contrast margin.",
+        "slope_forest": "Descriptive slopes per doubling of the batch size (shaded: ± the slope margin).",
+        "training_curves": "Training curves of the primary group.",
+    }
+    for name, caption in captions.items():
+        if name in files:
+            blocks.append(("image", files[name], caption))
+    if "calibration" in summary:
+        blocks += _calibration_blocks(summary["calibration"])
+        if "calibration" in files:
+            blocks.append(("image", files["calibration"], "Verdict rates of the decision rule against the planted "
+                                                          "effect (±2 Monte-Carlo s.e.)."))
+    return blocks + [("provenance", summary["provenance"])]
 
 
 def _md_row(cells: Sequence[str]) -> str:
-    return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+    return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
 
 
 def _markdown(blocks: Sequence) -> str:
@@ -196,25 +353,23 @@ def _markdown(blocks: Sequence) -> str:
         elif kind == "list":
             out.append("\n".join(f"- {item}" for item in args[0]))
         elif kind == "table":
-            header, rows = args
+            header, rows = args[0], args[1]
             out.append("\n".join([_md_row(header), "|" + "---|" * len(header), *map(_md_row, rows)]))
         elif kind == "image":
             out.append(f"![{args[1]}]({args[0]})\n\n*{args[1]}*")
-        elif kind == "code":
-            out.append(f"```\n{args[0]}\n```")
+        elif kind == "provenance":
+            out.append(provenance_markdown(args[0]).rstrip("\n"))
     return "\n\n".join(out) + "\n"
 
 
 def _inline(text: str) -> str:
-    text = html.escape(text)
+    text = html.escape(str(text))
     text = re.sub(r"`([^`]+)`", r"<code>\1</code>", text)
     return re.sub(r"\*\*([^*]+)\*\*", r"<strong>\1</strong>", text)
 
 
 _STYLE = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;line-height:1.4}"
-          "table{border-collapse:collapse;font-size:0.85em;margin:1em 0}td,th{border:1px solid #bbb;"
-          "padding:2px 6px;text-align:left}th{background:#eee}pre{background:#f5f5f5;padding:1em;"
-          "overflow-x:auto;font-size:0.8em}img{max-width:100%}figcaption{font-style:italic}")
+          "img{max-width:100%}figcaption{font-style:italic}" + HTML_STYLE)
 
 
 def _html(blocks: Sequence, out_dir: Path) -> str:
@@ -227,45 +382,85 @@ def _html(blocks: Sequence, out_dir: Path) -> str:
         elif kind == "list":
             body.append("<ul>" + "".join(f"<li>{_inline(i)}</li>" for i in args[0]) + "</ul>")
         elif kind == "table":
-            header, rows = args
-            head = "".join(f"<th>{_inline(c)}</th>" for c in header)
-            rows_html = "".join("<tr>" + "".join(f"<td>{_inline(c)}</td>" for c in row) + "</tr>" for row in rows)
-            body.append(f"<table><thead><tr>{head}</tr></thead><tbody>{rows_html}</tbody></table>")
+            header, rows = args[0], args[1]
+            first = args[2] if len(args) > 2 else ()
+            body.append(html_table(header, rows, first=first, cell=lambda v: _inline("—" if v is None else v)))
         elif kind == "image":
             data = base64.b64encode((out_dir / args[0]).read_bytes()).decode()
             body.append(f'<figure><img src="data:image/png;base64,{data}" alt="{html.escape(args[1])}">'
                         f"<figcaption>{_inline(args[1])}</figcaption></figure>")
-        elif kind == "code":
-            body.append(f"<pre>{html.escape(args[0])}</pre>")
+        elif kind == "provenance":
+            body.append(provenance_html(args[0]))
     return ('<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>affdiv falsification report'
             f"</title><style>{_STYLE}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
 
 
 def latex_table(summary: Mapping) -> str:
-    """A booktabs table: one row per (group, method) with slope, CI, Holm p-values, verdict."""
-    level = f"{1 - summary['settings']['alpha']:.0%}".replace("%", r"\%")
-    lines = [r"\begin{tabular}{llllrlrrl}", r"\toprule",
-             rf"Group & Method & Role & Trend & Slope & {level} CI & $p_\mathrm{{Holm}}$ falls & "
-             r"$p_\mathrm{Holm}$ flat & Verdict \\", r"\midrule"]
+    """A booktabs table of the verdicts that fits a one-column page (needs booktabs, tabularx)."""
+    level = f"{1 - summary['settings']['alpha']:.0%} CI"
+    head = provenance_latex(summary.get("provenance", {}), what="affdiv falsification report: verdict table")
+    if _design(summary) == "steps_to_target":
+        rows = []
+        for group, content in summary["groups"].items():
+            for method, r in content["critical_batch"].items():
+                rows.append([group, method, r["role"], r.get("b_crit"),
+                             _interval(r.get("ci_low"), r.get("ci_high")), str(r["censored"]), r["verdict"]])
+        columns = [Column("Group"), Column("Method", "X"), Column("Role"), Column(Latex(r"$B_\mathrm{crit}$"), "r"),
+                   Column(level), Column("Censored", "r"), Column("Verdict")]
+    else:
+        rows = []
+        for group, content in summary["groups"].items():
+            for method, r in content["methods"].items():
+                c = r.get("contrast", {})
+                rows.append([group, method, r["role"], c.get("estimate"), _interval(c.get("ci_low"), c.get("ci_high")),
+                             r["verdict"]])
+        columns = [Column("Group"), Column("Method", "X"), Column("Role"), Column(Latex(r"$\Delta$"), "r"),
+                   Column(level), Column("Verdict")]
+    notes = f"Joint verdict of the prediction (group {summary['primary_group']}): {summary['prediction']['verdict']}."
+    return _latex_table(columns, rows, notes=notes, head=head)
+
+
+def verdict_table(summary: Mapping) -> str:
+    """A compact plain-text table of the verdicts (for the terminal, e.g. after ``affdiv falsify``):
+    group, method, role, verdict and the estimate of the test that decided it, with its CI; then the
+    joint verdict. Fixed budget: a baseline's Δ, a corrected layer's DiD against each baseline;
+    steps to target: B_crit."""
+    level = f"{1 - summary['settings']['alpha']:.0%} CI"
+    rows = [["group", "method", "role", "verdict", "deciding test", "estimate", level]]
     for group, content in summary["groups"].items():
+        if _design(summary) == "steps_to_target":
+            for method, r in content["critical_batch"].items():
+                rows.append([group, method, r["role"], r["verdict"], "B_crit", _number(r.get("b_crit")),
+                             _interval(r.get("ci_low"), r.get("ci_high"))])
+            continue
         for method, r in content["methods"].items():
-            lines.append(" & ".join(escape(c) for c in (
-                group, method, r["role"], r["trend"], _number(r.get("slope")),
-                _interval(r.get("ci_low"), r.get("ci_high")),
-                _p(r["tests"].get("falls", {}).get("p_holm")), _p(r["tests"].get("flat", {}).get("p_holm")),
-                r["verdict"])) + r" \\")
-    lines += [r"\bottomrule", r"\end{tabular}"]
+            tests = [(f"DiD vs {b}", d) for b, d in r.get("did", {}).items()] if r["role"] == "corrected" else []
+            tests = tests or [("Δ", r.get("contrast", {}))]
+            for k, (name, e) in enumerate(tests):
+                first = [group, method, r["role"], r["verdict"]] if k == 0 else ["", "", "", ""]
+                rows.append(first + [name, _signed(e.get("estimate")), _interval(e.get("ci_low"), e.get("ci_high"))])
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.append(f"Joint verdict of the prediction (group {summary['primary_group']}): "
+                 f"{summary['prediction']['verdict']}")
     return "\n".join(lines) + "\n"
 
 
-def write_report(out_dir, analysis: Analysis, *, records: Sequence[Mapping], curves: Sequence[Mapping] | None = None,
-                 provenance: Mapping, calibration: Calibration | None = None) -> dict[str, Path]:
+def write_report(out_dir, analysis, *, records: Sequence[Mapping], curves: Sequence[Mapping] | None = None,
+                 provenance: Mapping, calibration=None) -> dict[str, Path]:
     """Write the report files (see the module docstring); returns {name: path}."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"records": write_csv(out_dir / "records.csv", records, metric=analysis.settings["metric"]),
-             "metric_vs_batch": figures.metric_vs_batch(analysis, out_dir / "metric_vs_batch.png"),
-             "slope_forest": figures.slope_forest(analysis, out_dir / "slope_forest.png")}
+    target = getattr(analysis, "design", "fixed budget") == "steps_to_target"
+    paths = {"records": write_csv(out_dir / "records.csv", records, metric=analysis.settings["metric"])}
+    if target:
+        paths["steps_vs_batch"] = figures.steps_vs_batch(analysis, out_dir / "steps_vs_batch.png")
+        paths["examples_vs_steps"] = figures.examples_vs_steps(analysis, out_dir / "examples_vs_steps.png")
+    else:
+        paths["metric_vs_batch"] = figures.metric_vs_batch(analysis, out_dir / "metric_vs_batch.png")
+        paths["contrast_forest"] = figures.contrast_forest(analysis, out_dir / "contrast_forest.png")
+        paths["slope_forest"] = figures.slope_forest(analysis, out_dir / "slope_forest.png")
     if curves:
         paths["training_curves"] = figures.training_curves(
             curves, out_dir / "training_curves.png", group_by=analysis.settings["group_by"],
@@ -279,10 +474,11 @@ def write_report(out_dir, analysis: Analysis, *, records: Sequence[Mapping], cur
         summary["calibration"] = calibration.to_dict()
     summary["files"] = {**files, "report_md": "report.md", "report_html": "report.html",
                         "summary_json": "summary.json", "summary_tex": "summary.tex"}
-    blocks = _document(summary, files, calibration)
+    blocks = _document(summary, files)
     paths["summary_json"] = atomic_write(out_dir / "summary.json",
                                           json.dumps(summary, indent=2, allow_nan=False, default=str) + "\n")
     paths["summary_tex"] = atomic_write(out_dir / "summary.tex", latex_table(summary))
     paths["report_md"] = atomic_write(out_dir / "report.md", _markdown(blocks))
     paths["report_html"] = atomic_write(out_dir / "report.html", _html(blocks, out_dir))
     return paths
+

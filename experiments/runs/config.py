@@ -3,14 +3,22 @@
 A run's numbers are a function of its :class:`RunConfig` (and the data files it names). Its key
 in the results store is :func:`config_hash`, the SHA-256 of the canonical JSON of
 :meth:`RunConfig.to_dict`, in which settings the run ignores (:func:`unused_settings`) sit at
-their defaults, so two configs that train the same run share one key.
+their defaults, so two configs that train the same run share one key. Settings added after the
+first stored runs (``_ADDED``) are left out of the dict where they are idle or at the value that
+reproduces what earlier versions did, so every earlier config keeps its key.
 
 The learning rate for batch size B follows ``lr_rule`` (:func:`learning_rates`):
 
     constant   lr = base_lr
     linear     lr = base_lr * B / ref_batch_size
     sqrt       lr = base_lr * sqrt(B / ref_batch_size)
-    tuned      every lr in ``lr_grid`` is trained; the one with the best validation accuracy is kept
+    tuned      every lr in ``lr_grid`` is trained (with momentum SGD and a ``momentum_grid``, every
+               (lr, momentum) pair: :func:`candidates`); the best on the validation split is kept
+
+The budget is ``length`` epochs, ``length`` steps, or (``budget = "target"``) steps until the
+validation accuracy reaches ``target``, checked every ``eval_every`` steps, at most ``length``
+(= max_steps) steps. Under the target budget a tuned grid must be spaced by at most x2, and a
+chosen lr on its edge extends it outward by x2 steps, at most ``grid_extensions`` times.
 """
 
 from __future__ import annotations
@@ -28,11 +36,31 @@ from affdiv.experiments.runs.models import ACTIVATIONS, METHODS, check_choice
 
 LR_RULES = ("constant", "linear", "sqrt", "tuned")
 OPTIMIZERS = ("sgd", "momentum", "adam")
-BUDGETS = ("epochs", "steps")
+BUDGETS = ("epochs", "steps", "target")
+DTYPES = ("float32", "float64")
+#: Largest ratio between neighbouring lrs of a tuned grid under the target budget.
+MAX_GRID_RATIO = 2.0
 
 @dataclass(frozen=True)
 class RunConfig:
-    """Everything that determines a run's numbers (its hash is the run's key in the store)."""
+    """Everything that determines a run's numbers; ``config_hash(config.to_dict())`` is the run's
+    key in the store.
+
+    Args (defaults in the signature): ``dataset``, ``method`` (the hidden layers' kind, one of
+    ``models.METHODS``), ``batch_size``, ``seed`` (init and shuffles), the learning-rate rule
+    (``lr_rule``, ``base_lr``, ``ref_batch_size``, ``lr_grid``, ``momentum_grid``,
+    ``grid_extensions``), the network (``depth``, ``width``, ``activation``), the optimizer
+    (``optimizer``, ``momentum``), the budget (``budget`` = "epochs" | "steps" | "target",
+    ``length``, ``target``, ``eval_every``), the data (``data_seed``, ``val_fraction``,
+    ``data_options``), ``device`` and ``dtype``. Settings a run ignores (:func:`unused_settings`)
+    do not enter its hash.
+
+    Example::
+
+        >>> config = RunConfig(dataset="digits", method="affine_like", batch_size=32, seed=0)
+        >>> len(config_hash(config.to_dict()))
+        64
+    """
 
     dataset: str
     method: str
@@ -53,6 +81,12 @@ class RunConfig:
     val_fraction: float = 0.1
     data_options: dict = field(default_factory=dict)
     device: str = "cpu"
+    # Added later; see ``_ADDED`` for when each enters the dict.
+    target: float | None = None
+    eval_every: int = 100
+    momentum_grid: tuple[float, ...] = ()
+    grid_extensions: int = 3
+    dtype: str = "float32"
 
     def __post_init__(self):
         check_choice("method", self.method, METHODS)
@@ -60,7 +94,8 @@ class RunConfig:
         check_choice("lr_rule", self.lr_rule, LR_RULES)
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
         check_choice("budget", self.budget, BUDGETS)
-        for name in ("batch_size", "ref_batch_size", "length", "depth", "width"):
+        check_choice("dtype", self.dtype, DTYPES)
+        for name in ("batch_size", "ref_batch_size", "length", "depth", "width", "eval_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -74,14 +109,39 @@ class RunConfig:
             raise ValueError("lr_rule 'tuned' selects the lr on the validation split: it needs val_fraction > 0, got 0")
         if any(not lr > 0 for lr in self.lr_grid):
             raise ValueError(f"every lr in lr_grid must be > 0, got {self.lr_grid}")
+        object.__setattr__(self, "momentum_grid", tuple(float(m) for m in self.momentum_grid))
+        if any(not 0 <= m < 1 for m in self.momentum_grid):
+            raise ValueError(f"every momentum in momentum_grid must be in [0, 1), got {self.momentum_grid}")
+        extensions = self.grid_extensions
+        if isinstance(extensions, bool) or not isinstance(extensions, int) or extensions < 0:
+            raise ValueError(f"grid_extensions must be an integer >= 0, got {self.grid_extensions!r}")
+        if self.budget == "target":
+            self._check_target()
+
+    def _check_target(self) -> None:
+        if isinstance(self.target, bool) or not isinstance(self.target, (int, float)) or not 0 < self.target <= 1:
+            raise ValueError(f"budget 'target' needs a target validation accuracy in (0, 1], got {self.target!r}")
+        if self.val_fraction == 0:
+            raise ValueError("budget 'target' checks the validation accuracy: it needs val_fraction > 0, got 0")
+        grid = sorted(self.lr_grid)
+        if self.lr_rule == "tuned" and any(b / a > MAX_GRID_RATIO * (1 + 1e-9) for a, b in zip(grid, grid[1:])):
+            ratio = max(b / a for a, b in zip(grid, grid[1:]))
+            raise ValueError(f"budget 'target' tunes on an lr_grid spaced by at most x{MAX_GRID_RATIO:g}; "
+                             f"{list(grid)} has a step of x{ratio:g}")
 
     def to_dict(self) -> dict:
         """JSON-ready, with every setting in :func:`unused_settings` at its default value: two configs
         that differ only there train the same run, so they get the same dict (and the same hash)."""
         out = dataclasses.asdict(self)
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        out.update({name: defaults[name] for name in unused_settings(out)})
-        out["lr_grid"] = list(out["lr_grid"])
+        unused = unused_settings(out)
+        out.update({name: defaults[name] for name in unused})
+        for name, legacy in _ADDED.items():
+            if name in unused or out[name] == legacy:
+                del out[name]
+        for name in ("lr_grid", "momentum_grid"):
+            if name in out:
+                out[name] = list(out[name])
         return out
 
     @classmethod
@@ -93,25 +153,37 @@ class RunConfig:
         return cls(**values)
 
 
+# Settings added after runs had been stored, with the value that trains as earlier versions did
+# (None: no such value; the setting is idle for every earlier run). ``to_dict`` leaves them out
+# where they are idle or at that value, so the key of every earlier config stays what it was.
+_ADDED = {"target": None, "eval_every": None, "momentum_grid": (), "grid_extensions": None, "dtype": "float32"}
+
 # Settings that cannot change a run's numbers, by the value of the setting that makes them idle.
 _UNUSED = {
-    ("lr_rule", "constant"): ("lr_grid", "ref_batch_size"),
-    ("lr_rule", "linear"): ("lr_grid",),
-    ("lr_rule", "sqrt"): ("lr_grid",),
+    ("lr_rule", "constant"): ("lr_grid", "ref_batch_size", "momentum_grid", "grid_extensions"),
+    ("lr_rule", "linear"): ("lr_grid", "momentum_grid", "grid_extensions"),
+    ("lr_rule", "sqrt"): ("lr_grid", "momentum_grid", "grid_extensions"),
     ("lr_rule", "tuned"): ("base_lr", "ref_batch_size"),
-    ("optimizer", "sgd"): ("momentum",),
-    ("optimizer", "adam"): ("momentum",),
+    ("optimizer", "sgd"): ("momentum", "momentum_grid"),
+    ("optimizer", "adam"): ("momentum", "momentum_grid"),
+    ("budget", "epochs"): ("target", "eval_every", "grid_extensions"),
+    ("budget", "steps"): ("target", "eval_every", "grid_extensions"),
 }
 
 
 def unused_settings(settings: Mapping) -> set[str]:
     """The names among a run's ``settings`` (a config dict or a record) that its numbers ignore.
 
-    The grid unless ``lr_rule`` is tuned; ``ref_batch_size`` under the constant and tuned rules;
-    ``base_lr`` under tuned; ``momentum`` unless the optimizer is momentum SGD. A record without
-    ``lr_rule`` or ``optimizer`` is taken to use every setting those would idle.
+    The grids unless ``lr_rule`` is tuned; ``ref_batch_size`` under the constant and tuned rules;
+    ``base_lr`` under tuned; ``momentum`` and ``momentum_grid`` unless the optimizer is momentum
+    SGD, and ``momentum`` when a ``momentum_grid`` is tuned; ``target``, ``eval_every`` and
+    ``grid_extensions`` unless the budget is ``target`` (the last also unless tuned). A record
+    without ``lr_rule``, ``optimizer`` or ``budget`` is taken to use every setting those would idle.
     """
-    return {name for key in ("lr_rule", "optimizer") for name in _UNUSED.get((key, settings.get(key)), ())}
+    unused = {name for key in ("lr_rule", "optimizer", "budget") for name in _UNUSED.get((key, settings.get(key)), ())}
+    if "momentum_grid" not in unused and settings.get("momentum_grid"):
+        unused.add("momentum")
+    return unused
 
 
 def learning_rates(config: RunConfig) -> tuple[float, ...]:
@@ -124,6 +196,19 @@ def learning_rates(config: RunConfig) -> tuple[float, ...]:
     if config.lr_rule == "sqrt":
         return (config.base_lr * math.sqrt(ratio),)
     return config.lr_grid
+
+
+def candidates(config: RunConfig) -> list[tuple[float, float | None]]:
+    """The (lr, momentum) pairs the run trains before any grid extension: every lr of
+    :func:`learning_rates` with every value of ``momentum_grid`` (tuned momentum SGD), else with
+    ``momentum`` (momentum SGD) or None (plain SGD, Adam)."""
+    if config.optimizer != "momentum":
+        momenta: tuple[float | None, ...] = (None,)
+    elif config.lr_rule == "tuned" and config.momentum_grid:
+        momenta = config.momentum_grid
+    else:
+        momenta = (config.momentum,)
+    return [(lr, momentum) for lr in learning_rates(config) for momentum in momenta]
 
 
 def canonical_json(value) -> str:

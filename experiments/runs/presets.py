@@ -4,7 +4,10 @@ A preset has three tables that apply to every study, and optionally a list of st
 override them (one report each):
 
     description = "..."
-    [run]        settings shared by every run (any ``RunConfig`` field: dataset, depth, budget, ...)
+    caveats = ["...", ...]   what the study cannot tell (printed at the top of its report)
+    [run]        settings shared by every run (any ``RunConfig`` field: dataset, depth, budget, ...);
+                 ``data_seed = "seed"`` gives every run the data split of its own seed (each seed
+                 then replicates the split as well as the init and the shuffles)
     [grid]       axes: lists of values, crossed (method, batch_size, seed, lr_rule, ...)
     [analysis]   metric, corrected, baselines, margin, ... (keyword arguments of ``analyse``)
     [[study]]    name = "...", and its own [study.run] / [study.grid] / [study.analysis]
@@ -16,16 +19,18 @@ k is a grid axis, v, or the list v, replaces the axis).
 
 from __future__ import annotations
 
+import dataclasses
+import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-import tomllib
-
 from affdiv.experiments.runs.config import RunConfig, expand_grid
 from affdiv.experiments.runs.models import CNN_METHODS, METHODS, MLP_METHODS, check_choice
 
-_SECTIONS = {"description", "run", "grid", "analysis", "study"}
+_SECTIONS = {"description", "caveats", "run", "grid", "analysis", "study"}
+#: ``data_seed = SEED`` in a preset's run settings: every run's data split is drawn from its own seed.
+SEED = "seed"
 
 
 def available_presets() -> list[str]:
@@ -80,8 +85,14 @@ class Preset:
                     grid[key] = list(value) if isinstance(value, list) else [value]
             base = {**self.raw.get("run", {}), **block.get("run", {}), **(run or {})}
             base = {k: v for k, v in base.items() if k not in grid}
+            split_per_seed = base.get("data_seed") == SEED
+            if split_per_seed:
+                del base["data_seed"]
+            configs = expand_grid(base, grid)
+            if split_per_seed:
+                configs = [dataclasses.replace(c, data_seed=c.seed) for c in configs]
             analysis = {**self.raw.get("analysis", {}), **block.get("analysis", {})}
-            studies.append(Study(block["name"], expand_grid(base, grid), analysis))
+            studies.append(Study(block["name"], configs, analysis))
         if not studies:
             raise ValueError(f"none of the methods {methods} is in preset {self.name!r}")
         return studies
@@ -90,13 +101,18 @@ class Preset:
 def load_preset(name_or_path: str) -> Preset:
     """A packaged preset by name (``smoke``, ``fashion``, ``paper``) or a TOML file by path."""
     path = Path(name_or_path)
-    if path.suffix == ".toml" and path.is_file():
+    if path.suffix == ".toml" or len(path.parts) > 1:  # a path, not a packaged name
+        if not path.is_file():
+            raise FileNotFoundError(f"--preset {path}: no such file")
         text, name = path.read_text(), path.stem
     else:
         check_choice("preset", name_or_path, available_presets())
         text = (resources.files("affdiv.experiments.runs") / "presets" / f"{name_or_path}.toml").read_text()
         name = name_or_path
-    raw = tomllib.loads(text)
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        raise ValueError(f"preset {name_or_path}: not valid TOML: {error}") from None
     unknown = sorted(set(raw) - _SECTIONS)
     if unknown:
         raise ValueError(f"preset {name!r}: unknown table(s) {unknown}; expected among {sorted(_SECTIONS)}")

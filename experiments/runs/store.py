@@ -3,6 +3,35 @@
 Durability: WAL journal with ``synchronous=FULL``, and each finished run is written in one
 transaction, so a ``kill -9`` at any moment leaves every committed run intact and no half-written
 one. A single process (the sweep's parent) writes; readers may look at the file concurrently.
+
+Identity: an affdiv store carries ``PRAGMA application_id`` = :data:`APPLICATION_ID`
+(0x41464456, the ASCII bytes "AFDV"; SQLite keeps it at offset 68 of the file header, where
+``file(1)`` can see it). Stores written before the mark existed are recognised by their schema
+(exactly the ``runs`` table below and nothing else) and still read; a writer marks them. Any other
+SQLite file is refused, so a results database is never written into another program's file.
+
+Reading without side effects: ``ResultStore(path, read_only=True)`` opens the file through an
+SQLite URI with ``mode=ro`` (no journal-mode switch, no table creation, nothing written): when
+no ``-wal`` or ``-journal`` file sits next to it (no writer is live and nothing is left to
+recover), also with ``immutable=1``, so that not even the ``-shm``/``-wal`` side files a WAL
+reader would create appear, and a read-only file in a read-only folder can be read.
+
+Integrity: every row's config must hash to its key (a changed config is caught) and its JSON
+must parse; a truncated or damaged file fails SQLite's ``quick_check``. Both are reported as a
+``ValueError`` naming the file. The metrics of a row carry no checksum of their own.
+
+Measurements: a run trained with training measurements (``run_sweep(..., measurements=...)``)
+keeps their dicts (``RunResult.measurements``: ``{"measurement": name, "step": step, ...}``) as
+JSON in the nullable ``measurements`` column (null: none taken); like metrics, a non-finite
+number in them is stored as null. Stores written before that column existed lack it: a writer
+adds it (``ALTER TABLE``), a read-only reader reads such a store as it is (no run has
+measurements). Measurements are not part of a run's key.
+
+One dataset per data definition: runs whose data settings (:data:`DATA_SETTINGS`) are equal were
+trained on the same data only if their data fingerprints are equal (the fingerprint hashes the
+raw data bytes with those settings). :meth:`ResultStore.put` refuses a run whose fingerprint
+differs from the one the store holds for the same data settings, and
+:meth:`ResultStore.check_fingerprints` tells before a sweep starts.
 """
 
 from __future__ import annotations
@@ -11,11 +40,25 @@ import datetime as _dt
 import json
 import math
 import sqlite3
-from collections.abc import Iterable
+import urllib.parse
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from affdiv.experiments.runs.config import canonical_json, config_hash
 
+APPLICATION_ID = 0x41464456  # "AFDV"
+
+_COLUMNS = (
+    ("config_hash", "TEXT", 0, 1),  # (name, type, not null, primary key)
+    ("config", "TEXT", 1, 0),
+    ("metrics", "TEXT", 1, 0),
+    ("curves", "TEXT", 1, 0),
+    ("seconds", "REAL", 1, 0),
+    ("data_fingerprint", "TEXT", 1, 0),
+    ("finished_utc", "TEXT", 1, 0),
+)
+# Added later, nullable: stores without it are read as they are, and a writer adds it.
+_MEASUREMENTS = ("measurements", "TEXT", 0, 0)
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
     config_hash      TEXT PRIMARY KEY,
@@ -24,11 +67,29 @@ CREATE TABLE IF NOT EXISTS runs (
     curves           TEXT NOT NULL,
     seconds          REAL NOT NULL,
     data_fingerprint TEXT NOT NULL,
-    finished_utc     TEXT NOT NULL
+    finished_utc     TEXT NOT NULL,
+    measurements     TEXT
+)
+"""
+
+# Runs that failed on their last attempt in a sweep (the dask executor records them and goes on).
+# Created by the first failure, so a store without failures has the runs table alone.
+_FAILURES = """
+CREATE TABLE IF NOT EXISTS failures (
+    config_hash TEXT PRIMARY KEY,
+    config      TEXT NOT NULL,
+    error       TEXT NOT NULL,
+    kind        TEXT NOT NULL,
+    attempts    INTEGER NOT NULL,
+    detail      TEXT NOT NULL,
+    failed_utc  TEXT NOT NULL
 )
 """
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
+
+#: The run settings that define the data a run trains on (the arguments of its dataset loader).
+DATA_SETTINGS = ("dataset", "data_seed", "val_fraction", "data_options")
 
 
 def _finite_or_none(value):
@@ -38,21 +99,133 @@ def _finite_or_none(value):
     return value
 
 
+def _finite_json(value):
+    """``value`` with every non-finite float in it (in lists and dicts, at any depth) as null."""
+    if isinstance(value, Mapping):
+        return {k: _finite_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite_json(v) for v in value]
+    return _finite_or_none(value)
+
+
 def is_sqlite(path: str | Path) -> bool:
     with open(path, "rb") as handle:
         return handle.read(len(SQLITE_MAGIC)) == SQLITE_MAGIC
 
 
-class ResultStore:
-    """Finished runs in an SQLite file. ``put`` commits one run; everything else reads."""
+def data_key(config: Mapping) -> str:
+    """The data settings of a run's config, as canonical JSON (runs with equal keys share data)."""
+    return canonical_json({name: config.get(name) for name in DATA_SETTINGS})
 
-    def __init__(self, path: str | Path):
+
+def _describe(key: str) -> str:
+    settings = json.loads(key)
+    others = ", ".join(f"{k}={v!r}" for k, v in settings.items() if k != "dataset")
+    return f"dataset {settings.get('dataset')!r} ({others})"
+
+
+def _uri(path: Path, *, immutable: bool) -> str:
+    return f"file:{urllib.parse.quote(str(path.resolve()))}?mode=ro" + ("&immutable=1" if immutable else "")
+
+
+def _side_files(path: Path) -> bool:
+    """Whether a ``-wal`` or ``-journal`` file is next to ``path`` (a live writer or work to recover)."""
+    return any(Path(f"{path}{suffix}").exists() for suffix in ("-wal", "-journal"))
+
+
+def _stamp(path: Path) -> tuple:
+    status = path.stat()
+    return status.st_size, status.st_mtime_ns, _side_files(path)
+
+
+def identify(path: str | Path) -> str:
+    """What ``path`` is, without writing anything: ``"missing"``, ``"empty"`` (a 0-byte file or an
+    SQLite file without tables), ``"affdiv"`` (marked with :data:`APPLICATION_ID`) or ``"legacy"``
+    (an unmarked store of an earlier version: exactly the ``runs`` table).
+
+    Raises ``IsADirectoryError`` for a folder and ``ValueError`` (naming the file) for anything
+    else: not SQLite, damaged, or another program's SQLite database.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{path}: is a folder, expected a results database file")
+    if not path.exists():
+        return "missing"
+    if path.stat().st_size == 0:
+        return "empty"
+    if not is_sqlite(path):
+        raise ValueError(f"{path}: not an SQLite database (an affdiv results store is one)")
+    db = _connect_read_only(path)
+    try:
+        application_id = db.execute("PRAGMA application_id").fetchone()[0]
+        tables = sorted(row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'"))
+        columns = tuple(tuple(row[1:4]) + (row[5],) for row in db.execute("PRAGMA table_info(runs)"))
+    except sqlite3.DatabaseError as error:
+        raise ValueError(f"{path}: damaged SQLite file ({error})") from None
+    finally:
+        db.close()
+    expected = tuple((name, kind, notnull, pk) for name, kind, notnull, pk in _COLUMNS)
+    if columns == (*expected, _MEASUREMENTS):
+        columns = expected
+    if application_id == APPLICATION_ID:
+        if columns != expected:
+            raise ValueError(f"{path}: an affdiv results store without its runs table (damaged); tables {tables}")
+        return "affdiv"
+    if application_id == 0 and not tables:
+        return "empty"
+    if application_id == 0 and tables == ["runs"] and columns == expected:
+        return "legacy"
+    raise ValueError(f"{path}: not an affdiv results store (SQLite application_id {application_id:#x}, "
+                     f"tables {tables}); an affdiv store has application_id {APPLICATION_ID:#x} and a 'runs' table")
+
+
+def _connect_read_only(path: Path) -> sqlite3.Connection:
+    return sqlite3.connect(_uri(path, immutable=not _side_files(path)), uri=True, timeout=60.0,
+                           isolation_level=None)
+
+
+class ResultStore:
+    """Finished runs in an SQLite file. ``put`` commits one run; everything else reads.
+
+    ``read_only=True`` reads an existing store without changing a byte of it (see the module
+    docstring); otherwise the file is created if missing, switched to WAL and marked as an affdiv
+    store. Either way a file that is not an affdiv store is refused (``ValueError`` naming it).
+    """
+
+    def __init__(self, path: str | Path, *, read_only: bool = False):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(self.path, timeout=60.0, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.execute(_SCHEMA)
+        self.read_only = read_only
+        kind = identify(self.path)
+        if read_only and kind == "missing":
+            raise FileNotFoundError(f"{self.path}: no such results database")
+        self._known: dict[str, str] | None = None  # data key -> fingerprint, loaded on first use
+        self._empty = kind in ("missing", "empty")
+        try:
+            if read_only:
+                self._stamp = _stamp(self.path) if kind != "empty" else None
+                self._db = _connect_read_only(self.path)
+            else:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._db = sqlite3.connect(self.path, timeout=60.0, isolation_level=None)
+                self._db.execute("PRAGMA journal_mode=WAL")
+                self._db.execute("PRAGMA synchronous=FULL")
+                self._db.execute(_SCHEMA)
+                if not self._has_measurements():  # a store of an earlier version: add the column
+                    self._db.execute(f"ALTER TABLE runs ADD COLUMN {_MEASUREMENTS[0]} {_MEASUREMENTS[1]}")
+                self._db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+            if kind not in ("missing", "empty"):
+                self._check_integrity()
+        except sqlite3.DatabaseError as error:
+            raise ValueError(f"{self.path}: damaged SQLite file ({error})") from None
+
+    def _has_measurements(self) -> bool:
+        """Whether the runs table has the ``measurements`` column (stores of earlier versions lack it)."""
+        return any(row[1] == _MEASUREMENTS[0] for row in self._query("PRAGMA table_info(runs)"))
+
+    def _check_integrity(self) -> None:
+        problems = [" ".join(str(row[0]).split()) for row in self._db.execute("PRAGMA quick_check(3)")]
+        if problems != ["ok"]:
+            raise ValueError(f"{self.path}: damaged SQLite file (quick_check: {'; '.join(problems)[:300]})")
 
     def close(self) -> None:
         self._db.close()
@@ -63,9 +236,83 @@ class ResultStore:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _query(self, sql: str, parameters=()) -> list[tuple]:
+        """Rows of a read; an SQLite error means a damaged file. A read-only store opened as
+        immutable is read again without that promise if the file changed meanwhile."""
+        if self.read_only and self._empty:  # a 0-byte file or an SQLite file without tables: no runs
+            return []
+        try:
+            rows = self._db.execute(sql, parameters).fetchall()
+            if self.read_only and self._stamp is not None and _stamp(self.path) != self._stamp:
+                self._db.close()  # a writer changed it while we read: read through SQLite's locks
+                self._db = sqlite3.connect(_uri(self.path, immutable=False), uri=True, timeout=60.0,
+                                           isolation_level=None)
+                self._stamp = None
+                rows = self._db.execute(sql, parameters).fetchall()
+        except sqlite3.DatabaseError as error:
+            if "locked" in str(error):  # busy, not damaged
+                raise
+            raise ValueError(f"{self.path}: damaged SQLite file ({error})") from None
+        return rows
+
+    def verify(self) -> int:
+        """Read every row and check it (key, JSON, types; see the module docstring); returns the
+        number of runs. Raises ValueError naming the file and the run."""
+        self.measurements()
+        return len(self._rows(None))
+
+    def measurements(self, hashes: Iterable[str] | None = None) -> dict[str, list[dict]]:
+        """{config hash: the run's measurement dicts} of the runs (``hashes``: of these only) that
+        have measurements; {} for a store of an earlier version (no ``measurements`` column)."""
+        if (self.read_only and self._empty) or not self._has_measurements():
+            return {}
+        rows = self._query("SELECT config_hash, measurements FROM runs WHERE measurements IS NOT NULL")
+        wanted = None if hashes is None else set(hashes)
+        out = {}
+        for key, text in sorted(rows):
+            if wanted is not None and key not in wanted:
+                continue
+            values = self._json(text, key, "measurements")
+            if not isinstance(values, list) or not all(isinstance(v, dict) for v in values):
+                raise ValueError(f"{self.path}: run {key}: malformed measurements (damaged store)")
+            out[key] = values
+        return out
+
     def finished(self) -> set[str]:
         """The config hashes of every run in the store."""
-        return {row[0] for row in self._db.execute("SELECT config_hash FROM runs")}
+        return {row[0] for row in self._query("SELECT config_hash FROM runs")}
+
+    # ------------------------------------------------------------------------- data fingerprints
+    def fingerprints(self) -> dict[str, str]:
+        """{data key (:func:`data_key`): fingerprint} of the runs in the store.
+
+        Raises ValueError if the store already mixes two fingerprints for one data key (written
+        before this check existed).
+        """
+        if self._known is None:
+            known: dict[str, str] = {}
+            for key, config, fingerprint in self._query("SELECT config_hash, config, data_fingerprint FROM runs"):
+                data = data_key(self._json(config, key, "config"))
+                if known.setdefault(data, fingerprint) != fingerprint:
+                    raise ValueError(f"{self.path}: already mixes runs on different data for {_describe(data)}: "
+                                     f"data fingerprints {known[data]} and {fingerprint}")
+            self._known = known
+        return self._known
+
+    def check_fingerprints(self, expected: Mapping[str, str]) -> None:
+        """Refuse data that differs from the data of the runs in the store.
+
+        ``expected``: {data key: fingerprint of the data as it is now}. Raises ValueError naming
+        the dataset, its settings and both fingerprints for the first key whose stored
+        fingerprint differs.
+        """
+        known = self.fingerprints()
+        for key in sorted(expected):
+            if key in known and known[key] != expected[key]:
+                raise ValueError(
+                    f"{self.path} holds runs on {_describe(key)} with data fingerprint {known[key]}, but the data "
+                    f"now gives {expected[key]}: the data files changed since those runs; restore them or use "
+                    "another results database")
 
     def put(
         self,
@@ -75,12 +322,22 @@ class ResultStore:
         curves: list[dict],
         seconds: float,
         data_fingerprint: str,
+        measurements: list[dict] | None = None,
     ) -> str:
         """Commit one finished run in one transaction; returns its config hash.
 
+        ``measurements``: the run's measurement dicts (``RunResult.measurements``), kept as JSON
+        (non-finite numbers as null); None or [] stores null.
+
         A run already present (same hash) is left as it is: a finished run is never overwritten.
+        A run whose data fingerprint differs from that of the stored runs with the same data
+        settings is refused (ValueError), so one store never mixes two versions of a dataset.
         """
+        if self.read_only:
+            raise PermissionError(f"{self.path}: opened read-only")
         key = config_hash(config)
+        data = data_key(config)
+        self.check_fingerprints({data: data_fingerprint})
         row = (
             key,
             canonical_json(config),
@@ -88,34 +345,98 @@ class ResultStore:
             canonical_json([{k: _finite_or_none(v) for k, v in c.items()} for c in curves]),
             float(seconds),
             data_fingerprint,
-            _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+            canonical_json(_finite_json(list(measurements))) if measurements else None,
         )
         with self._db:  # BEGIN ... COMMIT (rolled back on error)
             self._db.execute("BEGIN IMMEDIATE")
-            self._db.execute("INSERT OR IGNORE INTO runs VALUES (?, ?, ?, ?, ?, ?, ?)", row)
+            self._db.execute("INSERT OR IGNORE INTO runs (config_hash, config, metrics, curves, seconds, "
+                             "data_fingerprint, finished_utc, measurements) VALUES (?, ?, ?, ?, ?, ?, ?, ?)", row)
+        self.fingerprints().setdefault(data, data_fingerprint)
         return key
 
+    def put_failure(self, config: dict, *, error: str, kind: str, attempts: int, detail: str = "") -> str:
+        """Record that a run failed on its last attempt (``kind``: "worker died", "exception", ...;
+        ``error`` one line, ``detail`` a traceback), in one transaction; returns its config hash.
+
+        The run stays unfinished, so a resumed sweep trains it again. A later failure of the same
+        run replaces its record; once the run is finished, :meth:`failures` leaves it out.
+        """
+        if self.read_only:
+            raise PermissionError(f"{self.path}: opened read-only")
+        key = config_hash(config)
+        row = (key, canonical_json(config), str(error), str(kind), int(attempts), str(detail),
+               _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"))
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            self._db.execute(_FAILURES)
+            self._db.execute("INSERT OR REPLACE INTO failures VALUES (?, ?, ?, ?, ?, ?, ?)", row)
+        return key
+
+    def failures(self, hashes: Iterable[str] | None = None) -> list[dict]:
+        """The recorded failures of runs that are still unfinished (``hashes``: of these runs only):
+        ``{config_hash, config, error, kind, attempts, detail, failed_utc}`` each, in the order of
+        :meth:`records`."""
+        tables = {row[0] for row in self._query("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if "failures" not in tables:
+            return []
+        rows = self._query("SELECT config_hash, config, error, kind, attempts, detail, failed_utc FROM failures "
+                           "WHERE config_hash NOT IN (SELECT config_hash FROM runs)")
+        wanted = None if hashes is None else set(hashes)
+        out = []
+        for key, config, error, kind, attempts, detail, failed_utc in rows:
+            if wanted is None or key in wanted:
+                config = self._json(config, key, "config")
+                out.append({"config_hash": key, "config": config, "error": error, "kind": kind,
+                            "attempts": attempts, "detail": detail, "failed_utc": failed_utc})
+        return sorted(out, key=lambda f: _record_order({**f["config"], "config_hash": f["config_hash"]}))
+
+    # ---------------------------------------------------------------------------------- reading
+    def _json(self, text, key: str, column: str):
+        try:
+            return json.loads(text)
+        except (TypeError, ValueError):
+            raise ValueError(f"{self.path}: run {key}: column {column!r} is not valid JSON (damaged store)") from None
+
     def _rows(self, hashes: Iterable[str] | None):
-        rows = self._db.execute(
-            "SELECT config_hash, config, metrics, curves, seconds, data_fingerprint FROM runs"
-        ).fetchall()
+        """(key, config, metrics, curves, seconds, fingerprint), JSON parsed and the key checked."""
+        rows = self._query("SELECT config_hash, config, metrics, curves, seconds, data_fingerprint FROM runs")
         if hashes is not None:
             wanted = set(hashes)
             rows = [row for row in rows if row[0] in wanted]
-        return sorted(rows)  # by config hash: the order of the file never leaks into a report
+        out = []
+        for key, config, metrics, curves, seconds, fingerprint in sorted(rows):  # the file's order never leaks
+            config = self._json(config, key, "config")
+            if not isinstance(config, dict) or config_hash(config) != key:
+                raise ValueError(f"{self.path}: run {key}: its config does not hash to its key (the store was "
+                                 "modified outside affdiv)")
+            metrics, curves = self._json(metrics, key, "metrics"), self._json(curves, key, "curves")
+            if not isinstance(metrics, dict) or not isinstance(curves, list) or not isinstance(seconds, int | float):
+                raise ValueError(f"{self.path}: run {key}: malformed metrics, curves or seconds (damaged store)")
+            out.append((key, config, metrics, curves, seconds, fingerprint))
+        return out
 
     def records(self, hashes: Iterable[str] | None = None, *, metric: str = "test_accuracy") -> list[dict]:
-        """One flat dict per run: its config, its metrics, ``metric`` copied to key "metric".
+        """One flat dict per run: its config, its metrics, ``metric`` copied to key "metric", and for
+        a run with measurements the columns of
+        :func:`~affdiv.experiments.runs.divergence_measurement.record_columns` (at its batch size)
+        and :func:`~affdiv.experiments.runs.noise_scale.record_columns`.
 
         Sorted by (method, batch_size, seed, config hash); timing is left out, so the records
         of a sweep do not depend on when or in what order its runs finished.
         """
         out = []
+        measured = self.measurements(hashes)
+        if measured:
+            from affdiv.experiments.runs import divergence_measurement, noise_scale
         for key, config, metrics, _curves, _seconds, fingerprint in self._rows(hashes):
-            record = {**json.loads(config), **json.loads(metrics)}
+            record = {**config, **metrics}
             if metric not in record:
-                raise KeyError(f"metric {metric!r} not in run {key}; it has: {sorted(record)}")
+                raise ValueError(f"{self.path}: metric {metric!r} not in run {key}; it has: {sorted(record)}")
             record.update(metric=record[metric], config_hash=key, data_fingerprint=fingerprint)
+            if key in measured:  # each measurement's columns (none when the run has no such measurements)
+                record.update(divergence_measurement.record_columns(measured[key], batch_size=record["batch_size"]))
+                record.update(noise_scale.record_columns(measured[key]))
             out.append(record)
         return sorted(out, key=_record_order)
 
@@ -123,9 +444,9 @@ class ResultStore:
         """Per-epoch points of every run, each tagged with its run's config and hash."""
         out = []
         for key, config, _metrics, curves, _seconds, _fingerprint in self._rows(hashes):
-            tags = {**json.loads(config), "config_hash": key}
-            out += [{**tags, **point} for point in json.loads(curves)]
-        return sorted(out, key=lambda c: (*_record_order(c), c["epoch"]))
+            tags = {**config, "config_hash": key}
+            out += [{**tags, **point} for point in curves if isinstance(point, dict)]
+        return sorted(out, key=lambda c: (*_record_order(c), c.get("epoch", 0)))
 
     def seconds(self, hashes: Iterable[str] | None = None) -> float:
         """Total compute time of the runs (for provenance, never for a report's numbers)."""
@@ -142,3 +463,4 @@ class ResultStore:
 
 def _record_order(record: dict) -> tuple:
     return (str(record["method"]), int(record["batch_size"]), int(record["seed"]), record.get("config_hash", ""))
+

@@ -7,9 +7,27 @@ writer: SQLite serialises writers anyway, so worker-side writes would only add l
 busy-timeouts, and a worker killed while holding the write lock could stall the others; with the
 parent writing, a ``kill -9`` of anything loses at most the runs still being computed.
 
+Units of work: with ``stack`` (the default) the runs that can train together
+(:mod:`~affdiv.experiments.runs.grouping`: same everything but seed, data split and
+learning-rate settings) go to a worker as one ensemble, cut to fit ``ensemble_memory``; without,
+each run is a unit. A unit's runs are committed when it finishes.
+
+A worker that dies (the out-of-memory killer's SIGKILL, a segfault) breaks the process pool:
+every unit in flight fails with ``BrokenProcessPool``. The parent then starts a fresh pool and
+submits those units again; at most ``workers`` units are in flight at a time, so exactly those
+are retried. A unit in flight at ``max_attempts`` such deaths stops the sweep with an error that
+names its runs; finished units are never lost.
+
 Workers never outlive the parent: on Linux each asks the kernel for SIGKILL when its parent dies
-(``prctl(PR_SET_PDEATHSIG)``), elsewhere a watchdog thread polls the parent's pid; and a SIGTERM to
-the parent raises SystemExit there, so leaving the ``with Pool`` block terminates the workers.
+(``prctl(PR_SET_PDEATHSIG)``), elsewhere a watchdog thread polls the parent's pid; a SIGTERM to
+the parent raises SystemExit there, and leaving the pool on any exception kills the workers.
+
+With ``executor="dask"`` the same units go to a Dask distributed scheduler instead
+(:mod:`~affdiv.experiments.runs.dask_executor`: a ``LocalCluster`` started here, or the scheduler
+at ``scheduler``). The parent is still the only writer: each unit's results come back and are
+committed here as it completes. A unit whose worker died, or which raised, is retried up to
+``retries`` times; after the last attempt its runs are recorded as failed
+(:meth:`ResultStore.put_failure`) and the sweep goes on (``SweepOutcome.failed`` lists them).
 
 Workers are sized to the machine: by default one worker per usable CPU, each with one torch
 thread. One thread per run is deliberate: the numbers of a run then do not depend on how many
@@ -20,8 +38,12 @@ digits run 20-70x slower in our measurement).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
+import functools
+import inspect
+import logging
 import multiprocessing
 import os
 import signal
@@ -29,14 +51,20 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
 from typing import TextIO
 
 import torch
 
+from affdiv._extras import require
 from affdiv.experiments.runs.config import RunConfig, config_hash
+from affdiv.experiments.runs.grouping import DEFAULT_ENSEMBLE_MEMORY, plan_ensembles
 from affdiv.experiments.runs.store import ResultStore
-from affdiv.experiments.runs.training import train_run
+from affdiv.experiments.runs.training import Measurement, train_group
+
+log = logging.getLogger(__name__)
 
 
 def available_cpus() -> int:
@@ -86,10 +114,35 @@ def _die_with_parent(parent: int) -> None:
         threading.Thread(target=watch, name="affdiv-parent-watchdog", daemon=True).start()
 
 
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # from <malloc.h>
+
+
+def keep_freed_memory() -> None:
+    """Have glibc keep freed memory for reuse instead of returning it to the kernel.
+
+    By default glibc serves blocks above a (dynamic, at most 32 MiB) threshold with mmap and
+    unmaps them when freed, so the next allocation of that size faults in fresh zeroed pages. A
+    stacked step allocates gradients and activations of K models (tens of MB) every step, and
+    those page faults cost as much as the GEMMs: a 48×256×784 float32 ``bmm`` ran at 9 GFLOP/s into
+    fresh memory and at 18-19 GFLOP/s into reused memory (one thread, this machine). With
+    ``M_MMAP_THRESHOLD`` 1 GiB and ``M_TRIM_THRESHOLD`` 2 GiB the heap keeps them: the process's
+    resident memory stays at its peak instead. Changes no number. A no-op without glibc.
+    """
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc
+        return
+    mallopt(_M_MMAP_THRESHOLD, 2**30)
+    mallopt(_M_TRIM_THRESHOLD, 2**31)
+
+
 def _init_worker(threads: int, data_dir: str | None, parent: int | None = None) -> None:
+    """Set up a process that trains runs; a pool worker (``parent`` given) also dies with its
+    parent and keeps freed memory (:func:`keep_freed_memory`)."""
     global _DATA_DIR
     if parent is not None:
         _die_with_parent(parent)
+        keep_freed_memory()
     _DATA_DIR = data_dir
     # cuBLAS is deterministic only with a fixed workspace; set before this process touches CUDA.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -97,14 +150,30 @@ def _init_worker(threads: int, data_dir: str | None, parent: int | None = None) 
     torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-def _run_one(config: RunConfig) -> tuple[RunConfig, dict]:
-    result = train_run(config, dataset_for(config, _DATA_DIR))
-    return config, {
-        "metrics": result.metrics,
-        "curves": result.curves,
-        "seconds": result.seconds,
-        "data_fingerprint": result.data_fingerprint,
-    }
+def _init_dask_worker(threads: int, data_dir: str | None) -> None:
+    """Set up a Dask worker process (run once in each, before its first unit): keep freed memory
+    and :func:`_init_worker`. Its nanny, not this process, watches the parent."""
+    keep_freed_memory()
+    _init_worker(threads, data_dir)
+
+
+_SET_UP = object()  # _run_unit's default data folder: the one _init_worker set in this process
+
+
+def _run_unit(unit: Sequence[RunConfig], stack: bool, measurements: Sequence[Measurement],
+              data_dir: str | None | object = _SET_UP) -> list[tuple]:
+    """Train one unit (runs of one ensemble key); returns (config, store fields) per run. ``data_dir``
+    travels with a Dask task (a worker may serve several sweeps); pool workers use their own."""
+    folder = _DATA_DIR if data_dir is _SET_UP else data_dir
+    results = train_group(unit, [dataset_for(c, folder) for c in unit], stack=stack, measurements=measurements)
+    out = []
+    for config, result in zip(unit, results):
+        fields = {"metrics": result.metrics, "curves": result.curves, "seconds": result.seconds,
+                  "data_fingerprint": result.data_fingerprint}
+        if result.measurements:
+            fields["measurements"] = result.measurements
+        out.append((config, fields))
+    return out
 
 
 # ----------------------------------------------------------------------------- parent side
@@ -115,13 +184,14 @@ class Progress:
 
     def __init__(self, total: int, skipped: int, stream: TextIO | None, width: int = 30):
         self.total, self.skipped, self.stream, self.width = total, skipped, stream, width
-        self.done, self.start = 0, time.monotonic()
+        self.done, self.failed, self.start = 0, 0, time.monotonic()
         self.tty = bool(stream) and hasattr(stream, "isatty") and stream.isatty()
         self._last_line = -1.0
         self._show()
 
-    def advance(self) -> None:
+    def advance(self, failed: bool = False) -> None:
         self.done += 1
+        self.failed += failed
         self._show()
 
     def _show(self) -> None:
@@ -136,7 +206,8 @@ class Progress:
         filled = int(round(self.width * fraction))
         line = (
             f"[{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total} runs"
-            f" ({self.skipped} already done) elapsed {_clock(elapsed)} ETA {_clock(eta)}"
+            f" ({self.skipped} already done{f', {self.failed} failed' if self.failed else ''})"
+            f" elapsed {_clock(elapsed)} ETA {_clock(eta)}"
         )
         end = "" if self.tty and self.done < self.total else "\n"
         print(("\r" if self.tty else "") + line, end=end, file=self.stream, flush=True)
@@ -157,6 +228,29 @@ class SweepOutcome:
     skipped: int  # found finished in the store
     workers: int
     threads: int
+    units: int = 0  # units of work (ensembles, or single runs without stacking)
+    restarts: int = 0  # process pools started again after a worker died
+    executor: str = "local"
+    scheduler: str | None = None  # the dask scheduler's address
+    # runs that failed on their last attempt (dask executor; recorded in the store's failures):
+    # {config_hash, method, batch_size, seed, lr_rule, error, kind, attempts}
+    failed: list[dict] = field(default_factory=list)
+
+
+EXECUTORS = ("local", "dask")
+
+
+def check_executor(executor: str, scheduler: str | None = None, retries: int | None = None) -> None:
+    """Refuse an unknown executor, a ``scheduler`` without the dask executor, a negative ``retries``
+    (ValueError naming the option), and the dask executor without its extra (MissingExtra)."""
+    if executor not in EXECUTORS:
+        raise ValueError(f"--executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
+    if scheduler is not None and executor != "dask":
+        raise ValueError(f"--scheduler {scheduler} needs --executor dask (the local executor has no scheduler)")
+    if retries is not None and (isinstance(retries, bool) or not isinstance(retries, int) or retries < 0):
+        raise ValueError(f"--retries must be an integer >= 0, got {retries!r}")
+    if executor == "dask":
+        require("dask", "distributed", extra="dask", feature="affdiv falsify --executor dask")
 
 
 def run_sweep(
@@ -168,21 +262,43 @@ def run_sweep(
     threads: int | None = None,
     progress: TextIO | None = sys.stderr,
     on_result: Callable[[RunConfig], None] | None = None,
+    stack: bool = True,
+    ensemble_memory: int = DEFAULT_ENSEMBLE_MEMORY,
+    measurements: Sequence[Measurement] = (),
+    max_attempts: int = 3,
+    executor: str = "local",
+    scheduler: str | None = None,
+    retries: int | None = None,
 ) -> SweepOutcome:
     """Train every config not yet in ``store``; commit each as it finishes.
 
     ``workers`` defaults to the usable CPUs, ``threads`` (torch threads per worker) to 1.
-    ``workers=1`` trains in this process (no pool).
+    ``workers=1`` trains in this process (no pool). ``stack``: train the runs that can share an
+    ensemble stacked (:func:`~affdiv.experiments.runs.training.train_group`), each ensemble
+    within ``ensemble_memory`` bytes; ``measurements`` are kept with every run (they train one
+    at a time). A unit is tried at most ``max_attempts`` times when workers die under it.
+
+    ``executor="dask"``: the units run on the Dask scheduler at ``scheduler`` (None: a LocalCluster
+    of ``workers`` processes started here); each is tried ``retries`` + 1 times (default
+    ``max_attempts``) for worker deaths and for exceptions alike, then its runs are recorded as
+    failed and the sweep goes on. With the local executor, ``retries`` (when given) sets
+    ``max_attempts`` = ``retries`` + 1.
     """
+    check_executor(executor, scheduler, retries)
+    if retries is not None:
+        max_attempts = retries + 1
     workers = available_cpus() if workers is None else workers
     threads = 1 if threads is None else threads
-    if workers < 1 or threads < 1:
-        raise ValueError(f"workers and threads must be >= 1, got workers={workers}, threads={threads}")
+    if workers < 1 or threads < 1 or max_attempts < 1:
+        raise ValueError(f"workers, threads and max_attempts must be >= 1, got workers={workers}, "
+                         f"threads={threads}, max_attempts={max_attempts}")
+    if measurements and "measurements" not in inspect.signature(store.put).parameters:
+        raise ValueError(f"measurements {[m.name for m in measurements]} need a results store that keeps them; "
+                         f"{type(store).__name__}.put takes no 'measurements'")
     hashes = [config_hash(c.to_dict()) for c in configs]
     done = store.finished()
-    # Smallest batches first: under an epoch budget they take the most steps, so starting them
-    # early balances the workers; the order never reaches the results.
-    pending = sorted((c for c, h in zip(configs, hashes) if h not in done), key=lambda c: c.batch_size)
+    pending = [c for c, h in zip(configs, hashes) if h not in done]
+    units = _units(pending, stack, ensemble_memory, data_dir)
     bar = Progress(len(pending), len(configs) - len(pending), progress)
 
     def commit(config: RunConfig, result: dict) -> None:
@@ -191,24 +307,165 @@ def run_sweep(
         if on_result is not None:
             on_result(config)
 
-    workers = min(workers, max(1, len(pending)))
-    if workers == 1:
+    failed: list[dict] = []
+
+    def fail(config: RunConfig, failure) -> None:
+        key = store.put_failure(config.to_dict(), error=failure.error, kind=failure.kind, attempts=failure.attempts,
+                                detail=failure.detail)
+        failed.append({"config_hash": key, "method": config.method, "batch_size": config.batch_size,
+                       "seed": config.seed, "lr_rule": config.lr_rule, "error": failure.error, "kind": failure.kind,
+                       "attempts": failure.attempts})
+        bar.advance(failed=True)
+
+    workers = min(workers, max(1, len(units)))
+    restarts = 0
+    address = None
+    if executor == "dask":
+        if units:
+            with _sigterm_exits():
+                ran = _run_on_dask(units, stack, measurements, commit, fail, scheduler=scheduler, workers=workers,
+                                   threads=threads, data_dir=data_dir, retries=max_attempts - 1)
+            address, workers = ran.scheduler, workers if ran.in_process else ran.slots
+        if failed:
+            log.warning("%d run(s) failed on every attempt, recorded as failed (a resumed sweep tries them again): %s",
+                        len(failed), "; ".join(f"{f['method']} B={f['batch_size']} seed={f['seed']} "
+                                               f"lr_rule={f['lr_rule']}: {f['error']}" for f in failed))
+    elif workers == 1:
         previous = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
                     torch.is_deterministic_algorithms_warn_only_enabled())
         _init_worker(threads, data_dir)
         try:
-            for config in pending:
-                commit(*_run_one(config))
+            for unit in units:
+                for config, result in _run_unit(unit, stack, measurements):
+                    commit(config, result)
         finally:
             torch.set_num_threads(previous[0])
             torch.use_deterministic_algorithms(previous[1], warn_only=previous[2])
-    elif pending:
-        context = multiprocessing.get_context("spawn")
-        with _sigterm_exits(), context.Pool(workers, initializer=_init_worker,
-                                            initargs=(threads, data_dir, os.getpid())) as pool:
-            for config, result in pool.imap_unordered(_run_one, pending, chunksize=1):
-                commit(config, result)
-    return SweepOutcome(hashes, len(pending), len(configs) - len(pending), workers, threads)
+    elif units:
+        with _sigterm_exits():
+            restarts = _run_in_pools(units, (stack, measurements), commit, workers, (threads, data_dir, os.getpid()),
+                                     max_attempts)
+    return SweepOutcome(hashes, len(pending), len(configs) - len(pending), workers, threads, len(units), restarts,
+                        executor, address, failed)
+
+
+def _run_on_dask(units: list[tuple], stack: bool, measurements: Sequence[Measurement], commit, fail, *,
+                 scheduler: str | None, workers: int, threads: int, data_dir: str | None, retries: int):
+    """Run ``units`` with :func:`~affdiv.experiments.runs.dask_executor.run_units`; ``commit`` each
+    finished run here, ``fail`` each run of a unit that failed on its last attempt. Units of CUDA
+    runs each take one ``GPU`` of the workers' resources."""
+    from affdiv.experiments.runs.dask_executor import UnitFailed, run_units
+
+    def on_done(unit, result) -> None:
+        if isinstance(result, UnitFailed):
+            for config in unit:
+                fail(config, result)
+        else:
+            for config, fields in result:
+                commit(config, fields)
+
+    cuda = any(str(config.device).startswith("cuda") for unit in units for config in unit)
+    if cuda and scheduler is None and workers > 1:
+        # Every in-process worker would see the same device: one worker, so one unit on the GPU at a
+        # time. For several GPUs, start one worker per GPU (CUDA_VISIBLE_DEVICES, --resources GPU=1).
+        log.warning("--device cuda with the in-process cluster: 1 worker instead of %d (one GPU)", workers)
+        workers = 1
+    work = functools.partial(_run_unit, stack=stack, measurements=tuple(measurements), data_dir=data_dir)
+    setup = functools.partial(_init_dask_worker, threads, data_dir)
+    return run_units(units, work, on_done, scheduler=scheduler, workers=workers, setup=setup, retries=retries,
+                     resources={"GPU": 1} if cuda else None, name="affdiv-unit")
+
+
+def _units(pending: Sequence[RunConfig], stack: bool, memory: int, data_dir: str | None) -> list[tuple]:
+    """The units of work: ensembles (``stack``) or single runs, smallest batches first (under an
+    epoch budget they take the most steps, so starting them early balances the workers; the
+    order never reaches the results)."""
+    if stack:
+        def shape_of(config):
+            data = dataset_for(config, data_dir)
+            return tuple(data.input_shape), data.num_classes
+
+        units = [tuple(unit) for unit in plan_ensembles(pending, shape_of, memory)]
+    else:
+        units = [(config,) for config in pending]
+    return sorted(units, key=lambda unit: unit[0].batch_size)
+
+
+def _run_in_pools(units: list[tuple], options: tuple, commit, workers: int, initargs: tuple,
+                  max_attempts: int) -> int:
+    """Run ``units`` in process pools of ``workers`` workers, at most ``workers`` in flight,
+    committing each unit's results as it finishes; after a worker's death, a fresh pool retries
+    the units that were in flight. Returns the number of restarts."""
+    queue = collections.deque(range(len(units)))
+    attempts = collections.Counter()
+    restarts = 0
+    while queue:
+        lost, exits = [], []
+        with _pool(workers, initargs) as executor:
+            in_flight: dict = {}
+            while (queue or in_flight) and not lost:
+                while queue and len(in_flight) < workers:
+                    index = queue.popleft()
+                    in_flight[executor.submit(_run_unit, units[index], *options)] = index
+                processes = _worker_processes(executor)
+                finished, _ = wait(in_flight, return_when=FIRST_COMPLETED)
+                if any(isinstance(f.exception(), BrokenProcessPool) for f in finished):
+                    finished, _ = wait(in_flight)  # the break fails every unit in flight: collect them all
+                    for process in processes:  # reaped, so that each exit code is known (None until then)
+                        process.join(timeout=10)
+                    exits = [p.exitcode for p in processes]
+                for future in finished:
+                    index = in_flight.pop(future)
+                    if isinstance(future.exception(), BrokenProcessPool):
+                        lost.append(index)
+                        continue
+                    for config, result in future.result():
+                        commit(config, result)
+        if lost:
+            restarts += 1
+            _after_worker_death(lost, units, attempts, exits, max_attempts)
+            queue.extendleft(reversed(lost))
+    return restarts
+
+
+def _after_worker_death(lost: list[int], units: list[tuple], attempts: collections.Counter, exits: list,
+                        max_attempts: int) -> None:
+    """Count the attempt of every lost unit; raise if one has had ``max_attempts``, else log."""
+    attempts.update(lost)
+    died = [code for code in exits if code not in (None, 0, -signal.SIGTERM)] or exits
+    runs = sum(len(units[i]) for i in lost)
+    exhausted = [i for i in lost if attempts[i] >= max_attempts]
+    if exhausted:
+        names = "; ".join(f"{c.method} B={c.batch_size} seed={c.seed} lr_rule={c.lr_rule}"
+                          for i in exhausted for c in units[i])
+        raise RuntimeError(f"a worker process died {max_attempts} times while training these runs (exit codes "
+                           f"{died}; -9 is SIGKILL, which the out-of-memory killer sends): {names}. Lower "
+                           "--ensemble-memory or --workers, or train them with --stack off")
+    log.warning("a worker process died (exit codes %s; -9 is SIGKILL, as sent by the out-of-memory killer) with "
+                "%d run(s) in flight; restarting the workers and training them again (attempt %d of %d)",
+                died, runs, max(attempts[i] for i in lost) + 1, max_attempts)
+
+
+@contextlib.contextmanager
+def _pool(workers: int, initargs: tuple):
+    """A spawn-context ProcessPoolExecutor; leaving it by an exception kills its workers first
+    (``shutdown`` alone would wait for the units they are training)."""
+    context = multiprocessing.get_context("spawn")
+    executor = ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker, initargs=initargs)
+    try:
+        yield executor
+    except BaseException:
+        for process in _worker_processes(executor):
+            process.kill()
+        executor.shutdown(wait=False, cancel_futures=True)
+        raise
+    executor.shutdown(wait=True)
+
+
+def _worker_processes(executor: ProcessPoolExecutor) -> list:
+    """The executor's worker processes (its ``_processes``: private, present since Python 3.2;
+    the only way to kill them or read their exit codes)."""
+    return list((executor._processes or {}).values())
 
 
 @contextlib.contextmanager

@@ -1,66 +1,119 @@
-"""One training run: a config in, its metrics and per-epoch curves out.
+"""Training runs: configs in, metrics, curves (and measurements) out.
 
 Optimisation is plain SGD as in the paper (no weight decay, no gradient clipping); momentum SGD
-and Adam are options. The budget is explicit: ``length`` epochs or ``length`` optimizer steps,
-every step on a full batch (the last partial batch of an epoch is dropped, so every update sees
-exactly ``batch_size`` samples). The learning rate for batch size B follows ``lr_rule``:
+and Adam are options (:mod:`~affdiv.experiments.runs.optimizers`). Every step is on a full batch
+of ``batch_size`` samples drawn without replacement: each epoch is a fresh permutation of the
+training split (``torch.randperm`` from a generator seeded with the run's seed), cut into
+batches, its last partial batch dropped. The budget (``budget``, ``length``):
 
-    constant   lr = base_lr
-    linear     lr = base_lr * B / ref_batch_size
-    sqrt       lr = base_lr * sqrt(B / ref_batch_size)
-    tuned      every lr in ``lr_grid`` is trained (same init, same shuffles); the one with the best
-               validation accuracy is kept, and only then is the test split evaluated, once.
+    epochs   length epochs
+    steps    length optimizer steps
+    target   steps until the validation accuracy reaches ``target``, at most length (= max_steps)
 
-A run whose training or validation loss becomes non-finite is *diverged*: that is a result, not
-an error. Its test accuracy is recorded as chance, 1/num_classes (a network with non-finite
-weights predicts nothing better than a guess; a number, not NaN, so that every run keeps a row in
-the records), its test loss as NaN (null in the store), and ``diverged`` = 1 marks it. The
-analysis never lets such a run decide a verdict: a method with a diverged run in a group is
-inconclusive there (:mod:`affdiv.experiments.analysis.decision`).
+*Checks* evaluate the validation split: at the end of every epoch (and of the last, partial one
+of a ``steps`` budget), or every ``eval_every`` steps and at max_steps under ``target``. Each
+check adds a curve point {"epoch" (the epoch it falls in, from 1), "step", "train_loss" (mean
+over the steps since the previous check), "val_loss", "val_metric" (accuracy)}. Under the target
+budget, ``steps_to_target`` is the step of the first check with val accuracy >= target; a run
+that never gets there within max_steps is *censored*.
 
-``val_fraction`` = 0 trains without a validation split: the curves and metrics then carry no
-validation numbers (None), and divergence is judged on the training loss alone. The ``tuned``
-rule selects on validation accuracy, so it requires ``val_fraction`` > 0.
+*Candidates*: a run trains one model per (lr, momentum) of :func:`~affdiv.experiments.runs.
+config.candidates` (one for a scaling rule; the grid for ``tuned``), all from the same init
+(``torch.manual_seed(seed)`` before building) with the same shuffles, in lockstep. The kept one
+ranks highest by (not diverged; reached the target; fewer steps to it; validation accuracy, then
+−loss at its last check; smaller lr; smaller momentum), and only then is the test split
+evaluated, once. Under the target budget, once a candidate reaches the target at a check no
+other can reach it in fewer steps, so all of the run's candidates stop at that check; and when
+the kept lr is the smallest or largest tried, the grid grows by one ×2 step that way (for every
+momentum), the new candidates stopping at the best step count so far, at most
+``grid_extensions`` times. ``lr_at_grid_edge`` = 1 marks a tuned run whose kept lr still sits
+on an edge of the lrs tried: it may not be the optimum.
 
-Determinism: the init is seeded by ``torch.manual_seed(seed)`` and the shuffles by their own
-``torch.Generator``; on CPU with a fixed thread count the same config gives the same numbers.
+A candidate whose training or validation loss becomes non-finite is *diverged* at that check and
+stops: a result, not an error. A diverged run's test accuracy is recorded as chance,
+1/num_classes (a number, not NaN, so that every run keeps a row in the records), its test loss
+as NaN (null in the store), and ``diverged`` = 1 marks it (its ``steps_to_target`` is None and
+``censored`` 0). The analysis never lets such a run decide a verdict
+(:mod:`affdiv.experiments.analysis.decision`). ``val_fraction`` = 0 trains without validation
+numbers (None) and judges divergence on the training loss alone; ``tuned`` and ``target`` need
+a validation split.
+
+*Engines*: the loop (:func:`_lockstep`) is the same for one run and for many; what takes a step
+differs. :class:`OneAtATime` keeps each model a module with its own torch.optim optimizer and
+steps them one after the other (:func:`train_run`: the numbers a run has always had);
+:class:`~affdiv.experiments.runs.stacked.StackedEnsemble` steps all of them as one vmapped
+model. :func:`train_group` trains runs of one :func:`~affdiv.experiments.runs.grouping.
+ensemble_key` stacked, or one at a time where stacking is off, impossible (logged) or the runs
+carry measurements (logged).
+
+*Measurements*: a :class:`Measurement` ``fn(model, step, data) -> dict`` is called for every
+candidate at step 0 and every ``every`` steps, on a copy of the model in train mode, with the
+run's dataset; its dicts are kept with the run (``RunResult.measurements``, the kept candidate's).
+
+Determinism: on CPU with a fixed thread count the same configs give the same numbers.
 """
 
 from __future__ import annotations
 
+import copy
+import inspect
+import logging
 import math
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from affdiv.experiments.runs.config import RunConfig, learning_rates
+from affdiv.experiments.runs.config import RunConfig, candidates
+from affdiv.experiments.runs.grouping import ensemble_key
 from affdiv.experiments.runs.models import build_model
+from affdiv.experiments.runs.optimizers import make_optimizer
+from affdiv.experiments.runs.stacked import StackedEnsemble, stack_failure
 
 _EVAL_CHUNK = 4096
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class RunResult:
-    """A finished run: final metrics, one curve point per (possibly partial) epoch, seconds taken."""
+    """A finished run: final metrics, one curve point per check, seconds taken, measurements."""
 
     metrics: dict
     curves: list[dict]
     seconds: float
     data_fingerprint: str
+    measurements: list[dict] = field(default_factory=list)
 
 
-def make_optimizer(config: RunConfig, params, lr: float) -> torch.optim.Optimizer:
-    if config.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=0.0, weight_decay=0.0)
-    if config.optimizer == "momentum":
-        return torch.optim.SGD(params, lr=lr, momentum=config.momentum, weight_decay=0.0)
-    return torch.optim.Adam(params, lr=lr, weight_decay=0.0)
+def _takes_config(fn) -> bool:
+    """Whether a measurement's ``fn`` takes the run's config as a fourth positional argument."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(p.kind in kinds for p in parameters) >= 4
 
 
-def _tensors(split, device) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.as_tensor(split.x, device=device), torch.as_tensor(split.y, device=device)
+@dataclass(frozen=True)
+class Measurement:
+    """``fn(model, step, data) -> dict`` of JSON numbers, called at step 0 and every ``every``
+    steps of every run (after that step's update). ``model`` is a copy, in train mode, so
+    nothing the callback does (a forward in train mode updates BatchNorm's statistics) reaches
+    training; ``data`` is the run's :class:`~affdiv.experiments.data.dataset.Dataset`. An ``fn``
+    with a fourth positional parameter is called ``fn(model, step, data, config)`` with the run's
+    :class:`RunConfig`. ``fn`` must be picklable (a module-level function) to reach a sweep's workers."""
+
+    name: str
+    every: int
+    fn: Callable[[torch.nn.Module, int, object], Mapping]
+
+    def __post_init__(self):
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise ValueError(f"measurement {self.name!r}: every must be an integer >= 1, got {self.every!r}")
 
 
 @torch.no_grad()
@@ -89,14 +142,15 @@ def steps_per_epoch(config: RunConfig, n_train: int) -> int:
     return n_train // config.batch_size
 
 
-def _fit(config: RunConfig, data, lr: float, train, val) -> tuple[torch.nn.Module, list[dict], bool, int]:
-    """Train one model at ``lr``; returns (model, per-epoch curves, diverged, steps taken)."""
-    (x, y), (x_val, y_val) = train, val
-    n = len(y)
-    per_epoch = steps_per_epoch(config, n)
-    total = config.length * per_epoch if config.budget == "epochs" else config.length
+def max_steps(config: RunConfig, n_train: int) -> int:
+    """The steps a run may take: length epochs of full batches, or length steps."""
+    return config.length * steps_per_epoch(config, n_train) if config.budget == "epochs" else config.length
 
-    torch.manual_seed(config.seed)
+
+def build_member(config: RunConfig, data, seed: int) -> torch.nn.Module:
+    """The network of ``config`` for ``data``, initialised under ``torch.manual_seed(seed)``, on
+    the config's device and dtype, in train mode."""
+    torch.manual_seed(seed)
     model = build_model(
         config.method,
         input_shape=tuple(data.input_shape),
@@ -105,75 +159,268 @@ def _fit(config: RunConfig, data, lr: float, train, val) -> tuple[torch.nn.Modul
         width=config.width,
         activation=config.activation,
     ).to(config.device)
-    optimizer = make_optimizer(config, model.parameters(), lr)
-    shuffle = torch.Generator().manual_seed(config.seed)
-    model.train()
+    if config.dtype != "float32":
+        model = model.to(getattr(torch, config.dtype))
+    return model.train()
 
-    curves: list[dict] = []
-    step, epoch, diverged = 0, 0, False
-    while step < total and not diverged:
-        order = torch.randperm(n, generator=shuffle).to(config.device)
-        loss_sum = torch.zeros((), device=config.device)
-        taken = min(per_epoch, total - step)
-        for i in range(taken):
-            batch = order[i * config.batch_size : (i + 1) * config.batch_size]
+
+class OneAtATime:
+    """K models as separate modules, each with its torch.optim optimizer, stepped one after the
+    other: the arithmetic of a model trained alone. Same interface as ``StackedEnsemble``."""
+
+    def __init__(self, models, optimizer: str, lrs, momenta, train, val):
+        self.models = list(models)
+        self.optimizers = [make_optimizer(optimizer, m.parameters(), lr, mu) for m, lr, mu in zip(models, lrs, momenta)]
+        self.train_splits, self.val_splits = list(train), list(val)
+
+    def __len__(self) -> int:
+        return len(self.models)
+
+    def step(self, batches: torch.Tensor) -> torch.Tensor:
+        losses = []
+        for model, optimizer, (x, y), batch in zip(self.models, self.optimizers, self.train_splits, batches):
             loss = F.cross_entropy(model(x[batch]), y[batch])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            loss_sum += loss.detach()
-        step += taken
-        epoch += 1
-        train_loss = float(loss_sum) / taken  # one device sync per epoch
-        val_metrics = evaluate(model, x_val, y_val) if len(y_val) else {"loss": None, "accuracy": None}
-        diverged = not all(math.isfinite(v) for v in (train_loss, val_metrics["loss"]) if v is not None)
-        curves.append(
-            {
-                "epoch": epoch,
-                "step": step,
-                "train_loss": train_loss,
-                "val_loss": val_metrics["loss"],
-                "val_metric": val_metrics["accuracy"],
-            }
-        )
-    return model, curves, diverged, step
+            losses.append(loss.detach())
+        return torch.stack(losses)
+
+    def evaluate(self) -> list[dict]:
+        return [evaluate(model, *split) for model, split in zip(self.models, self.val_splits)]
+
+    def model(self, k: int) -> torch.nn.Module:
+        return self.models[k]
+
+    def keep(self, index: Sequence[int]) -> None:
+        for name in ("models", "optimizers", "train_splits", "val_splits"):
+            setattr(self, name, [getattr(self, name)[i] for i in index])
 
 
-def train_run(config: RunConfig, data) -> RunResult:
-    """Train ``config`` on ``data`` (an ``affdiv.experiments.data.Dataset``) and test it once."""
-    start = time.perf_counter()
-    device = torch.device(config.device)
-    train, val = _tensors(data.train, device), _tensors(data.val, device)
+@dataclass(eq=False)
+class Candidate:
+    """One model a run trains: its lr and momentum, the steps it may take, what it did."""
 
-    # Candidates are ranked by (not diverged, val accuracy, -val loss, -lr): larger is better.
-    best = None  # (rank, lr, model, curves, diverged, steps)
-    for lr in learning_rates(config):
-        model, curves, diverged, steps = _fit(config, data, lr, train, val)
-        last = curves[-1]
-        if diverged or last["val_loss"] is None:  # no validation split: a single-lr rule, nothing to rank
-            key = (not diverged, 0.0, 0.0, -lr)
+    run: _Run
+    lr: float
+    momentum: float | None
+    max_steps: int
+    curves: list[dict] = field(default_factory=list)
+    measurements: list[dict] = field(default_factory=list)
+    diverged: bool = False
+    reached: int | None = None  # steps to target: the first check at which val accuracy >= target
+    model: torch.nn.Module | None = None  # the final model, once it stopped
+
+    def check(self, epoch: int, step: int, train_loss: float, val: dict) -> None:
+        """Record a check: its curve point, divergence, and whether it reached the target."""
+        self.curves.append({"epoch": epoch, "step": step, "train_loss": train_loss,
+                            "val_loss": val["loss"], "val_metric": val["accuracy"]})
+        self.diverged = not all(math.isfinite(v) for v in (train_loss, val["loss"]) if v is not None)
+        target = self.run.config.target if self.run.config.budget == "target" else None
+        if target is not None and not self.diverged and val["accuracy"] >= target:
+            self.reached = step
+
+    def rank(self) -> tuple:
+        """Larger is better (see the module docstring)."""
+        last = self.curves[-1]
+        val = (0.0, 0.0) if self.diverged or last["val_loss"] is None else (last["val_metric"], -last["val_loss"])
+        return (not self.diverged, self.reached is not None, -(self.reached or 0), *val, -self.lr,
+                -(self.momentum or 0.0))
+
+
+class _Run:
+    """A run being trained: its config, data and candidates (grid extensions included)."""
+
+    def __init__(self, config: RunConfig, data):
+        self.config, self.data = config, data
+        self.per_epoch = steps_per_epoch(config, len(data.train.y))
+        self.max_steps = max_steps(config, len(data.train.y))
+        self.candidates = [Candidate(self, lr, mu, self.max_steps) for lr, mu in candidates(config)]
+        self.extensions = 0
+
+    def best(self) -> Candidate:
+        return max(self.candidates, key=Candidate.rank)
+
+    def lrs(self) -> list[float]:
+        return sorted({c.lr for c in self.candidates})
+
+    def extend(self) -> list[Candidate]:
+        """New candidates one ×2 step beyond the edge the best lr sits on (target budget, tuned,
+        extensions left), stopping at the best step count so far; else none."""
+        config = self.config
+        if config.budget != "target" or config.lr_rule != "tuned" or self.extensions >= config.grid_extensions:
+            return []
+        best, lrs = self.best(), self.lrs()
+        new = [lr for lr, edge in ((lrs[-1] * 2, lrs[-1]), (lrs[0] / 2, lrs[0])) if best.lr == edge]
+        if not new:
+            return []
+        self.extensions += 1
+        momenta = list(dict.fromkeys(mu for _lr, mu in candidates(config)))
+        fresh = [Candidate(self, lr, mu, best.reached or self.max_steps) for lr in new for mu in momenta]
+        self.candidates += fresh
+        return fresh
+
+    def result(self, tensors: _Tensors) -> RunResult:
+        """The kept candidate's metrics and curves, its test split evaluated once (seconds: 0)."""
+        config, best = self.config, self.best()
+        if best.diverged:
+            test = {"loss": float("nan"), "accuracy": 1.0 / self.data.num_classes}
         else:
-            key = (True, last["val_metric"], -last["val_loss"], -lr)
-        if best is None or key > best[0]:
-            best = (key, lr, model, curves, diverged, steps)
-    _key, lr, model, curves, diverged, steps = best
+            test = evaluate(best.model, *tensors(self.data, "test"))
+        last, lrs = best.curves[-1], self.lrs()
+        metrics = {
+            "test_accuracy": test["accuracy"],
+            "test_loss": test["loss"],
+            "val_accuracy": last["val_metric"],
+            "val_loss": last["val_loss"],
+            "train_loss": last["train_loss"],
+            "diverged": int(best.diverged),
+            "lr": best.lr,
+            # A tuned LR on the edge of the lrs tried may not be the optimum.
+            "lr_at_grid_edge": int(config.lr_rule == "tuned" and best.lr in (lrs[0], lrs[-1])),
+            "steps": last["step"],
+            "epochs": last["epoch"],
+        }
+        if config.optimizer == "momentum" and config.lr_rule == "tuned" and config.momentum_grid:
+            metrics["tuned_momentum"] = best.momentum
+        if config.budget == "target":
+            metrics.update(steps_to_target=best.reached, censored=int(best.reached is None and not best.diverged),
+                           max_steps=self.max_steps, target=config.target)
+        return RunResult(metrics, best.curves, 0.0, str(self.data.fingerprint), best.measurements)
 
-    if diverged:
-        test = {"loss": float("nan"), "accuracy": 1.0 / data.num_classes}
-    else:
-        test = evaluate(model, *_tensors(data.test, device))
-    last = curves[-1]
-    metrics = {
-        "test_accuracy": test["accuracy"],
-        "test_loss": test["loss"],
-        "val_accuracy": last["val_metric"],
-        "val_loss": last["val_loss"],
-        "train_loss": last["train_loss"],
-        "diverged": int(diverged),
-        "lr": lr,
-        # A tuned LR on the edge of its grid may not be the optimum: the grid should be widened.
-        "lr_at_grid_edge": int(config.lr_rule == "tuned" and lr in (min(config.lr_grid), max(config.lr_grid))),
-        "steps": steps,
-        "epochs": len(curves),
-    }
-    return RunResult(metrics, curves, time.perf_counter() - start, str(data.fingerprint))
+
+class _Tensors:
+    """Each dataset's splits as tensors on one device and dtype, made once per dataset."""
+
+    def __init__(self, config: RunConfig):
+        self.device, self.dtype = torch.device(config.device), getattr(torch, config.dtype)
+        self._made: dict = {}
+
+    def __call__(self, data, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (id(data), split)
+        if key not in self._made:
+            part = getattr(data, split)
+            x = torch.as_tensor(part.x, device=self.device)
+            x = x if x.dtype == self.dtype else x.to(self.dtype)
+            self._made[key] = (data, x, torch.as_tensor(part.y, device=self.device))  # data: keeps id(data) valid
+        return self._made[key][1:]
+
+
+def _is_check(config: RunConfig, step: int, epoch_end: bool, last: int) -> bool:
+    if config.budget == "target":
+        return step % config.eval_every == 0 or step == last
+    return epoch_end or step == last
+
+
+def _lockstep(cands: list[Candidate], engine_type, tensors: _Tensors, measurements: Sequence[Measurement]) -> None:
+    """Train ``cands`` (of runs sharing one ensemble key) together; each stops when it diverges,
+    reaches its max steps, or its run stops (target reached). Sets their curves, flags, models."""
+    first = [id(c.run.data) for c in cands]
+    cands = sorted(cands, key=lambda c: first.index(id(c.run.data)))  # models on one split together
+    config, run = cands[0].run.config, cands[0].run
+    models = [build_member(c.run.config, c.run.data, c.run.config.seed) for c in cands]
+    engine = engine_type(models, config.optimizer, [c.lr for c in cands], [c.momentum for c in cands],
+                         [tensors(c.run.data, "train") for c in cands], [tensors(c.run.data, "val") for c in cands])
+    del models
+    shuffles = [torch.Generator().manual_seed(c.run.config.seed) for c in cands]
+    n, batch, last = len(cands[0].run.data.train.y), config.batch_size, max(c.max_steps for c in cands)
+    has_val = len(cands[0].run.data.val.y) > 0
+    train_dtype = tensors(run.data, "train")[0].dtype
+
+    def measure(step: int) -> None:
+        for m in measurements:
+            if step % m.every == 0:
+                for k, cand in enumerate(cands):
+                    model = copy.deepcopy(engine.model(k))
+                    values = (m.fn(model, step, cand.run.data, cand.run.config) if _takes_config(m.fn)
+                              else m.fn(model, step, cand.run.data))
+                    cand.measurements.append({"measurement": m.name, "step": step, **values})
+
+    step, since, epoch = 0, 0, 0
+    loss_sum = torch.zeros(len(cands), dtype=train_dtype, device=tensors.device)
+    measure(0)
+    while cands:
+        epoch += 1
+        orders = torch.stack([torch.randperm(n, generator=g) for g in shuffles]).to(tensors.device)
+        for i in range(run.per_epoch):
+            loss_sum += engine.step(orders[:, i * batch : (i + 1) * batch])
+            step, since = step + 1, since + 1
+            measure(step)
+            if not _is_check(config, step, i == run.per_epoch - 1, last):
+                continue
+            sums = loss_sum.tolist()  # one device sync per check
+            val = engine.evaluate() if has_val else [{"loss": None, "accuracy": None}] * len(cands)
+            for cand, total, point in zip(cands, sums, val):
+                cand.check(epoch, step, total / since, point)
+            stopped = {id(c.run) for c in cands if c.reached == step}
+            going = [k for k, c in enumerate(cands)
+                     if not c.diverged and step < c.max_steps and id(c.run) not in stopped]
+            if len(going) < len(cands):
+                for k in set(range(len(cands))) - set(going):
+                    cands[k].model = engine.model(k)
+                engine.keep(going)
+                cands, shuffles = [cands[k] for k in going], [shuffles[k] for k in going]
+                orders = orders[torch.tensor(going, dtype=torch.long, device=orders.device)]
+            loss_sum = torch.zeros(len(cands), dtype=train_dtype, device=tensors.device)
+            since = 0
+            if not cands:
+                break
+
+
+def train_runs(configs: Sequence[RunConfig], datasets: Sequence, *, stacked: bool = False,
+               measurements: Sequence[Measurement] = ()) -> list[RunResult]:
+    """Train ``configs`` (one :func:`~affdiv.experiments.runs.grouping.ensemble_key`; each on its
+    dataset) in lockstep, all candidates as one stacked ensemble or as separate modules; one
+    result per config. A run's seconds are the training time in proportion to its model-steps,
+    plus its own test evaluation."""
+    if len({ensemble_key(c) for c in configs}) > 1:
+        raise ValueError("train_runs needs runs that differ only in seed, data split and learning-rate settings; "
+                         f"got {len({ensemble_key(c) for c in configs})} kinds")
+    start = time.perf_counter()
+    runs = [_Run(config, data) for config, data in zip(configs, datasets, strict=True)]
+    tensors = _Tensors(configs[0])
+    pending = [cand for run in runs for cand in run.candidates]
+    while pending:
+        _lockstep(pending, StackedEnsemble if stacked else OneAtATime, tensors, measurements)
+        pending = [cand for run in runs for cand in run.extend()]
+    trained = time.perf_counter() - start
+    model_steps = [sum(c.curves[-1]["step"] for c in run.candidates) for run in runs]
+    results = []
+    for run, steps in zip(runs, model_steps):
+        begin = time.perf_counter()
+        result = run.result(tensors)
+        result.seconds = trained * steps / sum(model_steps) + time.perf_counter() - begin
+        results.append(result)
+    return results
+
+
+def train_run(config: RunConfig, data, measurements: Sequence[Measurement] = ()) -> RunResult:
+    """Train ``config`` on ``data`` (an ``affdiv.experiments.data.Dataset``) one candidate model
+    at a time, and test it once."""
+    return train_runs([config], [data], measurements=measurements)[0]
+
+
+_STACKABLE: dict[tuple, str | None] = {}
+
+
+def train_group(configs: Sequence[RunConfig], datasets: Sequence, *, stack: bool = True,
+                measurements: Sequence[Measurement] = ()) -> list[RunResult]:
+    """Train runs of one ensemble key: stacked if ``stack``, else (and where stacking cannot be
+    used, which is logged) each run by :func:`train_run`."""
+    config, data = configs[0], datasets[0]
+    reason = None
+    if stack and measurements:
+        reason = "its runs carry measurements, which look at one model at a time"
+    elif stack:
+        key = (ensemble_key(config), tuple(data.input_shape), data.num_classes)
+        if key not in _STACKABLE:
+            x = torch.as_tensor(data.train.x[:2], device=config.device).to(getattr(torch, config.dtype))
+            y = torch.as_tensor(data.train.y[:2], device=config.device)
+            _STACKABLE[key] = stack_failure(lambda: build_member(config, data, 0), config.optimizer, (x, y))
+        reason = _STACKABLE[key] and f"torch.func cannot stack it ({_STACKABLE[key]})"
+    if stack and not reason:
+        return train_runs(configs, datasets, stacked=True, measurements=measurements)
+    if stack:
+        log.warning("training %d run(s) of method %s one at a time, not stacked: %s",
+                    len(configs), config.method, reason)
+    return [train_run(c, d, measurements) for c, d in zip(configs, datasets, strict=True)]

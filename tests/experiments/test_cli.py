@@ -13,9 +13,11 @@ import pytest
 
 from affdiv.cli import main
 
-# A tiny grid: 2 methods x 2 batch sizes x 3 seeds x 2 LR rules (sqrt, tuned) = 24 runs of one epoch.
+# A tiny grid: 2 methods x 2 batch sizes x 3 seeds x 2 LR rules (sqrt, tuned) = 24 runs of one epoch
+# (the smoke preset's steps-to-target design set back to a fixed epoch budget on one data split).
 TINY = ["--preset", "smoke", "--methods", "affine", "norm_l2", "--batch-sizes", "32", "128",
-        "--seeds", "3", "--set", "length=1", "--set", "width=16", "--set", "lr_grid=[0.1, 0.4]"]
+        "--seeds", "3", "--set", "budget=epochs", "--set", "data_seed=0", "--set", "lr_rule=['sqrt', 'tuned']",
+        "--set", "length=1", "--set", "width=16", "--set", "lr_grid=[0.1, 0.4]"]
 
 
 def _summary_without_provenance(path):
@@ -47,8 +49,8 @@ def tiny_report(tmp_path_factory):
 def test_falsify_writes_the_report_and_the_database(tiny_report):
     summary = json.loads((tiny_report / "summary.json").read_text())
     assert set(summary["methods"]) == {"affine", "norm_l2"}
-    for result in summary["methods"].values():
-        assert {"slope", "ci_low", "ci_high", "p_value", "verdict"} <= set(result)
+    for result in summary["groups"]["tuned"]["methods"].values():
+        assert {"slope", "ci_low", "ci_high", "p_value", "verdict", "contrast"} <= set(result)
     assert set(summary["groups"]) == {"sqrt", "tuned"}
     provenance = summary["provenance"]
     assert provenance["seeds"] == [0, 1, 2] and provenance["runs"] == 24
@@ -107,7 +109,7 @@ def test_analyse_a_minimal_csv(tmp_path):
              for m in ("affine", "norm_l2") for b in (16, 32, 64, 128) for s in range(4)]
     path.write_text("\n".join(rows) + "\n")
     assert main(["analyse", "--input", str(path), "--out", str(tmp_path / "out")]) == 0
-    methods = json.loads((tmp_path / "out" / "summary.json").read_text())["methods"]
+    methods = json.loads((tmp_path / "out" / "summary.json").read_text())["groups"]["all"]["methods"]
     assert methods["norm_l2"]["slope"] == pytest.approx(-0.1, abs=0.01)
     assert methods["affine"]["slope"] == pytest.approx(0.0, abs=0.01)
 
@@ -115,7 +117,8 @@ def test_analyse_a_minimal_csv(tmp_path):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["falsify", "--preset", "smok"], "unknown preset 'smok'; expected one of: fashion, paper, smoke"),
+        (["falsify", "--preset", "smok"], "unknown preset 'smok'; expected one of: fashion, fashion-cnn, "
+                                            "fashion-steps, fashion-target, paper, smoke"),
         (["falsify", "--preset", "smoke", "--methods", "bn"], "unknown method 'bn'; expected one of: affine"),
         (["falsify", "--preset", "smoke", "--batch-sizes", "0"], "batch sizes must be integers >= 1, got 0"),
         (["falsify", "--preset", "smoke", "--batch-sizes", "100000", "--methods", "affine", "--seeds", "1"],
@@ -142,7 +145,8 @@ def test_analyse_a_csv_without_the_metric_column(tmp_path, capsys):
 def test_kill_minus_9_loses_no_finished_run_and_resume_matches_an_uninterrupted_sweep(tmp_path):
     # Slow enough runs (batch 8, 3 epochs: ~0.5 s each) that the kill lands mid-sweep.
     grid = ["--preset", "smoke", "--methods", "affine", "batchnorm", "--batch-sizes", "8", "64",
-            "--seeds", "3", "--set", "lr_rule=['constant']", "--set", "length=3", "--set", "width=16"]
+            "--seeds", "3", "--set", "lr_rule=['constant']", "--set", "budget=epochs", "--set", "data_seed=0",
+            "--set", "length=3", "--set", "width=16"]
     interrupted = tmp_path / "interrupted"
     command = [sys.executable, "-m", "affdiv", "falsify", *grid, "--out", str(interrupted), "--workers", "2"]
     process = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -1,33 +1,47 @@
-"""The written report: every file, the documented summary schema, self-contained HTML, determinism."""
+"""The written report: every file, the documented summary schema (one verdict per level), caveats
+first, self-contained HTML, honest calibration wording, determinism; both designs."""
 
 import json
 import re
-from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from affdiv.experiments.analysis.calibration import Layout, calibrate, simulate_records, verdict_rates
+from affdiv.experiments.analysis.calibration import (
+    Layout,
+    MethodModel,
+    StudyLayout,
+    simulate_records,
+    simulate_study,
+    verdict_calibration,
+)
+from affdiv.experiments.analysis.critical_batch import analyse_target, simulate_target_records
 from affdiv.experiments.analysis.decision import analyse
 from affdiv.experiments.records import read_csv
 from affdiv.experiments.report import figures
 from affdiv.experiments.report.writer import latex_table, write_report
 
 PNG = b"\x89PNG\r\n\x1a\n"
-PROVENANCE = {"command": "affdiv analyse --input x.csv", "seeds": [0, 1, 2, 3, 4], "config_hash": "abc"}
+PROVENANCE = {"command": "affdiv analyse --input x.csv", "seeds": [0, 1, 2, 3, 4], "config_hash": "abc",
+              "preset": "smoke", "preset_settings": {"caveats": ["Too small to settle the prediction."]}}
+LAYOUT = StudyLayout((16, 32, 64, 128, 256), 5, (-0.01, 0.0, -0.005, -0.015, -0.03),
+                     {"affine_like": MethodModel("corrected", 0.004, 0.01),
+                      "affine": MethodModel("baseline", 0.004, 0.01),
+                      "batchnorm": MethodModel("baseline", 0.004, 0.01), "rmsnorm": MethodModel("other", 0.004)},
+                     0.01, True)
 
 
 @pytest.fixture(scope="module")
 def study():
     rng = np.random.default_rng(0)
-    layout = Layout(base=0.75)
-    records = [r for rule in ("linear", "sqrt") for r in simulate_records(
-        layout, {"affine_like": -0.02, "affine": 0.0, "batchnorm": 0.0, "rmsnorm": -0.01}, rng, lr_rule=rule)]
+    records = []
+    for rule, effect in (("sqrt", 0.04), ("tuned", 0.04)):
+        for rows in simulate_study(LAYOUT, effect, rng).values():
+            records += [{**r, "metric": 0.8 + r["metric"], "lr_rule": rule, "budget": "steps"} for r in rows]
     curves = [{**{k: r[k] for k in ("method", "batch_size", "seed", "lr_rule")}, "epoch": e,
                "train_loss": np.exp(-e / r["batch_size"]), "val_metric": r["metric"] * (1 - np.exp(-e))}
               for r in records for e in (1, 2, 3)]
-    calibration = replace(calibrate([-0.005, 0.0], n_sims=30, n_boot=200),
-                          verdicts=verdict_rates([-0.005, 0.0], n_sims=4))
+    calibration = verdict_calibration(LAYOUT, (0.0, 0.01), n_sims=4)
     return records, curves, analyse(records, n_boot=500), calibration
 
 
@@ -42,46 +56,58 @@ def written(study, tmp_path_factory):
 def test_every_file_is_written_and_the_summary_follows_its_schema(study, written):
     records = study[0]
     out, paths = written
-    assert set(paths) == {"records", "metric_vs_batch", "slope_forest", "training_curves", "calibration",
-                          "summary_json", "summary_tex", "report_md", "report_html"}
-    for name in ("metric_vs_batch", "slope_forest", "training_curves", "calibration"):
+    assert set(paths) == {"records", "metric_vs_batch", "contrast_forest", "slope_forest", "training_curves",
+                          "calibration", "summary_json", "summary_tex", "report_md", "report_html"}
+    for name in ("metric_vs_batch", "contrast_forest", "slope_forest", "training_curves", "calibration"):
         assert paths[name].read_bytes().startswith(PNG), name
     assert not list(out.glob(".*.tmp"))  # no temporary left behind
 
     summary = json.loads(paths["summary_json"].read_text())
-    assert {"schema_version", "decision_rule", "provenance", "settings", "groups", "methods", "overall",
-            "primary_group", "family_sizes", "calibration", "files"} <= set(summary)
-    assert summary["provenance"] == PROVENANCE
-    assert set(summary["groups"]) == {"linear", "sqrt"}
+    assert {"schema_version", "design", "decision_rule", "provenance", "settings", "groups", "methods", "overall",
+            "prediction", "primary_group", "family_sizes", "calibration", "files"} <= set(summary)
+    assert summary["design"] == "fixed budget" and summary["primary_group"] == "tuned"
+    # One verdict per level, each where it belongs.
+    assert summary["prediction"]["verdict"] == summary["groups"]["tuned"]["prediction"]["verdict"]
+    assert summary["prediction"]["rule"] == summary["decision_rule"]
     for name, method in summary["methods"].items():
-        assert {"slope", "ci_low", "ci_high", "p_value", "verdict", "overall_verdict", "trend", "tests",
-                "mixed", "page", "boot_ci_low", "boot_ci_high"} <= set(method), name
-    assert set(summary["methods"]["affine_like"]["differential"]) == {"affine", "batchnorm"}
-    assert summary["methods"]["rmsnorm"]["verdict"] == "no prediction"
-    assert summary["calibration"]["n_sims"] == 30
-    assert set(summary["calibration"]["verdicts"]) == {"supported", "contradicted", "mixed", "inconclusive"}
+        assert set(method) == {"role", "verdict", "groups"}
+        assert method["groups"] == {g: c["methods"][name]["verdict"] for g, c in summary["groups"].items()}
+    group = summary["groups"]["tuned"]["methods"]
+    assert set(group["affine_like"]["did"]) == {"affine", "batchnorm"}
+    assert {"estimate", "ci_low", "ci_high", "per_seed", "jackknife", "in_sample"} <= set(group["affine"]["contrast"])
+    assert {"F", "p"} <= set(group["affine"]["lack_of_fit"]) and "noise_sd" in group["affine"]["noise"]
+    assert group["rmsnorm"]["verdict"] == "no prediction"
+    assert summary["calibration"]["n_sims"] == 4 and summary["calibration"]["design"] == "fixed budget"
     assert read_csv(paths["records"]) == records  # the analysed data travel with the report
 
 
-def test_markdown_states_the_rule_before_the_numbers(written):
+def test_markdown_states_caveats_and_rule_before_the_numbers(written):
     text = written[1]["report_md"].read_text()
-    rule, verdicts = text.index("## Decision rule"), text.index("## Verdicts")
-    first_table = text.index("\n| ")
-    # The rule names only settings (alpha, margin); every estimate sits in a table after it.
-    assert rule < verdicts < first_table
-    for heading in ("## Group lr_rule = linear", "## Group lr_rule = sqrt", "## Calibration", "## Provenance"):
+    caveats, rule, verdict = text.index("## Read this first"), text.index("## Decision rule"), text.index("## Verdict")
+    assert caveats < rule < verdict < text.index("\n| ")
+    assert "Too small to settle the prediction." in text[caveats:rule]
+    assert "**The prediction: " in text[verdict:]
+    for heading in ("## Group lr_rule = sqrt (sensitivity)", "## Group lr_rule = tuned (primary)",
+                    "## Calibration of the decision rule", "## Provenance"):
         assert heading in text
-    assert "The whole decision rule on simulated studies" in text
-    assert "| affine_like | corrected | supported | supported | supported |" in text
 
 
-def test_html_is_self_contained(written):
+def test_calibration_text_does_not_call_every_rate_a_false_positive(written):
+    text = written[1]["report_md"].read_text()
+    section = text[text.index("## Calibration"):text.index("## Provenance")]
+    assert "a 'supported' there is a false positive" in section
+    assert "'contradicted' there is the right answer, not an error" in section
+    assert "false-positive rate" not in section  # no rate is called that wholesale
+
+
+def test_html_is_self_contained_and_readable(written):
     html = written[1]["report_html"].read_text()
     sources = re.findall(r'src="([^"]*)"', html)
-    assert len(sources) == 4 and all(s.startswith("data:image/png;base64,") for s in sources)
+    assert len(sources) == 5 and all(s.startswith("data:image/png;base64,") for s in sources)
     assert "href=" not in html and "<script" not in html
     assert html.count("<table>") == html.count("</table>") >= 6
-    assert "<strong>supported</strong>" in html and "&lt;" not in html.split("<body>")[0]
+    assert 'class="table-scroll"' in html and '<details class="provenance">' in html
+    assert "<strong>" in html and "Too small to settle the prediction." in html
 
 
 def test_optional_parts_are_left_out_and_output_is_deterministic(tmp_path, study):
@@ -96,11 +122,11 @@ def test_optional_parts_are_left_out_and_output_is_deterministic(tmp_path, study
 
 def test_latex_table_escapes_and_lists_every_method(study):
     _records, _curves, analysis, _calibration = study
-    tex = latex_table(analysis.to_dict())
-    assert tex.startswith(r"\begin{tabular}") and tex.rstrip().endswith(r"\end{tabular}")
-    assert r"affine\_like" in tex and "affine_like" not in tex
-    assert tex.count(r"\\") == 1 + 2 * 4  # header + 2 groups × 4 methods
-    assert r"95\% CI" in tex
+    tex = latex_table(analysis.to_dict(PROVENANCE))
+    assert tex.startswith("% affdiv falsification report") and r"\end{tabularx}" in tex
+    assert r"affine\_like" in tex and " affine_like" not in tex
+    assert tex.count(r"\\") - tex.count(r"\\ \\") >= 1 + 2 * 4  # header + 2 groups × 4 methods (+ note)
+    assert r"95\% CI" in tex and "Joint verdict of the prediction" in tex
 
 
 def test_training_curves_need_a_metric(tmp_path):
@@ -109,10 +135,10 @@ def test_training_curves_need_a_metric(tmp_path):
                                 tmp_path / "c.png")
 
 
-def test_forest_plot_without_sensitivity_analyses(tmp_path, study):
-    records = study[0]
-    path = figures.slope_forest(analyse(records, sensitivity=False), tmp_path / "forest.png")
-    assert path.read_bytes().startswith(PNG)
+def test_forest_plots_without_sensitivity_analyses(tmp_path, study):
+    analysis = analyse(study[0], sensitivity=False)
+    assert figures.slope_forest(analysis, tmp_path / "forest.png").read_bytes().startswith(PNG)
+    assert figures.contrast_forest(analysis, tmp_path / "contrast.png").read_bytes().startswith(PNG)
 
 
 def test_a_diverged_method_is_reported_inconclusive_under_the_stated_rule(tmp_path):
@@ -122,13 +148,51 @@ def test_a_diverged_method_is_reported_inconclusive_under_the_stated_rule(tmp_pa
         r["diverged"] = int(r["method"] == "affine_like" and r["batch_size"] == 256)
         r["metric"] = 0.1 if r["diverged"] else r["metric"]
     paths = write_report(tmp_path, analyse(records, n_boot=200, sensitivity=False), records=records,
-                         provenance=PROVENANCE)
+                         provenance={"command": "x"})
     text = paths["report_md"].read_text()
     rule_line = text.index("a method with a diverged run in a group is inconclusive there")
-    assert text.index("## Decision rule") < rule_line < text.index("## Verdicts")
+    assert text.index("## Decision rule") < rule_line < text.index("## Verdict")
     assert "| affine_like | corrected | inconclusive | inconclusive |" in text
     assert "5 of 25 runs diverged (batch sizes 256)" in text  # Layout: 5 seeds × 5 batch sizes
+    assert "## Read this first" not in text  # no preset, no caveats: nothing to put first
     summary = json.loads(paths["summary_json"].read_text())
     assert summary["settings"]["sensitivity"] is False
-    assert summary["methods"]["affine_like"]["n_diverged"] == 5
-    assert summary["methods"]["affine_like"]["diverged_batch_sizes"] == [256]
+    assert summary["groups"]["linear"]["methods"]["affine_like"]["n_diverged"] == 5
+
+
+def test_steps_to_target_report(tmp_path):
+    rng = np.random.default_rng(2)
+    records = simulate_target_records({"affine_like": (300, 100), "affine": (200, 400), "batchnorm": (150, 400)},
+                                      batch_sizes=(16, 64, 256, 1024), seeds=range(5), sigma=0.1, max_steps=5000,
+                                      rng=rng)
+    for r in records:
+        r["b_simple"] = 50.0 + r["batch_size"] / 10
+    analysis = analyse_target(records, n_boot=200)
+    paths = write_report(tmp_path, analysis, records=records, provenance=PROVENANCE)
+    assert {"steps_vs_batch", "examples_vs_steps"} <= set(paths) and "metric_vs_batch" not in paths
+    summary = json.loads(paths["summary_json"].read_text())
+    assert summary["design"] == "steps_to_target"
+    assert summary["critical_batch"]["affine"]["cells"][0]["b_simple"] == 51.6
+    text = paths["report_md"].read_text()
+    assert text.index("## Read this first") < text.index("## Decision rule") < text.index("## Verdict")
+    assert "B_simple (last)" in text and "| affine_like | affine | smaller |" in text
+    tex = paths["summary_tex"].read_text()
+    assert r"$B_\mathrm{crit}$" in tex and r"affine\_like" in tex
+
+
+def test_verdict_table_names_the_deciding_test_of_every_method(study):
+    from affdiv.experiments.report.writer import verdict_table
+
+    summary = study[2].to_dict(PROVENANCE)
+    table = verdict_table(summary)
+    lines = table.splitlines()
+    assert lines[0].split()[:5] == ["group", "method", "role", "verdict", "deciding"]
+    assert set(lines[1]) <= {"-", " "}
+    for group, content in summary["groups"].items():
+        for method, r in content["methods"].items():
+            row = next(line for line in lines if line.split()[:2] == [group, method])
+            assert r["verdict"] in row
+            if r["role"] == "corrected":
+                assert "DiD vs " in row
+    assert "DiD vs batchnorm" in table and "[" in table and "95% CI" in lines[0]
+    assert lines[-1] == f"Joint verdict of the prediction (group tuned): {summary['prediction']['verdict']}"

@@ -158,9 +158,12 @@ def test_page_trend_exact_extreme_and_direction():
 
 def test_cluster_bootstrap_is_the_ols_slope_of_resampled_seeds():
     x, y, seeds = sweep(np.random.default_rng(11), drop=3)
-    slopes = stats.cluster_bootstrap(x, y, seeds, n_boot=20, rng=np.random.default_rng(5))
+    slopes = stats.cluster_bootstrap(x, y, seeds, n_boot=300, rng=np.random.default_rng(5))  # > one block of 256
     # The same resamples rebuilt explicitly: whole seeds repeated by their multiplicities, then polyfit.
-    weights = np.random.default_rng(5).multinomial(5, np.full(5, 0.2), size=20)
+    # Each resample is 5 seeds drawn uniformly with replacement, as rng.integers draws them.
+    draws = np.random.default_rng(5).integers(0, 5, size=(300, 5))
+    weights = np.array([np.bincount(row, minlength=5) for row in draws])
+    assert slopes.size == 300
     for w, slope in zip(weights, slopes):
         pick = np.concatenate([np.flatnonzero(seeds == s) for s in range(5) for _ in range(w[s])])
         assert slope == pytest.approx(np.polyfit(x[pick], y[pick], 1)[0], rel=1e-9)
@@ -186,3 +189,89 @@ def test_bad_input_is_named():
         stats.clustered_slope([1.0, 2.0], [1.0, 2.0], [0, 1])
     with pytest.raises(ValueError, match=">= 2 values"):
         stats.mean_estimate([1.0])
+
+
+# ------------------------------------------------- statsmodels inside, the hand-written formulas pinned
+def _cr1_by_hand(x, y, clusters):
+    """The CR1 sandwich written out: V = c (X'X)^-1 (sum_g X_g' u_g u_g' X_g) (X'X)^-1,
+    c = G/(G-1) (N-1)/(N-2), X = [1, x]; the slope, its se and the G-1 df."""
+    design = np.column_stack([np.ones_like(x), x])
+    bread = np.linalg.inv(design.T @ design)
+    beta = bread @ design.T @ y
+    residuals = y - design @ beta
+    labels = np.unique(clusters)
+    meat = sum(np.outer(s, s) for s in (design[clusters == g].T @ residuals[clusters == g] for g in labels))
+    n, g = x.size, labels.size
+    covariance = g / (g - 1) * (n - 1) / (n - 2) * bread @ meat @ bread
+    return beta[1], math.sqrt(covariance[1, 1]), g - 1
+
+
+@pytest.mark.parametrize("seed, drop", [(0, 0), (1, 7), (2, 13)])
+def test_clustered_slope_from_statsmodels_equals_the_written_out_cr1(seed, drop):
+    x, y, seeds = sweep(np.random.default_rng(seed), n_seeds=9, drop=drop)
+    slope, se, df = _cr1_by_hand(x, y, seeds)
+    fit = stats.clustered_slope(x, y, seeds)
+    # The same sums in a different order (statsmodels: pinv; here inv): rounding only.
+    assert fit.estimate == pytest.approx(slope, rel=1e-10)
+    assert fit.se == pytest.approx(se, rel=1e-10)
+    assert fit.df == df == 8  # statsmodels' df_resid_inference with use_t and clusters: G - 1
+    t = slope / se
+    assert fit.p_two_sided() == pytest.approx(2 * _st_t_sf(abs(t), df), rel=1e-9)
+
+
+def _st_t_sf(t, df):
+    from scipy import stats as scipy_stats
+
+    return scipy_stats.t.sf(t, df)
+
+
+def test_a_constant_metric_has_exactly_no_slope():
+    x, _, seeds = sweep(np.random.default_rng(0))
+    fit = stats.clustered_slope(x, np.full(x.size, 0.7), seeds)
+    assert (fit.estimate, fit.se) == (0.0, 0.0) and fit.p_two_sided() == 1.0
+
+
+def test_overflowing_values_raise_instead_of_returning_a_nan_slope():
+    x, _, seeds = sweep(np.random.default_rng(0))
+    y = np.where(np.arange(x.size) % 2, 1e308, -1e308)
+    y[:3] = 1e308  # an unequal split: the mean's sum overflows
+    with pytest.raises(stats.NonFiniteError, match="non-finite arithmetic"):
+        stats.clustered_slope(x, y, seeds)
+    with pytest.raises(stats.NonFiniteError, match="non-finite arithmetic"):
+        stats.mixed_slope(x, y, seeds)
+    nan = stats.Estimate(math.nan, math.nan, 4.0)  # no estimate: every p-value NaN, never 0
+    assert all(math.isnan(p) for p in (nan.p_less(), nan.p_greater(), nan.p_two_sided(), nan.p_equivalent(0.1)))
+
+
+# ----------------------------------------------------- large inputs: vectorised = the plain loops
+def test_per_cluster_slopes_on_thousands_of_clusters_equal_a_loop_of_fits():
+    rng = np.random.default_rng(4)
+    x, y, seeds = sweep(rng, n_seeds=3000, drop=4000)
+    seeds = np.array([int(s) * 7919 + 2**64 for s in seeds], dtype=object)  # labels beyond uint64, not 0..G-1
+    got = stats.per_cluster_slopes(x, y, seeds)
+    expected = {}
+    for label in np.unique(seeds):
+        xs, ys = x[seeds == label], y[seeds == label]
+        if np.ptp(xs) > 0:
+            expected[label] = np.polyfit(xs, ys, 1)[0]
+    assert list(got) == list(expected)  # same seeds, same (sorted) order; single-x seeds left out
+    np.testing.assert_allclose(list(got.values()), list(expected.values()), rtol=1e-9, atol=1e-12)
+
+
+def test_cluster_bootstrap_on_thousands_of_clusters_equals_refitting_the_resamples():
+    rng = np.random.default_rng(6)
+    x, y, seeds = sweep(rng, n_seeds=2000, drop=1000)
+    slopes = stats.cluster_bootstrap(x, y, seeds, n_boot=300, rng=np.random.default_rng(1))
+    draws = np.random.default_rng(1).integers(0, 2000, size=(300, 2000))
+    by_seed = [np.flatnonzero(seeds == s) for s in range(2000)]
+    for row in (0, 255, 256, 299):  # both sides of the 256-resample blocks
+        pick = np.concatenate([by_seed[s] for s in draws[row]])
+        assert slopes[row] == pytest.approx(np.polyfit(x[pick], y[pick], 1)[0], rel=1e-8)
+
+
+def test_page_ties_detected_row_by_row_on_a_large_table():
+    table = np.random.default_rng(0).normal(size=(5000, 5))
+    assert stats.page_trend(table).method != "asymptotic" or table.shape[0] > 0
+    tied = table.copy()
+    tied[4321, 3] = tied[4321, 1]
+    assert stats.page_trend(tied).method == "asymptotic"

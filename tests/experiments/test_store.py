@@ -89,7 +89,7 @@ def test_records_curves_and_csv_are_sorted_and_complete(tmp_path):
         curves = store.curves()
         assert [(c["seed"], c["epoch"]) for c in curves] == [(0, 1), (0, 2), (1, 1), (1, 2), (2, 1), (2, 2)]
         assert store.seconds() == 4.5
-        with pytest.raises(KeyError, match="metric 'val_accuracy' not in run"):
+        with pytest.raises(ValueError, match="metric 'val_accuracy' not in run"):
             store.records(metric="val_accuracy")
         path = store.export_csv(tmp_path / "r.csv")
     with open(path, newline="") as handle:
@@ -112,3 +112,256 @@ def test_is_sqlite_on_a_csv(tmp_path):
     path = tmp_path / "x.csv"
     path.write_text("method,batch_size,seed,metric\n")
     assert not is_sqlite(path)
+
+
+# ------------------------------------------------------------------ identity, read-only, integrity
+from affdiv.experiments.runs.store import APPLICATION_ID, data_key, identify  # noqa: E402
+
+LEGACY_SCHEMA = """CREATE TABLE runs (
+    config_hash      TEXT PRIMARY KEY,
+    config           TEXT NOT NULL,
+    metrics          TEXT NOT NULL,
+    curves           TEXT NOT NULL,
+    seconds          REAL NOT NULL,
+    data_fingerprint TEXT NOT NULL,
+    finished_utc     TEXT NOT NULL
+)"""
+
+
+def _sha256(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _legacy_store(path, n=3):
+    """A store as affdiv 0.1 wrote it: the runs table, rollback journal, no application_id."""
+    db = sqlite3.connect(path)
+    db.execute(LEGACY_SCHEMA)
+    for seed in range(n):
+        config = {"method": "l2", "batch_size": 32, "seed": seed, "dataset": "digits"}
+        db.execute("INSERT INTO runs VALUES (?, ?, ?, ?, ?, ?, ?)",
+                   (config_hash(config), canonical_json(config), canonical_json({"test_accuracy": 0.5 + seed / 10}),
+                    "[]", 1.0, "fp", "2025-01-01T00:00:00+00:00"))
+    db.commit()
+    db.close()
+    return path
+
+
+def test_a_new_store_is_marked_with_the_application_id(tmp_path):
+    path = tmp_path / "r.sqlite"
+    with ResultStore(path) as store:
+        _put(store, seed=0, accuracy=0.5)
+    db = sqlite3.connect(path)
+    assert db.execute("PRAGMA application_id").fetchone() == (APPLICATION_ID,) == (0x41464456,)
+    db.close()
+    assert path.read_bytes()[68:72] == b"AFDV"  # the header field file(1) reads
+    assert identify(path) == "affdiv"
+
+
+def test_read_only_store_reads_without_changing_a_byte_or_adding_files(tmp_path, unwritable):
+    folder = tmp_path / "store"
+    folder.mkdir()
+    path = folder / "r.sqlite"
+    with ResultStore(path) as store:
+        for seed in range(3):
+            _put(store, seed=seed, accuracy=0.5 + seed / 10)
+        expected = store.records()
+    before = _sha256(path)
+    unwritable(path)
+    unwritable(folder)
+    with ResultStore(path, read_only=True) as store:
+        assert store.records() == expected and store.finished() == {r["config_hash"] for r in expected}
+        with pytest.raises(PermissionError, match="opened read-only"):
+            _put(store, seed=9, accuracy=0.1)
+    assert _sha256(path) == before and sorted(p.name for p in folder.iterdir()) == ["r.sqlite"]
+
+
+def test_read_only_store_sees_runs_still_in_the_write_ahead_log(tmp_path):
+    # A writer that is still open (or was killed) keeps recent commits in r.sqlite-wal.
+    path = tmp_path / "r.sqlite"
+    writer = ResultStore(path)
+    writer._db.execute("PRAGMA wal_autocheckpoint=0")
+    _put(writer, seed=0, accuracy=0.5)
+    _put(writer, seed=1, accuracy=0.6)
+    try:
+        with ResultStore(path, read_only=True) as reader:
+            assert [r["metric"] for r in reader.records()] == [0.5, 0.6]
+    finally:
+        writer.close()
+
+
+def test_legacy_store_is_read_untouched_and_marked_by_a_writer(tmp_path):
+    path = _legacy_store(tmp_path / "old.sqlite")
+    before = _sha256(path)
+    assert identify(path) == "legacy"
+    with ResultStore(path, read_only=True) as store:
+        assert [r["metric"] for r in store.records()] == [0.5, 0.6, 0.7]
+    assert _sha256(path) == before  # no WAL switch, no mark, no table
+    with ResultStore(path) as store:
+        assert len(store.finished()) == 3
+    assert identify(path) == "affdiv"
+
+
+@pytest.mark.parametrize("read_only", [True, False])
+def test_a_foreign_database_is_refused_and_left_alone(tmp_path, read_only):
+    path = tmp_path / "other.sqlite"
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE customers (id INTEGER PRIMARY KEY, name TEXT)")
+    db.execute("INSERT INTO customers VALUES (1, 'x')")
+    db.commit()
+    db.close()
+    before = _sha256(path)
+    with pytest.raises(ValueError, match=r"not an affdiv results store \(SQLite application_id 0x0, "
+                                         r"tables \['customers'\]\)"):
+        ResultStore(path, read_only=read_only)
+    assert _sha256(path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["other.sqlite"]
+
+
+def test_a_folder_a_text_file_and_a_missing_file(tmp_path):
+    with pytest.raises(IsADirectoryError, match="is a folder"):
+        ResultStore(tmp_path)
+    text = tmp_path / "x.sqlite"
+    text.write_text("method,batch_size\n")
+    with pytest.raises(ValueError, match="not an SQLite database"):
+        ResultStore(text)
+    with pytest.raises(FileNotFoundError, match="no such results database"):
+        ResultStore(tmp_path / "none.sqlite", read_only=True)
+    assert not (tmp_path / "none.sqlite").exists()
+
+
+def _store_with_runs(path, n=40):
+    with ResultStore(path) as store:
+        for seed in range(n):
+            _put(store, seed=seed, accuracy=round(0.5 + seed / 100, 2))
+        return store.records()
+
+
+def test_truncated_store_is_named_damaged(tmp_path):
+    path = tmp_path / "r.sqlite"
+    _store_with_runs(path)
+    data = path.read_bytes()
+    for size in (len(data) // 2, len(data) - 100, 200):
+        path.write_bytes(data[:size])
+        with pytest.raises(ValueError, match=f"{path}: .*damaged"):
+            ResultStore(path, read_only=True).records()
+
+
+def test_a_changed_config_no_longer_matches_its_key(tmp_path):
+    path = tmp_path / "r.sqlite"
+    _store_with_runs(path, n=2)
+    db = sqlite3.connect(path)
+    db.execute("UPDATE runs SET config = replace(config, '\"seed\":1', '\"seed\":7')")
+    db.commit()
+    db.close()
+    with pytest.raises(ValueError, match="its config does not hash to its key"):
+        ResultStore(path, read_only=True).records()
+
+
+def test_flipped_bytes_give_an_error_naming_the_file_or_the_same_records(tmp_path):
+    # Every 53rd byte of a store flipped in turn: SQLite's checks and the per-row key and JSON
+    # checks must turn each into a ValueError naming the file (or, for bytes in unused space,
+    # leave the records as they were). Flips inside a metric's digits are not caught: the
+    # metrics carry no checksum (module docstring).
+    path = tmp_path / "r.sqlite"
+    expected = _store_with_runs(path)
+    data = path.read_bytes()
+    outcomes = {"error": 0, "same": 0, "changed": 0}
+    for position in range(0, len(data), 53):
+        tampered = bytearray(data)
+        tampered[position] ^= 0x5A
+        path.write_bytes(bytes(tampered))
+        try:
+            with ResultStore(path, read_only=True) as store:
+                records = store.records()
+        except ValueError as error:
+            assert str(path) in str(error) and "\n" not in str(error)
+            outcomes["error"] += 1
+        else:
+            outcomes["same" if records == expected else "changed"] += 1
+    assert outcomes["error"] > 0 and outcomes["same"] > 0
+
+
+def test_put_refuses_a_second_version_of_the_data(tmp_path):
+    path = tmp_path / "r.sqlite"
+    config = {"method": "affine", "batch_size": 32, "seed": 0, "dataset": "digits", "data_seed": 0,
+              "val_fraction": 0.1, "data_options": {}}
+    with ResultStore(path) as store:
+        store.put(config, metrics={"test_accuracy": 0.5}, curves=[], seconds=1.0, data_fingerprint="a" * 64)
+        # Other data settings are other data: a different fingerprint is expected there.
+        store.put({**config, "data_seed": 1}, metrics={"test_accuracy": 0.5}, curves=[], seconds=1.0,
+                  data_fingerprint="c" * 64)
+        before = store.finished()
+        with pytest.raises(ValueError, match=f"holds runs on dataset 'digits' .*data_seed=0.* with data fingerprint "
+                                             f"{'a' * 64}, but the data now gives {'b' * 64}"):
+            store.put({**config, "seed": 1}, metrics={"test_accuracy": 0.5}, curves=[], seconds=1.0,
+                      data_fingerprint="b" * 64)
+        assert store.finished() == before
+    with ResultStore(path, read_only=True) as store:
+        store.check_fingerprints({data_key(config): "a" * 64})
+        with pytest.raises(ValueError, match="b{64}"):
+            store.check_fingerprints({data_key(config): "b" * 64})
+
+
+# ------------------------------------------------------------------------------- measurements
+def _measured(step, batch_size=32, share=0.25):
+    return {"measurement": "divergence", "step": step, f"B{batch_size}:off_diagonal_share_median": share,
+            f"B{batch_size}:cosine_mean": 0.5, f"B{batch_size}:diagonal_scale_cv": math.nan,
+            f"B{batch_size}:fc1:cosine_mean": math.inf}
+
+
+def test_measurements_round_trip_and_give_the_divergence_record_columns(tmp_path):
+    path = tmp_path / "r.sqlite"
+    measurements = [_measured(0, share=0.25), _measured(5, share=0.5)]
+    with ResultStore(path) as store:
+        _, plain = _put(store, seed=0, accuracy=0.5)
+        config = {"method": "affine", "batch_size": 32, "seed": 1, "lr_rule": "sqrt"}
+        key = store.put(config, metrics={"test_accuracy": 0.6}, curves=[], seconds=1.0, data_fingerprint="abc",
+                        measurements=measurements)
+    with ResultStore(path, read_only=True) as store:
+        assert store.verify() == 2
+        got = store.measurements()
+        assert set(got) == {key} and store.measurements([plain]) == {}
+        # NaN/inf inside measurements are stored as null, as in metrics and curves
+        assert got[key][1] == {**measurements[1], "B32:diagonal_scale_cv": None, "B32:fc1:cosine_mean": None}
+        records = {r["config_hash"]: r for r in store.records()}
+    assert records[key]["off_diagonal_share_init"] == 0.25 and records[key]["off_diagonal_share_last"] == 0.5
+    assert records[key]["cosine_last"] == 0.5 and records[key]["diagonal_scale_cv_last"] is None
+    assert records[key]["divergence_last_step"] == 5
+    assert "off_diagonal_share_init" not in records[plain]
+    db = sqlite3.connect(path)
+    assert db.execute("SELECT measurements FROM runs WHERE config_hash = ?", (plain,)).fetchone() == (None,)
+    db.close()
+
+
+@pytest.mark.parametrize("marked", [False, True])
+def test_a_store_without_the_measurements_column_reads_read_only_and_a_writer_adds_it(tmp_path, marked):
+    path = _legacy_store(tmp_path / "old.sqlite")
+    if marked:  # written by the version before the column: marked, same runs table
+        db = sqlite3.connect(path)
+        db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+        db.commit()
+        db.close()
+    before = _sha256(path)
+    with ResultStore(path, read_only=True) as store:
+        assert store.verify() == 3 and store.measurements() == {}
+        assert [r["seed"] for r in store.records()] == [0, 1, 2]
+    assert _sha256(path) == before
+    with ResultStore(path) as store:
+        config = {"method": "l2", "batch_size": 32, "seed": 7, "dataset": "digits"}
+        key = store.put(config, metrics={"test_accuracy": 0.9}, curves=[], seconds=1.0, data_fingerprint="fp",
+                        measurements=[_measured(0)])
+    assert identify(path) == "affdiv"
+    with ResultStore(path, read_only=True) as store:
+        assert list(store.measurements()) == [key] and store.verify() == 4
+
+
+def test_records_carry_the_noise_scale_columns_of_measured_runs(tmp_path):
+    from affdiv.experiments.runs.store import ResultStore
+
+    config = {"method": "affine", "batch_size": 8, "seed": 0}
+    measurements = [{"measurement": "noise_scale", "step": 0, "b_simple": 12.5},
+                    {"measurement": "noise_scale", "step": 50, "b_simple": 40.0}]
+    with ResultStore(tmp_path / "r.sqlite") as store:
+        store.put(config, metrics={"test_accuracy": 0.5}, curves=[], seconds=1.0, data_fingerprint="abc",
+                  measurements=measurements)
+        (record,) = store.records()
+    assert (record["b_simple_init"], record["b_simple"], record["b_simple_step"]) == (12.5, 40.0, 50)

@@ -1,4 +1,5 @@
-"""Sweeps: grid expansion, resuming, parallel workers equal to serial, presets."""
+"""Sweeps: grid expansion, resuming, parallel workers equal to serial, stacked ensembles, presets,
+and the worker processes under faults (a parent or a worker killed)."""
 
 import io
 import os
@@ -15,6 +16,7 @@ from affdiv.experiments.runs.config import config_hash, expand_grid
 from affdiv.experiments.runs.presets import available_presets, load_preset
 from affdiv.experiments.runs.store import ResultStore
 from affdiv.experiments.runs.sweep import Progress, run_sweep
+from affdiv.experiments.runs.training import Measurement
 
 BASE = dict(dataset="digits", depth=1, width=8, length=1)
 
@@ -74,9 +76,15 @@ def test_progress_bar_reports_count_and_eta():
 
 
 def test_packaged_presets_expand():
-    assert available_presets() == ["fashion", "paper", "smoke"]
+    assert available_presets() == ["fashion", "fashion-cnn", "fashion-steps", "fashion-target", "paper", "smoke"]
     sizes = {name: [len(s.configs) for s in load_preset(name).studies()] for name in available_presets()}
-    assert sizes["smoke"] == [4 * 4 * 5 * 2] and sizes["fashion"] == [6 * 4 * 4 * 2]
+    assert sizes["smoke"] == [4 * 4 * 8] and sizes["fashion"] == [6 * 4 * 8]
+    assert sizes["fashion-target"] == [6 * 7 * 8] and sizes["fashion-steps"] == [6 * 4 * 8]
+    assert sizes["fashion-cnn"] == [3 * 5 * 8]
+    for name in available_presets():  # >= 8 seeds, each with its own data split (data_seed = "seed")
+        configs = [c for s in load_preset(name).studies() for c in s.configs]
+        assert len({c.seed for c in configs}) >= 8 and all(c.data_seed == c.seed for c in configs), name
+    assert {c.budget for s in load_preset("smoke").studies() for c in s.configs} == {"target"}
     paper = load_preset("paper").studies()
     assert [s.name for s in paper] == ["mlp-tanh", "mlp-relu", "cnn"]
     assert {c.dataset for s in paper for c in s.configs} == {"cifar10"}
@@ -87,8 +95,8 @@ def test_packaged_presets_expand():
 def test_preset_overrides():
     (smoke,) = load_preset("smoke").studies(seeds=[7], batch_sizes=[16], methods=["norm_l2"], run={"length": 1})
     assert {(c.method, c.batch_size, c.seed, c.length) for c in smoke.configs} == {("norm_l2", 16, 7, 1)}
-    (smoke,) = load_preset("smoke").studies(run={"lr_rule": ["sqrt"], "seed": 3})
-    assert {(c.lr_rule, c.seed) for c in smoke.configs} == {("sqrt", 3)}
+    (smoke,) = load_preset("smoke").studies(run={"lr_rule": "sqrt", "seed": 3})
+    assert {(c.lr_rule, c.seed, c.data_seed) for c in smoke.configs} == {("sqrt", 3, 3)}
     paper = load_preset("paper").studies(methods=["affine", "patchnorm"])
     assert [{c.method for c in s.configs} for s in paper] == [{"affine"}, {"affine"}, {"patchnorm"}]
 
@@ -108,7 +116,8 @@ def test_bad_overrides_are_refused(kwargs, message):
 
 
 def test_unknown_preset_lists_the_packaged_ones(tmp_path):
-    with pytest.raises(ValueError, match="unknown preset 'smok'; expected one of: fashion, paper, smoke"):
+    with pytest.raises(ValueError, match="unknown preset 'smok'; expected one of: fashion, fashion-cnn, "
+                                         "fashion-steps, fashion-target, paper, smoke"):
         load_preset("smok")
     bad = tmp_path / "bad.toml"
     bad.write_text("[runs]\nlength = 1\n")
@@ -124,7 +133,7 @@ _ENDLESS_SWEEP = textwrap.dedent("""
     from affdiv.experiments.runs.sweep import run_sweep
     configs = expand_grid(dict(dataset="digits", method="affine", depth=1, width=8, batch_size=8,
                                budget="steps", length=10**7), {"seed": [0, 1]})
-    run_sweep(configs, ResultStore(sys.argv[1]), workers=2, threads=1, progress=None)
+    run_sweep(configs, ResultStore(sys.argv[1]), workers=2, threads=1, progress=None, stack=False)
 """)
 
 
@@ -183,3 +192,95 @@ def test_workers_die_with_the_parent(tmp_path, signum):
         parent.wait()
         for worker in filter(_alive, workers):
             os.kill(worker, signal.SIGKILL)
+
+
+def _records(store):
+    return [repr(r) for r in store.records()], repr(store.curves())
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc (Linux)")
+def test_a_killed_worker_costs_only_a_retry(tmp_path):
+    # kill -9 of a worker mid-sweep (what the out-of-memory killer does): the units in flight are
+    # trained again in a fresh pool; every run is stored once, with the numbers of an undisturbed sweep.
+    configs = expand_grid({**BASE, "budget": "steps", "length": 40},
+                          {"method": ["affine", "batchnorm"], "batch_size": [16, 32], "seed": [0, 1]})
+    undisturbed = ResultStore(tmp_path / "undisturbed.sqlite")
+    run_sweep(configs, undisturbed, workers=1, progress=None)
+    killed: list[int] = []
+
+    def kill_a_worker(_config) -> None:
+        if not killed:
+            workers = _children(os.getpid())
+            assert workers, "no worker process to kill"
+            os.kill(workers[0], signal.SIGKILL)
+            killed.append(workers[0])
+
+    store = ResultStore(tmp_path / "killed.sqlite")
+    outcome = run_sweep(configs, store, workers=2, progress=None, on_result=kill_a_worker)
+    assert killed and outcome.restarts >= 1 and outcome.units == 4
+    rows = store._db.execute("SELECT COUNT(*), COUNT(DISTINCT config_hash) FROM runs").fetchone()
+    assert rows == (len(configs), len(configs))
+    assert _records(store) == _records(undisturbed)
+
+
+_KILLER = "import os, signal\n\ndef die(model, step, data):\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+
+
+def test_a_unit_that_always_kills_its_worker_stops_the_sweep(tmp_path, monkeypatch):
+    (tmp_path / "affdiv_test_killer.py").write_text(_KILLER)
+    monkeypatch.syspath_prepend(str(tmp_path))  # spawned workers get the parent's sys.path
+    import affdiv_test_killer
+
+    configs = expand_grid(BASE, {"method": ["affine"], "batch_size": [32], "seed": [0, 1]})
+
+    class KeepsMeasurements(ResultStore):  # (the measurements never arrive: every worker dies first)
+        def put(self, config, *, measurements=(), **fields):
+            return super().put(config, **fields)
+
+    store = KeepsMeasurements(tmp_path / "runs.sqlite")
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"a worker process died 2 times while training these runs \(exit codes "
+                                           r"\[-9.*affine B=32 seed=0 lr_rule=constant"):
+        run_sweep(configs, store, workers=2, stack=False, progress=None, max_attempts=2,
+                  measurements=[Measurement("die", 1, affdiv_test_killer.die)])
+    assert store.finished() == set() and time.monotonic() - started < 300  # (4 worker start-ups on a loaded machine)
+    class DropsMeasurements(ResultStore):  # a store whose put takes no measurements
+        def put(self, config, **fields):
+            return super().put(config, **fields)
+
+    with pytest.raises(ValueError, match="measurements \\['die'\\] need a results store that keeps them; "
+                                         "DropsMeasurements.put takes no 'measurements'"):
+        run_sweep(configs, DropsMeasurements(tmp_path / "plain.sqlite"), workers=2, stack=False, progress=None,
+                  measurements=[Measurement("die", 1, affdiv_test_killer.die)])
+
+
+def test_stacked_sweep_equals_one_at_a_time_and_repeats_exactly(tmp_path):
+    configs = expand_grid({**BASE, "budget": "steps", "length": 25, "dtype": "float64", "lr_grid": [0.05, 0.2]},
+                          {"method": ["affine", "norm_l2"], "batch_size": [32], "seed": [0, 1],
+                           "lr_rule": ["sqrt", "tuned"]})
+    stores = {name: ResultStore(tmp_path / f"{name}.sqlite") for name in ("off", "on", "again")}
+    assert run_sweep(configs, stores["off"], workers=1, progress=None, stack=False).units == 8
+    assert run_sweep(configs, stores["on"], workers=1, progress=None, stack=True).units == 2
+    run_sweep(configs, stores["again"], workers=1, progress=None, stack=True)
+    assert _records(stores["again"]) == _records(stores["on"])  # same sweep, same stored numbers
+    off, on = stores["off"].records(), stores["on"].records()
+    assert [r["config_hash"] for r in off] == [r["config_hash"] for r in on]
+    for one, many in zip(off, on):  # float64: within the bound derived in test_stacked.py
+        for key, value in one.items():
+            if isinstance(value, float):
+                assert abs(value - many[key]) <= 1.7e-9 * abs(value), key
+            else:
+                assert value == many[key], key
+
+
+def test_a_resumed_stacked_sweep_trains_only_the_missing_runs(tmp_path):
+    configs = expand_grid({**BASE, "budget": "steps", "length": 30}, {"method": ["batchnorm"], "batch_size": [32],
+                                                                      "seed": [0, 1, 2]})
+    whole = ResultStore(tmp_path / "whole.sqlite")
+    run_sweep(configs, whole, workers=1, progress=None)
+    resumed = ResultStore(tmp_path / "resumed.sqlite")
+    run_sweep(configs[:1], resumed, workers=1, progress=None)
+    seen = []
+    outcome = run_sweep(configs, resumed, workers=1, progress=None, on_result=seen.append)
+    assert (outcome.ran, outcome.skipped, outcome.units) == (2, 1, 1) and seen == configs[1:]
+    assert _records(resumed) == _records(whole)  # an MLP member's numbers do not depend on its ensemble

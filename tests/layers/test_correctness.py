@@ -1,11 +1,13 @@
-"""The corrected layers equal their closed forms and have exact gradients (float64).
+"""The corrected layers equal their closed forms and have exact gradients and forward-mode
+derivatives (float64).
 
 Tolerances: forward comparisons are between two float64 evaluations of the same closed form in a
 different order of operations (rescaled vs direct): |Δ| ≤ a few ulp of the output scale, so
 rtol = atol = 1e-12 bounds that with ~1e3 ulp to spare for sums over ≤ 100 terms.
-gradcheck compares against central finite differences (eps 1e-6), whose error is O(eps²·f''')
-+ O(ulp/eps) ≈ 1e-10 for these O(1) smooth functions; its default atol 1e-5 / rtol 1e-3 is
-replaced by 1e-7 to keep the check sharp but above that error.
+gradcheck compares reverse and (check_forward_ad) forward mode against central finite
+differences (eps 1e-6), whose error is O(eps²·f''') + O(ulp/eps) ≈ 1e-10 for these O(1) smooth
+functions; its default atol 1e-5 / rtol 1e-3 is replaced by 1e-7 to keep the check sharp but
+above that error.
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ def test_dense_gradcheck_and_gradgradcheck(fn, bias, shape):
     x = _rand(*shape, seed=1, scale=2.0)
     w = _rand(3, m, seed=2)
     args = (x, w, _rand(3, seed=3)) if bias else (x, w)
-    assert torch.autograd.gradcheck(fn, args, **GRADCHECK)
+    assert torch.autograd.gradcheck(fn, args, check_forward_ad=True, **GRADCHECK)
     assert torch.autograd.gradgradcheck(fn, args, **GRADCHECK)
 
 
@@ -193,7 +195,7 @@ def test_patchnorm_gradcheck_and_gradgradcheck(d, geometry, bias):
     fn = LF.patchnorm_conv2d if d == 2 else LF.patchnorm_conv1d
     args = (x, w, _rand(2 * g, seed=11) if bias else None)
     f = lambda x, w, b: fn(x, w, b, s, p, dl, g)  # noqa: E731
-    assert torch.autograd.gradcheck(f, args, fast_mode=True, **GRADCHECK)
+    assert torch.autograd.gradcheck(f, args, fast_mode=True, check_forward_ad=True, **GRADCHECK)
     assert torch.autograd.gradgradcheck(f, args, fast_mode=True, **GRADCHECK)
 
 

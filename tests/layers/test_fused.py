@@ -23,8 +23,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from affdiv.layers import AffineLike, NormLike, PatchNormConv2d
-from affdiv.layers import _autograd, _fused
+from affdiv.layers import AffineLike, NormLike, PatchNormConv2d, _autograd, _fused
 from affdiv.layers import functional as LF
 
 F64 = torch.float64
@@ -300,7 +299,8 @@ def test_group_squares_and_group_update_match_torch(layout, threads, shape, seed
 @given(threads=threads, shape=conv_shapes, seed=st.integers(0, 2**16), with_dot=st.booleans())
 def test_scale_and_dot_matches_torch(layout, threads, shape, seed, with_dot):
     batch, groups, per_group, h, w = shape
-    gz, z = _planes(batch, groups, per_group, h, w, seed, layout), _planes(batch, groups, per_group, h, w, seed + 1, layout)
+    gz = _planes(batch, groups, per_group, h, w, seed, layout)
+    z = _planes(batch, groups, per_group, h, w, seed + 1, layout)
     r = _data(batch * groups * h, w, seed + 2).reshape(batch, groups, h, w).abs()
     with intra_op_threads(threads):
         gy, e = _fused.scale_and_dot(gz, z, r, groups, with_dot)
@@ -374,7 +374,8 @@ def test_box_and_its_transpose_match_torch_convolutions(d, threads, size, kernel
     torch.testing.assert_close(r, 1 / torch.sqrt(conv + 1), **TOL)
     # the transpose is the adjoint: <box(a), b> = <a, boxᵀ(b)>, here against torch's transposed convolution
     e = _data(planes, conv[0, 0].numel(), seed + 1).reshape(conv.shape)
-    extra = [n - ((o - 1) * stride - 2 * padding + dilation * (kernel - 1) + 1) for n, o in zip(spatial, conv.shape[2:])]
+    extra = [n - ((o - 1) * stride - 2 * padding + dilation * (kernel - 1) + 1)
+             for n, o in zip(spatial, conv.shape[2:])]
     expected = torch.convolution(e, ones, None, *geometry[1:], True, extra, planes)
     with intra_op_threads(threads):
         torch.testing.assert_close(_fused.box_transpose(e, spatial, *geometry), expected, **TOL)

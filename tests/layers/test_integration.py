@@ -1,6 +1,6 @@
 """The corrected layers behave like torch.nn layers: torch.func, torch.compile, autocast,
 state_dict, init, repr, meta-device init, save/load, torch.export, memory saved for backward,
-convert(), the optional GPU dispatch.
+in-place ops on the output, convert() (shared modules included), the optional GPU dispatch.
 
 Float64 comparisons of two evaluations of the same function: rtol = atol = 1e-12 (a few ulp of
 O(1) values, with room for the different summation orders of vmap/compile vs eager).
@@ -12,8 +12,10 @@ import copy
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch import nn
 from torch.func import functional_call, jacrev, vmap
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from affdiv.layers import AffineLike, NormLike, PatchNormConv1d, PatchNormConv2d, convert
 from affdiv.layers import functional as LF
@@ -53,7 +55,7 @@ def test_jacrev_and_functional_call_match_autograd(name):
     params = dict(layer.named_parameters())
     jac = jacrev(lambda p, x: functional_call(layer, p, (x,)), argnums=(0, 1))(params, x)
     out = layer(x)
-    for i in range(3):  # rows of the Jacobian by plain reverse mode, one output element at a time
+    for _ in range(3):  # rows of the Jacobian by plain reverse mode, one output element at a time
         index = tuple(torch.randint(0, s, (1,)).item() for s in out.shape)
         grads = torch.autograd.grad(layer(x.requires_grad_(True))[index], [*params.values(), x])
         for (pname, _), g in zip(params.items(), grads):
@@ -259,15 +261,50 @@ def test_dense_layers_save_one_float_per_row_beyond_nn_linear(batch, m, n):
         assert 0 < new <= batch * 4, (type(layer).__name__, new)
 
 
-def test_patchnorm_saves_one_float_per_position_and_its_output_beyond_nn_conv2d():
-    # documented: PatchNormConv also saves z (shared with a consumer that saves its input)
+def test_patchnorm_under_saved_tensor_hooks_saves_one_float_per_group_and_position_beyond_nn_conv2d():
+    # the output it keeps otherwise is not one of the saved tensors (it would escape the hooks of
+    # checkpointing and offloading): under hooks it is recomputed in backward instead
     x = torch.randn(4, 6, 9, 9, requires_grad=True)
     conv = nn.Conv2d(6, 8, 3, padding=1, groups=2)
     assert _saved_new_bytes(conv, x)[0] == 0
-    layer = PatchNormConv2d(6, 8, 3, padding=1, groups=2)
-    new, z = _saved_new_bytes(layer, x)
-    positions_per_group = 4 * 2 * 9 * 9
-    assert new <= 4 * positions_per_group + z.untyped_storage().nbytes()
+    new, _ = _saved_new_bytes(PatchNormConv2d(6, 8, 3, padding=1, groups=2), x)
+    assert 0 < new <= 4 * (4 * 2 * 9 * 9)  # r: float32 per (sample, group, position)
+
+
+class _CountForwardConvolutions(TorchDispatchMode):
+    """Counts the convolutions run with ``weight`` (the layer's forward convolution; its box
+    filters run with a ones kernel of another shape, its backward as convolution_backward)."""
+
+    def __init__(self, weight):
+        super().__init__()
+        self.shape, self.count = weight.shape, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.convolution.default and args[1].shape == self.shape and not args[6]:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("case, recomputed", [
+    ("kept", 0), ("in-place consumer", 1), ("recompute=True", 1), ("create_graph", 1),
+    ("saved-tensor hooks", 1), ("second backward", 1),
+])
+def test_patchnorm_keeps_its_output_for_backward_and_recomputes_it_only_where_it_must(case, recomputed):
+    torch.manual_seed(0)
+    layer = PatchNormConv2d(4, 6, 3, padding=1, groups=2, recompute=case == "recompute=True")
+    x = torch.randn(2, 4, 5, 5, requires_grad=True)
+    if case == "saved-tensor hooks":
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            z = layer(x)
+    else:
+        z = layer(x)
+    z = torch.relu_(z) if case == "in-place consumer" else torch.relu(z)
+    if case == "second backward":
+        torch.autograd.grad(z.sum(), x, retain_graph=True)  # the first backward releases the kept z
+    count = _CountForwardConvolutions(layer.weight)
+    with count:
+        torch.autograd.grad(z.sum(), x, create_graph=case == "create_graph")
+    assert count.count == recomputed
 
 
 # --------------------------------------------------------------------------------------------
@@ -299,6 +336,77 @@ def test_convert_swaps_keeps_parameters_and_reports():
     expected = LF.norm_like(head[2](head[1](head[0](x))), head[3][0].weight, head[3][0].bias, mode="rms")
     expected = LF.norm_like(expected, head[3][2].weight, None, mode="rms")
     torch.testing.assert_close(head(x), expected, rtol=0, atol=0)
+
+
+def _vgg_like(activation, inplace: bool) -> nn.Sequential:
+    """Conv2d→activation(inplace) blocks as VGG and AlexNet build them (with nn.ReLU)."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), activation(inplace=inplace), nn.Conv2d(8, 8, 3, padding=1, groups=2),
+        activation(inplace=inplace), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(8 * 4 * 4, 10),
+        activation(inplace=inplace), nn.Linear(10, 10),
+    ).to(torch.float64)
+
+
+def _train(model: nn.Module, steps: int = 3) -> list[torch.Tensor]:
+    """The parameters after ``steps`` SGD steps on a fixed stream of batches."""
+    generator = torch.Generator().manual_seed(1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        x = torch.randn(4, 3, 8, 8, dtype=torch.float64, generator=generator)
+        y = torch.randint(0, 10, (4,), generator=generator)
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return [p.detach() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last], ids=["nchw", "channels_last"])
+@pytest.mark.parametrize("activation", [nn.ReLU, lambda inplace: nn.LeakyReLU(0.1, inplace=inplace)],
+                         ids=["relu", "leaky_relu"])
+def test_a_converted_vgg_with_in_place_activations_trains_as_with_recompute(activation, layout):
+    # the in-place activation changes the output PatchNormConv2d keeps for backward: it is found
+    # changed and recomputed, so the steps equal those of recompute=True and of out-of-place
+    # activations (float64, the same operations in the same order: equal to a few ulp). (With
+    # ReLU the changed z would give the same gradient, ⟨g, relu(z)⟩ = ⟨g, z⟩ for g masked by the
+    # ReLU; LeakyReLU's would not.)
+    trained = {}
+    for inplace, recompute in ((True, False), (True, True), (False, False)):
+        model = _vgg_like(activation, inplace).to(memory_format=layout)
+        convert(model, recompute=recompute)
+        trained[inplace, recompute] = _train(model)
+    for a, b, c in zip(trained[True, False], trained[True, True], trained[False, False]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(a, c, rtol=1e-12, atol=1e-12)
+    initial = _vgg_like(activation, True).parameters()
+    assert all(not torch.equal(a, p) for a, p in zip(trained[True, False], initial))
+
+
+def test_convert_gives_every_use_of_a_shared_module_the_same_new_module():
+    linear = nn.Linear(4, 4)
+    model = nn.Sequential(linear, nn.Tanh(), linear, nn.LayerNorm(4))
+    records = convert(model, following_norm="remove")
+    assert [(r.path, r.new_type) for r in records] == [("0", "AffineLike"), ("2", "AffineLike"), ("3", "Identity")]
+    assert model[0] is model[2] and type(model[0]) is AffineLike
+    assert [id(p) for p in model.parameters()] == [id(linear.weight), id(linear.bias)]  # the norm's are gone
+
+    class TwoNames(nn.Module):  # one module under two attribute names, and a container used twice
+        def __init__(self):
+            super().__init__()
+            self.a = self.b = nn.Conv2d(2, 2, 3)
+            block = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
+            self.blocks = nn.Sequential(block, block)
+
+    model = TwoNames()
+    records = convert(model)
+    assert model.a is model.b and type(model.a) is PatchNormConv2d
+    assert model.blocks[0] is model.blocks[1] and type(model.blocks[0][0]) is AffineLike
+    assert [r.path for r in records] == ["a", "b", "blocks.0.0"]  # a container is walked once
+    # a module is judged at its first path: skipped there, it stays at every path
+    linear = nn.Linear(2, 2)
+    model = nn.Sequential(linear, linear)
+    assert convert(model, skip=lambda path, module: path == "0") == []
+    assert model[0] is model[1] is linear
 
 
 def test_convert_keep_norm_skip_and_options():
@@ -337,7 +445,7 @@ class _FakeKernel:
 
     def forward(self, x2d, weight, bias):
         self.calls.append(("forward", tuple(x2d.shape)))
-        from affdiv.layers._autograd import AffineLike as Fn
+        from affdiv.layers._autograd import AffineLikeFunction as Fn
         z, r = Fn.forward(x2d, weight, bias)
         return z, r.squeeze(-1).float()
 
@@ -376,6 +484,19 @@ def test_gpu_dispatch_double_backward_falls_back_to_the_torch_formula(monkeypatc
     (g2,) = torch.autograd.grad(LF.affine_like(x, w, b).square().sum(), x, create_graph=True)
     (gg2,) = torch.autograd.grad(g2.sum(), w)
     torch.testing.assert_close(gg, gg2, rtol=1e-5, atol=1e-6)
+
+
+def test_gpu_dispatch_forward_mode_gives_the_torch_formula_tangents(monkeypatch):
+    fake = _FakeKernel()
+    layer, x = _layer_and_input("affine_like", dtype=torch.float32)
+    x_t = torch.randn_like(x)
+    tangents = []
+    for kernel in (fake, None):
+        monkeypatch.setattr(LF, "_gpu_kernel", lambda rows, kernel=kernel: kernel)
+        with fwAD.dual_level():
+            tangents.append(fwAD.unpack_dual(layer(fwAD.make_dual(x, x_t))).tangent)
+    assert fake.calls == [("forward", (3, 6))]
+    torch.testing.assert_close(tangents[0], tangents[1], rtol=1e-6, atol=1e-6)  # float32, the same formula
 
 
 def test_gpu_kernel_is_not_used_on_cpu():
@@ -420,3 +541,23 @@ def test_patchnorm_recompute_gradgradcheck():
     fn = lambda x, w, b: LF.patchnorm_conv2d(x, w, b, padding=1, groups=2, recompute=True)  # noqa: E731
     assert torch.autograd.gradcheck(fn, (x, w, b), atol=1e-7, rtol=1e-7)
     assert torch.autograd.gradgradcheck(fn, (x, w, b), atol=1e-7, rtol=1e-7)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_patchnorm_under_vmap_then_autograd_matches_a_loop(recompute):
+    """vmap over stacked weights, then ordinary backward (what the stacked harness does): torch's
+    generated vmap rule keeps one saved-tensor layout per context, so the forward-mode and
+    backward saves must agree. Float64, same arithmetic per member: equal to rounding (1e-12)."""
+    from torch.func import vmap
+
+    from affdiv.layers.functional import patchnorm_conv2d
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(3, 4, 2, 3, 3, dtype=torch.float64, generator=gen)
+    x = torch.randn(3, 2, 2, 5, 5, dtype=torch.float64, generator=gen)
+    stacked_w, stacked_x = w.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    vmap(lambda w, x: patchnorm_conv2d(x, w, padding=1, recompute=recompute))(stacked_w, stacked_x).sum().backward()
+    loop_w, loop_x = w.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    sum(patchnorm_conv2d(loop_x[i], loop_w[i], padding=1, recompute=recompute).sum() for i in range(3)).backward()
+    torch.testing.assert_close(stacked_w.grad, loop_w.grad, rtol=0, atol=1e-12)
+    torch.testing.assert_close(stacked_x.grad, loop_x.grad, rtol=0, atol=1e-12)

@@ -8,8 +8,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from affdiv.theory import ProofKind, registry
-from affdiv.theory import affine
+from affdiv.theory import ProofKind, affine, registry
 from affdiv.theory.exact import ETA, exact_effective_update, is_zero
 from affdiv.verify.checks import TOL, check_diagonal, check_linearity, check_update
 from affdiv.verify.engine import effective_update
@@ -150,7 +149,10 @@ def test_kernel_without_the_bias_term_fails():
 
 
 def test_wrong_diagonal_factor_fails():
-    derivation = planted("affine_like", diagonal=lambda case: torch.full((case.inputs[0].shape[0],), 2.0, dtype=torch.float64))
+    def doubled(case):
+        return torch.full((case.inputs[0].shape[0],), 2.0, dtype=torch.float64)
+
+    derivation = planted("affine_like", diagonal=doubled)
     result = check_diagonal(derivation, {"batch": 4, "in_features": 5, "out_features": 2}, seed=0)
     assert not result.passed
     assert result.max_rel_err > 0.4

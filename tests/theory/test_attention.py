@@ -10,10 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.func import functional_call, jvp, vjp
 
-from affdiv.theory import ProofKind, registry
-from affdiv.theory import attention
+from affdiv.theory import ProofKind, attention, registry
 from affdiv.verify.checks import SLOPE_TOL, TOL, check_taylor, check_update, rel_err
-from affdiv.verify.engine import effective_update, parameters_of
+from affdiv.verify.engine import effective_update
 
 D = attention.DERIVATION
 
@@ -94,7 +93,7 @@ def test_second_order_term_is_the_measured_eta_squared_coefficient(sizes, seed):
     """Z2 = ½ d²/dt² Z(θ + tΔθ)|₀, measured by forward-over-forward AD (independent of the closed form)."""
     case, g = _case(sizes, seed)
     lr = 0.1
-    params = parameters_of(case.module)
+    params = {name: p.detach() for name, p in case.module.named_parameters()}
 
     def f(p):
         return functional_call(case.module, p, case.inputs)

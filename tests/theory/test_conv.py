@@ -8,17 +8,16 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from affdiv.theory import ProofKind, registry
-from affdiv.theory import conv
+from affdiv.theory import ProofKind, conv, registry
 from affdiv.verify.checks import check_site_diagonal, check_update
 from affdiv.verify.engine import effective_update
 from affdiv.verify.metrics import site_diagonal_update
 
 
 @st.composite
-def geometries(draw, dims=st.sampled_from([1, 2])):
+def geometries(draw):
     """Sizes for build(): any stride/padding/dilation/groups whose output is non-empty."""
-    d = draw(dims)
+    d = draw(st.sampled_from([1, 2]))
     groups = draw(st.integers(1, 3))
     sizes = {
         "dims": d,

@@ -8,8 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from affdiv.theory import ProofKind, registry
-from affdiv.theory import residual
+from affdiv.theory import ProofKind, registry, residual
 from affdiv.verify.checks import SLOPE_TOL, TOL, check_taylor, check_update, rel_err
 from affdiv.verify.engine import effective_update
 from affdiv.verify.metrics import cosine, diagonal_update
@@ -34,7 +33,8 @@ def test_registered_with_their_proof_kinds():
 
 
 sizes = st.fixed_dictionaries(
-    {"batch": st.integers(1, 6), "in_features": st.integers(1, 6), "width": st.integers(1, 5), "hidden": st.integers(1, 6)}
+    {"batch": st.integers(1, 6), "in_features": st.integers(1, 6), "width": st.integers(1, 5),
+     "hidden": st.integers(1, 6)}
 )
 
 
@@ -128,7 +128,8 @@ def _drop_inner_layer(case, g, lr):
 
 @pytest.mark.parametrize(
     "name, wrong",
-    [("residual_affine", _drop_skip_matrix), ("residual_tanh", _drop_skip_matrix), ("residual_gelu", _drop_inner_layer)],
+    [("residual_affine", _drop_skip_matrix), ("residual_tanh", _drop_skip_matrix),
+     ("residual_gelu", _drop_inner_layer)],
 )
 def test_planted_wrong_formula_fails(name, wrong):
     d = registry()[name]
@@ -148,9 +149,9 @@ def test_activation_derivative_is_derived_not_typed():
 
 def test_bad_input_is_named():
     with pytest.raises(ValueError, match="branch must be in"):
-        residual.ResidualBlock(2, 2, "relu6")
+        residual.ReferenceResidualBlock(2, 2, "relu6")
     with pytest.raises(ValueError, match="hidden ≥ 1"):
-        residual.ResidualBlock(2, 2, "tanh")
+        residual.ReferenceResidualBlock(2, 2, "tanh")
     with pytest.raises(ValueError, match="activation must be one of"):
         residual.activation("swish")
     with pytest.raises(ValueError, match="missing"):

@@ -1,17 +1,21 @@
-"""The measurement engine and the alignment metrics, against hand-derived values."""
+"""The measurement engine and the alignment metrics, against hand-derived values; a measurement
+leaves the module exactly as it found it (parameters, buffers, sharing, the global RNG)."""
 
+import copy
 import math
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
 
 from affdiv.theory import registry
-from affdiv.verify.checks import _case, check_taylor, fit_above_floor, taylor_slope
+from affdiv.verify import empirical_ntk
+from affdiv.verify.checks import TOL, _case, cancellation_bound, check_taylor, fit_above_floor, rel_err, taylor_slope
 from affdiv.verify.engine import effective_update
-from affdiv.verify.metrics import alignment, diagonal_update
+from affdiv.verify.metrics import alignment, diagonal_update, site_diagonal_update
 
 F64 = torch.float64
 
@@ -161,3 +165,147 @@ def test_building_a_case_leaves_the_global_rng_alone():
     torch.manual_seed(123)
     _case(registry()["affine"], {"batch": 2, "in_features": 3, "out_features": 2}, seed=5)
     assert torch.equal(torch.rand(3), expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# a measurement leaves the module as it found it: shared modules, tied weights, nesting, buffers
+
+
+class _AttributeShared(nn.Module):
+    """One Linear registered as both self.a and self.b."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = self.b = nn.Linear(3, 3, dtype=F64)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+class _Tied(nn.Module):
+    """Two Linears sharing one weight Parameter (as tied input and output embeddings)."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder, self.decoder = nn.Linear(3, 3, dtype=F64), nn.Linear(3, 3, dtype=F64)
+        self.decoder.weight = self.encoder.weight
+
+    def forward(self, x):
+        return self.decoder(torch.tanh(self.encoder(x)))
+
+
+def _shared_in_sequential():
+    linear = nn.Linear(3, 3, dtype=F64)
+    return nn.Sequential(linear, nn.Tanh(), linear)
+
+
+def _nested_with_batchnorm():
+    """A block used twice inside another container, with a train-mode BatchNorm in it."""
+    linear = nn.Linear(3, 3, dtype=F64)
+    block = nn.Sequential(linear, nn.BatchNorm1d(3, dtype=F64), nn.Tanh())
+    return nn.Sequential(block, nn.Sequential(block, linear)).train()
+
+
+SHARING = {"shared_in_sequential": _shared_in_sequential, "attribute_shared": _AttributeShared, "tied": _Tied,
+           "nested_with_batchnorm": _nested_with_batchnorm}
+
+
+def _slots(module):
+    """(owner, kind, name, tensor) of every parameter and buffer slot, reached by every path."""
+    return [(owner, kind, name, t) for _, owner in module.named_modules(remove_duplicate=False)
+            for kind in ("_parameters", "_buffers") for name, t in getattr(owner, kind).items()]
+
+
+def _sharing_case(name):
+    torch.manual_seed(0)
+    return SHARING[name](), torch.randn(5, 3, dtype=F64), torch.randn(5, 3, dtype=F64)
+
+
+@pytest.mark.parametrize("name", SHARING)
+def test_every_parameter_and_buffer_is_the_same_object_with_the_same_value_afterwards(name):
+    model, x, g = _sharing_case(name)
+    before = [(owner, kind, key, t, t.detach().clone()) for owner, kind, key, t in _slots(model)]
+    effective_update(model, x, g, lr=0.1)
+    empirical_ntk(model.eval(), x)  # (per-sample: BatchNorm in eval mode) the other measurements too
+    diagonal_update(model, x, g, 0.1)
+    site_diagonal_update(model, x, g, 0.1, lambda t: t.reshape(-1, 1))
+    for owner, kind, key, t, value in before:
+        now = getattr(owner, kind)[key]
+        assert now is t and torch.equal(now, value), (type(owner).__name__, kind, key)
+    assert all(type(p) is nn.Parameter for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", SHARING)
+def test_the_step_of_a_shared_model_goes_through_every_use(name):
+    """finite is the change of an SGD step on a deep copy (which keeps the sharing), where the
+    gradient sums over every use of a shared module or weight; linear is its first order."""
+    model, x, g = _sharing_case(name)
+    reference = copy.deepcopy(model)
+    before = reference(x)
+    before.backward(g)
+    torch.optim.SGD(reference.parameters(), lr=1e-3).step()
+    expected = (reference(x) - before).detach()
+    u = effective_update(model, x, g, lr=1e-3)
+    # the same SGD step and forwards, in another order of operations: a few ulp of z, relative
+    # to the step by the cancellation in z(θ+Δθ) − z(θ)
+    assert rel_err(u.finite, expected) <= TOL + cancellation_bound(u.output, expected)
+    remainders = [float(effective_update(model, x, g, lr=lr).remainder.abs().max()) for lr in (1e-3, 1e-4)]
+    assert 70 < remainders[0] / remainders[1] < 130  # O(η²): a tenth of η, a hundredth of the rest
+
+
+@pytest.mark.parametrize("name", SHARING)
+def test_an_optimizer_step_after_a_measurement_moves_the_model_as_without_it(name):
+    model, x, g = _sharing_case(name)
+    untouched = copy.deepcopy(model)
+    effective_update(model, x, g, lr=0.1)
+    outputs = []
+    for m in (model, untouched):
+        optimizer = torch.optim.SGD(m.parameters(), lr=0.1)
+        before = m(x)
+        before.backward(g)
+        optimizer.step()
+        outputs.append((before.detach(), m(x).detach()))
+    (before, after), (untouched_before, untouched_after) = outputs
+    assert not torch.equal(after, before)
+    assert torch.equal(before, untouched_before) and torch.equal(after, untouched_after)
+
+
+def _dropout_case(seed, batch, p, device="cpu"):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 6, dtype=F64), nn.Dropout(p)).to(device).train()
+    x = torch.randn(batch, 4, dtype=F64, device=device)
+    return model, x, torch.randn(batch, 6, dtype=F64, device=device)
+
+
+def _check_one_mask_for_every_pass(model, x, g, p, lr):
+    cpu_state = torch.get_rng_state()
+    cuda_state = torch.cuda.get_rng_state(x.device) if x.is_cuda else None
+    u = effective_update(model, x, g, lr=lr)
+    assert torch.equal(torch.get_rng_state(), cpu_state)  # the global RNG is left as it was
+    if x.is_cuda:
+        assert torch.equal(torch.cuda.get_rng_state(x.device), cuda_state)
+    assert torch.equal(u.output, model(x))  # the measurement drew the mask a forward from here draws
+    # z = s ⊙ (Wx + b), s = mask/(1 − p): linear in θ, Δz_i = −η s_i ⊙ Σ_j (x_i·x_j + 1) s_j ⊙ g_j
+    # when one mask s serves the gradient, the jvp and the real step
+    s = (u.output != 0).to(F64) / (1 - p)
+    predicted = -lr * s * ((x @ x.T + 1) @ (s * g))
+    assert rel_err(predicted, u.linear) <= TOL
+    # no O(η²) term: the real step equals the first order to rounding (a remainder of O(1) if the
+    # passes drew different masks)
+    tol = TOL + cancellation_bound(u.output, u.finite) if u.finite.abs().max() > 0 else 0.0
+    assert rel_err(u.linear, u.finite) <= tol
+
+
+@settings(max_examples=15)
+@given(seed=st.integers(0, 2**16), batch=st.integers(1, 8), p=st.sampled_from([0.1, 0.5, 0.9]))
+def test_dropout_draws_one_mask_for_every_pass(seed, batch, p):
+    model, x, g = _dropout_case(seed, batch, p)
+    _check_one_mask_for_every_pass(model, x, g, p, lr=0.3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the CUDA RNG needs a GPU")
+def test_dropout_on_cuda_draws_one_mask_for_every_pass():
+    for seed in range(5):
+        model, x, g = _dropout_case(seed, 8, 0.5, device="cuda")
+        _check_one_mask_for_every_pass(model, x, g, 0.5, lr=0.3)

@@ -1,0 +1,117 @@
+"""Seconds `affdiv analyse` takes on a large record CSV (issue 12: 100k rows in under 30 s).
+
+    python benchmarks/analyse_scaling.py [--seeds 5000] [--methods 4] [--batch-sizes 5]
+                                         [--calibration-sims 0] [--mixed]
+
+Writes a CSV of seeds x methods x batch sizes records (a planted fall for the corrected layers,
+seed effects and noise) to a temporary folder, then times each stage of ``analyse_file`` in this
+process: reading and checking the CSV, the analysis (every test and sensitivity analysis), the
+calibration (when --calibration-sims > 0) and the report. ``--mixed`` also times statsmodels'
+random-intercept model (``stats.mixed_slope``) on each method's runs, the step that made the
+analysis take minutes before. Prints seconds per stage; asserts nothing (timing is never a test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+METHODS = ("affine_like", "norm_l2", "affine", "batchnorm", "layernorm", "rmsnorm")
+BATCH_SIZES = (16, 32, 64, 128, 256, 512, 1024)
+
+
+def write_records(path: Path, n_seeds: int, n_methods: int, n_batch_sizes: int, seed: int = 0) -> int:
+    rng = np.random.default_rng(seed)
+    batch_sizes = BATCH_SIZES[:n_batch_sizes]
+    x = np.log2(batch_sizes)
+    rows = 0
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["method", "batch_size", "seed", "metric"])
+        for method in METHODS[:n_methods]:
+            slope = -0.01 if method in ("affine_like", "norm_l2") else 0.0
+            values = 0.9 + rng.normal(0, 0.01, (n_seeds, 1)) + slope * x + rng.normal(0, 0.005, (n_seeds, x.size))
+            for s in range(n_seeds):
+                for b, value in zip(batch_sizes, values[s]):
+                    writer.writerow([method, b, s, repr(float(value))])
+                    rows += 1
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, default=5000)
+    parser.add_argument("--methods", type=int, default=4, choices=range(2, len(METHODS) + 1))
+    parser.add_argument("--batch-sizes", type=int, default=5, choices=range(3, len(BATCH_SIZES) + 1))
+    parser.add_argument("--calibration-sims", type=int, default=0)
+    parser.add_argument("--mixed", action="store_true", help="also time the mixed model on each method")
+    args = parser.parse_args()
+
+    from affdiv.experiments.analysis import stats
+    from affdiv.experiments.analysis.calibration import calibrate_for
+    from affdiv.experiments.analysis.decision import analyse
+    from affdiv.experiments.analysis.groups import label_groups
+    from affdiv.experiments.records import read_csv
+    from affdiv.experiments.report.writer import write_report
+
+    class Times(dict):
+        """Stage -> seconds, each printed (to stderr) as it finishes."""
+
+        def __setitem__(self, stage, seconds):
+            super().__setitem__(stage, seconds)
+            print(f"  {stage}: {seconds:.2f} s", file=sys.stderr, flush=True)
+
+    times = Times()
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "records.csv"
+        rows = write_records(path, args.seeds, args.methods, args.batch_sizes)
+        print(f"{rows} records: {args.seeds} seeds x {args.methods} methods x {args.batch_sizes} batch sizes",
+              file=sys.stderr)
+        start = time.perf_counter()
+        records = read_csv(path)
+        times["read and check the CSV"] = time.perf_counter() - start
+
+        start = time.perf_counter()
+        analysis = analyse(records, group_by=label_groups(records))
+        times["analyse (all tests and sensitivity analyses)"] = time.perf_counter() - start
+
+        start = time.perf_counter()
+        analyse(records, group_by=label_groups(records), sensitivity=False)
+        times["analyse without the sensitivity analyses"] = time.perf_counter() - start
+
+        calibration = None
+        if args.calibration_sims:
+            start = time.perf_counter()
+            calibration = calibrate_for(analysis, n_sims=args.calibration_sims)
+            times[f"calibration ({args.calibration_sims} sims per slope)"] = time.perf_counter() - start
+
+        start = time.perf_counter()
+        write_report(Path(folder) / "report", analysis, records=records, provenance={}, calibration=calibration)
+        times["write the report"] = time.perf_counter() - start
+
+        if args.mixed:
+            by_method: dict[str, list] = {}
+            for record in records:
+                by_method.setdefault(record["method"], []).append(record)
+            start = time.perf_counter()
+            for method_rows in by_method.values():
+                x = np.log2([r["batch_size"] for r in method_rows])
+                y = np.array([r["metric"] for r in method_rows])
+                stats.mixed_slope(x, y, np.array([r["seed"] for r in method_rows]))
+            times[f"mixed model (statsmodels MixedLM), {len(by_method)} methods"] = time.perf_counter() - start
+
+    width = max(map(len, times))
+    for stage, seconds in times.items():
+        print(f"{stage:<{width}}  {seconds:8.2f} s")
+    core = sum(v for k, v in times.items() if not k.startswith(("analyse without", "mixed")))
+    print(f"{'total of `affdiv analyse`':<{width}}  {core:8.2f} s")
+
+
+if __name__ == "__main__":
+    main()

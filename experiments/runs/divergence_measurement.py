@@ -1,0 +1,117 @@
+"""The divergence meter as a training measurement: the mechanism behind the batch-size prediction
+(off-diagonal share, cosine, diagonal spread per layer) along every run of a sweep, beside its
+outcome.
+
+:func:`measurement` gives a :class:`~affdiv.experiments.runs.training.Measurement` named
+``divergence`` for ``run_sweep(..., measurements=[...])`` / ``train_run``: at step 0 and every
+``every`` steps it draws ``batches`` batches of the training split (a generator seeded by
+``seed``, the step and the batch size: every run of a sweep sees the same batches at the same
+step) and measures the run's model copy with
+:func:`affdiv.verify.divergence` (plain SGD step on the mean cross-entropy; the metrics do not
+depend on η, nor on the run's optimizer). The batch size is the run's own when the training
+loop passes the run's config (``fn(model, step, data, config)``; the training loop does) and no
+``batch_sizes`` are given, else each of ``batch_sizes``.
+
+Each call returns one flat dict of JSON numbers (None where undefined):
+
+    B<b>:<metric>               mean over the measured layers (layers weigh equally)
+    B<b>:<layer>:<metric>       per layer (its name in ``named_modules``)
+
+for the metrics in ``METRICS`` (summaries of :meth:`affdiv.verify.LayerDivergence.summary`,
+averaged over the batches). :func:`record_columns` turns a run's measurement dicts into record
+columns for the report: ``off_diagonal_share_init`` / ``off_diagonal_share_last`` and the same for
+``cosine`` and ``diagonal_scale_cv`` (mean over layers, at step 0 and at the last measured step).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+NAME = "divergence"
+METRICS = ("off_diagonal_share_median", "off_diagonal_share_mean", "cosine_mean", "scale_mean",
+           "diagonal_scale_mean", "diagonal_scale_cv", "batch_cosine", "diagonal_norm_correlation")
+COLUMNS = {"off_diagonal_share": "off_diagonal_share_median", "cosine": "cosine_mean",
+           "diagonal_scale_cv": "diagonal_scale_cv"}
+
+
+def _mean(values: list) -> float | None:
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    return sum(values) / len(values) if values else None
+
+
+def measure(model: torch.nn.Module, step: int, data, config=None, *, batch_sizes: Sequence[int] = (),
+            batches: int = 1, scope: str = "layer", per_sample: bool = True, seed: int = 0,
+            masked_limit: int | None = 128) -> dict:
+    """The :class:`Measurement` callback (see the module docstring)."""
+    from affdiv.verify import divergence
+
+    sizes = list(batch_sizes) if batch_sizes or config is None else [int(config.batch_size)]
+    if not sizes:
+        raise ValueError("the divergence measurement needs batch_sizes when the training loop does not pass "
+                         "the run's config")
+    parameter = next(model.parameters())
+    x_all = torch.as_tensor(data.train.x, device=parameter.device, dtype=parameter.dtype)
+    y_all = torch.as_tensor(data.train.y, device=parameter.device)
+    out: dict = {}
+    for size in sizes:
+        if size > len(y_all):
+            raise ValueError(f"divergence measurement: batch size {size} exceeds the {len(y_all)} training samples")
+        generator = torch.Generator().manual_seed((seed * 1_000_003 + step) * 100_003 + size)
+        per_layer: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+        for _ in range(batches):
+            index = torch.randperm(len(y_all), generator=generator)[:size].to(x_all.device)
+            y = y_all[index]
+            report = divergence(model, x_all[index], lambda out, y=y: F.cross_entropy(out, y, reduction="none"),
+                                lr=1.0, scope=scope, per_sample=per_sample, masked_limit=masked_limit)
+            for row in report.records():
+                for metric in METRICS:
+                    per_layer[row["layer"]][metric].append(row.get(metric))
+        for layer, metrics in per_layer.items():
+            for metric, values in metrics.items():
+                out[f"B{size}:{layer}:{metric}"] = _mean(values)
+        for metric in METRICS:
+            out[f"B{size}:{metric}"] = _mean([out[f"B{size}:{layer}:{metric}"] for layer in per_layer])
+    return out
+
+
+def measurement(*, every: int, batch_sizes: Sequence[int] = (), batches: int = 1, scope: str = "layer",
+                per_sample: bool = True, seed: int = 0, masked_limit: int | None = 128):
+    """A :class:`~affdiv.experiments.runs.training.Measurement` named ``divergence`` (picklable:
+    it reaches a sweep's workers). Bad settings raise a ValueError now, not in a worker."""
+    from affdiv.experiments.runs.training import Measurement
+
+    if scope not in ("layer", "network"):
+        raise ValueError(f"divergence measurement: scope must be 'layer' or 'network', got {scope!r}")
+    if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
+        raise ValueError(f"divergence measurement: batches must be an integer >= 1, got {batches!r}")
+    if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in batch_sizes):
+        raise ValueError(f"divergence measurement: batch sizes must be integers >= 1, got {list(batch_sizes)}")
+    return Measurement(NAME, every, functools.partial(
+        measure, batch_sizes=tuple(batch_sizes), batches=batches, scope=scope, per_sample=per_sample, seed=seed,
+        masked_limit=masked_limit))
+
+
+def record_columns(measurements: Sequence[Mapping], batch_size: int | None = None) -> dict:
+    """``<name>_init`` (step 0) and ``<name>_last`` (the last measured step) for the ``COLUMNS``,
+    mean over layers at ``batch_size`` (default: the first batch size measured); {} when the run
+    has no ``divergence`` measurements."""
+    mine = sorted((m for m in measurements if m.get("measurement") == NAME), key=lambda m: m["step"])
+    if not mine:
+        return {}
+    if batch_size is None:
+        keys = [k for k in mine[0] if k.startswith("B") and k.count(":") == 1]
+        batch_size = int(keys[0][1:].split(":")[0]) if keys else None
+    out = {}
+    for column, metric in COLUMNS.items():
+        key = f"B{batch_size}:{metric}"
+        if mine[0]["step"] == 0:
+            out[f"{column}_init"] = mine[0].get(key)
+        out[f"{column}_last"] = mine[-1].get(key)
+    out["divergence_last_step"] = mine[-1]["step"]
+    return out

@@ -1,0 +1,171 @@
+"""K models of one architecture trained as one: stacked parameters, one vmapped step for all.
+
+``torch.func.stack_module_state`` stacks the K models' parameters and buffers along a new dim 0;
+one step of all of them is
+
+    (g_k, L_k)_k = vmap(grad_and_value(L))(θ, β, X, Y),   L(θ_k, β_k, X_k, Y_k) = CE(f(X_k; θ_k, β_k), Y_k)
+
+with f the architecture run by ``functional_call`` on a parameter-less copy of the model (on the
+meta device), X_k, Y_k model k's own batch (it gathers its own indices from its own split), and
+β_k its buffers: BatchNorm's running statistics are updated in place per model inside the vmap,
+and the evaluation runs f in eval mode on them, as each model alone would. The K small GEMMs
+(convolutions) of every layer become one batched GEMM (a grouped convolution). The optimiser
+step is :class:`~affdiv.experiments.runs.optimizers.StackedOptimizer`: an lr (momentum) per model.
+
+Every operation is per model, so model k's numbers equal those of the same model trained alone
+up to the order of summation inside the batched kernels (see the tests for the bound). For the
+MLP methods they do not depend on which other models share the stack (tested bit for bit); the
+CNN methods' grouped convolutions pick their kernels by the total channel count, so there a
+model's float32 numbers can change at rounding level with its ensemble's size.
+
+:func:`stack_failure` tries one stacked step and one evaluation on two throw-away models; a
+model that ``torch.func`` cannot run this way is then trained one at a time (the caller logs it).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.func import functional_call, grad_and_value, stack_module_state, vmap
+
+from affdiv.experiments.runs.optimizers import StackedOptimizer
+
+#: Validation samples per evaluation pass at most, and the most elements a model's largest layer
+#: output may have in one pass (fewer samples for wide convolutional layers). The chunks depend
+#: on the architecture only, never on how many models are stacked.
+EVAL_CHUNK = 1024
+EVAL_ELEMENTS = 2**22
+
+
+@torch.no_grad()
+def layer_outputs(model: torch.nn.Module, input_shape: Sequence[int]) -> list[int]:
+    """The per-sample output size of every leaf module of ``model``: a forward of one zero sample
+    in eval mode (which leaves BatchNorm's statistics alone)."""
+    param = next(iter(model.parameters()))
+    sizes: list[int] = []
+    hooks = [m.register_forward_hook(lambda _m, _i, out: sizes.append(out.numel()))
+             for m in model.modules() if not list(m.children())]
+    training = model.training
+    model.eval()(torch.zeros((1, *input_shape), device=param.device, dtype=param.dtype))
+    model.train(training)
+    for hook in hooks:
+        hook.remove()
+    return sizes
+
+
+def eval_chunk(outputs: Sequence[int]) -> int:
+    """Samples per evaluation pass for a model with per-sample layer outputs ``outputs``."""
+    return max(1, min(EVAL_CHUNK, EVAL_ELEMENTS // max(outputs)))
+
+
+class StackedEnsemble:
+    """K models (built by the caller, same architecture and dtype) trained in lockstep.
+
+    ``train[k]`` and ``val[k]`` are model k's (x, y) tensors; models that share a split share the
+    tensor objects, and such models must be contiguous (they are gathered in one indexing op).
+    """
+
+    def __init__(self, models: Sequence[torch.nn.Module], optimizer: str, lrs: Sequence[float],
+                 momenta: Sequence[float | None], train: Sequence[tuple[Tensor, Tensor]],
+                 val: Sequence[tuple[Tensor, Tensor]]):
+        self.base = copy.deepcopy(models[0]).to("meta")
+        params, buffers = stack_module_state(list(models))
+        self.params = {name: p.detach() for name, p in params.items()}
+        self.buffers = buffers
+        self.optimizer = StackedOptimizer(optimizer, self.params, lrs, momenta)
+        self.train_splits, self.val_splits = list(train), list(val)
+        self.eval_chunk = eval_chunk(layer_outputs(models[0], train[0][0].shape[1:]))
+        self._grad = vmap(grad_and_value(self._loss), randomness="error")
+        self._forward = vmap(self._logits, randomness="error")
+        self._loss_sum = vmap(lambda logits, y: F.cross_entropy(logits, y, reduction="sum"), in_dims=(0, None))
+
+    def _logits(self, params, buffers, x: Tensor) -> Tensor:
+        return functional_call(self.base, (params, buffers), (x,))
+
+    def _loss(self, params, buffers, x: Tensor, y: Tensor) -> Tensor:
+        return F.cross_entropy(self._logits(params, buffers, x), y)
+
+    def __len__(self) -> int:
+        return len(self.train_splits)
+
+    def _segments(self, splits) -> list[tuple[int, int, tuple[Tensor, Tensor]]]:
+        """(start, stop, split) for each run of consecutive models on the same split."""
+        out: list = []
+        for k, split in enumerate(splits):
+            if out and out[-1][2] is split:
+                out[-1][1] = k + 1
+            else:
+                out.append([k, k + 1, split])
+        return [tuple(s) for s in out]
+
+    def step(self, batches: Tensor) -> Tensor:
+        """One optimiser step of every model on its batch (``batches`` (K, B) sample indices into
+        its training split); returns the K mean cross-entropies before the step (detached)."""
+        segments = self._segments(self.train_splits)
+        if len(segments) == 1:
+            x, y = segments[0][2]
+            xs, ys = x[batches], y[batches]
+        else:
+            xs = torch.cat([x[batches[a:b]] for a, b, (x, _y) in segments])
+            ys = torch.cat([y[batches[a:b]] for a, b, (_x, y) in segments])
+        grads, losses = self._grad(self.params, self.buffers, xs, ys)
+        self.optimizer.step(self.params, grads)
+        return losses.detach()
+
+    @torch.no_grad()
+    def evaluate(self) -> list[dict]:
+        """Each model's mean cross-entropy and accuracy on its validation split, in eval mode
+        (BatchNorm on its own running statistics); per-chunk sums as in ``training.evaluate``."""
+        self.base.eval()
+        loss_sum = torch.zeros(len(self), dtype=torch.float64)
+        correct = torch.zeros(len(self), dtype=torch.long)
+        sizes = [0] * len(self)
+        for a, b, (x, y) in self._segments(self.val_splits):
+            if len(y) == 0:
+                raise ValueError("evaluate needs at least one sample, got an empty split")
+            params = {name: p[a:b] for name, p in self.params.items()}
+            buffers = {name: t[a:b] for name, t in self.buffers.items()}
+            for start in range(0, len(y), self.eval_chunk):
+                chunk, target = x[start : start + self.eval_chunk], y[start : start + self.eval_chunk]
+                logits = self._forward(params, buffers, chunk.expand(b - a, *chunk.shape))
+                loss_sum[a:b] += self._loss_sum(logits, target).double().cpu()
+                correct[a:b] += (logits.argmax(dim=2) == target).sum(1).cpu()
+            sizes[a:b] = [len(y)] * (b - a)
+        self.base.train()
+        return [{"loss": float(s) / n, "accuracy": int(c) / n} for s, c, n in zip(loss_sum, correct, sizes)]
+
+    def model(self, k: int) -> torch.nn.Module:
+        """Model k as a plain module (a copy of its parameters and buffers now), in train mode."""
+        device = next(iter(self.params.values())).device
+        module = copy.deepcopy(self.base).to_empty(device=device)
+        state = {name: t[k] for name, t in (*self.params.items(), *self.buffers.items())}
+        module.load_state_dict(state)
+        return module.train()
+
+    def keep(self, index: Sequence[int]) -> None:
+        """Go on with the models at ``index`` only (in that order); the others stop here."""
+        device = next(iter(self.params.values())).device
+        picked = torch.tensor(list(index), dtype=torch.long, device=device)
+        self.params = {name: p.index_select(0, picked) for name, p in self.params.items()}
+        self.buffers = {name: t.index_select(0, picked) for name, t in self.buffers.items()}
+        self.optimizer.keep(picked)
+        self.train_splits = [self.train_splits[i] for i in index]
+        self.val_splits = [self.val_splits[i] for i in index]
+
+
+def stack_failure(build, optimizer: str, sample: tuple[Tensor, Tensor]) -> str | None:
+    """None if two models from ``build()`` train stacked (one step and one evaluation on the
+    samples ``sample``), else why not ("<error type>: <message>")."""
+    models = [build(), build()]
+    x, y = sample
+    ensemble = StackedEnsemble(models, optimizer, [1e-3, 1e-3], [0.0, 0.0], [(x, y)] * 2, [(x, y)] * 2)
+    try:
+        ensemble.step(torch.arange(len(y), device=y.device).expand(2, -1))
+        ensemble.evaluate()
+    except Exception as error:  # any failure means: train these models one at a time
+        return f"{type(error).__name__}: {error}"
+    return None

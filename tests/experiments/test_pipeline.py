@@ -1,0 +1,495 @@
+"""`affdiv falsify` and `affdiv analyse` under bad input, foreign and damaged files, altered data, and
+overflowing numbers (issue 12): one line, exit 2, before any work, and inputs never written."""
+
+import csv
+import gzip
+import hashlib
+import json
+import shutil
+import sqlite3
+import subprocess
+import sys
+
+import pytest
+
+from affdiv.cli import main
+from affdiv.experiments.pipeline import REPORT_FILES
+
+# A grid that trains in a few seconds: 1 method x 2 batch sizes x 2 seeds, one epoch, constant lr
+# (its own preset, so that changes to the packaged ones do not change these tests).
+PRESET = """
+[run]
+dataset = "digits"
+depth = 1
+width = 8
+activation = "tanh"
+optimizer = "sgd"
+base_lr = 0.1
+lr_rule = "constant"
+budget = "epochs"
+length = 1
+[grid]
+method = ["affine"]
+batch_size = [16, 32]
+seed = [0, 1]
+[analysis]
+metric = "test_accuracy"
+"""
+
+
+@pytest.fixture(scope="module")
+def preset(tmp_path_factory):
+    path = tmp_path_factory.mktemp("preset") / "quick.toml"
+    path.write_text(PRESET)
+    return path
+
+
+@pytest.fixture(scope="module")
+def quick(preset):
+    """The falsify options of the quick grid."""
+    return ["--preset", str(preset), "--calibration-sims", "0", "--workers", "1"]
+
+
+def refused(capsys, argv, *fragments) -> str:
+    """Run the CLI; assert exit 2 with exactly one error line (the last), no traceback, naming every
+    fragment; return the line."""
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith(f"affdiv {argv[0]}: error: ")]
+    assert len(lines) == 1 and err.rstrip().splitlines()[-1] == lines[0], err
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+def sha256(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def listing(folder) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory, quick):
+    """A finished quick sweep: its folder (report, results.sqlite and records.csv)."""
+    out = tmp_path_factory.mktemp("quick")
+    assert main(["falsify", *quick, "--out", str(out)]) == 0
+    return out
+
+
+def planted_csv(path, rows=None, *, encoding="utf-8", delimiter=","):
+    """A CSV with a planted fall of 0.02 per doubling for norm_l2 and none for affine."""
+    if rows is None:
+        rows = [{"method": m, "batch_size": b, "seed": s,
+                 "metric": 0.9 - (0.02 if m == "norm_l2" else 0.0) * (b.bit_length() - 1) + 0.003 * ((s * 7 + b) % 5)}
+                for m in ("affine", "norm_l2") for b in (16, 32, 64, 128) for s in range(5)]
+    lines = [delimiter.join(rows[0])] + [delimiter.join(str(v) for v in r.values()) for r in rows]
+    path.write_bytes(("\r\n".join(lines) + "\r\n").encode(encoding))
+    return path
+
+
+# --------------------------------------------------------------------------------- falsify: bad input
+FALSIFY_REFUSALS = [
+    (["--device", "bogus"], "device 'bogus' (--device or --set device=...): not a torch device"),
+    (["--set", "data_options=5"], "data_options must be a table of dataset options"),
+    (["--seed", str(2**70)], "--seed must be in [0, 2**64 - 1]"),
+    (["--seed", str(2**64 - 1), "--seeds", "2"], "beyond torch's seed range"),
+    (["--seed", "-1", "--seeds", "2"], "--seed must be in [0, 2**64 - 1]"),
+    (["--set", f"seed={2**64}"], f"seed must be an integer in [0, 2**64 - 1] (torch's seed range), got {2**64}"),
+    (["--set", "optimizer='momentum'", "--set", "momentum=-0.5"], "momentum must be a number in [0, 1), got -0.5"),
+    (["--set", "seed=[0, -1]"], "seed must be an integer in [0, 2**64 - 1] (torch's seed range), got -1"),
+    (["--set", "momentum=nan"], "--set momentum: nan is not a finite number"),
+    (["--set", "base_lr=inf"], "--set base_lr: inf is not a finite number"),
+    (["--set", "base_lr=1e400"], "--set base_lr: inf is not a finite number"),
+    (["--set", "data_options={standardize='none', noise=[1, nan]}"], "--set data_options.noise[1]: nan is not"),
+    (["--set", "base_lr='fast'"], "a run setting has the wrong type"),
+    (["--calibration-sims", "-1"], "--calibration-sims must be an integer >= 0, got -1"),
+    (["--workers", "0"], "--workers must be an integer >= 1, got 0"),
+]
+
+
+@pytest.mark.parametrize("extra, message", FALSIFY_REFUSALS)
+def test_falsify_refuses_bad_settings_before_creating_the_store(quick, tmp_path, capsys, extra, message):
+    out = tmp_path / "out"
+    refused(capsys, ["falsify", *quick, *extra, "--out", str(out)], message)
+    assert not (out / "results.sqlite").exists()
+
+
+def test_falsify_refuses_cuda_without_cuda(quick, tmp_path, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    refused(capsys, ["falsify", *quick, "--device", "cuda", "--out", str(tmp_path / "out")],
+            "device 'cuda': CUDA is not available on this machine")
+    assert not (tmp_path / "out" / "results.sqlite").exists()
+
+
+def test_falsify_refuses_an_unknown_method_in_the_preset_analysis(tmp_path, capsys):
+    preset = tmp_path / "typo.toml"
+    preset.write_text('[run]\ndataset = "digits"\nlength = 1\nwidth = 8\n[grid]\nmethod = ["affine", "norm_l2"]\n'
+                      'batch_size = [16, 32]\nseed = [0, 1]\n[analysis]\ncorrected = ["norm_12"]\n')
+    refused(capsys, ["falsify", "--preset", str(preset), "--out", str(tmp_path / "out")],
+            "[analysis] of study 'typo': corrected: unknown method(s) ['norm_12']")
+    assert not (tmp_path / "out" / "results.sqlite").exists()
+
+
+def test_falsify_refuses_unusable_output_paths(quick, tmp_path, capsys, unwritable):
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    refused(capsys, ["falsify", *quick, "--out", str(a_file)], f"--out {a_file}: exists and is not a folder")
+    locked = unwritable(tmp_path / "locked")
+    refused(capsys, ["falsify", *quick, "--out", str(locked)], f"--out {locked}: cannot write in the folder")
+    refused(capsys, ["falsify", *quick, "--out", str(tmp_path / "o1"), "--db", str(tmp_path)],
+            f"--db {tmp_path}: is a folder")
+    refused(capsys, ["falsify", *quick, "--out", str(tmp_path / "o2"), "--db", str(a_file)],
+            f"--db {a_file}: not an SQLite database")
+    clash = tmp_path / "o3" / "summary.json"
+    refused(capsys, ["falsify", *quick, "--out", str(tmp_path / "o3"), "--db", str(clash)],
+            f"--db {clash} would be overwritten by the report")
+    assert not clash.exists() and a_file.read_text() == "x"
+
+
+def test_falsify_refuses_a_foreign_database_and_leaves_it_alone(quick, tmp_path, capsys):
+    db = tmp_path / "shop.sqlite"
+    connection = sqlite3.connect(db)
+    connection.execute("CREATE TABLE orders (id INTEGER PRIMARY KEY)")
+    connection.commit()
+    connection.close()
+    before = sha256(db)
+    refused(capsys, ["falsify", *quick, "--out", str(tmp_path / "out"), "--db", str(db)],
+            f"--db {db}: not an affdiv results store", "tables ['orders']")
+    assert sha256(db) == before and listing(tmp_path) == ["out", "shop.sqlite"]
+
+
+# --------------------------------------------------------------- falsify: resume on altered data
+def _fashion_copy(folder):
+    """Fashion-MNIST as four raw IDX files in ``folder`` (the test images decompressed: a byte of
+    them can change without breaking a gzip checksum)."""
+    from affdiv.experiments.data.fashion_mnist import FILES, find_fashion_mnist
+
+    try:
+        found = find_fashion_mnist(None)
+    except (FileNotFoundError, ValueError) as error:
+        pytest.skip(f"Fashion-MNIST not installed: {error}")
+    folder.mkdir()
+    for stem in FILES.values():
+        source = next(p for p in found.values() if p.name.startswith(stem))
+        target = folder / stem
+        if source.suffix == ".gz":
+            with gzip.open(source) as raw:
+                target.write_bytes(raw.read())
+        else:
+            shutil.copyfile(source, target)
+    return folder
+
+
+def test_resuming_on_data_that_differs_in_one_byte_is_refused(quick, tmp_path, capsys):
+    data = _fashion_copy(tmp_path / "fashion")
+    out = tmp_path / "out"
+    argv = ["falsify", *quick, "--batch-sizes", "256", "512", "--set", "dataset='fashion-mnist'",
+            "--set", "budget='steps'", "--set", "length=2", "--data-dir", str(data), "--out", str(out)]
+    assert main(argv) == 0
+    db = out / "results.sqlite"
+    stored = json.loads((out / "summary.json").read_text())["provenance"]["data_fingerprint"]["fashion-mnist"]
+    before = sha256(db)
+    capsys.readouterr()
+
+    images = data / "t10k-images-idx3-ubyte"
+    altered = bytearray(images.read_bytes())
+    altered[16 + 400] ^= 0x01  # one pixel of the first test image, one bit
+    images.write_bytes(bytes(altered))
+    # Resume (with one more seed) in a new process, as a user would: this one caches the data it loaded.
+    done = subprocess.run([sys.executable, "-m", "affdiv", *argv, "--seeds", "3"], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 2, done.stderr
+    line = done.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in done.stderr and line.startswith("affdiv falsify: error: ")
+    assert f"--db {db} holds runs on dataset 'fashion-mnist'" in line
+    assert f"with data fingerprint {stored[0]}, but the data now gives " in line
+    now = line.rsplit("the data now gives ", 1)[1].split(":")[0]
+    assert len(now) == 64 and now != stored[0]
+    assert sha256(db) == before  # nothing trained, nothing written
+
+
+# --------------------------------------------------------------------------------- analyse: inputs
+@pytest.mark.parametrize("margin, shown", [("inf", "inf"), ("nan", "nan"), ("-0.01", "-0.01"), ("0", "0.0")])
+def test_analyse_refuses_a_margin_that_is_not_finite_and_positive(tmp_path, capsys, margin, shown):
+    path = planted_csv(tmp_path / "runs.csv")
+    refused(capsys, ["analyse", "--input", str(path), "--out", str(tmp_path / "out"), "--margin", margin],
+            f"margin must be a finite number > 0, got {shown}")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("option", ["--corrected", "--baselines"])
+def test_analyse_refuses_method_names_not_in_the_records(tmp_path, capsys, option):
+    path = planted_csv(tmp_path / "runs.csv")
+    refused(capsys, ["analyse", "--input", str(path), "--out", str(tmp_path / "out"), option, "norm_12", "norm_l2"]
+            if option == "--corrected" else
+            ["analyse", "--input", str(path), "--out", str(tmp_path / "out"), option, "afine"],
+            f"{option}: unknown method(s) ['{'norm_12' if option == '--corrected' else 'afine'}']",
+            "the methods in", "are ['affine', 'norm_l2']")
+
+
+def test_analyse_refuses_to_overwrite_its_input(tmp_path, capsys):
+    folder = tmp_path / "report"
+    folder.mkdir()
+    path = planted_csv(folder / "records.csv")
+    before = sha256(path)
+    refused(capsys, ["analyse", "--input", str(path), "--out", str(folder)],
+            f"--input {path} would be overwritten by the report written to {folder} (its records.csv)")
+    (folder / "sub").mkdir()
+    refused(capsys, ["analyse", "--input", str(path), "--out", str(folder / "sub" / "..")], "would be overwritten")
+    link = tmp_path / "link.csv"
+    link.symlink_to(path)
+    refused(capsys, ["analyse", "--input", str(link), "--out", str(folder)], "would be overwritten")
+    assert sha256(path) == before and listing(folder) == ["records.csv", "sub"]
+
+
+def test_report_files_lists_every_file_the_report_writes(quick_run):
+    written = {p.name for p in quick_run.iterdir()} - {"results.sqlite", "results.sqlite-wal", "results.sqlite-shm"}
+    assert written <= set(REPORT_FILES), written - set(REPORT_FILES)
+
+
+def test_analyse_refuses_unusable_paths(tmp_path, capsys, unwritable):
+    path = planted_csv(tmp_path / "runs.csv")
+    refused(capsys, ["analyse", "--input", str(tmp_path), "--out", str(tmp_path / "o")], "is a folder")
+    refused(capsys, ["analyse", "--input", str(path), "--out", str(path)], f"--out {path}: exists and is not a folder")
+    locked = unwritable(tmp_path / "locked")
+    refused(capsys, ["analyse", "--input", str(path), "--out", str(locked)], f"--out {locked}: cannot write")
+
+
+def test_a_csv_field_over_the_csv_modules_limit_is_one_line(tmp_path, capsys):
+    path = tmp_path / "long.csv"
+    path.write_text("method,batch_size,seed,metric,note\naffine,16,0,0.5," + "x" * 131073 + "\n")
+    refused(capsys, ["analyse", "--input", str(path), "--out", str(tmp_path / "out")],
+            f"{path} line 2: field larger than field limit (131072)")
+
+
+def test_analyse_reads_csvs_as_spreadsheets_write_them(tmp_path, capsys):
+    reference = planted_csv(tmp_path / "plain.csv")
+    assert main(["analyse", "--input", str(reference), "--out", str(tmp_path / "plain"),
+                 "--calibration-sims", "0"]) == 0
+    expected = json.loads((tmp_path / "plain" / "summary.json").read_text())["groups"]
+    variants = {
+        "bom.csv": dict(encoding="utf-8-sig"),
+        "utf16.csv": dict(encoding="utf-16"),  # with its BOM, as Excel's "Unicode text" writes it
+        "utf16be.txt": dict(encoding="utf-16-be"),
+        "excel.txt": dict(encoding="utf-16", delimiter="\t"),
+        "semicolon.csv": dict(encoding="utf-8-sig", delimiter=";"),
+    }
+    for name, options in variants.items():
+        path = planted_csv(tmp_path / name, **options)
+        if name == "utf16be.txt":  # no BOM: named, not guessed
+            refused(capsys, ["analyse", "--input", str(path), "--out", str(tmp_path / name[:-4])],
+                    f"{path}: not valid utf-8 text", "it looks like UTF-16 (big-endian) without a byte-order mark")
+            continue
+        assert main(["analyse", "--input", str(path), "--out", str(tmp_path / name[:-4]),
+                     "--calibration-sims", "0"]) == 0, name
+        assert json.loads((tmp_path / name[:-4] / "summary.json").read_text())["groups"] == expected, name
+    latin = tmp_path / "latin1.csv"
+    latin.write_bytes("method,batch_size,seed,metric,note\naffine,16,0,0.5,café\n".encode("latin-1"))
+    refused(capsys, ["analyse", "--input", str(latin), "--out", str(tmp_path / "latin")],
+            f"{latin}: not valid utf-8 text (byte 0xe9 at offset")
+
+
+def test_seeds_beyond_int64_stay_distinct(tmp_path):
+    # 2**64 - 1 and 2**64 - 2 are distinct seeds; a float64 detour would merge them.
+    rows = [{"method": m, "batch_size": b, "seed": 2**64 - 1 - s, "metric": 0.9 - 0.01 * b.bit_length() + 0.001 * s}
+            for m in ("affine", "norm_l2") for b in (16, 32, 64) for s in range(4)]
+    path = planted_csv(tmp_path / "big.csv", rows)
+    assert main(["analyse", "--input", str(path), "--out", str(tmp_path / "out"), "--calibration-sims", "0"]) == 0
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    method = summary["groups"]["all"]["methods"]["affine"]
+    assert method["n_seeds"] == 4 and method["n_runs"] == 12
+    with open(tmp_path / "out" / "records.csv", newline="") as handle:
+        assert {int(r["seed"]) for r in csv.DictReader(handle)} == {2**64 - 1 - s for s in range(4)}
+
+
+def test_overflowing_metrics_make_the_method_inconclusive_with_the_reason(tmp_path):
+    # Finite values whose sums overflow: the fit's arithmetic is non-finite. The verdict must say so,
+    # never read a NaN slope as a p-value of 0 (which made it "contradicted").
+    rows = [{"method": m, "batch_size": b, "seed": s,
+             "metric": (1e308 if (s + b.bit_length()) % 2 else -1e308) if m == "norm_l2" else 0.9 - 0.001 * s}
+            for m in ("affine", "norm_l2") for b in (16, 32, 64, 128) for s in range(5)]
+    path = planted_csv(tmp_path / "huge.csv", rows)
+    assert main(["analyse", "--input", str(path), "--out", str(tmp_path / "out"), "--calibration-sims", "0",
+                 "--margin", "0.01", "--lower-is-better"]) == 0
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    result = summary["groups"]["all"]["methods"]["norm_l2"]
+    assert result["verdict"] == "inconclusive"
+    assert "non-finite arithmetic" in result["reason"]
+    assert result["status"].startswith("non-finite arithmetic")
+    assert all(t.get("p") is None or 0 < t["p"] for t in result.get("tests", {}).values())
+
+
+# ------------------------------------------------------------------------- analyse: a store, read-only
+def test_analyse_reads_a_read_only_store_without_changing_it(quick_run, tmp_path, capsys, unwritable):
+    folder = tmp_path / "frozen"
+    folder.mkdir()
+    store = folder / "results.sqlite"
+    shutil.copyfile(quick_run / "results.sqlite", store)
+    before = sha256(store)
+    unwritable(store)
+    unwritable(folder)
+    out = tmp_path / "out"
+    assert main(["analyse", "--input", str(store), "--out", str(out), "--calibration-sims", "0"]) == 0
+    assert sha256(store) == before and listing(folder) == ["results.sqlite"]  # no -wal, no -shm
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["provenance"]["input_sha256"] == before
+    stored = json.loads((quick_run / "summary.json").read_text())["provenance"]["data_fingerprint"]
+    assert summary["provenance"]["data_fingerprint"] == stored  # the data the runs trained on
+    expected = json.loads((quick_run / "summary.json").read_text())
+    assert summary["groups"] == expected["groups"]
+
+
+def test_analyse_reads_a_store_written_before_the_application_id(quick_run, tmp_path):
+    legacy = tmp_path / "old.sqlite"
+    shutil.copyfile(quick_run / "results.sqlite", legacy)
+    connection = sqlite3.connect(legacy)
+    connection.execute("PRAGMA application_id = 0")
+    connection.execute("PRAGMA journal_mode = DELETE")
+    connection.close()
+    before = sha256(legacy)
+    assert main(["analyse", "--input", str(legacy), "--out", str(tmp_path / "out"), "--calibration-sims", "0"]) == 0
+    assert sha256(legacy) == before and listing(tmp_path) == ["old.sqlite", "out"]  # no WAL switch, no mark
+
+
+def test_analyse_refuses_a_foreign_database_and_leaves_it_alone(tmp_path, capsys):
+    db = tmp_path / "shop.sqlite"
+    connection = sqlite3.connect(db)
+    connection.execute("CREATE TABLE orders (id INTEGER PRIMARY KEY)")
+    connection.commit()
+    connection.close()
+    before = sha256(db)
+    refused(capsys, ["analyse", "--input", str(db), "--out", str(tmp_path / "out")],
+            f"--input {db}: not an affdiv results store (SQLite application_id 0x0, tables ['orders'])")
+    assert sha256(db) == before and listing(tmp_path) == ["out", "shop.sqlite"]
+    connection = sqlite3.connect(db)
+    assert connection.execute("PRAGMA journal_mode").fetchone() == ("delete",)  # no WAL switch
+    assert [r[0] for r in connection.execute("SELECT name FROM sqlite_master")] == ["orders"]  # no runs table
+    connection.close()
+
+
+def test_truncated_and_tampered_stores_are_one_line_errors(quick_run, tmp_path, capsys):
+    data = (quick_run / "results.sqlite").read_bytes()
+    store = tmp_path / "damaged.sqlite"
+    for size in (len(data) // 2, 4096, 150):
+        store.write_bytes(data[:size])
+        refused(capsys, ["analyse", "--input", str(store), "--out", str(tmp_path / "out"), "--calibration-sims", "0"],
+                f"--input {store}: ", "damaged")
+    # Bytes flipped across the file: each run ends in a report or in one error line, never a traceback.
+    outcomes = {0: 0, 2: 0}
+    for position in range(0, len(data), max(1, len(data) // 12)):
+        tampered = bytearray(data)
+        tampered[position] ^= 0xFF
+        store.write_bytes(bytes(tampered))
+        code = main(["analyse", "--input", str(store), "--out", str(tmp_path / "out"), "--calibration-sims", "0"])
+        err = capsys.readouterr().err
+        assert code in outcomes and "Traceback" not in err, err
+        if code == 2:
+            assert err.rstrip().splitlines()[-1].startswith("affdiv analyse: error: ")
+        outcomes[code] += 1
+    assert outcomes[2] > 0
+
+
+# --------------------------------------------------------------------------- the other commands
+def test_bench_checks_its_json_path_and_backend_before_timing(tmp_path, capsys, monkeypatch, unwritable):
+    from affdiv.layers import benchmark
+
+    def no_timing(**_kwargs):
+        raise AssertionError("timing started before the settings were checked")
+
+    monkeypatch.setattr(benchmark, "run", no_timing)
+    locked = unwritable(tmp_path / "locked")
+    refused(capsys, ["bench", "layers", "--quick", "--json", str(locked / "b.json")],
+            f"--json {locked / 'b.json'}: cannot write in its folder {locked}")
+    refused(capsys, ["bench", "layers", "--quick", "--json", str(tmp_path)], f"--json {tmp_path}: is a folder")
+    refused(capsys, ["bench", "layers", "--quick", "--compile-backend", "inductr"],
+            "--compile-backend 'inductr': not a torch.compile backend; expected one of:", "inductor")
+
+
+def test_verify_checks_its_report_paths_before_the_checks(tmp_path, capsys, monkeypatch, unwritable):
+    import affdiv.verify.cli as verify_cli
+
+    def no_checks(*_args, **_kwargs):
+        raise AssertionError("the checks ran before the report paths were checked")
+
+    monkeypatch.setattr(verify_cli, "run_checks", no_checks)
+    locked = unwritable(tmp_path / "locked")
+    for option in ("--json", "--markdown", "--latex"):
+        refused(capsys, ["verify", "--only", "affine", option, str(locked / "v.out")],
+                f"{option} {locked / 'v.out'}: cannot write in its folder {locked}")
+    read_only = tmp_path / "v.json"
+    read_only.write_text("{}")
+    unwritable(read_only)
+    refused(capsys, ["verify", "--only", "affine", "--json", str(read_only)], "the file is read-only")
+
+
+def test_bad_input_has_no_traceback_in_a_real_process(tmp_path):
+    # The whole path a user takes: python -m affdiv, stderr as a terminal would show it.
+    path = planted_csv(tmp_path / "runs.csv")
+    done = subprocess.run([sys.executable, "-m", "affdiv", "analyse", "--input", str(path), "--out",
+                           str(tmp_path / "out"), "--margin", "inf"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == ["affdiv analyse: error: analyse: margin must be a finite number > 0, "
+                                                "got inf"]
+
+
+def test_falsify_refuses_a_damaged_store_before_training(quick, quick_run, tmp_path, capsys):
+    store = tmp_path / "results.sqlite"
+    shutil.copyfile(quick_run / "results.sqlite", store)
+    connection = sqlite3.connect(store)
+    connection.execute("UPDATE runs SET config = replace(config, '\"width\":8', '\"width\":9')")
+    connection.commit()
+    connection.close()
+    before = sha256(store)
+    refused(capsys, ["falsify", *quick, "--out", str(tmp_path / "out"), "--db", str(store)],
+            f"--db {store}: run ", "its config does not hash to its key")
+    assert sha256(store) == before
+    store.write_bytes(store.read_bytes()[:3000])
+    refused(capsys, ["falsify", *quick, "--out", str(tmp_path / "out"), "--db", str(store)], f"--db {store}: ",
+            "damaged")
+
+
+# ---------------------------------------------------------------------------- falsify --probe-every
+def test_falsify_probe_every_keeps_divergence_measurements_and_their_record_columns(tmp_path, quick, capsys):
+    from affdiv.experiments.runs.store import ResultStore
+
+    plain, probed = tmp_path / "plain", tmp_path / "probed"
+    refused(capsys, ["falsify", *quick, "--out", str(probed), "--probe-every", "0"], "--probe-every must be")
+    assert not probed.exists() or "results.sqlite" not in listing(probed)
+    # one seed first, to resume below
+    assert main(["falsify", *quick, "--seeds", "1", "--out", str(probed), "--probe-every", "5"]) == 0
+    refused(capsys, ["falsify", *quick, "--out", str(probed), "--probe-every", "7"],
+            "measured with --probe-every 5", "resuming with --probe-every 7")
+    assert main(["falsify", *quick, "--out", str(probed), "--probe-every", "5"]) == 0
+    assert main(["falsify", *quick, "--seeds", "1", "--out", str(plain)]) == 0
+    capsys.readouterr()
+    with ResultStore(probed / "results.sqlite", read_only=True) as store:
+        measured = store.measurements()
+        assert len(store.finished()) == 4 and set(measured) == store.finished()
+        for runs in measured.values():
+            steps = [m["step"] for m in runs]
+            assert steps[:2] == [0, 5] and all(m["measurement"] == "divergence" for m in runs)
+    with ResultStore(plain / "results.sqlite", read_only=True) as store:
+        assert store.measurements() == {}
+        assert store.finished() < set(measured)  # the probe does not change a run's key
+    with open(probed / "records.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert len(rows) == 4
+    for column in ("off_diagonal_share_init", "off_diagonal_share_last", "cosine_init", "cosine_last",
+                   "diagonal_scale_cv_last", "divergence_last_step"):
+        assert all(row[column] not in ("", None) for row in rows), column
+    assert json.loads((probed / "summary.json").read_text())["provenance"]["probe_every"] == 5
+
+
+@pytest.mark.parametrize("setting, value", [("contrast_margin", 0.0), ("contrast_margin", float("inf")),
+                                            ("test_baselines", "yes")])
+def test_bad_contrast_settings_are_refused_before_work(setting, value):
+    from affdiv.experiments.analysis.decision import check_settings
+
+    with pytest.raises(ValueError, match=f"analyse: {setting} must be"):
+        check_settings({setting: value}, where="analyse")

@@ -1,0 +1,53 @@
+"""Record CSVs as spreadsheets and people write them: encodings, delimiters, odd rows, big seeds."""
+
+import codecs
+
+import pytest
+
+from affdiv.experiments.records import decode_text, read_csv
+
+ROWS = "method,batch_size,seed,metric\r\naffine,16,0,0.5\r\nnorm_l2,32,1,0.25\r\n"
+EXPECTED = [{"method": "affine", "batch_size": 16, "seed": 0, "metric": 0.5},
+            {"method": "norm_l2", "batch_size": 32, "seed": 1, "metric": 0.25}]
+
+
+@pytest.mark.parametrize("encoding, bom", [
+    ("utf-8", b""), ("utf-8", codecs.BOM_UTF8), ("utf-16-le", codecs.BOM_UTF16_LE),
+    ("utf-16-be", codecs.BOM_UTF16_BE), ("utf-32-le", codecs.BOM_UTF32_LE), ("utf-32-be", codecs.BOM_UTF32_BE),
+])
+def test_every_unicode_encoding_with_its_bom_reads_the_same(tmp_path, encoding, bom):
+    path = tmp_path / "r.csv"
+    path.write_bytes(bom + ROWS.encode(encoding))
+    assert read_csv(path) == EXPECTED
+
+
+@pytest.mark.parametrize("delimiter", [",", "\t", ";"])
+def test_the_delimiter_is_the_one_of_the_header(tmp_path, delimiter):
+    path = tmp_path / "r.csv"
+    path.write_text(ROWS.replace(",", delimiter))
+    assert read_csv(path) == EXPECTED
+
+
+def test_header_names_are_stripped_and_extra_fields_are_named(tmp_path):
+    path = tmp_path / "r.csv"
+    path.write_text("method, batch_size , seed,metric\naffine,16,0,0.5\n")
+    assert read_csv(path) == EXPECTED[:1]
+    path.write_text("method,batch_size,seed,metric\naffine,16,0,0.5\naffine,16,1,0.5,oops,again\n")
+    with pytest.raises(ValueError, match=f"{path} line 3: 2 more field\\(s\\) than the 4 columns of the header"):
+        read_csv(path)
+
+
+def test_seeds_are_exact_integers_however_large(tmp_path):
+    path = tmp_path / "r.csv"
+    path.write_text(f"method,batch_size,seed,metric\naffine,16,{2**64 - 1},0.5\naffine,16,{2**64 - 2},0.5\n"
+                    "affine,16,3.0,0.5\n")
+    assert [r["seed"] for r in read_csv(path)] == [2**64 - 1, 2**64 - 2, 3]
+
+
+def test_undecodable_text_names_the_file_the_encoding_and_the_byte():
+    with pytest.raises(ValueError, match=r"f.csv: not valid utf-8 text \(byte 0xff at offset 2\)"):
+        decode_text(b"ab\xffcd", "f.csv")
+    with pytest.raises(ValueError, match=r"not valid utf-16 text"):
+        decode_text(codecs.BOM_UTF16_LE + b"a\x00\x00\xd8", "f.csv")  # a lone surrogate
+    with pytest.raises(ValueError, match=r"UTF-16 \(little-endian\) without a byte-order mark"):
+        decode_text("method".encode("utf-16-le"), "f.csv")

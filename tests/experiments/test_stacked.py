@@ -1,0 +1,306 @@
+"""Stacked (vmapped) ensembles against one model at a time: the optimisers, every method, divergence,
+BatchNorm's statistics, steps to target, independence of the other members, the fallback, the plan."""
+
+import logging
+import math
+
+import pytest
+import torch
+
+from affdiv.experiments.data.dataset import load_dataset
+from affdiv.experiments.runs import training
+from affdiv.experiments.runs.config import RunConfig, config_hash
+from affdiv.experiments.runs.grouping import ensemble_key, member_bytes, parse_memory, plan_ensembles
+from affdiv.experiments.runs.models import CNN_METHODS, METHODS
+from affdiv.experiments.runs.optimizers import StackedOptimizer, make_optimizer
+from affdiv.experiments.runs.stacked import stack_failure
+from affdiv.experiments.runs.training import Measurement, train_group, train_run, train_runs
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Fixed threads: a reduction split over threads may round differently."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_dataset("digits")
+
+
+# ----------------------------------------------------------------------------- optimisers
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam"])
+def test_stacked_optimizers_are_torch_optim_bit_for_bit(optimizer, dtype):
+    generator = torch.Generator().manual_seed(0)
+    lrs, momenta = [0.1, 0.03, 1.7], [0.9, 0.5, 0.0]
+    start = {"w": torch.randn(3, 5, 7, generator=generator, dtype=dtype), "b": torch.randn(3, 7, generator=generator,
+                                                                                              dtype=dtype)}
+    stacked = {name: t.clone() for name, t in start.items()}
+    stepper = StackedOptimizer(optimizer, stacked, lrs, momenta)
+    alone = [{name: torch.nn.Parameter(t[k].clone()) for name, t in start.items()} for k in range(3)]
+    optimizers = [make_optimizer(optimizer, list(alone[k].values()), lrs[k], momenta[k]) for k in range(3)]
+    for _ in range(6):
+        grads = {name: torch.randn(t.shape, generator=generator, dtype=dtype) for name, t in start.items()}
+        stepper.step(stacked, grads)
+        for k in range(3):
+            for name, param in alone[k].items():
+                param.grad = grads[name][k].clone()
+            optimizers[k].step()
+    for k in range(3):
+        for name, param in alone[k].items():
+            assert torch.equal(stacked[name][k], param.detach()), (optimizer, k, name)
+    # Dropping a model keeps the others' state: the survivors go on as before.
+    stepper.keep(torch.tensor([2, 0]))
+    stacked = {name: t[[2, 0]] for name, t in stacked.items()}
+    grads = {name: torch.randn(t.shape, generator=generator, dtype=dtype) for name, t in stacked.items()}
+    stepper.step(stacked, grads)
+    for row, k in enumerate([2, 0]):
+        for name, param in alone[k].items():
+            param.grad = grads[name][row].clone()
+        optimizers[k].step()
+        for name, param in alone[k].items():
+            assert torch.equal(stacked[name][row], param.detach())
+
+
+# ----------------------------------------------------------------------------- stacked = one at a time
+
+# Tolerance of stacked against one-at-a-time numbers (float64, one thread), an error bound:
+# both engines evaluate the same formulas for each model and differ only in the order of the
+# sums inside their kernels (a batched GEMM or grouped convolution against a single one, torch
+# ops against the layers' fused C passes, chunked loss sums). A sum of n terms computed in two
+# orders differs by at most 2·γ_n·Σ|terms| (Higham, Thm 3.1; γ_n = n·u/(1 − n·u), u = 2⁻⁵³),
+# with n ≤ 256 here (inputs 64, batch 32, widths ≤ 16, 3×3×4 patches, 180 validation samples):
+# 2γ_256 ≤ 5.7e-14. A step chains 4L + 2 = 10 such sums (L = 2 hidden layers: forward, backward
+# to the input and to the weights, plus the loss and its gradient), and κ = 10² bounds the
+# cancellation Σ|terms|/|Σ terms| in each and the growth of a perturbation through T = 30 SGD
+# steps that do not expand distances (η‖H‖ < 2, the stable regime of every lr below but the
+# diverging one). Hence per tensor ‖Δθ‖∞ ≤ T·10·2γ_256·κ·‖θ‖∞ ≈ 1.7e-9·‖θ‖∞, the same for the
+# losses in the curves and metrics. Measured: 1e-16 to 5e-15. (At lrs that are finite but
+# chaotic, e.g. BatchNorm at lr 1e4, rounding differences grow ×10 every few steps and no such
+# bound exists; a diverging lr of 1e308 instead overflows at once in both engines alike.)
+TOL = 30 * 10 * 5.7e-14 * 100
+DIVERGING = 1e308
+
+
+def _state(model, _step, _data):
+    return {"state": {name: t.detach().clone() for name, t in model.state_dict().items()}}
+
+
+FINAL_STATE = Measurement("state", 30, _state)
+
+
+def _assert_close(eager, stacked):
+    """Equal flags, curves and metrics within TOL (non-finite values where the other has them)."""
+    def close(a, b, where):
+        if isinstance(a, float) and not math.isfinite(a):
+            assert isinstance(b, float) and not math.isfinite(b), where
+        elif isinstance(a, float):
+            assert abs(a - b) <= TOL * max(abs(a), 1e-300), (where, a, b)
+        else:
+            assert a == b, (where, a, b)
+
+    assert eager.metrics.keys() == stacked.metrics.keys()
+    for key in eager.metrics:
+        close(eager.metrics[key], stacked.metrics[key], key)
+    assert [(c["epoch"], c["step"]) for c in eager.curves] == [(c["epoch"], c["step"]) for c in stacked.curves]
+    for point, other in zip(eager.curves, stacked.curves):
+        for key in point:
+            close(point[key], other[key], key)
+    assert [m["step"] for m in eager.measurements] == [m["step"] for m in stacked.measurements]
+    for mine, theirs in zip(eager.measurements, stacked.measurements):
+        for name, want in mine["state"].items():
+            got = theirs["state"][name]
+            if not want.is_floating_point():  # BatchNorm's num_batches_tracked
+                assert torch.equal(got, want), name
+                continue
+            finite = torch.isfinite(want)
+            assert torch.equal(finite, torch.isfinite(got)), name
+            if finite.any():
+                scale = want[finite].abs().max()
+                assert (got[finite] - want[finite]).abs().max() <= TOL * scale, name
+
+
+def _configs(method, lr=0.1, **changes):
+    """Two seeds at a good and a diverging lr, and a tuned run whose grid holds both kinds."""
+    base = dict(dataset="digits", method=method, batch_size=32, depth=2, width=4 if method in CNN_METHODS else 16,
+                activation="relu", budget="steps", length=30, dtype="float64")
+    base.update(changes)
+    runs = [RunConfig(**base, seed=seed, base_lr=rate) for seed in (0, 1) for rate in (lr, DIVERGING)]
+    return runs + [RunConfig(**base, seed=2, lr_rule="tuned", lr_grid=(lr / 2, lr * 2, DIVERGING))]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_trains_stacked_as_one_at_a_time(digits, method):
+    configs = _configs(method)
+    eager = [train_run(c, digits, [FINAL_STATE]) for c in configs]
+    stacked = train_runs(configs, [digits] * len(configs), stacked=True, measurements=[FINAL_STATE])
+    assert [r.metrics["diverged"] for r in eager] == [0, 1, 0, 1, 0]  # diverged members match too
+    for one, many in zip(eager, stacked):
+        _assert_close(one, many)
+
+
+@pytest.mark.parametrize("method", ["affine", "batchnorm"])
+@pytest.mark.parametrize("optimizer", ["momentum", "adam"])
+def test_momentum_and_adam_train_stacked_as_one_at_a_time(digits, method, optimizer):
+    configs = _configs(method, lr=0.01 if optimizer == "adam" else 0.05, optimizer=optimizer)
+    eager = [train_run(c, digits, [FINAL_STATE]) for c in configs]
+    stacked = train_runs(configs, [digits] * len(configs), stacked=True, measurements=[FINAL_STATE])
+    for one, many in zip(eager, stacked):
+        _assert_close(one, many)
+
+
+def test_steps_to_target_stacked_as_one_at_a_time(digits):
+    base = dict(dataset="digits", method="batchnorm", batch_size=32, depth=1, width=16, budget="target", target=0.85,
+                eval_every=5, length=150, dtype="float64")
+    configs = [RunConfig(**base, seed=seed, lr_rule="tuned", lr_grid=(0.025, 0.05)) for seed in (0, 1)]
+    configs.append(RunConfig(**base, seed=3, base_lr=0.2))
+    eager = [train_run(c, digits) for c in configs]
+    stacked = train_runs(configs, [digits] * len(configs), stacked=True)
+    assert all(r.metrics["censored"] == 0 for r in eager) and eager[0].metrics["lr"] > 0.05  # grid extended
+    for one, many in zip(eager, stacked):
+        _assert_close(one, many)
+
+
+def test_members_do_not_depend_on_their_ensemble(digits):
+    # MLPs: bit for bit, whatever else is stacked with a run (so a resumed sweep that trains only
+    # the missing runs gives the numbers of an uninterrupted one).
+    configs = _configs("affine_like", dtype="float32")
+    together = train_runs(configs, [digits] * len(configs), stacked=True)
+    for config, result in zip(configs, together):
+        alone = train_runs([config], [digits], stacked=True)[0]
+        assert repr(alone.metrics) == repr(result.metrics) and repr(alone.curves) == repr(result.curves)
+
+
+def test_stacked_training_is_deterministic(digits):
+    configs = _configs("conv+batchnorm", dtype="float32", length=12)
+    first = train_runs(configs, [digits] * len(configs), stacked=True)
+    second = train_runs(configs, [digits] * len(configs), stacked=True)
+    assert [repr((r.metrics, r.curves)) for r in first] == [repr((r.metrics, r.curves)) for r in second]
+
+
+def test_runs_on_different_data_splits_stack(digits):
+    other = load_dataset("digits", seed=1)
+    base = dict(dataset="digits", method="batchnorm", batch_size=64, depth=1, width=8, budget="steps", length=25,
+                dtype="float64")
+    configs = [RunConfig(**base, seed=0), RunConfig(**base, seed=1, data_seed=1), RunConfig(**base, seed=2)]
+    datasets = [digits, other, digits]
+    eager = [train_run(c, d, [FINAL_STATE]) for c, d in zip(configs, datasets)]
+    stacked = train_runs(configs, datasets, stacked=True, measurements=[FINAL_STATE])
+    for one, many in zip(eager, stacked):
+        _assert_close(one, many)
+    assert stacked[1].data_fingerprint == str(other.fingerprint) != stacked[0].data_fingerprint
+
+
+# ----------------------------------------------------------------------------- fallback
+
+
+class _NoVmap(torch.autograd.Function):
+    """An old-style autograd.Function (forward with ctx): torch.func cannot transform it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+class _Doubler(torch.nn.Module):
+    def forward(self, x):
+        return _NoVmap.apply(x)
+
+
+def test_stack_failure_names_what_torch_func_cannot_do():
+    def build():
+        return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 3), _Doubler())
+
+    reason = stack_failure(build, "sgd", (torch.randn(2, 4), torch.tensor([0, 2])))
+    assert reason is not None and "setup_context" in reason
+    assert stack_failure(lambda: torch.nn.Sequential(torch.nn.Linear(4, 3)), "sgd",
+                         (torch.randn(2, 4), torch.tensor([0, 2]))) is None
+
+
+def test_unstackable_runs_train_one_at_a_time_and_say_so(digits, monkeypatch, caplog):
+    configs = _configs("norm_l2", length=5)
+    monkeypatch.setattr(training, "stack_failure", lambda *args: "RuntimeError: no vmap rule")
+    monkeypatch.setattr(training, "_STACKABLE", {})
+    with caplog.at_level(logging.WARNING, logger="affdiv.experiments.runs.training"):
+        results = train_group(configs, [digits] * len(configs), stack=True)
+    assert "training 5 run(s) of method norm_l2 one at a time, not stacked: torch.func cannot stack it " \
+           "(RuntimeError: no vmap rule)" in caplog.text
+    for config, result in zip(configs, results):
+        assert repr(result.metrics) == repr(train_run(config, digits).metrics)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="affdiv.experiments.runs.training"):
+        train_group(configs[:1], [digits], stack=True, measurements=[Measurement("m", 5, lambda *a: {})])
+        train_group(configs[:1], [digits], stack=False)
+    assert caplog.text.count("one at a time") == 1 and "carry measurements" in caplog.text
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+def test_ensembles_group_runs_by_all_but_seed_data_and_lr():
+    base = dict(dataset="digits", method="affine", batch_size=32)
+    same = [RunConfig(**base, seed=1), RunConfig(**base, seed=2, data_seed=2, lr_rule="tuned", lr_grid=(0.1,)),
+            RunConfig(**base, seed=0, base_lr=0.3, lr_rule="sqrt")]
+    assert len({ensemble_key(c) for c in same}) == 1
+    for change in ({"batch_size": 64}, {"method": "batchnorm"}, {"width": 8}, {"optimizer": "adam"}, {"length": 3}):
+        assert ensemble_key(RunConfig(**{**base, **change}, seed=1)) != ensemble_key(same[0])
+    with pytest.raises(ValueError, match="differ only in seed, data split and learning-rate settings; got 2"):
+        train_runs([same[0], RunConfig(**base, seed=0, width=8)], [None, None])
+
+
+def test_plan_keeps_runs_whole_within_the_memory_budget():
+    shape = ((1, 8, 8), 10)
+    base = dict(dataset="digits", method="affine", batch_size=32, width=64)
+    runs = [RunConfig(**base, seed=s, lr_rule=rule, lr_grid=(0.1, 0.2, 0.4)) for s in range(5) for rule in ("sqrt",
+                                                                                                           "tuned")]
+    runs.append(RunConfig(**{**base, "method": "batchnorm"}, seed=0))
+    per_model = member_bytes(runs[0], *shape)
+    assert per_model > 4 * (64 * 64 + 64 * 64 + 64 * 10) * 2  # at least parameters and gradients
+    assert member_bytes(RunConfig(**{**base, "batch_size": 1024}, seed=0), *shape) > per_model
+    assert member_bytes(RunConfig(**base, seed=0, dtype="float64"), *shape) > per_model
+    whole = plan_ensembles(runs, lambda c: shape, budget=10**12)
+    assert [len(e) for e in whole] == [10, 1]  # one per kind, ordered by key
+    cut = plan_ensembles(runs, lambda c: shape, budget=9 * per_model)
+    affine = [e for e in cut if e[0].method == "affine"]
+    hashes = [config_hash(c.to_dict()) for e in affine for c in e]
+    assert sorted(hashes) == sorted(config_hash(c.to_dict()) for c in runs[:10]) and len(affine) == 3
+    for ensemble in affine:
+        assert sum(3 if c.lr_rule == "tuned" else 1 for c in ensemble) * per_model <= 9 * per_model
+    assert plan_ensembles(list(reversed(runs)), lambda c: shape, budget=9 * per_model) == cut  # order-free
+    tiny = plan_ensembles(runs, lambda c: shape, budget=1)
+    assert [len(e) for e in tiny] == [1] * 11  # a run larger than the budget alone
+    assert [config_hash(c.to_dict()) for c in affine[0]] == [config_hash(c.to_dict()) for c in sorted(
+        affine[0], key=lambda c: (c.seed, c.data_seed, config_hash(c.to_dict())))]
+
+
+@pytest.mark.parametrize("text, size", [("2GiB", 2 * 2**30), ("512MiB", 2**29), ("1.5GB", 1_500_000_000),
+                                        ("4096", 4096), (10, 10)])
+def test_memory_sizes(text, size):
+    assert parse_memory(text) == size
+
+
+@pytest.mark.parametrize("bad", ["0", "two", "-1GiB", "2GiBs", True])
+def test_bad_memory_sizes_are_refused(bad):
+    with pytest.raises(ValueError, match="--ensemble-memory must be"):
+        parse_memory(bad)
+
+
+def test_falsify_takes_stack_and_ensemble_memory(tmp_path, capsys):
+    from affdiv.cli import main
+
+    status = main(["falsify", "--preset", "smoke", "--out", str(tmp_path / "out"), "--stack", "off",
+                   "--ensemble-memory", "lots"])
+    assert status == 2 and "--ensemble-memory must be a size such as 2GiB" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "results.sqlite").exists()  # refused before any work
+    with pytest.raises(SystemExit):
+        main(["falsify", "--preset", "smoke", "--out", str(tmp_path / "out"), "--stack", "maybe"])

@@ -1,0 +1,77 @@
+"""Provenance names this package's own source: never the commit of the directory it is run from."""
+
+import os
+import shutil
+import subprocess
+import sys
+import types
+
+import pytest
+
+from affdiv import provenance, reporting
+
+pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+
+GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+
+
+def _repo(path):
+    """A git repository at ``path`` with one commit; returns its HEAD."""
+    path.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **GIT_ENV}
+    for args in (["init", "-q"], ["add", "."], ["commit", "-q", "--allow-empty", "-m", "user's project"]):
+        subprocess.run(["git", "-C", str(path), *args], check=True, capture_output=True, env=env)
+    return subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def test_run_from_another_repository_does_not_record_its_commit(tmp_path, monkeypatch):
+    user_commit = _repo(tmp_path / "project")
+    monkeypatch.chdir(tmp_path / "project")
+    record = provenance.provenance()
+    assert record["git_commit"] != user_commit
+    assert user_commit not in reporting.to_json(record)
+    assert record["version"] and {"git_commit", "git_dirty", "git_source"} <= set(record)
+
+
+def test_same_in_a_fresh_interpreter(tmp_path):
+    """The whole record, from a process whose working directory is the user's repository."""
+    user_commit = _repo(tmp_path / "project")
+    done = subprocess.run([sys.executable, "-c", "from affdiv.provenance import provenance; import json; "
+                           "print(json.dumps(provenance()))"], cwd=tmp_path / "project", capture_output=True,
+                          text=True, check=True)
+    assert user_commit not in done.stdout
+
+
+def test_checkout_state_only_for_the_top_of_a_checkout(tmp_path):
+    commit = _repo(tmp_path / "repo")
+    assert provenance.checkout_state(tmp_path / "repo") == {"git_commit": commit, "git_dirty": False}
+    (tmp_path / "repo" / "new.py").write_text("x = 1\n")
+    assert provenance.checkout_state(tmp_path / "repo")["git_dirty"] is True
+    # a package folder inside someone else's repository (site-packages in a project's venv)
+    (tmp_path / "repo" / "site-packages" / "affdiv").mkdir(parents=True)
+    assert provenance.checkout_state(tmp_path / "repo" / "site-packages" / "affdiv") == {
+        "git_commit": None, "git_dirty": None}
+    assert provenance.checkout_state(tmp_path / "not-a-repo") == {"git_commit": None, "git_dirty": None}
+
+
+def test_an_installed_copy_reports_the_commit_it_was_built_from(monkeypatch):
+    monkeypatch.setattr(provenance, "checkout_state", lambda root=None: {"git_commit": None, "git_dirty": None})
+    built = types.ModuleType("affdiv._build_info")
+    built.GIT_COMMIT, built.GIT_DIRTY = "b" * 40, False
+    monkeypatch.setitem(sys.modules, "affdiv._build_info", built)
+    assert provenance.source_state() == {"git_commit": "b" * 40, "git_dirty": False, "git_source": "build"}
+    built.GIT_COMMIT = None  # built from an sdist: nothing known
+    assert provenance.source_state() == {"git_commit": None, "git_dirty": None, "git_source": None}
+    monkeypatch.setitem(sys.modules, "affdiv._build_info", None)  # no build record at all
+    assert provenance.source_state()["git_source"] is None
+
+
+def test_no_git_gives_no_commit_and_ignores_the_environment(monkeypatch):
+    def no_git(*args, **kwargs):
+        raise OSError("git not found")
+
+    monkeypatch.setattr(subprocess, "run", no_git)
+    monkeypatch.setitem(sys.modules, "affdiv._build_info", None)
+    monkeypatch.setenv("AFFDIV_GIT_COMMIT", "abc123")  # no longer read: it named whatever the caller said
+    assert provenance.source_state() == {"git_commit": None, "git_dirty": None, "git_source": None}
