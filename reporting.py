@@ -369,3 +369,17 @@ def html_table(header: Sequence[str], rows: Iterable[Sequence], *, first: Sequen
     head = "".join(f'<th scope="col">{render(h)}</th>' for h in header)
     body = "".join("<tr>" + "".join(f"<td>{render(c)}</td>" for c in row) + "</tr>" for row in rows)
     return f'<div class="table-scroll"><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
+
+
+def json_ready(value):
+    """A copy of ``value`` that ``json`` writes as is: mappings with ``str`` keys, tuples as lists,
+    numpy/torch scalars as Python numbers, and non-finite floats as ``None``."""
+    if isinstance(value, Mapping):
+        return {str(k): json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_ready(v) for v in value]
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # a numpy or torch scalar
+        value = value.item()
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    return value

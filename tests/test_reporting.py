@@ -148,3 +148,17 @@ def test_bench_json_writes_nonfinite_ratios_as_null_and_lists_them(tmp_path):
     assert written["rows"][0]["ratio"] is None and written["rows"][0]["ratio_ci95"] == [None, 1.0]
     assert written["nonfinite"] == {"rows[0].ratio": "inf", "rows[0].ratio_ci95[0]": "nan"}
     assert written["provenance"]["version"] == "0.1.0"
+
+
+def test_json_ready_turns_numpy_scalars_and_non_finite_floats_into_json():
+    import json
+
+    import numpy as np
+
+    from affdiv.reporting import json_ready
+
+    value = {1: (np.float64(0.5), np.int64(3), np.bool_(True)), "x": [float("inf"), np.float32("nan"), 2.0]}
+    ready = json_ready(value)
+    assert ready == {"1": [0.5, 3, True], "x": [None, None, 2.0]}
+    assert type(ready["1"][1]) is int and type(ready["1"][2]) is bool
+    json.dumps(ready, allow_nan=False)

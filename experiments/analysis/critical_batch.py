@@ -49,6 +49,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy import special
 
+from affdiv.reporting import json_ready
+
 TARGET_METRIC = "steps_to_target"
 GRID_DOUBLINGS = 3.0  # the B_crit search range extends this many doublings beyond the batch sizes
 GRID_POINTS_PER_DOUBLING = 4
@@ -589,7 +591,7 @@ class TargetAnalysis:
                        "groups": {g: c["critical_batch"][m]["verdict"] for g, c in self.groups.items()
                                   if m in c["critical_batch"]}}
                    for m, r in primary["critical_batch"].items()}
-        return _json_ready({
+        return json_ready({
             "schema_version": 2,
             "design": self.design,
             "decision_rule": self.decision_rule,
@@ -603,18 +605,6 @@ class TargetAnalysis:
             "overall": self.overall,
             "groups": self.groups,
         })
-
-
-def _json_ready(value):
-    if isinstance(value, Mapping):
-        return {str(k): _json_ready(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_ready(v) for v in value]
-    if isinstance(value, (np.integer, np.bool_)):
-        return value.item()
-    if isinstance(value, (float, np.floating)):
-        return float(value) if math.isfinite(value) else None
-    return value
 
 
 def _overall(verdicts: Sequence[str]) -> str:

@@ -57,6 +57,7 @@ import numpy as np
 
 from affdiv.experiments.analysis import contrast, stats
 from affdiv.experiments.records import validate_records
+from affdiv.reporting import json_ready
 
 SCHEMA_VERSION = 2  # 2: verdicts from the contrasts; methods.<m> no longer a copy of one group
 DEFAULT_CORRECTED = ("affine_like", "norm_l2", "patchnorm")
@@ -329,7 +330,7 @@ class Analysis:
                           "groups": {g: c["methods"][name]["verdict"] for g, c in self.groups.items()
                                      if name in c["methods"]}}
                    for name, verdict in self.overall.items()}
-        return _json_ready({
+        return json_ready({
             "schema_version": SCHEMA_VERSION,
             "design": "fixed budget",
             "decision_rule": self.decision_rule,
@@ -342,18 +343,6 @@ class Analysis:
             "overall": self.overall,
             "groups": self.groups,
         })
-
-
-def _json_ready(value):
-    if isinstance(value, Mapping):
-        return {str(k): _json_ready(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_ready(v) for v in value]
-    if isinstance(value, (np.integer, np.bool_)):
-        return value.item()
-    if isinstance(value, (float, np.floating)):
-        return float(value) if math.isfinite(value) else None
-    return value
 
 
 #: The keyword arguments of :func:`analyse` a preset's ``[analysis]`` table may set.
