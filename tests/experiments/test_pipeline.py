@@ -493,3 +493,19 @@ def test_bad_contrast_settings_are_refused_before_work(setting, value):
 
     with pytest.raises(ValueError, match=f"analyse: {setting} must be"):
         check_settings({setting: value}, where="analyse")
+
+
+def test_a_preset_path_that_is_missing_or_not_toml_is_named(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("a = [\n")
+    assert main(["falsify", "--preset", str(tmp_path / "nope.toml"), "--out", str(tmp_path / "o1")]) == 2
+    assert f"--preset {tmp_path / 'nope.toml'}: no such file" in capsys.readouterr().err
+    assert main(["falsify", "--preset", str(bad), "--out", str(tmp_path / "o2")]) == 2
+    assert f"preset {bad}: not valid TOML" in capsys.readouterr().err
+
+
+def test_a_model_factory_that_raises_is_a_one_line_error(tmp_path, capsys):
+    assert main(["probe", "--model", "json:loads", "--out", str(tmp_path / "p")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["affdiv probe: error: model 'json:loads': the factory failed: TypeError: "
+                   "loads() missing 1 required positional argument: 's'"]
