@@ -310,6 +310,11 @@ def falsify(
         from affdiv.experiments.runs import divergence_measurement
 
         measurements.append(divergence_measurement.measurement(every=probe_every))
+    if executor == "dask" and scheduler is not None:  # reachable before any store exists
+        from affdiv.experiments.runs.dask_executor import connect
+
+        with connect(scheduler):
+            pass
     print(f"affdiv falsify: preset {preset_.name}: {len(configs)} runs -> {db}", file=sys.stderr)
     written = {}
     with ResultStore(db) as store:

@@ -364,3 +364,13 @@ def test_an_unreachable_scheduler_is_named(monkeypatch):
     monkeypatch.setattr(dask_executor, "CONNECT_TIMEOUT", 1.0)
     with pytest.raises(ValueError, match="--scheduler tcp://127.0.0.1:9: cannot connect to a Dask scheduler there"):
         dask_executor.run_units([1], abs, lambda *_: None, scheduler="tcp://127.0.0.1:9")
+
+
+def test_an_unreachable_scheduler_is_refused_before_the_store_exists(tmp_path, capsys, monkeypatch):
+    from affdiv.experiments.runs import dask_executor
+
+    monkeypatch.setattr(dask_executor, "CONNECT_TIMEOUT", 1.0)
+    argv = ["falsify", *GRID, "--out", str(tmp_path), "--executor", "dask", "--scheduler", "tcp://127.0.0.1:9"]
+    assert main(argv) == 2
+    assert "--scheduler tcp://127.0.0.1:9: cannot connect to a Dask scheduler there" in capsys.readouterr().err
+    assert not (tmp_path / "results.sqlite").exists()
