@@ -17,6 +17,7 @@ that project's commit.
 from __future__ import annotations
 
 import datetime as _dt
+import importlib
 import os
 import platform
 import subprocess
@@ -57,8 +58,8 @@ def source_state() -> dict:
     state = checkout_state(PACKAGE_ROOT)
     if state["git_commit"] is not None:
         return {**state, "git_source": "checkout"}
-    try:
-        from affdiv import _build_info  # written by setup.py into built wheels only
+    try:  # import_module, not ``from affdiv import``: it consults sys.modules, not a cached attribute
+        _build_info = importlib.import_module("affdiv._build_info")  # written by setup.py into wheels only
     except ImportError:
         return {"git_commit": None, "git_dirty": None, "git_source": None}
     if getattr(_build_info, "GIT_COMMIT", None) is None:
