@@ -1,20 +1,29 @@
 """Seconds `affdiv analyse` takes on a large record CSV (issue 12: 100k rows in under 30 s).
 
     python benchmarks/analyse_scaling.py [--seeds 5000] [--methods 4] [--batch-sizes 5]
-                                         [--calibration-sims 0] [--mixed]
+                                         [--calibration-sims 0] [--mixed] [--reference-seeds 1000]
 
 Writes a CSV of seeds x methods x batch sizes records (a planted fall for the corrected layers,
 seed effects and noise) to a temporary folder, then times each stage of ``analyse_file`` in this
 process: reading and checking the CSV, the analysis (every test and sensitivity analysis), the
 calibration (when --calibration-sims > 0) and the report. ``--mixed`` also times statsmodels'
 random-intercept model (``stats.mixed_slope``) on each method's runs, the step that made the
-analysis take minutes before. Prints seconds per stage; asserts nothing (timing is never a test).
+analysis take minutes before. Prints seconds per stage and the 1-minute load average before and
+after (on a shared machine the stages stretch with it); asserts nothing (timing is never a test).
+
+Baseline in the same run: the leave-one-seed-out jackknife of the cross-fitted contrast
+(``contrast._jackknife_replicates``, vectorised over the left-out seeds) against its definition, the
+cross-fit redone on the table with each seed deleted (what the analysis did before: O(seeds^2 x
+batch sizes)), on the first ``--reference-seeds`` seeds of each method: the ratio of their times
+and the largest relative difference of the replicates.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import math
+import os
 import sys
 import tempfile
 import time
@@ -44,6 +53,41 @@ def write_records(path: Path, n_seeds: int, n_methods: int, n_batch_sizes: int, 
     return rows
 
 
+def jackknife_by_refitting(table: np.ndarray) -> np.ndarray:
+    """The definition: for each seed t, the cross-fitted estimate on the table without row t."""
+    from affdiv.experiments.analysis import contrast
+
+    replicates = []
+    for t in range(table.shape[0]):
+        d, _ = contrast._cross_fit(np.delete(table, t, axis=0))
+        replicates.append(float(np.mean(d[np.isfinite(d)])) if np.isfinite(d).any() else math.nan)
+    return np.array(replicates)
+
+
+def jackknife_baseline(records: list[dict], n_seeds: int) -> list[tuple[str, int, float, float, float]]:
+    """(method, seeds, seconds vectorised, seconds by refitting, largest difference of the replicates
+    relative to the largest replicate) per method, on the seeds below ``n_seeds``."""
+    from affdiv.experiments.analysis import contrast
+
+    by_method: dict[str, list] = {}
+    for record in records:
+        if record["seed"] < n_seeds:
+            by_method.setdefault(record["method"], []).append(record)
+    rows = []
+    for method, method_rows in by_method.items():
+        _, _, table = contrast._table(method_rows, "metric", 1.0)
+        d, _ = contrast._cross_fit(table)
+        start = time.perf_counter()
+        fast = contrast._jackknife_replicates(table, d)
+        fast_seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        slow = jackknife_by_refitting(table)
+        slow_seconds = time.perf_counter() - start
+        scale = max(float(np.max(np.abs(slow))), np.finfo(np.float64).tiny)
+        rows.append((method, table.shape[0], fast_seconds, slow_seconds, float(np.max(np.abs(fast - slow))) / scale))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=5000)
@@ -51,6 +95,8 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, default=5, choices=range(3, len(BATCH_SIZES) + 1))
     parser.add_argument("--calibration-sims", type=int, default=0)
     parser.add_argument("--mixed", action="store_true", help="also time the mixed model on each method")
+    parser.add_argument("--reference-seeds", type=int, default=1000,
+                        help="seeds of the jackknife baseline (the refit takes seconds per 1000; 0: none)")
     args = parser.parse_args()
 
     from affdiv.experiments.analysis import stats
@@ -68,6 +114,7 @@ def main() -> None:
             print(f"  {stage}: {seconds:.2f} s", file=sys.stderr, flush=True)
 
     times = Times()
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "records.csv"
         rows = write_records(path, args.seeds, args.methods, args.batch_sizes)
@@ -106,11 +153,19 @@ def main() -> None:
                 stats.mixed_slope(x, y, np.array([r["seed"] for r in method_rows]))
             times[f"mixed model (statsmodels MixedLM), {len(by_method)} methods"] = time.perf_counter() - start
 
+    load_after = os.getloadavg()[0]
+    baseline = jackknife_baseline(records, args.reference_seeds) if args.reference_seeds > 0 else []
+
     width = max(map(len, times))
     for stage, seconds in times.items():
         print(f"{stage:<{width}}  {seconds:8.2f} s")
     core = sum(v for k, v in times.items() if not k.startswith(("analyse without", "mixed")))
     print(f"{'total of `affdiv analyse`':<{width}}  {core:8.2f} s")
+    print(f"load average (1 min) before / after the stages: {load_before:.2f} / {load_after:.2f} on "
+          f"{os.cpu_count()} cores")
+    for method, seeds, fast, slow, difference in baseline:
+        print(f"jackknife of {method}, {seeds} seeds: {fast:.4f} s vectorised, {slow:.2f} s by "
+              f"refitting per left-out seed ({slow / fast:.0f}x); largest relative difference {difference:.1e}")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ REQUIRED_COLUMNS = ("method", "batch_size", "seed")
 RENAMED_METHODS = {"l2": "norm_l2"}
 #: Metrics that may be empty: the run was censored (it did not reach the target within max_steps).
 CENSORED_METRICS = ("steps_to_target",)
+#: The optional columns of target-budget runs (typed by :func:`_target_columns`).
+_TARGET_COLUMNS = ("censored", "max_steps", "target")
 
 
 def _as_int(value, column: str, where: str) -> int:
@@ -104,7 +106,8 @@ def _validate_record(record: Mapping, metric: str, where: str) -> dict:
     if row["batch_size"] <= 0:
         raise ValueError(f"{where}: batch_size must be > 0, got {record['batch_size']!r}")
     row["seed"] = _as_int(record["seed"], "seed", where)
-    _target_columns(row, record, metric, where)
+    if metric in CENSORED_METRICS or not record.keys().isdisjoint(_TARGET_COLUMNS):
+        _target_columns(row, record, metric, where)
     if metric not in CENSORED_METRICS:
         try:
             row[metric] = float(record[metric])
@@ -188,12 +191,14 @@ def read_csv(path, *, metric: str = "metric") -> list[dict]:
 def write_csv(path, records: Sequence[Mapping], *, metric: str = "metric") -> Path:
     """Write records with the required columns first, then the others in sorted order.
 
-    Floats are written with repr, so :func:`read_csv` gives back the same numbers bit for bit.
+    Floats (numpy's too) are written with float's repr, so :func:`read_csv` gives back the same
+    numbers bit for bit.
     """
     extra = sorted({key for record in records for key in record} - {*REQUIRED_COLUMNS, metric})
+    columns = [*REQUIRED_COLUMNS, metric, *extra]
     buffer = io.StringIO(newline="")
-    writer = csv.DictWriter(buffer, fieldnames=[*REQUIRED_COLUMNS, metric, *extra])
-    writer.writeheader()
-    for record in records:
-        writer.writerow({key: (repr(v) if isinstance(v, float) else v) for key, v in record.items()})
+    writer = csv.writer(buffer)
+    writer.writerow(columns)
+    writer.writerows([float.__repr__(v) if isinstance(v, float) else v for v in map(record.get, columns)]
+                     for record in records)  # a missing key (None) is written as an empty field
     return atomic_write(path, buffer.getvalue())

@@ -11,6 +11,8 @@ planted inverted U can read as "rises". The contrast below assumes no shape.
   (E max_B of noisy means >= max_B of the true ones): a flat curve would look like a fall. We
   *cross-fit* it, leave one seed out: for seed s, the best batch size b*(-s) is the argmax of the
   mean performance over the *other* seeds, and seed s contributes d_s = P_s(B_max) - P_s(b*(-s)).
+  Batch sizes whose means agree to rounding are tied (accuracies come in steps of 1/test-set size),
+  and a tie goes to the smaller batch size.
   Seed s's noise never chooses its own comparison, so E d_s = P(B_max) - P(b*(-s)) >= Delta_m: the
   estimate errs towards 0 (towards "no fall"), never towards a fall. Choosing on the validation
   split of the same runs would not remove the bias (a run's validation and test metrics share its
@@ -21,7 +23,8 @@ planted inverted U can read as "rises". The contrast below assumes no shape.
   their selections and are positively correlated (on simulated studies with a flat curve the naive
   one-sample t rejected a true null 11-12% of the time at alpha = 0.05). The standard error is
   the leave-one-seed-out jackknife of the *whole* cross-fitted estimator (seed t left out, the
-  cross-fitting redone on the others), with t on (seeds - 1) df: 1.7-4.4% at alpha = 5% on the
+  cross-fitting redone on the others; all t at once, in O(seeds) unless the choices are near a
+  tie), with t on (seeds - 1) df: 1.7-4.4% at alpha = 5% on the
   same simulations (conservative; see the report's calibration for its power).
 * Difference in differences against a baseline b: DiD = Delta(m) - Delta(b), its jackknife
   replicates the paired differences of the two methods' replicates (a seed is the same data split,
@@ -43,6 +46,8 @@ import numpy as np
 from scipy import special
 from scipy import stats as _st
 
+from affdiv.experiments.analysis import stats
+
 SUPPORTED, CONTRADICTED, INCONCLUSIVE, MIXED = "supported", "contradicted", "inconclusive", "mixed"
 NO_PREDICTION, NOT_TESTED = "no prediction", "not tested"
 FASTER, SLOWER, EQUIVALENT, UNCLEAR = "falls faster", "falls slower", "equivalent", "unclear"
@@ -56,19 +61,27 @@ def default_contrast_margin(values: Sequence[float], higher_is_better: bool) -> 
     size (about twice a cell's seed-to-seed s.d. in the committed Fashion-MNIST run). Anything else:
     2% of the median |metric|.
     """
-    values = np.asarray(values, dtype=np.float64)
-    if higher_is_better and values.min() >= 0 and values.max() <= 1:
-        return 0.01, "1 percentage point of accuracy (metric in [0, 1]) between two batch sizes"
-    scale = float(np.median(np.abs(values)))
-    if scale == 0:
-        raise ValueError("cannot derive a contrast margin from a metric whose median is 0; pass contrast_margin=")
-    return 0.02 * scale, f"2% of the median |metric| ({scale:.4g})"
+    return stats.scale_margin(values, higher_is_better, accuracy=0.01, fraction=0.02, per="between two batch sizes",
+                              name="a contrast margin", argument="contrast_margin")
 
 
-def _table(rows: Sequence[Mapping], metric: str, sign: float) -> tuple[list, list, dict]:
-    """(seeds, batch sizes, {(seed, batch size): performance})."""
-    values = {(r["seed"], r["batch_size"]): sign * r[metric] for r in rows}
-    return sorted({s for s, _ in values}), sorted({b for _, b in values}), values
+def _table(rows: Sequence[Mapping], metric: str, sign: float) -> tuple[list, list, np.ndarray]:
+    """(seeds, batch sizes, the (seeds x batch sizes) table of the performance sign * metric, NaN
+    where the seed did not run the batch size)."""
+    seeds = sorted({r["seed"] for r in rows})
+    batch_sizes = sorted({r["batch_size"] for r in rows})
+    row_of = {s: i for i, s in enumerate(seeds)}
+    column_of = {b: j for j, b in enumerate(batch_sizes)}
+    table = np.full((len(seeds), len(batch_sizes)), np.nan)
+    table[[row_of[r["seed"]] for r in rows], [column_of[r["batch_size"]] for r in rows]] = [
+        sign * r[metric] for r in rows]
+    return seeds, batch_sizes, table
+
+
+def _complete_seeds(rows: Sequence[Mapping], metric: str, sign: float) -> tuple[list, np.ndarray]:
+    """(batch sizes, the rows of :func:`_table` of the seeds that ran every batch size)."""
+    _, batch_sizes, table = _table(rows, metric, sign)
+    return batch_sizes, table[~np.isnan(table).any(1)]
 
 
 def _t_sf(t: float, df: float) -> float:
@@ -90,63 +103,151 @@ def _summary(estimate: float, se: float, df: float, alpha: float, margin: float)
             "p_equivalent": max(_t_sf(t_of(-margin), df), _t_sf(-t_of(margin), df))}
 
 
-def _cross_fit(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Leave-one-seed-out contrasts of a (seeds x batch sizes) performance table (NaN = not run):
-    (d, chosen column) per seed, NaN / -1 where the seed lacks the largest or its chosen batch size."""
+#: Elements of one block of the leave-two-seeds-out means (8 MB of float64 a temporary).
+_BLOCK = 1 << 20
+#: Up to this many leave-two-seeds-out means (seeds^2 x batch sizes), all of them are computed.
+_ALL_PAIRS_UP_TO = 1 << 12
+_EPS = float(np.finfo(np.float64).eps)
+
+
+def _column_sums(table: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(present, filled, S, n) of a (seeds x batch sizes) table, NaN = not run: p_sj = whether seed s
+    ran batch size j, x_sj its performance (0 where not run), S_j = sum_s x_sj, n_j = sum_s p_sj."""
     present = ~np.isnan(table)
     filled = np.where(present, table, 0.0)
-    sums, counts = filled.sum(0), present.sum(0)
+    return present, filled, filled.sum(0), present.sum(0)
+
+
+def _tie_tolerance(filled: np.ndarray) -> float:
+    """8 (G + 2) eps max|x| (``filled``: :func:`_column_sums`'): a bound on the rounding error of a
+    mean of the G seeds' performances x less one or two of them, however it is summed. Two batch
+    sizes whose means agree within it are tied (accuracies are multiples of 1/test-set size, so exact
+    ties occur, and rounding must not break them)."""
+    return 8 * (filled.shape[0] + 2) * _EPS * float(np.abs(filled).max())
+
+
+def _mean_of_rest(sums: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """sums / counts of what is left of a column after seeds are taken out: -inf where no seed is left
+    (or the arithmetic left the floats), so that it is never chosen."""
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        means = sums / counts
+    return np.where(np.isfinite(means), means, -np.inf)
+
+
+def _contrast_at_best(largest: np.ndarray, values: np.ndarray, means: np.ndarray,
+                      tol: float) -> tuple[np.ndarray, np.ndarray]:
+    """d = largest - values[..., b] at the best batch size b: the first whose means[..., b] is within
+    ``tol`` of the largest mean (ties: the smallest batch size); NaN where the seed lacks one of the
+    two or no batch size has a seed to choose on (every mean -inf). Returns (d, b). The last axis of
+    ``values`` and ``means`` runs over the candidate batch sizes in increasing order."""
+    top = means.max(-1, keepdims=True)
+    chosen = (means >= top - tol).argmax(-1)
+    with np.errstate(invalid="ignore", over="ignore"):
+        d = largest - np.take_along_axis(values, chosen[..., None], -1)[..., 0]
+    return np.where(np.isfinite(top[..., 0]), d, np.nan), chosen
+
+
+def _cross_fit(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Leave-one-seed-out contrasts of a (seeds x batch sizes) performance table (NaN = not run):
+    seed s chooses b*(-s) = argmax_j (S_j - x_sj) / (n_j - p_sj), the mean over the other seeds
+    (:func:`_column_sums`; ties within :func:`_tie_tolerance`: the smallest j), and contributes
+    d_s = x_s(B_max) - x_s(b*(-s)). Returns (d, b*) per seed, NaN / -1 where the seed lacks the
+    largest or its chosen batch size."""
+    present, filled, sums, counts = _column_sums(table)
+    d, chosen = _contrast_at_best(table[:, -1], table, _mean_of_rest(sums - filled, counts - present),
+                                  _tie_tolerance(filled))
+    return d, np.where(np.isfinite(d), chosen, -1)
+
+
+def _settled_choices(table: np.ndarray, present: np.ndarray, rest_sums: np.ndarray, rest_counts: np.ndarray,
+                     tol: float) -> tuple[np.ndarray, np.ndarray]:
+    """(settled, contenders): which seeds choose the same batch size whichever other seed t is left
+    out, and the batch sizes any other seed might choose.
+
+    Leaving t out moves seed s's leave-one-out mean o_sj (over m_sj = n_j - p_sj seeds) to
+    o_sj + (o_sj - x_tj) / (m_sj - 1) if t ran j, so into [lo_sj, hi_sj] = [o_sj - (max_j - o_sj) /
+    (m_sj - 1), o_sj + (o_sj - min_j) / (m_sj - 1)], max_j and min_j the column's extremes (lo_sj =
+    -inf where m_sj = 1: no seed left). Batch size j contends for seed s if hi_sj reaches max_k lo_sk
+    less 4 tol (the tie tolerance and the rounding of the bounds); a seed with one contender is
+    settled, and so is one without the largest batch size or without any other seed's runs.
+    """
+    means = _mean_of_rest(rest_sums, rest_counts)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        step = 1.0 / (rest_counts - 1)
+        lowest = np.where(rest_counts >= 2, means - (np.where(present, table, -np.inf).max(0) - means) * step,
+                          -np.inf)
+        highest = np.where(rest_counts >= 2, means + (means - np.where(present, table, np.inf).min(0)) * step,
+                           means)
+        contends = highest >= lowest.max(1, keepdims=True) - 4 * tol
+    settled = (contends.sum(1) == 1) | ~np.isfinite(means.max(1)) | ~present[:, -1]
+    return settled, np.flatnonzero(contends[~settled].any(0))
+
+
+def _jackknife_replicates(table: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """The cross-fitted estimator redone with each seed t left out, for every t at once:
+    r_t = mean over the seeds s != t with a finite d_s(-t) of d_s(-t), seed s's contrast at its best
+    batch size chosen on the seeds other than s and t, argmax_j (S_j - x_sj - x_tj) / (n_j - p_sj - p_tj);
+    NaN where no seed has one. ``d`` is :func:`_cross_fit`'s.
+
+    A seed whose choice no t can change (:func:`_settled_choices`) has d_s(-t) = d_s for every t:
+    O(seeds x batch sizes) for all of them. The others get their leave-two-out means exactly, on the
+    batch sizes that contend, in blocks of seeds: O(seeds) each, O(seeds^2) when every seed is near
+    a tie. With few seeds (``_ALL_PAIRS_UP_TO``) every seed takes the exact path: cheaper than the
+    bounds.
+    """
+    g = table.shape[0]
+    present, filled, sums, counts = _column_sums(table)
+    rest_sums, rest_counts = sums - filled, counts - present  # the other seeds', per seed
+    tol = _tie_tolerance(filled)
+    if g * table.size <= _ALL_PAIRS_UP_TO:
+        settled, columns = np.zeros(g, dtype=bool), np.arange(table.shape[1])
+    else:
+        settled, columns = _settled_choices(table, present, rest_sums, rest_counts, tol)
+    kept = settled & np.isfinite(d)
+    total = d[kept].sum() - np.where(kept, d, 0.0)  # sum over the settled seeds s != t
+    count = kept.sum() - kept.astype(np.intp)
+    unsettled = np.flatnonzero(~settled)
+    block = max(1, _BLOCK // (g * max(columns.size, 1)))
+    for start in range(0, unsettled.size, block):
+        s = unsettled[start:start + block]  # rows: these seeds s; columns: every seed t
+        two_out = _mean_of_rest(rest_sums[s][:, None, columns] - filled[None, :, columns],
+                                rest_counts[s][:, None, columns] - present[None, :, columns])  # (s, t, columns)
+        d_st, _ = _contrast_at_best(table[s, -1, None], table[s][:, None, columns], two_out, tol)
+        d_st[np.arange(s.size), s] = np.nan  # t = s leaves no s
+        finite = np.isfinite(d_st)
+        total += np.where(finite, d_st, 0.0).sum(0)
+        count += finite.sum(0)
     with np.errstate(invalid="ignore", divide="ignore"):
-        others = (sums[None, :] - filled) / (counts[None, :] - present)  # mean over the other seeds
-    others = np.where(np.isfinite(others), others, -np.inf)
-    chosen = np.argmax(others, axis=1)  # ties: the smallest batch size
-    rows = np.arange(table.shape[0])
-    usable = np.isfinite(others[rows, chosen])
-    d = table[:, -1] - table[rows, chosen]
-    d = np.where(usable, d, np.nan)
-    return d, np.where(usable & np.isfinite(d), chosen, -1)
-
-
-def _jackknife_se(replicates: np.ndarray) -> float:
-    g = replicates.size
-    return float(math.sqrt((g - 1) / g * np.sum((replicates - replicates.mean()) ** 2)))
+        return np.where(count > 0, total / count, np.nan)
 
 
 def method_contrast(rows: Sequence[Mapping], *, metric: str, sign: float, alpha: float, margin: float) -> dict:
     """Delta = P(B_max) - P(best B), cross-fitted by leaving one seed out, jackknife standard error
     (module docstring)."""
-    seeds, batch_sizes, values = _table(rows, metric, sign)
+    seeds, batch_sizes, table = _table(rows, metric, sign)
     largest = batch_sizes[-1]
     result = {"largest": largest}
     if len(batch_sizes) < 2:
         return {**result, "status": f"insufficient data: needs >= 2 batch sizes, got {batch_sizes}"}
-    table = np.full((len(seeds), len(batch_sizes)), np.nan)
-    column = {b: j for j, b in enumerate(batch_sizes)}
-    row_of = {s: i for i, s in enumerate(seeds)}
-    for (s, b), v in values.items():
-        table[row_of[s], column[b]] = v
     means = np.nanmean(table, axis=0)
     best = int(np.argmax(means))
     result.update(in_sample_best=batch_sizes[best], in_sample=float(means[-1] - means[best]))
     d, chosen = _cross_fit(table)
     keep = np.isfinite(d)
-    result["per_seed"] = {str(s): float(d[i]) for i, s in enumerate(seeds) if keep[i]}
-    result["chosen"] = {str(s): batch_sizes[chosen[i]] for i, s in enumerate(seeds) if keep[i]}
+    result["per_seed"] = {str(seeds[i]): float(d[i]) for i in np.flatnonzero(keep)}
+    result["chosen"] = {str(seeds[i]): batch_sizes[chosen[i]] for i in np.flatnonzero(keep)}
     if len(seeds) < 3 or keep.sum() < 2:
         return {**result, "status": f"insufficient data: needs >= 3 seeds, >= 2 of them with the largest and the "
                                     f"cross-fitted best batch size, got {len(seeds)} and {int(keep.sum())}"}
-    replicates = []
-    for i in range(len(seeds)):
-        d_i, _ = _cross_fit(np.delete(table, i, axis=0))
-        replicates.append(float(np.mean(d_i[np.isfinite(d_i)])) if np.isfinite(d_i).any() else math.nan)
-    if not all(math.isfinite(r) for r in replicates):
+    replicates = _jackknife_replicates(table, d)
+    if not np.isfinite(replicates).all():
         return {**result, "status": "insufficient data: leaving a seed out leaves no seed with both batch sizes"}
     with np.errstate(all="ignore"):
         estimate = float(d[keep].mean())
-        se = _jackknife_se(np.array(replicates))
+        se = stats.jackknife_se(replicates)
     if not (math.isfinite(estimate) and math.isfinite(se)):
         return {**result, "status": "non-finite arithmetic in the contrast (metric values too large for floats)"}
-    result["jackknife"] = {str(s): r for s, r in zip(seeds, replicates)}
+    result["jackknife"] = dict(zip(map(str, seeds), replicates.tolist()))
     result.update(status="ok", n_seeds=int(keep.sum()),
                   **_summary(estimate, se, float(len(seeds) - 1), alpha, margin))
     return result
@@ -163,52 +264,42 @@ def difference_in_differences(corrected: Mapping, baseline: Mapping, *, alpha: f
     replicates = np.array([corrected["jackknife"].get(s, corrected["estimate"])
                            - baseline["jackknife"].get(s, baseline["estimate"]) for s in seeds])
     return {"status": "ok", "n_seeds": len(seeds),
-            **_summary(corrected["estimate"] - baseline["estimate"], _jackknife_se(replicates),
+            **_summary(corrected["estimate"] - baseline["estimate"], stats.jackknife_se(replicates),
                        float(len(seeds) - 1), alpha, margin)}
+
+
+def _classify(test: Mapping, alpha: float, *, equivalent: str, less: str, greater: str) -> str:
+    """``equivalent`` if the TOST of ``test`` has p < alpha (checked first), else ``less`` or ``greater``
+    if that one-sided test has, else 'unclear' (also when the test did not run)."""
+    if test.get("status") != "ok":
+        return UNCLEAR
+    for key, label in (("p_equivalent", equivalent), ("p_less", less), ("p_greater", greater)):
+        if test[key] < alpha:
+            return label
+    return UNCLEAR
 
 
 def classify_did(did: Mapping, alpha: float) -> str:
     """'equivalent' (TOST, checked first), 'falls faster', 'falls slower' or 'unclear'."""
-    if did.get("status") != "ok":
-        return UNCLEAR
-    if did["p_equivalent"] < alpha:
-        return EQUIVALENT
-    if did["p_less"] < alpha:
-        return FASTER
-    if did["p_greater"] < alpha:
-        return SLOWER
-    return UNCLEAR
+    return _classify(did, alpha, equivalent=EQUIVALENT, less=FASTER, greater=SLOWER)
 
 
 def classify_contrast(contrast: Mapping, alpha: float) -> str:
     """'flat' (TOST, checked first), 'falls', 'rises' or 'unclear' of one method's Delta."""
-    if contrast.get("status") != "ok":
-        return UNCLEAR
-    if contrast["p_equivalent"] < alpha:
-        return FLAT
-    if contrast["p_less"] < alpha:
-        return FALLS
-    if contrast["p_greater"] < alpha:
-        return RISES
-    return UNCLEAR
+    return _classify(contrast, alpha, equivalent=FLAT, less=FALLS, greater=RISES)
 
 
 def lack_of_fit(rows: Sequence[Mapping], *, metric: str, sign: float = 1.0) -> dict:
     """Repeated-measures F test of the nonlinear (degree >= 2) polynomial contrasts in log2 B."""
-    seeds, batch_sizes, values = _table(rows, metric, sign)
-    complete = [s for s in seeds if all((s, b) in values for b in batch_sizes)]
-    q = len(batch_sizes) - 2
-    if q < 1 or len(complete) < 2:
+    batch_sizes, table = _complete_seeds(rows, metric, sign)
+    q, g = len(batch_sizes) - 2, table.shape[0]
+    if q < 1 or g < 2:
         return {"status": f"insufficient data: needs >= 3 batch sizes and >= 2 complete seeds, got "
-                          f"{len(batch_sizes)} and {len(complete)}"}
+                          f"{len(batch_sizes)} and {g}"}
     x = np.log2(np.asarray(batch_sizes, dtype=np.float64))
     basis, _ = np.linalg.qr(np.vander(x - x.mean(), len(x), increasing=True))  # orthonormal polynomials
     nonlinear = basis[:, 2:]  # (J, q): orthogonal to constants and to x
-    table = np.array([[values[s, b] for b in batch_sizes] for s in complete])
     scores = table @ nonlinear  # (G, q)
-    g = len(complete)
-    if g < 2:
-        return {"status": "insufficient data"}
     means, variances = scores.mean(0), scores.var(0, ddof=1)
     df1, df2 = q, q * (g - 1)
     if variances.sum() == 0:
@@ -233,12 +324,10 @@ def noise_components(rows: Sequence[Mapping], *, metric: str, sign: float = 1.0)
     noise_sd^2 / J (each clipped at 0). Curvature (mu) never enters the noise: that was the error of
     the earlier calibration, which took its noise from the residuals of a straight line.
     """
-    seeds, batch_sizes, values = _table(rows, metric, sign)
-    complete = [s for s in seeds if all((s, b) in values for b in batch_sizes)]
-    j, g = len(batch_sizes), len(complete)
+    batch_sizes, table = _complete_seeds(rows, metric, sign)
+    g, j = table.shape
     if j < 3 or g < 2:
         return {"status": f"insufficient data: needs >= 3 batch sizes and >= 2 complete seeds, got {j} and {g}"}
-    table = np.array([[values[s, b] for b in batch_sizes] for s in complete])
     x = np.log2(np.asarray(batch_sizes, dtype=np.float64))
     xc = x - x.mean()
     sxx = float(xc @ xc)

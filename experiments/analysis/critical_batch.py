@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy import special
 
+from affdiv.experiments.analysis import stats
 from affdiv.reporting import json_ready
 
 TARGET_METRIC = "steps_to_target"
@@ -329,12 +330,6 @@ def _cells(rows: Sequence[Mapping], metric: str) -> list[dict]:
     return cells
 
 
-def _jackknife_se(replicates: np.ndarray) -> float:
-    """Leave-one-seed-out jackknife standard error: sqrt((G-1)/G sum (t_(-s) - mean)^2)."""
-    g = replicates.size
-    return float(math.sqrt((g - 1) / g * np.sum((replicates - replicates.mean()) ** 2)))
-
-
 def _method_summary(fit: CurveFit, data: MethodData, alpha: float, n_boot: int) -> dict:
     """Estimates (fit row 0), jackknife t intervals (rows 1..G), bootstrap percentile intervals (the rest)."""
     g = len(data.seeds)
@@ -374,7 +369,7 @@ def _method_summary(fit: CurveFit, data: MethodData, alpha: float, n_boot: int) 
     for name, estimate, replicates in (("b_crit", log_c, fit.log_b_crit[jack]),
                                        ("s_min", log_s, fit.log_s_min[jack]),
                                        ("e_min", log_c + log_s, fit.log_b_crit[jack] + fit.log_s_min[jack])):
-        se = _jackknife_se(replicates)
+        se = stats.jackknife_se(replicates)
         prefix = "" if name == "b_crit" else f"{name}_"
         result[f"{prefix}ci_low"] = math.exp(estimate - quantile * se)
         result[f"{prefix}ci_high"] = math.exp(estimate + quantile * se)
@@ -400,7 +395,7 @@ def _ratio(fc: CurveFit, fb: CurveFit, seeds_c: set, seeds_b: set, n_seeds: int,
     present = sorted(seeds_c | seeds_b)
     jack = 1 + np.array(present)
     replicates = fc.log_b_crit[jack] - fb.log_b_crit[jack]
-    se = _jackknife_se(replicates)
+    se = stats.jackknife_se(replicates)
     df = len(present) - 1
     t = estimate / se if se > 0 else math.copysign(math.inf, estimate) if estimate else 0.0
     p = float(special.stdtr(df, t))

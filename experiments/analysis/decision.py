@@ -76,13 +76,8 @@ def default_margin(values: Sequence[float], higher_is_better: bool) -> tuple[flo
     A score in [0, 1] (accuracy, as the harness records it): 0.005, half a percentage point.
     Anything else (a loss, a percentage): 1% of the median |metric| — pass ``margin`` to do better.
     """
-    values = np.asarray(values, dtype=np.float64)
-    if higher_is_better and values.min() >= 0 and values.max() <= 1:
-        return 0.005, "0.5 percentage points of accuracy (metric in [0, 1]) per doubling of the batch size"
-    scale = float(np.median(np.abs(values)))
-    if scale == 0:
-        raise ValueError("cannot derive an equivalence margin from a metric whose median is 0; pass margin=")
-    return 0.01 * scale, f"1% of the median |metric| ({scale:.4g}) per doubling of the batch size"
+    return stats.scale_margin(values, higher_is_better, accuracy=0.005, fraction=0.01,
+                              per="per doubling of the batch size", name="an equivalence margin", argument="margin")
 
 
 def decision_rule(*, alpha: float, margin: float, margin_source: str, higher_is_better: bool,
@@ -246,8 +241,7 @@ def _fit_differential(corrected_rows, baseline_rows, *, metric, sign, alpha, n_b
         return {"status": _non_finite(stats.NonFiniteError(
                     f"non-finite arithmetic in the per-seed slopes of the differences (magnitude up to "
                     f"{np.abs(differences).max():.3g})")), "n_seeds": int(values.size)}
-    rng = _rng(seed, *labels)
-    boot = values[rng.integers(0, values.size, size=(n_boot, values.size))].mean(axis=1)
+    boot = stats.bootstrap_means(values, n_boot, _rng(seed, *labels))
     low, high = estimate.ci(1 - alpha)
     boot_low, boot_high = stats.percentile_ci(boot, 1 - alpha)
     return {"status": "ok", "n_seeds": int(values.size), "slope": estimate.estimate, "se": estimate.se,

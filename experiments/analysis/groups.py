@@ -22,11 +22,20 @@ def label_groups(records: list[dict]) -> str:
     fields = [f for f in RunConfig.__dataclass_fields__ if f not in _NOT_GROUPS]
     if all(r.get("data_seed") == r.get("seed") for r in records):
         fields.remove("data_seed")  # each seed draws its own split: data_seed is the seed axis, not a group
-    unused = [unused_settings(r) for r in records]
-    varying = [f for f in fields if len({repr(r.get(f)) for r, idle in zip(records, unused) if f not in idle}) > 1]
+    # Records with the same settings (compared by repr: 1, 1.0 and "1" differ) share their label and
+    # their idle settings (unused_settings reads only lr_rule, optimizer, budget and momentum_grid,
+    # all among the fields): the work is per distinct settings, not per record.
+    settings = [tuple(map(repr, map(r.get, fields))) for r in records]
+    first = {}
+    for record, key in zip(records, settings):
+        first.setdefault(key, record)
+    idle = {key: unused_settings(record) for key, record in first.items()}
+    varying = [f for i, f in enumerate(fields) if len({key[i] for key, unused in idle.items() if f not in unused}) > 1]
     if not varying or varying == ["lr_rule"]:
         return "lr_rule"
     varying = ["lr_rule", *[f for f in varying if f != "lr_rule"]]
-    for record, idle in zip(records, unused):
-        record["group"] = ", ".join(f"{f}={record.get(f)}" for f in varying if f not in idle)
+    labels = {key: ", ".join(f"{f}={record.get(f)}" for f in varying if f not in idle[key])
+              for key, record in first.items()}
+    for record, key in zip(records, settings):
+        record["group"] = labels[key]
     return "group"

@@ -11,9 +11,12 @@ one-sided, two-sided and equivalence (TOST) p-values and confidence intervals fo
 * :func:`mixed_slope` — linear mixed model y = a + b x + u_seed + e (REML, statsmodels MixedLM).
 * :func:`per_cluster_slopes` / :func:`mean_estimate` — the OLS slope within each seed, and the
   one-sample t estimate of their mean (the differential test runs on these).
-* :func:`cluster_bootstrap` — percentile CI of the OLS slope from resampling whole seeds.
+* :func:`cluster_bootstrap` — percentile CI of the OLS slope from resampling whole seeds;
+  :func:`bootstrap_means` — the means of resamples of a sample.
 * :func:`page_trend` — Page's L across batch sizes with seeds as blocks.
 * :func:`holm` — Holm's step-down adjustment of a family of p-values (statsmodels' ``multipletests``).
+* :func:`jackknife_se` — the leave-one-out jackknife standard error from an estimator's replicates.
+* :func:`scale_margin` — a default equivalence margin on the metric's own scale.
 
 The TOST on a slope and the cluster bootstrap are written out here (statsmodels has neither).
 Arithmetic that leaves the floats (finite metrics like ±1e308 whose sums overflow) raises
@@ -219,6 +222,32 @@ def mean_estimate(values) -> Estimate:
     return Estimate(float(values.mean()), float(values.std(ddof=1) / math.sqrt(values.size)), float(values.size - 1))
 
 
+def jackknife_se(replicates) -> float:
+    """Leave-one-out jackknife standard error of an estimator from its G replicates t_(-s) (the
+    estimator with unit s left out): sqrt((G-1)/G * sum_s (t_(-s) - mean_s t_(-s))^2)."""
+    replicates = np.asarray(replicates, dtype=np.float64)
+    g = replicates.size
+    return float(math.sqrt((g - 1) / g * np.sum((replicates - replicates.mean()) ** 2)))
+
+
+def scale_margin(values, higher_is_better: bool, *, accuracy: float, fraction: float, per: str,
+                 name: str, argument: str) -> tuple[float, str]:
+    """An equivalence margin on the metric's own scale when none is given, and why.
+
+    A score in [0, 1] (accuracy): ``accuracy``. Anything else (a loss, a percentage): ``fraction``
+    times the median |metric|. ``per`` says what the margin is a change over (e.g. "per doubling of
+    the batch size"); a median of 0 raises ValueError naming ``name`` and the ``argument`` to pass.
+    """
+    values = np.asarray(values, dtype=np.float64)
+    if higher_is_better and values.min() >= 0 and values.max() <= 1:
+        points = 100 * accuracy
+        return accuracy, f"{points:g} percentage point{'' if points == 1 else 's'} of accuracy (metric in [0, 1]) {per}"
+    scale = float(np.median(np.abs(values)))
+    if scale == 0:
+        raise ValueError(f"cannot derive {name} from a metric whose median is 0; pass {argument}=")
+    return fraction * scale, f"{100 * fraction:g}% of the median |metric| ({scale:.4g}) {per}"
+
+
 def _cluster_sums(x, y, clusters):
     """Per-cluster sufficient statistics [n, Sx, Sy, Sxx, Sxy] of a simple regression."""
     labels, index = _cluster_index(clusters)
@@ -236,6 +265,15 @@ def bootstrap_multiplicities(n_clusters: int, n_boot: int, rng: np.random.Genera
         draws = rng.integers(0, n_clusters, size=(rows, n_clusters))
         flat = (np.arange(rows)[:, None] * n_clusters + draws).ravel()
         yield np.bincount(flat, minlength=rows * n_clusters).reshape(rows, n_clusters)
+
+
+def bootstrap_means(values, n_boot: int, rng: np.random.Generator, *, chunk: int = 256) -> np.ndarray:
+    """Means of ``n_boot`` resamples of ``values`` drawn with replacement: row r of
+    ``values[rng.integers(0, n, size=(n_boot, n))]`` averaged, drawn and averaged block by block (the
+    same numbers, without an n_boot x n temporary)."""
+    values = np.asarray(values)
+    return np.concatenate([values[rng.integers(0, values.size, size=(min(chunk, n_boot - start), values.size))]
+                           .mean(axis=1) for start in range(0, n_boot, chunk)])
 
 
 def cluster_bootstrap(x, y, clusters, *, n_boot: int, rng: np.random.Generator) -> np.ndarray:

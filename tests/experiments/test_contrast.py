@@ -171,3 +171,66 @@ def test_too_few_seeds_for_the_contrast():
     for m in ("affine_like", "affine"):
         assert analysis.methods[m]["contrast"]["status"].startswith("insufficient data: needs >= 3 seeds")
     assert analysis.methods["affine_like"]["verdict"] == "inconclusive"
+
+
+def _replicates_by_refitting(table):
+    """The jackknife's definition: the cross-fit redone on the table without each seed in turn."""
+    out = []
+    for t in range(table.shape[0]):
+        d, _ = contrast._cross_fit(np.delete(table, t, axis=0))
+        out.append(float(np.mean(d[np.isfinite(d)])) if np.isfinite(d).any() else math.nan)
+    return np.array(out)
+
+
+@pytest.mark.parametrize("kind", ["falls", "flat", "near tie", "accuracies with ties", "missing runs"])
+def test_vectorised_jackknife_equals_refitting_without_each_seed(kind):
+    # The replicates for every left-out seed at once (most seeds keep their choice; the others get
+    # their leave-two-out means exactly) against the definition, on tables that exercise each path:
+    # clear choices, flat curves, a near tie between two batch sizes (every seed's choice can flip),
+    # accuracies in steps of 1e-4 (exact decimal ties) and seeds that skipped batch sizes.
+    # Float64 sums in another order: 1e-13 relative to the O(1) performances bounds the rounding.
+    rng = np.random.default_rng(["falls", "flat", "near tie", "accuracies with ties", "missing runs"].index(kind))
+    tables = []
+    for _ in range(40):
+        g, j = int(rng.integers(3, 80)), int(rng.integers(2, 7))  # both sides of _ALL_PAIRS_UP_TO
+        table = 0.9 + rng.normal(0, 0.01, (g, 1)) + rng.normal(0, 0.005, (g, j))
+        if kind == "falls":
+            table -= 0.01 * np.arange(j)
+        elif kind == "near tie":
+            table[:, :2] += 0.02  # the best two, 1e-6 apart
+            table[:, 1] += table[:, 0].mean() - table[:, 1].mean() + 1e-6
+        elif kind == "accuracies with ties":
+            table = np.round(table, 4)
+        elif kind == "missing runs":
+            table[rng.random((g, j)) < 0.3] = np.nan
+        tables.append(table)
+    for table in tables:
+        d, _ = contrast._cross_fit(table)
+        np.testing.assert_allclose(contrast._jackknife_replicates(table, d), _replicates_by_refitting(table),
+                                   rtol=0, atol=1e-13)
+
+
+def test_vectorised_jackknife_on_thousands_of_seeds_near_a_tie():
+    # The best two batch sizes' means differ by 1e-5 over 2000 seeds: every seed's choice can flip,
+    # so all of them take the blockwise leave-two-out path; it must still equal the definition.
+    rng = np.random.default_rng(5)
+    table = 0.9 + rng.normal(0, 0.01, (2000, 1)) + rng.normal(0, 0.005, (2000, 4))
+    table[:, 1:3] += 0.01
+    table[:, 2] += table[:, 1].mean() - table[:, 2].mean() + 1e-5
+    d, _ = contrast._cross_fit(table)
+    np.testing.assert_allclose(contrast._jackknife_replicates(table, d), _replicates_by_refitting(table),
+                               rtol=0, atol=1e-13)
+
+
+def test_batch_sizes_tied_in_decimal_choose_the_smaller():
+    # Seeds 0 and 1 average 0.85365 at both B = 32 and B = 64 (0.8551 + 0.8522 = 0.8534 + 0.8539); in
+    # binary the B = 64 mean rounds one unit higher, and a plain argmax picked it. The rule says the
+    # smaller batch size, whatever the rounding.
+    table = np.array([[0.849, 0.8551, 0.8534, 0.8461],
+                      [0.854, 0.8522, 0.8539, 0.8513],
+                      [0.8448, 0.8489, 0.8429, 0.8459]])
+    rows = [{"seed": s, "batch_size": b, "metric": table[s, j]}
+            for s in range(3) for j, b in enumerate((16, 32, 64, 128))]
+    result = contrast.method_contrast(rows, metric="metric", sign=1.0, alpha=ALPHA, margin=0.01)
+    assert result["chosen"]["2"] == 32
+    assert result["per_seed"]["2"] == pytest.approx(0.8459 - 0.8489, abs=1e-15)

@@ -2,9 +2,10 @@
 
 import codecs
 
+import numpy as np
 import pytest
 
-from affdiv.experiments.records import decode_text, read_csv
+from affdiv.experiments.records import decode_text, read_csv, write_csv
 
 ROWS = "method,batch_size,seed,metric\r\naffine,16,0,0.5\r\nnorm_l2,32,1,0.25\r\n"
 EXPECTED = [{"method": "affine", "batch_size": 16, "seed": 0, "metric": 0.5},
@@ -51,3 +52,12 @@ def test_undecodable_text_names_the_file_the_encoding_and_the_byte():
         decode_text(codecs.BOM_UTF16_LE + b"a\x00\x00\xd8", "f.csv")  # a lone surrogate
     with pytest.raises(ValueError, match=r"UTF-16 \(little-endian\) without a byte-order mark"):
         decode_text("method".encode("utf-16-le"), "f.csv")
+
+
+def test_written_records_read_back_bit_for_bit_with_missing_columns_empty(tmp_path):
+    records = [{"method": "affine", "batch_size": 16, "seed": 0, "metric": 0.1 + 0.2, "lr_rule": "sqrt"},
+               {"method": "affine", "batch_size": 32, "seed": 0, "metric": np.float64(1 / 3)}]  # no lr_rule
+    path = write_csv(tmp_path / "r.csv", records)
+    assert path.read_text().splitlines()[1:] == ["affine,16,0,0.30000000000000004,sqrt",
+                                                 "affine,32,0,0.3333333333333333,"]
+    assert read_csv(path) == [records[0], {**records[1], "lr_rule": ""}]

@@ -275,3 +275,27 @@ def test_page_ties_detected_row_by_row_on_a_large_table():
     tied = table.copy()
     tied[4321, 3] = tied[4321, 1]
     assert stats.page_trend(tied).method == "asymptotic"
+
+
+def test_jackknife_se_of_the_mean_is_the_standard_error():
+    # Leave-one-out means t_(-s) = (n mean - x_s) / (n - 1): the jackknife s.e. is exactly s / sqrt(n).
+    x = np.random.default_rng(3).normal(0.9, 0.01, 25)
+    replicates = (x.sum() - x) / (x.size - 1)
+    assert stats.jackknife_se(replicates) == pytest.approx(x.std(ddof=1) / math.sqrt(x.size), rel=1e-12)
+
+
+def test_scale_margin_follows_the_metric_and_names_what_to_pass():
+    kwargs = dict(accuracy=0.005, fraction=0.01, per="per doubling", name="a margin", argument="margin")
+    assert stats.scale_margin([0.2, 0.9], True, **kwargs) == (
+        0.005, "0.5 percentage points of accuracy (metric in [0, 1]) per doubling")
+    assert stats.scale_margin([0.2, 0.9], True, **{**kwargs, "accuracy": 0.01})[1].startswith("1 percentage point ")
+    margin, why = stats.scale_margin([0.2, 0.9], False, **kwargs)  # a loss: 1% of the median
+    assert margin == pytest.approx(0.0055) and why == "1% of the median |metric| (0.55) per doubling"
+    with pytest.raises(ValueError, match="cannot derive a margin from a metric whose median is 0; pass margin="):
+        stats.scale_margin([0.0, 0.0, 3.0], False, **kwargs)
+
+
+def test_bootstrap_means_drawn_block_by_block_equal_one_draw():
+    values = np.random.default_rng(0).normal(size=999)
+    whole = values[np.random.default_rng(1).integers(0, values.size, size=(700, values.size))].mean(axis=1)
+    np.testing.assert_array_equal(stats.bootstrap_means(values, 700, np.random.default_rng(1), chunk=64), whole)
