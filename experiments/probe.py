@@ -1,8 +1,8 @@
-"""`affdiv probe`: the divergence meter (affdiv.verify.divergence) on real data, per layer and
+"""affdiv probe: the divergence meter (affdiv.verify.divergence) on real data, per layer and
 batch size, for built-in or your own models.
 
 For each model, seed and batch size B, a freshly initialised model (torch.manual_seed(seed), in
-train mode, float64 by default) meets ``--batches`` random batches of the training split; on each
+train mode, float64 by default) meets --batches random batches of the training split; on each
 batch one SGD step on the mean cross-entropy is measured for every module that owns trainable
 parameters:
 
@@ -21,21 +21,21 @@ parameters:
                         and PatchNorm wherever they sit; diagonal_scale also holds the sample's
                         other tokens or positions
 
-under ``--scope layer`` (only the module's own parameters step: the theory's quantity) or
-``network`` (every parameter steps; the update is read at the module's output). Every number in
+under --scope layer (only the module's own parameters step: the theory's quantity) or
+--scope network (every parameter steps; the update is read at the module's output). Every number in
 probe.json is the mean over seeds of the per-seed mean over batches, with a 95% t interval over
 seeds (seeds are the independent units: batches of one seed share its initialisation); null
 where undefined (one seed, or a metric undefined in every batch).
 
-Written to ``--out``: probe.json (rows per model, layer and batch size; per layer kind and batch
+Written to --out: probe.json (rows per model, layer and batch size; per layer kind and batch
 size; per-sample diagonal scales and input norms at one batch size for the scatter figure;
 provenance), probe.md, share_vs_batch.png (off-diagonal share and cosine against batch size,
-one line per layer kind) and diagonal_vs_norm.png (diagonal scale against ‖x‖ for plain and
-corrected layers).
+one line per layer kind, told apart by marker and line style) and diagonal_vs_norm.png (each
+sample's diagonal scale against ‖x‖, plain layers open markers, corrected ones filled).
 
-Models: the built-ins of affdiv.experiments.runs.zoo (``layer-<member>``, ``mlp-<method>``,
-``cnn-<method>``, ``resnet[-conv|-patchnorm]``, ``transformer[-affine_like][-qknorm]``), ``all``,
-or ``package.module:factory``.
+Models: the built-ins of affdiv.experiments.runs.zoo (layer-<member>, mlp-<method>,
+cnn-<method>, resnet[-conv|-patchnorm], transformer[-affine_like][-qknorm]), 'all' (every
+built-in), or package.module:factory.
 """
 
 from __future__ import annotations
@@ -304,34 +304,29 @@ def to_markdown(meta: dict, by_kind: list[dict], by_layer: list[dict], skipped: 
     return "\n".join(lines)
 
 
-_MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "<", ">", "h", "p")
-_STYLES = ("-", "--", "-.", ":")
-
-
-def _figure(panels: int, width: float = 4.6, height: float = 3.6):
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=(width * panels, height), layout="constrained")
-    return figure, figure.subplots(1, panels, squeeze=False)[0]
-
-
-def _save(figure, path: Path) -> Path:
-    import io
-
-    from affdiv.atomic import atomic_write
-
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=120, bbox_inches="tight")
-    return atomic_write(path, buffer.getvalue())
+# The figures: matplotlib (imported when a figure is drawn) through the report's figure helpers,
+# so they follow the same rules: at most MAX_WIDTH_PX wide, words with units on the axes, series
+# told apart by marker and line style as well as colour.
+_SHARE_PANELS = (
+    ("off_diagonal_share_median", "off-diagonal share ‖u_i − d_i‖ / ‖d_i‖\n(ratio, median over samples; log scale)"),
+    ("cosine_mean", "cosine of real and ideal update\n(−1 to 1, mean over samples)"),
+)
+_BATCH_WORDS = "batch size B (samples per step; log₂ scale)"
 
 
 def figure_share_vs_batch(by_kind: list[dict], meta: dict, path: Path) -> Path:
     """Off-diagonal share and cosine against batch size, one line (marker, line style) per kind."""
-    figure, axes = _figure(2)
+    from affdiv.experiments.report import figures
+
+    return figures._save(_build_share_vs_batch(by_kind, meta), path)
+
+
+def _build_share_vs_batch(by_kind: list[dict], meta: dict):
+    from affdiv.experiments.report import figures
+
+    figure, axes = figures._grid(2, 5.0, 3.8)
     kinds = list(dict.fromkeys(r["kind"] for r in by_kind))
-    panels = [("off_diagonal_share_median", "off-diagonal share ‖u_i − d_i‖/‖d_i‖ (median over samples)"),
-              ("cosine_mean", "cosine of real and ideal update (mean over samples)")]
-    for ax, (metric, label) in zip(axes, panels):
+    for ax, (metric, label) in zip(axes, _SHARE_PANELS):
         for k, kind in enumerate(kinds):
             mine = [r for r in by_kind if r["kind"] == kind and r[metric] is not None]
             if not mine:
@@ -339,18 +334,19 @@ def figure_share_vs_batch(by_kind: list[dict], meta: dict, path: Path) -> Path:
             xs, ys = [r["batch_size"] for r in mine], [r[metric] for r in mine]
             low = [y - r[f"{metric}_ci"][0] if r[f"{metric}_ci"] else 0.0 for y, r in zip(ys, mine)]
             high = [r[f"{metric}_ci"][1] - y if r[f"{metric}_ci"] else 0.0 for y, r in zip(ys, mine)]
-            ax.errorbar(xs, ys, yerr=[low, high], marker=_MARKERS[k % len(_MARKERS)],
-                        ls=_STYLES[(k // len(_MARKERS) + k) % len(_STYLES)], ms=5, capsize=2, label=kind)
+            ax.errorbar(xs, ys, yerr=[low, high], ms=5, capsize=2, label=kind, **figures._style(k))
         ax.set_xscale("log", base=2)
         if metric.startswith("off"):
             ax.set_yscale("log")
-        ax.set_xlabel("batch size (samples per step)")
-        ax.set_ylabel(label)
+        ax.set_xlabel(_BATCH_WORDS, fontsize=8)
+        ax.set_ylabel(label, fontsize=8)
+        ax.set_title("the other samples' part of each update" if metric.startswith("off")
+                     else "alignment with the ideal update", fontsize=9)
         ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=7, title="layer kind", title_fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    axes[-1].legend(fontsize=7, title="layer kind", title_fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     figure.suptitle(f"{meta['data']}, {meta['scope']} scope: mean over the layers of each kind, "
                     f"95% interval over {len(meta['seeds'])} seeds", fontsize=9)
-    return _save(figure, path)
+    return figure
 
 
 def _scatter_panels(samples: list[dict]) -> list[tuple[str, list[dict]]]:
@@ -367,30 +363,38 @@ def _scatter_panels(samples: list[dict]) -> list[tuple[str, list[dict]]]:
 
 def figure_diagonal_vs_norm(samples: list[dict], meta: dict, path: Path) -> Path:
     """Each sample's diagonal scale against the norm of the layer's input, plain vs corrected."""
+    from affdiv.experiments.report import figures
+
+    return figures._save(_build_diagonal_vs_norm(samples, meta), path)
+
+
+def _build_diagonal_vs_norm(samples: list[dict], meta: dict):
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    from affdiv.experiments.report import figures
+
     panels = _scatter_panels(samples)
-    figure, axes = _figure(max(1, len(panels)), width=4.2)
+    figure, axes = figures._grid(max(1, len(panels)), 4.4, 3.4, max_cols=2)
     for ax, (what, series) in zip(axes, panels):
         for k, s in enumerate(series):
             pairs = [(x, d) for x, d in zip(s["input_norm"], s["diagonal_scale"]) if x and d and d > 0]
-            color = ("tab:red", "tab:blue")[k % 2]
-            ax.scatter([p[0] for p in pairs], [p[1] for p in pairs], s=12, marker=("o", "^")[k % 2],
-                       facecolors="none" if k == 0 else color, edgecolors=color, linewidths=0.8, alpha=0.8,
-                       label=f"{s['model']}: {s['kind']}")
-        from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
-
+            style = figures._style(k)  # the plain layer open, the corrected one filled, other markers
+            ax.plot([p[0] for p in pairs], [p[1] for p in pairs], ls="none", marker=style["marker"],
+                    ms=3.5, mfc="none" if k == 0 else style["color"], mec=style["color"], mew=0.8, alpha=0.8,
+                    color=style["color"], label=f"{s['model']}: {s['kind']}")
         ax.set_xscale("log")
         ax.set_yscale("log")
         for axis in (ax.xaxis, ax.yaxis):  # ticks at 1, 2, 5 × 10^k, labelled plainly: never crowded
             axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
             axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
             axis.set_minor_formatter(NullFormatter())
-        ax.set_xlabel("norm of the layer's input ‖x_i‖")
-        ax.set_ylabel("diagonal scale (own-gradient update / ideal)")
-        ax.set_title(f"{what}, B = {series[0]['batch_size']}", fontsize=8)
+        ax.set_xlabel("norm of the layer's input ‖x_i‖ (input units; log scale)", fontsize=8)
+        ax.set_ylabel("diagonal scale: d_i relative to −η g_i\n(factor, 1 = ideal; log scale)", fontsize=8)
+        ax.set_title(f"{what}, B = {series[0]['batch_size']}", fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     figure.suptitle(f"{meta['data']}, {meta['scope']} scope: one point per sample of one batch", fontsize=9)
-    return _save(figure, path)
+    return figure
 
 
 def probe(out: str | Path, *, models: str | Sequence[str], data: str = "digits", data_dir: str | None = None,

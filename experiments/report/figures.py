@@ -54,7 +54,9 @@ def _group_words(by: str | None, group: str) -> str:
     if by == "lr_rule":
         return {"tuned": "learning rate tuned per method and batch size", "sqrt": "learning rate ∝ √B",
                 "linear": "learning rate ∝ B", "constant": "constant learning rate"}.get(group, f"LR rule {group}")
-    return group if by is None else f"{by} = {group}"
+    if by is None:
+        return "all runs" if group == "all" else group
+    return f"{by} = {group}"
 
 
 _METRIC_WORDS = {"test_accuracy": "test accuracy (fraction correct)",
@@ -69,10 +71,11 @@ def _words(column: str) -> str:
     return _METRIC_WORDS.get(column, column.replace("_", " "))
 
 
-def _grid(n: int, width: float, height: float, *, sharey: bool = False):
-    """n panels of width × height inches, wrapped into rows so the figure stays ≤ MAX_WIDTH_PX wide;
-    returns the figure and the n axes (unused grid cells removed)."""
-    cols = max(1, min(n, int(_MAX_WIDTH_IN // width)))
+def _grid(n: int, width: float, height: float, *, sharey: bool = False, max_cols: int | None = None):
+    """n panels of width × height inches, wrapped into rows so the figure stays ≤ MAX_WIDTH_PX wide
+    (and at most ``max_cols`` panels a row); returns the figure and the n axes (unused grid cells
+    removed)."""
+    cols = max(1, min(n, int(_MAX_WIDTH_IN // width), max_cols or n))
     rows = -(-n // cols)
     figure = Figure(figsize=(width * cols, height * rows), layout="constrained")
     axes = list(figure.subplots(rows, cols, squeeze=False, sharey=sharey).ravel())
@@ -233,7 +236,7 @@ def _build_training_curves(curves: Sequence[Mapping], *, metrics: Sequence[str] 
                 ax.plot(xs, [np.mean(points[batch_size, x]) for x in xs], marker=style["marker"], ls=style["ls"],
                         ms=3, color=colormaps["viridis"](k / max(len(batch_all) - 1, 1)), label=f"B = {batch_size}")
             ax.set_title(method, fontsize=9)
-            ax.set_xlabel("optimizer step" if x_key == "step" else "epoch", fontsize=8)
+            ax.set_xlabel("optimizer step" if x_key == "step" else "epoch (passes over the training set)", fontsize=8)
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.set_ylabel(f"{_words(metric)}, mean over seeds", fontsize=8)
             ax.legend(fontsize=7)
@@ -283,38 +286,56 @@ def _curve_fits(analysis):
     return [(m, r) for m, r in content["critical_batch"].items()]
 
 
+def _fitted(r: Mapping, widen: float):
+    """The fitted S(B) = S_min (1 + B_crit/B) over the measured batch sizes widened ×``widen`` each
+    way, as (batch sizes, steps); None when the fit gave no S_min or B_crit."""
+    if not (r.get("b_crit") and r.get("s_min")):
+        return None
+    batch = np.geomspace(min(r["batch_sizes"]) / widen, max(r["batch_sizes"]) * widen, 100)
+    return batch, r["s_min"] * (1 + r["b_crit"] / batch)
+
+
+def _build_target_figure(analysis, draw, *, xscale: dict, xlabel: str, ylabel: str, title: str) -> Figure:
+    """One panel per target-design figure: ``draw(ax, method, fit, style)`` per method of the
+    primary group (marker, line style and colour of the method's rank), log-log axes, the group
+    in words in the title's first line."""
+    figure = Figure(figsize=(6.5, 4.4), layout="constrained")
+    ax = figure.subplots()
+    for i, (method, r) in enumerate(_curve_fits(analysis)):
+        draw(ax, method, r, _style(i))
+    ax.set_xscale("log", **xscale)
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    first, _, rest = title.partition("\n")
+    ax.set_title(f"{first}, {_group_title(analysis, analysis.primary_group)}\n{rest}", fontsize=9)
+    ax.legend(fontsize=7)
+    return figure
+
+
 def steps_vs_batch(analysis, path) -> Path:
     """Log-log steps to target against B per method: runs, censored runs, the fit and B_crit."""
     return _save(_build_steps_vs_batch(analysis), path)
 
 
 def _build_steps_vs_batch(analysis) -> Figure:
-    fits = _curve_fits(analysis)
-    figure = Figure(figsize=(6.5, 4.4), layout="constrained")
-    ax = figure.subplots()
-    for i, (method, r) in enumerate(fits):
-        style = _style(i)
-        cells = r["cells"]
-        reached = [(c["batch_size"], c["median_steps"]) for c in cells if c.get("median_steps")]
+    def draw(ax, method, r, style):
+        reached = [(c["batch_size"], c["median_steps"]) for c in r["cells"] if c.get("median_steps")]
         if reached:
             ax.plot(*zip(*reached), marker=style["marker"], ls="none", color=style["color"], ms=5,
                     label=f"{method} ({r['verdict']})")
-        censored = [(c["batch_size"], c["max_steps"]) for c in cells if c["censored"]]
+        censored = [(c["batch_size"], c["max_steps"]) for c in r["cells"] if c["censored"]]
         if censored:
             ax.plot(*zip(*censored), marker="^", ls="none", mfc="none", color=style["color"], ms=7)
-        if r.get("b_crit") and r.get("s_min"):
-            batch = np.geomspace(min(r["batch_sizes"]) / 1.5, max(r["batch_sizes"]) * 1.5, 100)
-            ax.plot(batch, r["s_min"] * (1 + r["b_crit"] / batch), ls=style["ls"], color=style["color"], lw=1)
+        if (fit := _fitted(r, 1.5)) is not None:
+            ax.plot(*fit, ls=style["ls"], color=style["color"], lw=1)
             if r.get("resolved"):
                 ax.axvline(r["b_crit"], color=style["color"], ls=":", lw=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("batch size B (examples per step); dotted: B_crit")
-    ax.set_ylabel("optimizer steps to the target (median of the runs)")
-    ax.set_title(f"steps to target, {_group_title(analysis, analysis.primary_group)}\n"
-                 "open triangles: runs censored at max_steps", fontsize=9)
-    ax.legend(fontsize=7)
-    return figure
+
+    return _build_target_figure(
+        analysis, draw, xscale={"base": 2}, xlabel="batch size B (examples per step); dotted: B_crit",
+        ylabel="optimizer steps to the target (median of the runs)",
+        title="steps to target\nopen triangles: runs censored at max_steps")
 
 
 def examples_vs_steps(analysis, path) -> Path:
@@ -323,25 +344,15 @@ def examples_vs_steps(analysis, path) -> Path:
 
 
 def _build_examples_vs_steps(analysis) -> Figure:
-    fits = _curve_fits(analysis)
-    figure = Figure(figsize=(6.5, 4.4), layout="constrained")
-    ax = figure.subplots()
-    for i, (method, r) in enumerate(fits):
-        style = _style(i)
+    def draw(ax, method, r, style):
         points = [(c["median_steps"], c["batch_size"] * c["median_steps"]) for c in r["cells"] if c.get("median_steps")]
         if points:
-            ax.plot(*zip(*points), marker=style["marker"], ls="none", color=style["color"], ms=5,
-                    label=f"{method}")
-        if r.get("b_crit") and r.get("s_min"):
-            batch = np.geomspace(min(r["batch_sizes"]) / 2, max(r["batch_sizes"]) * 2, 100)
-            steps = r["s_min"] * (1 + r["b_crit"] / batch)
+            ax.plot(*zip(*points), marker=style["marker"], ls="none", color=style["color"], ms=5, label=method)
+        if (fit := _fitted(r, 2.0)) is not None:
+            batch, steps = fit
             ax.plot(steps, steps * batch, ls=style["ls"], color=style["color"], lw=1)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("optimizer steps to the target S")
-    ax.set_ylabel("training examples to the target E = B·S")
-    ax.set_title(f"the steps–examples trade-off, {_group_title(analysis, analysis.primary_group)}\n"
-                 "S_min and E_min are the asymptotes", fontsize=9)
-    ax.legend(fontsize=7)
-    return figure
 
+    return _build_target_figure(
+        analysis, draw, xscale={}, xlabel="optimizer steps to the target S",
+        ylabel="training examples to the target E = B·S",
+        title="the steps–examples trade-off\nS_min and E_min are the asymptotes")

@@ -1,63 +1,193 @@
-"""Every figure of a small report, read from its matplotlib objects: size, words on the axes, titles,
-distinguishable series, shared y range, the calibration legend and the deciding tests of the forest."""
+"""Every figure of a small report (both designs) and of `affdiv probe`, read from its matplotlib
+objects as the report saves it: size (and the saved PNG's), words on the axes, a title, series told
+apart by marker or line style (not colour alone), the shared y range, the LR rule in words, the
+calibration legend and the deciding tests of the forest. The checker itself is shown to fail on a
+broken figure."""
 
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 from matplotlib.container import ErrorbarContainer
+from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
+from affdiv.experiments import probe
+from affdiv.experiments.analysis.calibration import calibrate_for
 from affdiv.experiments.analysis.critical_batch import analyse_target, simulate_target_records
+from affdiv.experiments.data.dataset import load_dataset
 from affdiv.experiments.report import figures
-from tests.experiments.test_report import study  # noqa: F401  (the small report's fixture)
+from affdiv.experiments.report.writer import write_report
+from tests.experiments.test_report import PROVENANCE, study  # noqa: F401  (the small report's fixture)
 
-RAW_COLUMNS = ("test_accuracy", "batch_size", "val_metric", "train_loss", "lr_rule")
+# column and key names that must never stand on an axis in place of words
+RAW_NAMES = ("test_accuracy", "batch_size", "val_metric", "train_loss", "lr_rule", "steps_to_target",
+             "median_steps", "off_diagonal_share", "cosine_mean", "diagonal_scale", "input_norm")
+MIN_FONT_PT = 7
+MAX_HEIGHT_PX = 2400
+TUNED = "learning rate tuned per method and batch size"
 
 
-def _check_readable(figure, name):
+def _png_size(path: Path) -> tuple[int, int]:
+    data = Path(path).read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n"), path
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def _title(figure: Figure) -> str:
+    suptitle = figure._suptitle.get_text() if figure._suptitle else ""
+    return " ".join([suptitle] + [ax.get_title() for ax in figure.axes]).strip()
+
+
+def _check_readable(figure: Figure, name: str) -> None:
     width, height = figure.get_size_inches() * figures._DPI
-    assert width <= figures.MAX_WIDTH_PX, (name, width)
+    assert width <= figures.MAX_WIDTH_PX and height <= MAX_HEIGHT_PX, (name, width, height)
     assert figure.axes, name
+    assert _title(figure), f"{name}: no title"
     for ax in figure.axes:
-        for label in (ax.get_xlabel(), ax.get_ylabel()):
-            assert len(re.findall(r"[A-Za-z]{3,}", label)) >= 1, (name, label)  # words
-            assert not any(col in label for col in RAW_COLUMNS), (name, label)
+        assert ax.get_title() or figure._suptitle, f"{name}: a panel without a title"
+        for label in (ax.xaxis.label, ax.yaxis.label):
+            text = label.get_text()
+            assert len(re.findall(r"[A-Za-z]{3,}", text)) >= 2, (name, f"not words: {text!r}")
+            assert not re.search(r"[A-Za-z]{2,}_[A-Za-z]{2,}", text), (name, f"a raw name: {text!r}")
+            assert not any(raw in text for raw in RAW_NAMES), (name, text)
+            assert label.get_fontsize() >= MIN_FONT_PT, (name, text, label.get_fontsize())
         legend = ax.get_legend()
         if legend is not None:
-            assert all(t.get_fontsize() >= 7 for t in legend.get_texts()), name
+            assert all(t.get_fontsize() >= MIN_FONT_PT for t in legend.get_texts()), name
         # Series of different labels differ in marker or line style, not colour alone.
         keys = []
         for handle in ax.get_legend_handles_labels()[0]:
             line = handle[0] if isinstance(handle, ErrorbarContainer) else handle
             if isinstance(line, Line2D):
                 keys.append((line.get_marker(), str(line.get_linestyle())))
-        assert len(keys) == len(set(keys)), (name, keys)
+        assert len(keys) == len(set(keys)), (name, f"series told apart by colour alone: {keys}")
 
 
-def _title(figure):
-    return " ".join([figure._suptitle.get_text() if figure._suptitle else ""] + [ax.get_title() for ax in figure.axes])
+@pytest.fixture
+def captured(monkeypatch):
+    """{file name: Figure} of every figure saved through the report's figure module (the probe's
+    figures save through it too), and each file saved."""
+    seen = {}
+    save = figures._save
+
+    def capture(figure, path):
+        seen[Path(path).name] = figure
+        return save(figure, path)
+
+    monkeypatch.setattr(figures, "_save", capture)
+    return seen
 
 
-def test_every_fixed_budget_figure_is_readable(study):  # noqa: F811
-    _records, curves, analysis, calibration = study
-    built = {"metric_vs_batch": figures._build_metric_vs_batch(analysis),
-             "contrast_forest": figures._build_contrast_forest(analysis),
-             "slope_forest": figures._build_slope_forest(analysis),
-             "training_curves": figures._build_training_curves(curves, group_by="lr_rule", group="tuned"),
-             "calibration": figures._build_calibration_curves(calibration)}
-    for name, figure in built.items():
+def _check_every_saved_figure(captured, paths):
+    pngs = {Path(p).name: Path(p) for p in paths if str(p).endswith(".png")}
+    assert set(pngs) == set(captured), "a figure was written without figures._save"
+    for name, figure in captured.items():
         _check_readable(figure, name)
+        width, height = _png_size(pngs[name])
+        assert width <= figures.MAX_WIDTH_PX and height <= MAX_HEIGHT_PX, (name, width, height)
 
-    panels = built["metric_vs_batch"].axes
+
+def test_every_figure_of_a_small_fixed_budget_report(study, captured, tmp_path):  # noqa: F811
+    records, curves, analysis, calibration = study
+    paths = write_report(tmp_path, analysis, records=records, curves=curves, provenance=PROVENANCE,
+                         calibration=calibration)
+    assert set(captured) == {"metric_vs_batch.png", "contrast_forest.png", "slope_forest.png",
+                             "training_curves.png", "calibration.png"}
+    _check_every_saved_figure(captured, paths.values())
+
+    panels = captured["metric_vs_batch.png"].axes
     assert len(panels) == 2 and len({ax.get_ylim() for ax in panels}) == 1  # shared y range
-    assert {ax.get_title() for ax in panels} == {"learning rate ∝ √B", "learning rate tuned per method and batch size"}
-    assert "learning rate tuned per method and batch size" in _title(built["training_curves"])
+    assert {ax.get_title() for ax in panels} == {"learning rate ∝ √B", TUNED}  # the LR rule in words
+    assert TUNED in _title(captured["training_curves.png"])
 
-    labels = [t.get_text() for t in built["calibration"].axes[0].get_legend().get_texts()]
+    labels = [t.get_text() for t in captured["calibration.png"].axes[0].get_legend().get_texts()]
     assert any("joint verdict 'supported'" in t for t in labels) and any("affine_like" in t for t in labels)
     assert any("α" in t for t in labels) and any("Monte-Carlo" in t for t in labels)
     assert any("± equivalence margin" in t for t in labels)
+
+
+def test_every_figure_of_a_small_steps_to_target_report(captured, tmp_path):
+    rng = np.random.default_rng(2)
+    records = simulate_target_records({"affine_like": (300, 100), "affine": (200, 400), "batchnorm": (150, 400)},
+                                      batch_sizes=(16, 64, 256, 1024), seeds=range(5), sigma=0.1, max_steps=5000,
+                                      rng=rng)
+    records = [{**r, "lr_rule": "tuned"} for r in records]
+    analysis = analyse_target(records, n_boot=0, group_by="lr_rule")
+    curves = [{"method": r["method"], "batch_size": r["batch_size"], "seed": r["seed"], "lr_rule": "tuned",
+               "epoch": 1 + step // 100, "step": step, "train_loss": 2.0 / (1 + step / r["batch_size"]),
+               "val_metric": 0.1 + 0.8 * step / 400} for r in records for step in (0, 100, 200, 300, 400)]
+    calibration = calibrate_for(analysis, n_sims=3)
+    paths = write_report(tmp_path, analysis, records=records, curves=curves, provenance=PROVENANCE,
+                         calibration=calibration)
+    assert set(captured) == {"steps_vs_batch.png", "examples_vs_steps.png", "training_curves.png", "calibration.png"}
+    _check_every_saved_figure(captured, paths.values())
+    for name in ("steps_vs_batch.png", "examples_vs_steps.png", "training_curves.png"):
+        assert TUNED in _title(captured[name]), name
+    curve_axes = captured["training_curves.png"].axes
+    assert curve_axes[0].get_xlabel() == "optimizer step" and curve_axes[0].xaxis.get_major_locator()._integer
+
+
+@pytest.fixture(scope="module")
+def probe_measured():
+    """A small probe of every scatter pair (four panels) on correlated synthetic data."""
+    data = load_dataset("synthetic", seed=0, n_train=300, n_test=50, features=12, classes=3, correlation=0.8)
+    models = sorted({m for a, b, _, _ in probe.SCATTER_PAIRS for m in (a, b)})
+    rows, samples = probe.measure(data, models, [4, 16], seeds=[0, 1], batches=1, scope="layer")
+    meta = {"data": "synthetic", "scope": "layer", "seeds": [0, 1]}
+    return probe.aggregate(rows, ("kind", "batch_size")), samples, meta
+
+
+def test_the_probe_figures(probe_measured, captured, tmp_path):
+    by_kind, samples, meta = probe_measured
+    paths = [probe.figure_share_vs_batch(by_kind, meta, tmp_path / "share_vs_batch.png"),
+             probe.figure_diagonal_vs_norm(samples, meta, tmp_path / "diagonal_vs_norm.png")]
+    _check_every_saved_figure(captured, paths)
+
+    share = captured["share_vs_batch.png"]
+    kinds = sorted({r["kind"] for r in by_kind})
+    for ax in share.axes:
+        assert "batch size" in ax.get_xlabel() and "samples per step" in ax.get_xlabel()  # the unit
+        assert sorted(ax.get_legend_handles_labels()[1]) == kinds  # one line per layer kind
+    assert [ax.get_yscale() for ax in share.axes] == ["log", "linear"]
+    assert "ratio" in share.axes[0].get_ylabel() and "−1 to 1" in share.axes[1].get_ylabel()
+    assert "synthetic, layer scope" in _title(share) and "2 seeds" in _title(share)
+
+    scatter = captured["diagonal_vs_norm.png"]
+    assert len(scatter.axes) == 4  # the four pairs, two a row
+    assert len({round(ax.get_position().x0, 3) for ax in scatter.axes}) == 2
+    for ax, (a, b, _, what) in zip(scatter.axes, probe.SCATTER_PAIRS):
+        assert ax.get_title() == f"{what}, B = 16"
+        assert [t.split(":")[0] for t in ax.get_legend_handles_labels()[1]] == [a, b]
+        assert "‖x_i‖" in ax.get_xlabel() and "factor" in ax.get_ylabel()
+        plain, corrected = ax.get_lines()
+        assert plain.get_markerfacecolor() == "none" and corrected.get_markerfacecolor() != "none"
+
+
+def test_the_checker_fails_a_broken_figure(study):  # noqa: F811
+    analysis = study[2]
+    good = figures._build_metric_vs_batch(analysis)
+    _check_readable(good, "metric_vs_batch")
+
+    def broken(change):
+        figure = figures._build_metric_vs_batch(analysis)
+        change(figure)
+        with pytest.raises(AssertionError):
+            _check_readable(figure, "broken")
+
+    broken(lambda f: f.axes[0].set_xlabel("batch_size"))  # a column name, not words
+    broken(lambda f: f.axes[1].set_ylabel(""))  # no label
+    broken(lambda f: f.axes[0].xaxis.label.set_fontsize(5))  # too small to read
+    broken(lambda f: [ax.set_title("") for ax in f.axes])  # no title anywhere
+    broken(lambda f: f.set_size_inches(20, 4))  # wider than the cap
+
+    def colour_only(figure):
+        for line in figure.axes[0].get_lines():
+            line.set_marker("o")
+            line.set_linestyle("-")
+
+    broken(colour_only)
 
 
 def test_training_curves_wrap_and_use_steps_when_the_curves_carry_them():
@@ -87,19 +217,3 @@ def test_the_contrast_forest_puts_each_verdict_on_the_test_that_decided_it(study
                 assert all(label.endswith(f"⇒ {method} {r['verdict']}") for label in with_verdict)
             elif r["role"] == "baseline":
                 assert with_verdict == [f"Δ {method} [{group}] ⇒ {r['verdict']}"]
-
-
-def test_steps_to_target_figures_are_readable():
-    rng = np.random.default_rng(2)
-    records = simulate_target_records({"affine_like": (300, 100), "affine": (200, 400), "batchnorm": (150, 400)},
-                                      batch_sizes=(16, 64, 256, 1024), seeds=range(5), sigma=0.1, max_steps=5000,
-                                      rng=rng)
-    analysis = analyse_target(records, n_boot=0)
-    for name in ("steps_vs_batch", "examples_vs_steps"):
-        _check_readable(getattr(figures, f"_build_{name}")(analysis), name)
-
-
-@pytest.mark.parametrize("name", ["metric_vs_batch", "slope_forest", "contrast_forest"])
-def test_saved_png_is_at_most_the_cap(study, tmp_path, name):  # noqa: F811
-    data = getattr(figures, name)(study[2], tmp_path / f"{name}.png").read_bytes()
-    assert int.from_bytes(data[16:20], "big") <= figures.MAX_WIDTH_PX
