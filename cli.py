@@ -23,7 +23,7 @@ from affdiv._extras import MissingExtra
 
 # command -> (module that registers it, one-line help shown by `affdiv --help`)
 COMMANDS = {
-    "verify": ("affdiv.verify.cli", "prove every derivation and check it against autograd and a real SGD step"),
+    "verify": ("affdiv.verify.cli", "check every derivation: its proof steps, autograd and a real SGD step"),
     "falsify": ("affdiv.experiments.cli", "run (or resume) a preset's sweep and write its falsification report"),
     "analyse": ("affdiv.experiments.cli", "analyse a CSV (method, batch_size, seed, metric) or a results database"),
     "probe": ("affdiv.experiments.cli", "measure the update alignment behind the batch-size prediction"),

@@ -13,6 +13,10 @@ import tomllib
 from pathlib import Path
 
 COMMANDS = ("falsify", "analyse", "probe")
+# affdiv.experiments.analysis.decision's DEFAULT_CORRECTED and DEFAULT_BASELINES, stated in
+# analyse's --help (not imported: --help stays fast; tests/experiments/test_cli.py compares them).
+DEFAULT_CORRECTED = ("affine_like", "norm_l2", "patchnorm")
+DEFAULT_BASELINES = ("affine", "batchnorm")
 
 
 def register(subparsers) -> None:
@@ -21,42 +25,53 @@ def register(subparsers) -> None:
         help="run (or resume) a preset's sweep and write its falsification report",
         description="Run every run of a preset's grid that is not yet in the results database "
         "(re-running the same command resumes), then analyse and write the report.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    falsify.add_argument("--preset", required=True, help="smoke, fashion, paper, or a path to a TOML preset")
-    falsify.add_argument("--out", required=True, type=Path, help="report folder")
-    falsify.add_argument("--data-dir", help="folder holding the dataset files (Fashion-MNIST IDX, CIFAR-10 tarball)")
-    falsify.add_argument("--workers", type=int, help="worker processes (default: the usable CPUs)")
-    falsify.add_argument("--db", type=Path, help="results database (default: OUT/results.sqlite)")
-    _add_seed_options(falsify, seeds_help="replace the preset's seeds by K seeds from --seed")
-    falsify.add_argument("--batch-sizes", type=int, nargs="+", help="replace the preset's batch sizes")
-    falsify.add_argument(
-        "--methods", nargs="+", help="run only these methods (each study keeps those of its kind, MLP or CNN)"
-    )
-    falsify.add_argument("--device", help="torch device of every run (cpu, cuda, cuda:1, ...)")
-    falsify.add_argument("--stack", choices=("on", "off"), default="on",
+    falsify.add_argument("--preset", required=True, metavar="NAME|PATH",
+                         help="smoke, fashion-target, fashion-steps, fashion-cnn, fashion, paper, or a path to a "
+                         "TOML preset")
+    falsify.add_argument("--out", required=True, type=Path, metavar="DIR", help="report folder")
+    _add_data_dir_option(falsify)
+    falsify.add_argument("--workers", type=int, metavar="N", help="worker processes (default: the usable CPUs)")
+    falsify.add_argument("--db", type=Path, metavar="PATH", help="results database (default: OUT/results.sqlite)")
+    _add_seed_options(falsify, seed_help="first seed of --seeds (default 0)",
+                      seeds_help="K seeds counted from --seed, in place of the preset's (default: the preset's)")
+    falsify.add_argument("--batch-sizes", type=int, nargs="+", metavar="B",
+                         help="batch sizes, in place of the preset's (default: the preset's)")
+    falsify.add_argument("--methods", nargs="+", metavar="M",
+                         help="run only these methods; each study keeps those of its kind, MLP or CNN "
+                         "(default: the preset's)")
+    falsify.add_argument("--device", metavar="DEV",
+                         help="torch device of every run: cpu, cuda, cuda:1, ... (default: the preset's, else cpu)")
+    falsify.add_argument("--stack", choices=("on", "off"), default="on", metavar="on|off",
                          help="train the runs that differ only in seed, data split and learning rate as one "
-                         "vmapped ensemble (off: one run at a time)")
+                         "vmapped ensemble; off: one run at a time (default on)")
     falsify.add_argument("--ensemble-memory", default="2GiB", metavar="SIZE",
-                         help="memory budget of one stacked ensemble (each worker trains one at a time), e.g. 512MiB")
+                         help="memory budget of one stacked ensemble (each worker trains one at a time), e.g. "
+                         "512MiB (default 2GiB)")
     falsify.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",
         help="set a run setting of every run, e.g. --set length=3 (VALUE is read as TOML; "
-        "for a grid axis, a value or a list replaces the axis, e.g. --set \"lr_rule=['sqrt']\")",
+        "for a grid axis, a value or a list replaces the axis, e.g. --set \"lr_rule=['sqrt']\"); "
+        "repeatable (default: the preset's settings)",
     )
-    falsify.add_argument("--executor", choices=("local", "dask"), default="local",
+    falsify.add_argument("--executor", choices=("local", "dask"), default="local", metavar="local|dask",
                          help="where the runs train: local worker processes, or tasks on a Dask scheduler "
-                         "(pip install 'affdiv[dask]')")
+                         "(pip install 'affdiv[dask]'; default local)")
     falsify.add_argument("--scheduler", metavar="ADDRESS",
                          help="with --executor dask: the scheduler's address, e.g. tcp://10.0.0.1:8786 (default: a "
                          "LocalCluster of --workers processes started here, loopback only)")
     falsify.add_argument("--retries", type=int, default=2, metavar="N",
                          help="retries of a unit whose worker died (dask: also of one that raised); then the local "
-                         "executor stops, the dask executor records its runs as failed and goes on")
-    falsify.add_argument("--probe-every", type=int, metavar="N",
+                         "executor stops, the dask executor records its runs as failed and goes on (default 2)")
+    falsify.add_argument("--probe-every", type=_integer, metavar="N",
                          help="measure every run with the divergence meter at step 0 and every N steps (kept in "
                          "the database; the records gain off_diagonal_share_init/_last, cosine_*, "
-                         "diagonal_scale_cv_*); runs train one at a time")
+                         "diagonal_scale_cv_*; default: the preset's [measure] probe_every, else off)")
+    falsify.add_argument("--noise-scale-every", type=_integer, metavar="N",
+                         help="measure every run's gradient noise scale B_simple = tr(Σ)/|G|² (McCandlish et al. "
+                         "2018; batches of 32 and 1024 from the training split, 8 draws) at step 0 and every N "
+                         "steps (kept in the database; the records gain b_simple_init and b_simple, shown beside "
+                         "the fitted B_crit; default: the preset's [measure] noise_scale_every, else off)")
     _add_calibration_option(falsify)
     falsify.set_defaults(func=falsify_command)
 
@@ -64,22 +79,27 @@ def register(subparsers) -> None:
         "analyse",
         help="analyse a CSV (method, batch_size, seed, metric) or a results database",
         description="Test the batch-size prediction on existing results and write the report.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    analyse.add_argument("--input", required=True, type=Path, help="CSV file or results database")
-    analyse.add_argument("--out", required=True, type=Path, help="report folder")
+    analyse.add_argument("--input", required=True, type=Path, metavar="PATH", help="CSV file or results database")
+    analyse.add_argument("--out", required=True, type=Path, metavar="DIR", help="report folder")
     analyse.add_argument(
-        "--metric", help="the metric column (CSV default: metric; database default: test_accuracy)"
+        "--metric", metavar="M",
+        help="the metric column (default: steps_to_target when every record is of a budget = \"target\" run, "
+        "else metric for a CSV and test_accuracy for a database; records of target and other budgets mixed "
+        "need --metric)",
     )
     analyse.add_argument("--lower-is-better", action="store_true", help="the metric is a loss, not a score")
-    analyse.add_argument("--corrected", nargs="+", help="methods the prediction is about")
-    analyse.add_argument("--baselines", nargs="+", help="methods they are compared against")
-    analyse.add_argument("--margin", type=float,
-                         help="equivalence margin of a flat slope, metric per doubling (descriptive slope only)")
-    analyse.add_argument("--contrast-margin", type=float,
+    analyse.add_argument("--corrected", nargs="+", metavar="M",
+                         help="methods the prediction is about (default: " + " ".join(DEFAULT_CORRECTED) + ")")
+    analyse.add_argument("--baselines", nargs="+", metavar="M",
+                         help="methods they are compared against (default: " + " ".join(DEFAULT_BASELINES) + ")")
+    analyse.add_argument("--margin", type=float, metavar="X",
+                         help="equivalence margin of a flat slope, metric per doubling (descriptive slope only; "
+                         "default: 0.005 for a score in [0, 1], else 1%% of the median |metric|)")
+    analyse.add_argument("--contrast-margin", type=float, metavar="X",
                          help="equivalence margin of the primary contrasts, in metric units "
-                         "(default: twice the slope margin)")
-    analyse.add_argument("--alpha", type=float, default=0.05, help="level of every test")
+                         "(default: 0.01 for a score in [0, 1], else 2%% of the median |metric|)")
+    analyse.add_argument("--alpha", type=float, default=0.05, metavar="A", help="level of every test (default 0.05)")
     _add_calibration_option(analyse)
     analyse.set_defaults(func=analyse_command)
 
@@ -92,36 +112,55 @@ def register(subparsers) -> None:
     probe.add_argument("--model", required=True, metavar="NAME[,NAME...]",
                        help="built-in model(s) (affdiv.experiments.runs.zoo), 'all', or package.module:factory")
     probe.add_argument("--data", default="digits", help="digits, fashion-mnist, cifar10 or synthetic (default digits)")
-    probe.add_argument("--data-dir", default=None, help="folder holding the dataset files")
+    _add_data_dir_option(probe)
     probe.add_argument("--batch-sizes", default="8,32,128,512", metavar="B,B,...",
                        help="comma-separated batch sizes (default 8,32,128,512)")
     probe.add_argument("--seeds", type=int, default=3, metavar="K", help="seeds (model inits) per model (default 3)")
-    probe.add_argument("--seed", type=int, default=0, help="first seed; also the data split's (default 0)")
-    probe.add_argument("--batches", type=int, default=2, help="random batches per seed and batch size (default 2)")
-    probe.add_argument("--scope", choices=("layer", "network"), default="layer",
+    probe.add_argument("--seed", type=int, default=0, metavar="N",
+                       help="first seed; also the data split's (default 0)")
+    probe.add_argument("--batches", type=int, default=2, metavar="N",
+                       help="random batches per seed and batch size (default 2)")
+    probe.add_argument("--scope", choices=("layer", "network"), default="layer", metavar="layer|network",
                        help="layer: only the module's own parameters step; network: all do (default layer)")
-    probe.add_argument("--lr", type=float, default=0.1, help="step size η (the metrics do not depend on it)")
-    probe.add_argument("--dtype", choices=("float64", "float32"), default="float64", help="default float64")
+    probe.add_argument("--lr", type=float, default=0.1, metavar="LR",
+                       help="step size η (default 0.1; the metrics do not depend on it)")
+    probe.add_argument("--dtype", choices=("float64", "float32"), default="float64", metavar="float64|float32",
+                       help="floating-point type of the models and data (default float64)")
     probe.add_argument("--no-per-sample", action="store_true",
                        help="batch-level metrics only (no diagonal scale, no off-diagonal share)")
     probe.add_argument("--masked-limit", type=int, default=128, metavar="B",
                        help="network scope: the largest batch whose diagonals may take the masked route (B "
                        "full-batch passes, for networks that couple samples such as BatchNorm; default 128)")
-    probe.add_argument("--out", default="reports/probe", help="folder for probe.json, probe.md and the figures "
-                       "(default reports/probe)")
+    probe.add_argument("--out", default="reports/probe", metavar="DIR",
+                       help="folder for probe.json, probe.md and the figures (default reports/probe)")
     probe.set_defaults(func=probe_command)
 
 
-def _add_seed_options(parser, *, seeds_help: str) -> None:
-    parser.add_argument("--seed", type=int, default=0, help="first seed")
+def _integer(text: str) -> int | str:
+    """``text`` as an int where it is one, else unchanged: the command refuses it in one line."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def _add_seed_options(parser, *, seed_help: str, seeds_help: str) -> None:
+    parser.add_argument("--seed", type=int, default=0, metavar="N", help=seed_help)
     parser.add_argument("--seeds", type=int, metavar="K", help=seeds_help)
+
+
+def _add_data_dir_option(parser) -> None:
+    parser.add_argument("--data-dir", metavar="D",
+                        help="folder holding the dataset files: Fashion-MNIST IDX files, the CIFAR-10 tarball "
+                        "(default: $FASHION_MNIST_DIR / $CIFAR10_DIR, else Fashion-MNIST's standard location "
+                        "/usr/share/datasets/fashion-mnist)")
 
 
 def _add_calibration_option(parser) -> None:
     parser.add_argument(
         "--calibration-sims", type=int, default=500, metavar="N",
         help="simulated studies per planted effect for the report's calibration of the tests "
-        "(in the sweep's own layout; 0 leaves the calibration out)",
+        "(in the sweep's own layout; 0 leaves the calibration out; default 500)",
     )
 
 
@@ -170,7 +209,8 @@ def falsify_command(args) -> int:
         args.preset, args.out, data_dir=args.data_dir, workers=args.workers, db=args.db, seeds=_seed_list(args),
         batch_sizes=args.batch_sizes, methods=args.methods, settings=settings,
         calibration_sims=args.calibration_sims, stack=args.stack == "on", ensemble_memory=args.ensemble_memory,
-        probe_every=args.probe_every, executor=args.executor, scheduler=args.scheduler, retries=args.retries,
+        probe_every=args.probe_every, noise_scale_every=args.noise_scale_every, executor=args.executor,
+        scheduler=args.scheduler, retries=args.retries,
     )
     from affdiv.experiments.report.writer import verdict_table
 

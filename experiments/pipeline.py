@@ -1,5 +1,9 @@
 """The whole study: run (or resume) a preset's sweep, analyse it, calibrate the tests in its
-layout, and write the report. ``affdiv falsify`` and ``affdiv analyse`` call these functions."""
+layout, and write the report. ``affdiv falsify`` and ``affdiv analyse`` call these functions.
+
+The sweep's modules (:mod:`affdiv.experiments.runs`, which import torch) are imported inside the
+functions that train or read a store, so that ``affdiv analyse`` of a CSV does not wait for them.
+"""
 
 from __future__ import annotations
 
@@ -10,21 +14,19 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from affdiv.atomic import check_writable_file, check_writable_folder
 from affdiv.experiments.analysis.calibration import calibrate_for
 from affdiv.experiments.analysis.decision import analyse, check_settings
 from affdiv.experiments.analysis.groups import label_groups
-from affdiv.experiments.records import RENAMED_METHODS, read_csv
+from affdiv.experiments.records import RENAMED_METHODS, decode_text, read_csv
 from affdiv.experiments.report.writer import write_report
-from affdiv.experiments.runs.config import RunConfig, config_hash
-from affdiv.experiments.runs.grouping import DEFAULT_ENSEMBLE_MEMORY, parse_memory
-from affdiv.experiments.runs.models import METHODS
-from affdiv.experiments.runs.presets import load_preset
-from affdiv.experiments.runs.store import ResultStore, data_key, identify, is_sqlite
-from affdiv.experiments.runs.sweep import available_cpus, check_executor, dataset_for, run_sweep
-from affdiv.experiments.runs.training import steps_per_epoch
 from affdiv.provenance import provenance
+
+if TYPE_CHECKING:
+    from affdiv.experiments.runs.config import RunConfig
+    from affdiv.experiments.runs.store import ResultStore
 
 #: The files :func:`~affdiv.experiments.report.writer.write_report` may write into its folder
 #: (tests/experiments/test_pipeline.py checks this list against a written report).
@@ -35,6 +37,10 @@ REPORT_FILES = ("records.csv", "metric_vs_batch.png", "slope_forest.png", "contr
 MAX_SEED = 2**64 - 1
 #: From this many records on, the analysis prints a line before each long step.
 PROGRESS_FROM = 5000
+#: The first bytes of every SQLite file (as :func:`affdiv.experiments.runs.store.is_sqlite` reads them).
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+#: The metric of steps-to-target runs (``budget = "target"``), which ``analyse`` defaults to.
+_TARGET_METRIC = "steps_to_target"
 
 
 def _check_calibration_sims(n: int) -> None:
@@ -156,41 +162,48 @@ def analyse_and_report(out: Path, records: list[dict], curves, settings: Mapping
     )
 
 
-def _check_probe_every(n) -> None:
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-        raise ValueError(f"--probe-every must be an integer >= 1, got {n!r}")
-
-
-def _probe_interval(measurements: Sequence[Mapping]):
-    """The ``--probe-every`` a stored run was measured with: None (no divergence measurements),
-    the step between its first two divergence measurements, or "?" when it has only one (the run
-    was shorter than the interval: any interval that long gives the same measurements)."""
-    from affdiv.experiments.runs.divergence_measurement import NAME
-
-    steps = sorted(m["step"] for m in measurements if m.get("measurement") == NAME)
+def _interval(measurements: Sequence[Mapping], name: str):
+    """The interval a stored run was measured with by measurement ``name``: None (no such
+    measurements), the step between its first two, or "?" when it has only one (the run was
+    shorter than the interval: any interval that long gives the same measurements)."""
+    steps = sorted(m["step"] for m in measurements if m.get("measurement") == name)
     if not steps:
         return None
     return steps[1] - steps[0] if len(steps) > 1 else "?"
 
 
-def check_probe_resume(store: ResultStore, hashes: Sequence[str], probe_every: int | None) -> None:
-    """Refuse to resume a sweep whose finished runs were measured with another ``--probe-every``
-    (or with none, or without one now) while runs are still to train: their divergence columns
-    would mix intervals. A sweep with nothing left to train is never refused."""
+def check_measurement_resume(store: ResultStore, hashes: Sequence[str], intervals: Mapping[str, int | None],
+                             origin: Mapping[str, str] | None = None) -> None:
+    """Refuse to resume a sweep whose finished runs were measured with another interval of one of
+    the measurements (or not at all, or measured when now they are not) while runs are still to
+    train: their measurement columns would mix intervals. ``intervals``: {key of
+    :data:`~affdiv.experiments.runs.presets.MEASURE`: interval now, None for none}; ``origin``:
+    {key: where its interval was set, e.g. a preset's [measure] table}, named in the error. A
+    sweep with nothing left to train is never refused."""
+    from affdiv.experiments.runs.presets import MEASURE
+
     done = store.finished() & set(hashes)
     if not done or done == set(hashes):
         return
     measured = store.measurements(done)
-    found = {_probe_interval(measured.get(key, [])) for key in done} - {"?"}
-    other = sorted(found - {probe_every}, key=str)
-    if other:
-        said = lambda n: "without --probe-every" if n is None else f"with --probe-every {n}"  # noqa: E731
-        raise ValueError(f"--db {store.path} holds runs of this sweep measured {said(other[0])}; resuming "
-                         f"{said(probe_every)} would mix them; rerun {said(other[0])} or use another --db")
+    for key, now in intervals.items():
+        option, module = MEASURE[key]
+        found = {_interval(measured.get(run, []), module.NAME) for run in done} - {"?"}
+        other = sorted(found - {now}, key=str)
+        if other:
+            before, where = _with(option, other[0]), f" (set by {origin[key]})" if key in (origin or {}) else ""
+            raise ValueError(f"--db {store.path} holds runs of this sweep measured {before}; resuming "
+                             f"{_with(option, now)}{where} would mix them; rerun {before} or use another --db")
+
+
+def _with(option: str, interval: int | None) -> str:
+    return f"without {option}" if interval is None else f"with {option} {interval}"
 
 
 def _hardware(outcome, devices: set[str]) -> dict:
     import torch
+
+    from affdiv.experiments.runs.sweep import available_cpus
 
     info = {"usable_cpus": available_cpus(), "workers": outcome.workers, "threads_per_worker": outcome.threads,
             "devices": sorted(devices), "executor": outcome.executor}
@@ -212,8 +225,9 @@ def falsify(
     settings: Mapping | None = None,
     calibration_sims: int = 500,
     stack: bool = True,
-    ensemble_memory: int | str = DEFAULT_ENSEMBLE_MEMORY,
+    ensemble_memory: int | str | None = None,
     probe_every: int | None = None,
+    noise_scale_every: int | None = None,
     executor: str = "local",
     scheduler: str | None = None,
     retries: int | None = None,
@@ -232,12 +246,19 @@ def falsify(
         settings: run settings applied to every run (``--set KEY=VALUE``; a grid axis is replaced).
         calibration_sims: simulated studies per planted effect for the report's calibration (0: none).
         stack: train the runs that can share one as a stacked ensemble (False: one at a time).
-        ensemble_memory: memory budget of one ensemble, bytes or a size such as "2GiB".
+        ensemble_memory: memory budget of one ensemble, bytes or a size such as "2GiB" (default:
+            :data:`~affdiv.experiments.runs.grouping.DEFAULT_ENSEMBLE_MEMORY`, 2 GiB).
         probe_every: measure every run with the divergence meter
             (:mod:`affdiv.experiments.runs.divergence_measurement`) at step 0 and every
-            ``probe_every`` steps; kept in the store, its columns join the records. Not part of a
-            run's key: resuming a store whose runs were measured otherwise is refused
-            (:func:`check_probe_resume`), and the provenance records the setting.
+            ``probe_every`` steps; kept in the store, its columns join the records.
+        noise_scale_every: measure every run's gradient noise scale B_simple = tr(Σ)/|G|²
+            (:mod:`affdiv.experiments.runs.noise_scale`) at step 0 and every
+            ``noise_scale_every`` steps; its columns ``b_simple_init``/``b_simple`` join the
+            records, and the critical-batch table shows them beside B_crit.
+            Either interval, when None, is the preset's [measure] one (absent: not measured).
+            Measurements are not part of a run's key: resuming a store whose runs were measured
+            otherwise is refused (:func:`check_measurement_resume`), and the provenance records
+            both intervals.
         executor: ``"local"`` (worker processes here) or ``"dask"`` (tasks on a Dask scheduler;
             :mod:`affdiv.experiments.runs.dask_executor`).
         scheduler: the Dask scheduler's address (default: a LocalCluster of ``workers`` processes).
@@ -247,16 +268,28 @@ def falsify(
     Returns:
         ``{study name: {file kind: path}}`` of the written reports.
     """
+    from affdiv.experiments.runs.config import config_hash
+    from affdiv.experiments.runs.grouping import DEFAULT_ENSEMBLE_MEMORY, parse_memory
+    from affdiv.experiments.runs.models import METHODS
+    from affdiv.experiments.runs.presets import MEASURE, check_every, load_preset
+    from affdiv.experiments.runs.store import ResultStore, data_key, identify
+    from affdiv.experiments.runs.sweep import check_executor, dataset_for, run_sweep
+    from affdiv.experiments.runs.training import steps_per_epoch
+
     started = time.monotonic()
     # Every setting and output path is checked before the first run trains, and the store is
     # created only then: a refused sweep leaves no results database behind.
     _check_calibration_sims(calibration_sims)
-    _check_probe_every(probe_every)
+    given = {"noise_scale_every": noise_scale_every, "probe_every": probe_every}
+    for key, value in given.items():
+        check_every(MEASURE[key][0], value)
     check_executor(executor, scheduler, retries)
-    ensemble_memory = parse_memory(ensemble_memory)
+    ensemble_memory = parse_memory(DEFAULT_ENSEMBLE_MEMORY if ensemble_memory is None else ensemble_memory)
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise ValueError(f"--workers must be an integer >= 1, got {workers!r}")
     preset_ = load_preset(preset)
+    intervals = {key: preset_.measure.get(key) if value is None else value for key, value in given.items()}
+    origin = {key: f"preset {preset_.name!r} [measure]" for key in preset_.measure if given[key] is None}
     _check_finite(settings or {}, "--set ")
     for block in [preset_.raw, *preset_.raw.get("study", [])]:
         for table in ("run", "grid"):
@@ -301,15 +334,11 @@ def falsify(
             with ResultStore(db, read_only=True) as store:
                 store.verify()
                 store.check_fingerprints(expected)
-                check_probe_resume(store, list(configs), probe_every)
+                check_measurement_resume(store, list(configs), intervals, origin)
         except ValueError as error:
             raise ValueError(f"--db {error}") from None
 
-    measurements = []
-    if probe_every is not None:
-        from affdiv.experiments.runs import divergence_measurement
-
-        measurements.append(divergence_measurement.measurement(every=probe_every))
+    measurements = [MEASURE[key][1].measurement(every=every) for key, every in intervals.items() if every is not None]
     if executor == "dask" and scheduler is not None:  # reachable before any store exists
         from affdiv.experiments.runs.dask_executor import connect
 
@@ -320,7 +349,8 @@ def falsify(
     with ResultStore(db) as store:
         outcome = run_sweep(list(configs.values()), store, data_dir=data_dir, workers=workers, stack=stack,
                             ensemble_memory=ensemble_memory, measurements=measurements, executor=executor,
-                            scheduler=scheduler, retries=retries)
+                            scheduler=scheduler, retries=retries,
+                            progress=sys.stderr)  # as it is now (run_sweep's default is bound at its import)
         if outcome.failed:
             print(f"affdiv falsify: {len(outcome.failed)} run(s) failed on every attempt; the report lists them and "
                   "leaves them out (the same command tries them again)", file=sys.stderr)
@@ -346,7 +376,7 @@ def falsify(
                 compute_time_s=round(store.seconds(hashes), 1),
                 runs_this_invocation=outcome.ran,
                 runs_resumed_from_db=outcome.skipped,
-                probe_every=probe_every,
+                **intervals,
                 failed_runs=[{k: f[k] for k in ("config_hash", "error", "kind", "attempts")}
                              | {k: f["config"].get(k) for k in ("method", "batch_size", "seed", "lr_rule")}
                              for f in store.failures(hashes)],
@@ -357,6 +387,39 @@ def falsify(
                 progress=_progress(started) if len(records) >= PROGRESS_FROM else None,
             )
     return written
+
+
+def _csv_budgets(path: Path) -> set[str]:
+    """The values of a record CSV's ``budget`` column (empty: the CSV has none), read as
+    :func:`~affdiv.experiments.records.read_csv` reads the file."""
+    import csv
+    import io
+
+    text, _encoding = decode_text(path.read_bytes(), path)
+    first = text.split("\n", 1)[0]
+    delimiter = max((",", "\t", ";"), key=first.count)
+    try:
+        rows = csv.DictReader(io.StringIO(text, newline=""), delimiter=delimiter)
+        rows.fieldnames = [name.strip() for name in rows.fieldnames or []]
+        if "budget" not in rows.fieldnames:
+            return set()
+        return {str(row.get("budget") or "").strip() for row in rows}
+    except csv.Error:  # read_csv names the line
+        return set()
+
+
+def default_metric(budgets: set[str], *, database: bool, where: str) -> str:
+    """The metric ``affdiv analyse`` takes when none is given: ``steps_to_target`` when every
+    record is of a ``budget = "target"`` run, else ``test_accuracy`` of a store or the column
+    ``metric`` of a CSV. Records of target runs mixed with others raise ValueError asking for
+    ``--metric``."""
+    if budgets == {"target"}:
+        return _TARGET_METRIC
+    if "target" in budgets:
+        others = sorted(b or "(empty)" for b in budgets - {"target"})
+        raise ValueError(f"{where}: records of budget 'target' mixed with budget(s) {others}; pass --metric (e.g. "
+                         f"{_TARGET_METRIC} or {'test_accuracy' if database else 'metric'}) to choose what to analyse")
+    return "test_accuracy" if database else "metric"
 
 
 def analyse_file(
@@ -372,8 +435,10 @@ def analyse_file(
     alpha: float = 0.05,
     calibration_sims: int = 500,
 ) -> dict[str, Path]:
-    """Test the batch-size prediction on existing results: a record CSV (default metric column
-    ``metric``) or a results store (default ``test_accuracy``); returns the written paths.
+    """Test the batch-size prediction on existing results: a record CSV or a results store;
+    returns the written paths. The metric, when None, is :func:`default_metric`'s:
+    ``steps_to_target`` for records of ``budget = "target"`` runs, else ``test_accuracy`` of a
+    store or the column ``metric`` of a CSV.
 
     The input is only read: a store is opened read-only (its bytes, and the folder it is in, stay
     as they were), and a report folder whose files would replace the input is refused. The
@@ -397,16 +462,25 @@ def analyse_file(
 
     with open(path, "rb") as handle:  # before reading it: the file as analysed
         digest = hashlib.file_digest(handle, "sha256").hexdigest()
-    database = is_sqlite(path)
-    settings["metric"] = metric = metric or ("test_accuracy" if database else "metric")
+    with open(path, "rb") as handle:
+        database = handle.read(len(_SQLITE_MAGIC)) == _SQLITE_MAGIC
     if database:
+        from affdiv.experiments.runs.store import ResultStore, data_key
+
         try:
             with ResultStore(path, read_only=True) as store:
+                if metric is None:  # "method": a column every run has, to read the budgets first
+                    budgets = {str(r.get("budget", "")) for r in store.records(metric="method")}
+                    metric = default_metric(budgets, database=True, where=f"--input {path}")
                 records, curves = store.records(metric=metric), store.curves()
         except (ValueError, IsADirectoryError) as error:
-            raise ValueError(f"--input {error}") from None
+            message = str(error)
+            raise ValueError(message if message.startswith("--input") else f"--input {message}") from None
     else:
+        if metric is None:
+            metric = default_metric(_csv_budgets(path), database=False, where=f"--input {path}")
         records, curves = read_csv(path, metric=metric), None
+    settings["metric"] = metric
     if not records:
         raise ValueError(f"--input {path}: no records")
     present = sorted({RENAMED_METHODS.get(str(r["method"]), str(r["method"])) for r in records})

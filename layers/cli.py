@@ -22,14 +22,16 @@ def register(subparsers) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes and few rounds (a smoke test)")
-    parser.add_argument("--threads", type=_int_at_least(1), default=2, help="torch intra-op threads (default 2)")
-    parser.add_argument("--repeats", type=_int_at_least(1), default=None, help="timed rounds (default 25, quick 3)")
-    parser.add_argument("--warmup", type=_int_at_least(0), default=None,
+    parser.add_argument("--threads", type=_int_at_least(1), default=2, metavar="N",
+                        help="torch intra-op threads (default 2)")
+    parser.add_argument("--repeats", type=_int_at_least(1), default=None, metavar="R",
+                        help="timed rounds (default 25, quick 3)")
+    parser.add_argument("--warmup", type=_int_at_least(0), default=None, metavar="W",
                         help="untimed rounds first (default 3, quick 1)")
-    parser.add_argument("--compile-backend", default="inductor",
+    parser.add_argument("--compile-backend", default="inductor", metavar="NAME",
                         help="torch.compile backend of the naive composites (default inductor)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH",
-                        help="also write the results (with provenance) here")
+                        help="also write the results (with provenance) here (default: not written)")
 
 
 def _int_at_least(minimum: int):

@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
+from string import Template
 
 import torch
 import torch.nn.functional as F
@@ -153,23 +154,31 @@ def _prepare_dense(name, x, weight, bias):
 # convolutions
 
 
-def patchnorm_conv1d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, recompute=False) -> Tensor:
-    r"""``conv1d`` with each output position divided by √(‖patch‖² + 1), per group:
+# What the docstrings of patchnorm_conv1d and patchnorm_conv2d share ($dims: the spatial dimensions, $ints:
+# as many ints in words): the formula and the Args; each function adds its Shape and Example.
+_PATCHNORM_CONV_DOC = Template(r"""``conv${dims}d`` with each output position divided by √(‖patch‖² + 1), per group:
     :math:`z_{o,p} = (W_o \cdot P_p + b_o)/\sqrt{\|P_p\|^2 + 1}`.
 
-    See :class:`affdiv.layers.PatchNormConv1d`.
+    See :class:`affdiv.layers.PatchNormConv${dims}d`.
 
     Args:
         x: the input.
         weight: the filters.
         bias: Default: ``None``.
-        stride: an int or one int. Default: 1.
-        padding: an int, one int, ``"same"`` or ``"valid"`` (zero padding). Default: 0.
-        dilation: an int or one int. Default: 1.
+        stride: an int or $ints. Default: 1.
+        padding: an int, $ints, ``"same"`` or ``"valid"`` (zero padding). Default: 0.
+        dilation: an int or $ints. Default: 1.
         groups: Default: 1.
         recompute: save one float per group and position instead of keeping the output, and
             run the forward again in backward. Default: ``False``.
+""")
 
+
+def patchnorm_conv1d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, recompute=False) -> Tensor:
+    return _patchnorm_conv("patchnorm_conv1d", 1, x, weight, bias, stride, padding, dilation, groups, recompute)
+
+
+patchnorm_conv1d.__doc__ = _PATCHNORM_CONV_DOC.substitute(dims=1, ints="one int") + r"""
     Shape:
         - x: :math:`(N, C_{in}, L_{in})` or :math:`(C_{in}, L_{in})`;
           weight: :math:`(C_{out}, C_{in}/groups, k)`; bias: :math:`(C_{out},)`.
@@ -183,26 +192,13 @@ def patchnorm_conv1d(x, weight, bias=None, stride=1, padding=0, dilation=1, grou
         >>> patchnorm_conv1d(x, torch.ones(1, 1, 1))  # 2/√(2² + 1) at the middle
         tensor([[[0.0000, 0.8944, 0.0000]]])
     """
-    return _patchnorm_conv("patchnorm_conv1d", 1, x, weight, bias, stride, padding, dilation, groups, recompute)
 
 
 def patchnorm_conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, recompute=False) -> Tensor:
-    r"""``conv2d`` with each output position divided by √(‖patch‖² + 1), per group:
-    :math:`z_{o,p} = (W_o \cdot P_p + b_o)/\sqrt{\|P_p\|^2 + 1}`.
+    return _patchnorm_conv("patchnorm_conv2d", 2, x, weight, bias, stride, padding, dilation, groups, recompute)
 
-    See :class:`affdiv.layers.PatchNormConv2d`.
 
-    Args:
-        x: the input.
-        weight: the filters.
-        bias: Default: ``None``.
-        stride: an int or two ints. Default: 1.
-        padding: an int, two ints, ``"same"`` or ``"valid"`` (zero padding). Default: 0.
-        dilation: an int or two ints. Default: 1.
-        groups: Default: 1.
-        recompute: save one float per group and position instead of keeping the output, and
-            run the forward again in backward. Default: ``False``.
-
+patchnorm_conv2d.__doc__ = _PATCHNORM_CONV_DOC.substitute(dims=2, ints="two ints") + r"""
     Shape:
         - x: :math:`(N, C_{in}, H, W)` or :math:`(C_{in}, H, W)`;
           weight: :math:`(C_{out}, C_{in}/groups, k_H, k_W)`; bias: :math:`(C_{out},)`.
@@ -216,7 +212,6 @@ def patchnorm_conv2d(x, weight, bias=None, stride=1, padding=0, dilation=1, grou
         >>> patchnorm_conv2d(x, torch.ones(1, 1, 1, 3), torch.tensor([1.0]))  # (3 + 1)/√(3 + 1)
         tensor([[[[2.]]]])
     """
-    return _patchnorm_conv("patchnorm_conv2d", 2, x, weight, bias, stride, padding, dilation, groups, recompute)
 
 
 def _patchnorm_conv(name, d, x, weight, bias, stride, padding, dilation, groups, recompute):

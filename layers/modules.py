@@ -8,6 +8,8 @@ deliberately not subclasses of nn.Linear / nn.Conv*d: code that special-cases th
 
 from __future__ import annotations
 
+from string import Template
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -170,22 +172,23 @@ class _PatchNormConvNd(_ConvNd):
         return super().extra_repr() + (", recompute=True" if self.recompute else "")
 
 
-class PatchNormConv1d(_PatchNormConvNd):
-    r"""``nn.Conv1d`` with each output position divided by √(‖patch‖² + 1):
+# What the docstrings of PatchNormConv1d and PatchNormConv2d share ($dims: the spatial dimensions): the
+# formula, the drop-in promise and the Args; each class adds its Shape and Example.
+_PATCHNORM_CONV_DOC = Template(r"""``nn.Conv${dims}d`` with each output position divided by √(‖patch‖² + 1):
     :math:`z_{o,p} = (W_o \cdot P_p + b_o)/\sqrt{\|P_p\|^2 + 1}`, P_p the receptive field of
     position p over the input channels of o's group.
 
-    A drop-in for ``nn.Conv1d``: every argument, every padding mode (``"same"``, ``"valid"``,
+    A drop-in for ``nn.Conv${dims}d``: every argument, every padding mode (``"same"``, ``"valid"``,
     ints; zeros, reflect, replicate, circular) and groups, the same parameters, initialisation
     and state_dict keys.
 
     Args:
         in_channels: C_in, the input channels.
         out_channels: C_out, the output channels.
-        kernel_size: an int or 1 ints.
-        stride: an int or 1 ints. Default: 1.
-        padding: an int, 1 ints, ``"same"`` (stride 1 only) or ``"valid"``. Default: 0.
-        dilation: an int or 1 ints. Default: 1.
+        kernel_size: an int or $dims ints.
+        stride: an int or $dims ints. Default: 1.
+        padding: an int, $dims ints, ``"same"`` (stride 1 only) or ``"valid"``. Default: 0.
+        dilation: an int or $dims ints. Default: 1.
         groups: input and output channels split into this many groups, each position
             normalised per group. Default: 1.
         bias: learn the additive bias (inside the scale). Default: ``True``.
@@ -196,7 +199,11 @@ class PatchNormConv1d(_PatchNormConvNd):
         recompute: save one float per group and position for backward instead of keeping the
             output, and run the forward again in backward (one more convolution). Default:
             ``False``.
+""")
 
+
+class PatchNormConv1d(_PatchNormConvNd):
+    __doc__ = _PATCHNORM_CONV_DOC.substitute(dims=1) + r"""
     Shape:
         - Input: :math:`(N, C_{in}, L_{in})` or :math:`(C_{in}, L_{in})`.
         - Output: :math:`(N, C_{out}, L_{out})` or :math:`(C_{out}, L_{out})`, :math:`L_{out}`
@@ -216,36 +223,12 @@ class PatchNormConv1d(_PatchNormConvNd):
 
 
 class PatchNormConv2d(_PatchNormConvNd):
-    r"""``nn.Conv2d`` with each output position divided by √(‖patch‖² + 1):
-    :math:`z_{o,p} = (W_o \cdot P_p + b_o)/\sqrt{\|P_p\|^2 + 1}`, P_p the receptive field of
-    position p over the input channels of o's group.
-
-    A drop-in for ``nn.Conv2d``: every argument, every padding mode and groups, the same
-    parameters, initialisation and state_dict keys; the output keeps the input's memory format
-    (contiguous or channels_last).
-
-    Args:
-        in_channels: C_in, the input channels.
-        out_channels: C_out, the output channels.
-        kernel_size: an int or 2 ints.
-        stride: an int or 2 ints. Default: 1.
-        padding: an int, 2 ints, ``"same"`` (stride 1 only) or ``"valid"``. Default: 0.
-        dilation: an int or 2 ints. Default: 1.
-        groups: input and output channels split into this many groups, each position
-            normalised per group. Default: 1.
-        bias: learn the additive bias (inside the scale). Default: ``True``.
-        padding_mode: ``"zeros"``, ``"reflect"``, ``"replicate"`` or ``"circular"``. Default:
-            ``"zeros"``.
-        device: the parameters' device. Default: ``None`` (torch's default).
-        dtype: the parameters' dtype. Default: ``None`` (torch's default).
-        recompute: save one float per group and position for backward instead of keeping the
-            output, and run the forward again in backward (one more convolution). Default:
-            ``False``.
-
+    __doc__ = _PATCHNORM_CONV_DOC.substitute(dims=2) + r"""
     Shape:
         - Input: :math:`(N, C_{in}, H_{in}, W_{in})` or :math:`(C_{in}, H_{in}, W_{in})`.
         - Output: :math:`(N, C_{out}, H_{out}, W_{out})` or :math:`(C_{out}, H_{out}, W_{out})`,
-          :math:`H_{out}, W_{out}` as ``nn.Conv2d``'s.
+          :math:`H_{out}, W_{out}` as ``nn.Conv2d``'s, in the input's memory format (contiguous or
+          channels_last).
 
     Example::
 

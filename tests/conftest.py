@@ -1,6 +1,9 @@
+import importlib.util
 import os
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,16 +50,24 @@ def latex_page():
     """``latex_page(tex, workdir, font=r"\\small")``: compile a generated LaTeX table with pdflatex in a
     one-column plain article and measure it (tests/latex_util.py: ``.fits``, ``.width_pt``,
     ``.linewidth_pt``, ``.overfull``, ``.describe()``). Skips the test when pdflatex is not installed."""
-    import importlib.util
-    from pathlib import Path
-
     if shutil.which("pdflatex") is None:
         pytest.skip("pdflatex is not installed (CI installs texlive-latex-base and -recommended)")
-    import sys
+    return _helper_module("latex_util").measure_table
 
-    name = "affdiv_tests_latex_util"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("latex_util.py"))
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name].measure_table
+
+@pytest.fixture
+def sweep_util():
+    """tests/sweep_util.py: ``rows(db)``, ``records(store)``, ``counts(store)`` of a results store,
+    ``alive(pid)``, ``wait(condition, timeout)`` and ``exited(pids, timeout)`` for the processes a sweep starts."""
+    return _helper_module("sweep_util")
+
+
+def _helper_module(name: str):
+    """tests/NAME.py, imported once as ``affdiv_tests_NAME`` (the suite runs with
+    --import-mode=importlib: a test module cannot import a helper module beside it)."""
+    qualified = f"affdiv_tests_{name}"
+    if qualified not in sys.modules:
+        spec = importlib.util.spec_from_file_location(qualified, Path(__file__).with_name(f"{name}.py"))
+        sys.modules[qualified] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[qualified])
+    return sys.modules[qualified]

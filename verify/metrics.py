@@ -73,6 +73,14 @@ def cosine(effective: Tensor, ideal: Tensor) -> Tensor:
     return torch.nn.functional.cosine_similarity(_per_sample(effective), _per_sample(ideal), dim=-1)
 
 
+def _update(f: Callable, params: dict[str, Tensor], pullback: Callable, g: Tensor, lr: float) -> Tensor:
+    """The first-order update of ``f`` from the output gradient ``g`` alone: the gradient
+    ``pullback(g)`` (the vjp of ``f`` at ``params``), then the jvp along −η times it."""
+    (grad,) = pullback(g)
+    _, out = jvp(f, (params,), ({k: -lr * v for k, v in grad.items()},))
+    return out
+
+
 def diagonal_update(module: nn.Module, inputs: Tensor | tuple[Tensor, ...], grad_output: Tensor, lr: float) -> Tensor:
     r"""Each sample's first-order update from its own gradient alone: :math:`-\eta\,\Theta_{ii}\, g_i`.
 
@@ -108,9 +116,7 @@ def diagonal_update(module: nn.Module, inputs: Tensor | tuple[Tensor, ...], grad
             return function(p, tuple(t.unsqueeze(0) for t in sample))
 
         _, pullback = vjp(f, params)
-        (grad,) = pullback(g.unsqueeze(0))
-        _, out = jvp(f, (params,), ({k: -lr * v for k, v in grad.items()},))
-        return out.squeeze(0)
+        return _update(f, params, pullback, g.unsqueeze(0), lr).squeeze(0)
 
     return vmap(one)(grad_output, *args)
 
@@ -204,13 +210,17 @@ def alignment(module: nn.Module, inputs, grad_output: Tensor, lr: float, linear:
         >>> round(a.scale.item(), 12), round(a.cosine.item(), 12)  # one sample: ‖x‖² + 1, aligned
         (26.0, 1.0)
     """
-    ideal = -lr * grad_output
-    diagonal = diagonal_update(module, inputs, grad_output, lr)
+    return _alignment(linear, diagonal_update(module, inputs, grad_output, lr), -lr * grad_output)
+
+
+def _alignment(effective: Tensor, diagonal: Tensor, ideal: Tensor) -> Alignment:
+    """The metrics of an update ``effective``, whose own part is ``diagonal``, against ``ideal``,
+    row by row (per sample or per site)."""
     return Alignment(
-        scale=scale_factor(linear, ideal),
+        scale=scale_factor(effective, ideal),
         diagonal_scale=scale_factor(diagonal, ideal),
-        cosine=cosine(linear, ideal),
-        off_diagonal_share=off_diagonal_share(linear, diagonal),
+        cosine=cosine(effective, ideal),
+        off_diagonal_share=off_diagonal_share(effective, diagonal),
     )
 
 
@@ -241,8 +251,7 @@ def site_diagonal_update(
     _, pullback = vjp(f, params)
 
     def one(mask: Tensor, rows: Tensor) -> Tensor:
-        (grad,) = pullback(grad_output * mask.reshape(grad_output.shape))
-        _, out = jvp(f, (params,), ({k: -lr * v for k, v in grad.items()},))
+        out = _update(f, params, pullback, grad_output * mask.reshape(grad_output.shape), lr)
         return out.reshape(-1).gather(0, rows)
 
     return vmap(one)(masks, index)
@@ -253,12 +262,5 @@ def site_alignment(
 ) -> Alignment:
     """The alignment metrics per site; "off-diagonal" is every other site, of the same sample and of
     the others."""
-    ideal = sites(-lr * grad_output)
     diagonal = site_diagonal_update(module, inputs, grad_output, lr, sites)
-    effective = sites(linear)
-    return Alignment(
-        scale=scale_factor(effective, ideal),
-        diagonal_scale=scale_factor(diagonal, ideal),
-        cosine=cosine(effective, ideal),
-        off_diagonal_share=off_diagonal_share(effective, diagonal),
-    )
+    return _alignment(sites(linear), diagonal, sites(-lr * grad_output))

@@ -22,7 +22,8 @@ well conditioned (McCandlish et al.: B_crit ~ B_simple up to a factor of a few);
 the two side by side.
 
 Use in a sweep: :func:`measurement` gives a
-:class:`~affdiv.experiments.runs.training.Measurement` for ``run_sweep(..., measurements=[...])``;
+:class:`~affdiv.experiments.runs.training.Measurement` for ``run_sweep(..., measurements=[...])``
+(``affdiv falsify --noise-scale-every N``, or a preset's ``[measure] noise_scale_every = N``);
 :func:`record_columns` turns a run's measurement dicts into the record columns ``b_simple_init``
 (at step 0) and ``b_simple`` (at the last measured step) that the critical-batch analysis reports.
 """
@@ -60,12 +61,15 @@ def estimate(sq_small: float, sq_big: float, b_small: int, b_big: int, n_draws: 
     """The two unbiased estimates and B_simple from mean |G_small|^2 and mean |G_big|^2.
 
     A non-positive |G|^2 estimate (gradient noise swamping the signal, e.g. near a minimum) or a
-    negative tr(Sigma) estimate gives B_simple = nan rather than a negative or infinite number.
+    negative tr(Sigma) estimate gives B_simple = nan rather than a negative or infinite number; a
+    non-finite squared norm (a diverging model whose gradients overflowed) gives nan for all three.
     """
     if not (isinstance(b_small, int) and isinstance(b_big, int) and 0 < b_small < b_big):
         raise ValueError(f"need integer batch sizes 0 < b_small < b_big, got {b_small!r} and {b_big!r}")
-    if not (math.isfinite(sq_small) and math.isfinite(sq_big)) or sq_small < 0 or sq_big < 0:
-        raise ValueError(f"squared norms must be finite and >= 0, got {sq_small!r} and {sq_big!r}")
+    if sq_small < 0 or sq_big < 0:
+        raise ValueError(f"squared norms must be >= 0, got {sq_small!r} and {sq_big!r}")
+    if not (math.isfinite(sq_small) and math.isfinite(sq_big)):
+        return NoiseScale(math.nan, math.nan, math.nan, b_small, b_big, n_draws)
     grad_sq = (b_big * sq_big - b_small * sq_small) / (b_big - b_small)
     trace = (sq_small - sq_big) / (1.0 / b_small - 1.0 / b_big)
     b_simple = trace / grad_sq if grad_sq > 0 and trace >= 0 else math.nan

@@ -10,6 +10,11 @@ override them (one report each):
                  then replicates the split as well as the init and the shuffles)
     [grid]       axes: lists of values, crossed (method, batch_size, seed, lr_rule, ...)
     [analysis]   metric, corrected, baselines, margin, ... (keyword arguments of ``analyse``)
+    [measure]    optional, for every study: measurements taken along every run, each an interval
+                 in steps (an integer >= 1; absent: not measured), as ``affdiv falsify``'s options:
+                   noise_scale_every = N   the gradient noise scale B_simple (``--noise-scale-every``)
+                   probe_every = N         the divergence meter (``--probe-every``)
+                 Like those options, measurements are not part of a run's key (config hash).
     [[study]]    name = "...", and its own [study.run] / [study.grid] / [study.analysis]
 
 Command-line overrides replace grid axes (``seed``, ``batch_size``), restrict ``method`` to the
@@ -25,12 +30,24 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from affdiv.experiments.runs import divergence_measurement, noise_scale
 from affdiv.experiments.runs.config import RunConfig, expand_grid
 from affdiv.experiments.runs.models import CNN_METHODS, METHODS, MLP_METHODS, check_choice
 
-_SECTIONS = {"description", "caveats", "run", "grid", "analysis", "study"}
+_SECTIONS = {"description", "caveats", "run", "grid", "analysis", "measure", "study"}
 #: ``data_seed = SEED`` in a preset's run settings: every run's data split is drawn from its own seed.
 SEED = "seed"
+#: The keys of a preset's [measure] table (also ``falsify``'s keywords): the ``affdiv falsify``
+#: option that sets each, and the module of its measurement (its ``NAME`` in the store, its
+#: ``measurement(every=N)``).
+MEASURE = {"noise_scale_every": ("--noise-scale-every", noise_scale),
+           "probe_every": ("--probe-every", divergence_measurement)}
+
+
+def check_every(setting: str, value) -> None:
+    """Refuse a measurement interval (``setting`` names it) that is neither None nor an integer >= 1."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{setting} must be an integer >= 1, got {value!r}")
 
 
 def available_presets() -> list[str]:
@@ -52,6 +69,11 @@ class Preset:
     name: str
     description: str
     raw: dict  # the parsed TOML, recorded in provenance
+
+    @property
+    def measure(self) -> dict:
+        """The [measure] table: {key of ``MEASURE``: interval in steps} (checked at load)."""
+        return dict(self.raw.get("measure", {}))
 
     def studies(
         self,
@@ -119,4 +141,9 @@ def load_preset(name_or_path: str) -> Preset:
     for block in raw.get("study", []):
         if "name" not in block:
             raise ValueError(f"preset {name!r}: every [[study]] needs a name, got {block}")
+    measure = raw.get("measure", {})
+    if not isinstance(measure, dict) or set(measure) - set(MEASURE):
+        raise ValueError(f"preset {name!r}: [measure] takes only {sorted(MEASURE)}, got {measure!r}")
+    for key, value in measure.items():
+        check_every(f"preset {name!r} [measure] {key}", value)
     return Preset(name, raw.get("description", ""), raw)

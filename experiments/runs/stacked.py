@@ -18,6 +18,11 @@ MLP methods they do not depend on which other models share the stack (tested bit
 CNN methods' grouped convolutions pick their kernels by the total channel count, so there a
 model's float32 numbers can change at rounding level with its ensemble's size.
 
+Measurements (:class:`~affdiv.experiments.runs.training.Measurement`) look at one model at a
+time: :meth:`StackedEnsemble.copy` materialises model k as a plain module (a copy of the base
+model loaded with its slices of the stacked parameters and buffers), which the callback may
+change at will.
+
 :func:`stack_failure` tries one stacked step and one evaluation on two throw-away models; a
 model that ``torch.func`` cannot run this way is then trained one at a time (the caller logs it).
 """
@@ -145,6 +150,16 @@ class StackedEnsemble:
         state = {name: t[k] for name, t in (*self.params.items(), *self.buffers.items())}
         module.load_state_dict(state)
         return module.train()
+
+    def copy(self, k: int) -> torch.nn.Module:
+        """Model k as a new module: :meth:`model` (which copies the state, never aliases it)."""
+        return self.model(k)
+
+    @torch.no_grad()
+    def finite(self) -> Tensor:
+        """Per model (bool, K): whether all its parameters and buffers are finite."""
+        stacked = (*self.params.values(), *self.buffers.values())
+        return torch.stack([t.reshape(len(t), -1).isfinite().all(1) for t in stacked]).all(0)
 
     def keep(self, index: Sequence[int]) -> None:
         """Go on with the models at ``index`` only (in that order); the others stop here."""

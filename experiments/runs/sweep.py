@@ -180,37 +180,84 @@ def _run_unit(unit: Sequence[RunConfig], stack: bool, measurements: Sequence[Mea
 
 
 class Progress:
-    """A plain-text progress bar with ETA on a stream (redrawn in place on a terminal)."""
+    """A plain-text progress bar with ETA on a stream (redrawn in place on a terminal).
 
-    def __init__(self, total: int, skipped: int, stream: TextIO | None, width: int = 30):
+    The ETA is an estimate from the measured time per unit of cost: each run weighs
+    :meth:`cost` (the examples it processes at most), and ETA = elapsed x remaining cost / finished
+    cost, so that a few cheap runs finishing first (or a unit of work finishing many at once) do
+    not set the pace of the expensive ones. ``runs``: the pending runs' configs (None: every run
+    weighs the same); ``advance(config=...)`` names the run that finished. No ETA is shown until a
+    run has finished. ``clock``: seconds, monotonic (a test passes a fake one).
+    """
+
+    def __init__(self, total: int, skipped: int, stream: TextIO | None, width: int = 30, *,
+                 runs: Sequence[RunConfig] | None = None, clock: Callable[[], float] = time.monotonic):
         self.total, self.skipped, self.stream, self.width = total, skipped, stream, width
-        self.done, self.failed, self.start = 0, 0, time.monotonic()
+        self.clock = clock
+        self.done, self.failed, self.start = 0, 0, clock()
+        costs = [self.cost(config) for config in runs or ()]
+        self.total_cost = float(sum(costs)) if costs else float(total)
+        self.mean_cost = self.total_cost / total if total else 1.0  # of a run advance() does not name
+        self.done_cost = 0.0
         self.tty = bool(stream) and hasattr(stream, "isatty") and stream.isatty()
         self._last_line = -1.0
         self._show()
 
-    def advance(self, failed: bool = False) -> None:
+    @staticmethod
+    def cost(config: RunConfig) -> float:
+        """The examples a run processes at most: batch_size x steps x learning-rate candidates, with
+        steps = ``length`` under the ``steps`` budget and ``length`` (max_steps) under ``target``;
+        under ``epochs``, length x the training split's size when its dataset is already loaded in
+        this process, else batch_size x length as a proxy."""
+        from affdiv.experiments.runs.config import candidates
+
+        examples = config.batch_size * config.length
+        if config.budget == "epochs":
+            n_train = _loaded_train_size(config)
+            if n_train is not None:
+                examples = config.length * (n_train // config.batch_size) * config.batch_size
+        return float(max(examples, 1) * max(len(candidates(config)), 1))
+
+    def advance(self, failed: bool = False, config: RunConfig | None = None) -> None:
         self.done += 1
         self.failed += failed
+        self.done_cost += self.mean_cost if config is None else self.cost(config)
         self._show()
+
+    def eta(self) -> float:
+        """Seconds left, estimated from the time per unit of cost so far; NaN before any run finished."""
+        if not self.done or self.done_cost <= 0:
+            return float("nan")
+        if self.done >= self.total:
+            return 0.0
+        return (self.clock() - self.start) * max(self.total_cost - self.done_cost, 0.0) / self.done_cost
 
     def _show(self) -> None:
         if self.stream is None:
             return
-        elapsed = time.monotonic() - self.start
+        elapsed = self.clock() - self.start
         fraction = self.done / self.total if self.total else 1.0
         if not self.tty and self.done not in (0, self.total) and elapsed - self._last_line < 10:
             return  # in a log file: one line every 10 s at most, plus the first and the last
         self._last_line = elapsed
-        eta = elapsed / self.done * (self.total - self.done) if self.done else float("nan")
         filled = int(round(self.width * fraction))
         line = (
             f"[{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total} runs"
             f" ({self.skipped} already done{f', {self.failed} failed' if self.failed else ''})"
-            f" elapsed {_clock(elapsed)} ETA {_clock(eta)}"
+            f" elapsed {_clock(elapsed)} ETA {_clock(self.eta())}"
         )
         end = "" if self.tty and self.done < self.total else "\n"
         print(("\r" if self.tty else "") + line, end=end, file=self.stream, flush=True)
+
+
+def _loaded_train_size(config: RunConfig) -> int | None:
+    """The training split's size of ``config``'s data if :func:`dataset_for` has loaded it in this
+    process (with any data_dir), else None: never loads anything."""
+    key = (config.dataset, config.data_seed, config.val_fraction, tuple(sorted(config.data_options.items())))
+    for cached, data in list(_DATASETS.items()):
+        if cached[:4] == key:
+            return len(data.train.y)
+    return None
 
 
 def _clock(seconds: float) -> str:
@@ -275,8 +322,8 @@ def run_sweep(
     ``workers`` defaults to the usable CPUs, ``threads`` (torch threads per worker) to 1.
     ``workers=1`` trains in this process (no pool). ``stack``: train the runs that can share an
     ensemble stacked (:func:`~affdiv.experiments.runs.training.train_group`), each ensemble
-    within ``ensemble_memory`` bytes; ``measurements`` are kept with every run (they train one
-    at a time). A unit is tried at most ``max_attempts`` times when workers die under it.
+    within ``ensemble_memory`` bytes; ``measurements`` are taken along every run (stacked or
+    not) and kept with it. A unit is tried at most ``max_attempts`` times when workers die under it.
 
     ``executor="dask"``: the units run on the Dask scheduler at ``scheduler`` (None: a LocalCluster
     of ``workers`` processes started here); each is tried ``retries`` + 1 times (default
@@ -299,11 +346,11 @@ def run_sweep(
     done = store.finished()
     pending = [c for c, h in zip(configs, hashes) if h not in done]
     units = _units(pending, stack, ensemble_memory, data_dir)
-    bar = Progress(len(pending), len(configs) - len(pending), progress)
+    bar = Progress(len(pending), len(configs) - len(pending), progress, runs=pending)
 
     def commit(config: RunConfig, result: dict) -> None:
         store.put(config.to_dict(), **result)
-        bar.advance()
+        bar.advance(config=config)
         if on_result is not None:
             on_result(config)
 
@@ -315,7 +362,7 @@ def run_sweep(
         failed.append({"config_hash": key, "method": config.method, "batch_size": config.batch_size,
                        "seed": config.seed, "lr_rule": config.lr_rule, "error": failure.error, "kind": failure.kind,
                        "attempts": failure.attempts})
-        bar.advance(failed=True)
+        bar.advance(failed=True, config=config)
 
     workers = min(workers, max(1, len(units)))
     restarts = 0

@@ -43,12 +43,24 @@ differs. :class:`OneAtATime` keeps each model a module with its own torch.optim 
 steps them one after the other (:func:`train_run`: the numbers a run has always had);
 :class:`~affdiv.experiments.runs.stacked.StackedEnsemble` steps all of them as one vmapped
 model. :func:`train_group` trains runs of one :func:`~affdiv.experiments.runs.grouping.
-ensemble_key` stacked, or one at a time where stacking is off, impossible (logged) or the runs
-carry measurements (logged).
+ensemble_key` stacked, or one at a time where stacking is off or impossible (logged).
 
-*Measurements*: a :class:`Measurement` ``fn(model, step, data) -> dict`` is called for every
-candidate at step 0 and every ``every`` steps, on a copy of the model in train mode, with the
-run's dataset; its dicts are kept with the run (``RunResult.measurements``, the kept candidate's).
+*Measurements*: a :class:`Measurement` ``fn(model, step, data) -> dict`` is called at step 0 and
+every ``every`` steps (after that step's update, before its check) for every *active* candidate:
+one still training whose parameters and buffers are all finite (a non-finite loss makes the
+update, and so the parameters, non-finite: such a candidate has diverged, and the next check
+stops it). The outputs can overflow a step before the parameters do (an update that leaves them
+near the largest float), so a callback must return, not raise, on a model whose outputs are not
+finite. ``model`` is a fresh module holding the candidate's parameters and buffers at that step
+(no ``.grad``), in train mode: a deep copy of the module under :class:`OneAtATime`, model k
+materialised from its slices of the stacked state under the stacked ensemble, so a callback sees
+the same module either way (up to the engines' rounding, :mod:`~affdiv.experiments.runs.stacked`).
+The callbacks run with the global random generators forked (restored afterwards; a callback draws
+from its own generator: its values must be a function of its arguments). A run's candidates start
+from one init (its seed), so at step 0 each measurement is taken once per run, on its first
+candidate, and shared. Nothing a callback does reaches training: a run's numbers with and without
+measurements are bit-identical. Its dicts are kept with the run (``RunResult.measurements``, the
+kept candidate's).
 
 Determinism: on CPU with a fixed thread count the same configs give the same numbers.
 """
@@ -101,11 +113,12 @@ def _takes_config(fn) -> bool:
 @dataclass(frozen=True)
 class Measurement:
     """``fn(model, step, data) -> dict`` of JSON numbers, called at step 0 and every ``every``
-    steps of every run (after that step's update). ``model`` is a copy, in train mode, so
-    nothing the callback does (a forward in train mode updates BatchNorm's statistics) reaches
-    training; ``data`` is the run's :class:`~affdiv.experiments.data.dataset.Dataset`. An ``fn``
-    with a fourth positional parameter is called ``fn(model, step, data, config)`` with the run's
-    :class:`RunConfig`. ``fn`` must be picklable (a module-level function) to reach a sweep's workers."""
+    steps of every run (after that step's update; see the module docstring). ``model`` is a copy,
+    in train mode, so nothing the callback does (a forward in train mode updates BatchNorm's
+    statistics) reaches training; ``data`` is the run's
+    :class:`~affdiv.experiments.data.dataset.Dataset`. An ``fn`` with a fourth positional
+    parameter is called ``fn(model, step, data, config)`` with the run's :class:`RunConfig`.
+    ``fn`` must be picklable (a module-level function) to reach a sweep's workers."""
 
     name: str
     every: int
@@ -192,6 +205,16 @@ class OneAtATime:
     def model(self, k: int) -> torch.nn.Module:
         return self.models[k]
 
+    def copy(self, k: int) -> torch.nn.Module:
+        """Model k as a new module (its parameters and buffers now; a deep copy of a Parameter
+        leaves its ``.grad`` behind), in train mode."""
+        return copy.deepcopy(self.models[k]).train()
+
+    def finite(self) -> torch.Tensor:
+        """Per model (bool, K): whether all its parameters and buffers are finite."""
+        return torch.tensor([all(bool(t.isfinite().all()) for t in (*m.parameters(), *m.buffers()))
+                             for m in self.models])
+
     def keep(self, index: Sequence[int]) -> None:
         for name in ("models", "optimizers", "train_splits", "val_splits"):
             setattr(self, name, [getattr(self, name)[i] for i in index])
@@ -237,6 +260,7 @@ class _Run:
         self.max_steps = max_steps(config, len(data.train.y))
         self.candidates = [Candidate(self, lr, mu, self.max_steps) for lr, mu in candidates(config)]
         self.extensions = 0
+        self.at_init: dict[str, Mapping] = {}  # step-0 measurements by name, shared by its candidates
 
     def best(self) -> Candidate:
         return max(self.candidates, key=Candidate.rank)
@@ -328,12 +352,19 @@ def _lockstep(cands: list[Candidate], engine_type, tensors: _Tensors, measuremen
     train_dtype = tensors(run.data, "train")[0].dtype
 
     def measure(step: int) -> None:
-        for m in measurements:
-            if step % m.every == 0:
-                for k, cand in enumerate(cands):
-                    model = copy.deepcopy(engine.model(k))
-                    values = (m.fn(model, step, cand.run.data, cand.run.config) if _takes_config(m.fn)
-                              else m.fn(model, step, cand.run.data))
+        due = [m for m in measurements if step % m.every == 0]
+        if not due:
+            return
+        active = engine.finite().tolist()
+        with torch.random.fork_rng(devices=[tensors.device] if tensors.device.type == "cuda" else []):
+            for k, cand in enumerate(cands):
+                for m in due if active[k] else ():
+                    values = cand.run.at_init.get(m.name) if step == 0 else None
+                    if values is None:
+                        args = (engine.copy(k), step, cand.run.data, cand.run.config)
+                        values = m.fn(*args) if _takes_config(m.fn) else m.fn(*args[:3])
+                        if step == 0:
+                            cand.run.at_init[m.name] = values
                     cand.measurements.append({"measurement": m.name, "step": step, **values})
 
     step, since, epoch = 0, 0, 0
@@ -405,13 +436,11 @@ _STACKABLE: dict[tuple, str | None] = {}
 
 def train_group(configs: Sequence[RunConfig], datasets: Sequence, *, stack: bool = True,
                 measurements: Sequence[Measurement] = ()) -> list[RunResult]:
-    """Train runs of one ensemble key: stacked if ``stack``, else (and where stacking cannot be
-    used, which is logged) each run by :func:`train_run`."""
+    """Train runs of one ensemble key (with their ``measurements``): stacked if ``stack``, else
+    (and where ``torch.func`` cannot stack the model, which is logged) each run by :func:`train_run`."""
     config, data = configs[0], datasets[0]
     reason = None
-    if stack and measurements:
-        reason = "its runs carry measurements, which look at one model at a time"
-    elif stack:
+    if stack:
         key = (ensemble_key(config), tuple(data.input_shape), data.num_classes)
         if key not in _STACKABLE:
             x = torch.as_tensor(data.train.x[:2], device=config.device).to(getattr(torch, config.dtype))

@@ -4,10 +4,8 @@ import csv
 import json
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -26,19 +24,6 @@ def _summary_without_provenance(path):
     return summary
 
 
-def _rows(db):
-    """Every stored run, by config hash ({} while the file or its table does not exist yet)."""
-    if not db.exists():
-        return {}
-    connection = sqlite3.connect(db)
-    try:
-        return {row[0]: row for row in connection.execute("SELECT * FROM runs")}
-    except sqlite3.OperationalError:  # created, table not yet
-        return {}
-    finally:
-        connection.close()
-
-
 @pytest.fixture(scope="module")
 def tiny_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny")
@@ -46,7 +31,7 @@ def tiny_report(tmp_path_factory):
     return out
 
 
-def test_falsify_writes_the_report_and_the_database(tiny_report):
+def test_falsify_writes_the_report_and_the_database(tiny_report, sweep_util):
     summary = json.loads((tiny_report / "summary.json").read_text())
     assert set(summary["methods"]) == {"affine", "norm_l2"}
     for result in summary["groups"]["tuned"]["methods"].values():
@@ -59,7 +44,7 @@ def test_falsify_writes_the_report_and_the_database(tiny_report):
     assert {"command", "version", "git_commit", "libraries", "hardware", "wall_time_s"} <= set(provenance)
     for name in ("report.md", "report.html", "summary.tex", "records.csv", "metric_vs_batch.png"):
         assert (tiny_report / name).is_file(), name
-    assert len(_rows(tiny_report / "results.sqlite")) == 24
+    assert len(sweep_util.rows(tiny_report / "results.sqlite")) == 24
     with open(tiny_report / "records.csv", newline="") as handle:
         records = list(csv.DictReader(handle))
     assert len(records) == 24 and {r["lr_rule"] for r in records} == {"sqrt", "tuned"}
@@ -142,7 +127,18 @@ def test_analyse_a_csv_without_the_metric_column(tmp_path, capsys):
     assert "missing column(s) ['metric']" in capsys.readouterr().err
 
 
-def test_kill_minus_9_loses_no_finished_run_and_resume_matches_an_uninterrupted_sweep(tmp_path):
+def test_the_defaults_analyses_help_states_are_the_analysis_defaults():
+    from affdiv.experiments import cli
+    from affdiv.experiments.analysis import contrast, decision
+
+    assert (cli.DEFAULT_CORRECTED, cli.DEFAULT_BASELINES) == (decision.DEFAULT_CORRECTED, decision.DEFAULT_BASELINES)
+    # --help: 0.005 per doubling and a contrast margin of 0.01 for a score in [0, 1]; 1% and 2% of the median else
+    assert decision.default_margin([0.5, 0.9], True)[0] == 0.005
+    assert contrast.default_contrast_margin([0.5, 0.9], True)[0] == 0.01
+    assert decision.default_margin([10.0, 30.0], True)[0] == pytest.approx(0.2)
+    assert contrast.default_contrast_margin([10.0, 30.0], True)[0] == pytest.approx(0.4)
+
+def test_kill_minus_9_loses_no_finished_run_and_resume_matches_an_uninterrupted_sweep(tmp_path, sweep_util):
     # Slow enough runs (batch 8, 3 epochs: ~0.5 s each) that the kill lands mid-sweep.
     grid = ["--preset", "smoke", "--methods", "affine", "batchnorm", "--batch-sizes", "8", "64",
             "--seeds", "3", "--set", "lr_rule=['constant']", "--set", "budget=epochs", "--set", "data_seed=0",
@@ -151,24 +147,20 @@ def test_kill_minus_9_loses_no_finished_run_and_resume_matches_an_uninterrupted_
     command = [sys.executable, "-m", "affdiv", "falsify", *grid, "--out", str(interrupted), "--workers", "2"]
     process = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     db = interrupted / "results.sqlite"
-    deadline = time.monotonic() + 120
     try:
-        while time.monotonic() < deadline and process.poll() is None:
-            if len(_rows(db)) >= 3:
-                break
-            time.sleep(0.05)
+        sweep_util.wait(lambda: len(sweep_util.rows(db)) >= 3 or process.poll() is not None, 120)
         assert process.poll() is None, "the sweep finished before it could be killed: " + process.stderr.read().decode()
         os.killpg(process.pid, signal.SIGKILL)  # the parent and its workers, mid-sweep
     finally:
         process.wait()
         process.stderr.close()
-    before = _rows(db)
+    before = sweep_util.rows(db)
     assert 3 <= len(before) < 12 and not (interrupted / "summary.json").exists()
 
     # Resume (and the reference sweep) in this process: one torch thread per run whatever the
     # number of workers, so the numbers cannot depend on it.
     assert main(["falsify", *grid, "--out", str(interrupted), "--workers", "1"]) == 0
-    after = _rows(db)
+    after = sweep_util.rows(db)
     assert len(after) == 12
     assert all(after[key] == row for key, row in before.items())  # finished runs kept, untouched
 

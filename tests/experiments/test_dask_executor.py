@@ -29,14 +29,6 @@ CONFIGS = expand_grid(dict(dataset="digits", depth=1, width=8, length=1),
 RETRIES = 1  # the test cluster's allowed-failures, and --retries
 
 
-def _records(store):
-    return [repr(r) for r in store.records()], repr(store.curves())
-
-
-def _counts(store):
-    return store._db.execute("SELECT COUNT(*), COUNT(DISTINCT config_hash) FROM runs").fetchone()
-
-
 @pytest.fixture(scope="module")
 def local(tmp_path_factory):
     """The local executor's stores of CONFIGS, stacked and one run at a time (in this process)."""
@@ -129,17 +121,17 @@ def cluster(helpers):
             yield local_cluster, client
 
 
-def test_a_dask_sweep_stores_the_numbers_of_the_local_executor(tmp_path, local):
+def test_a_dask_sweep_stores_the_numbers_of_the_local_executor(tmp_path, local, sweep_util):
     # the in-process LocalCluster (no --scheduler): two worker processes, one torch thread each
     store = ResultStore(tmp_path / "dask.sqlite")
     outcome = run_sweep(CONFIGS, store, executor="dask", workers=2, threads=1, progress=None)
     assert (outcome.ran, outcome.skipped, outcome.failed) == (len(CONFIGS), 0, [])
-    assert _counts(store) == (len(CONFIGS), len(CONFIGS))
-    assert _records(store) == _records(local[True])  # number for number
+    assert sweep_util.counts(store) == (len(CONFIGS), len(CONFIGS))
+    assert sweep_util.records(store) == sweep_util.records(local[True])  # number for number
 
 
 @pytest.mark.skipif(not LINUX, reason="kills a worker process by its pid")
-def test_a_worker_killed_mid_sweep_is_retried_and_nothing_is_lost(tmp_path, local, cluster):
+def test_a_worker_killed_mid_sweep_is_retried_and_nothing_is_lost(tmp_path, local, cluster, sweep_util):
     _cluster, client = cluster
     killed: list[int] = []
 
@@ -161,8 +153,8 @@ def test_a_worker_killed_mid_sweep_is_retried_and_nothing_is_lost(tmp_path, loca
                         threads=1, progress=None, stack=False, on_result=kill_a_busy_worker)
     assert killed, "no busy worker to kill"
     assert outcome.failed == [] and outcome.ran == len(CONFIGS)
-    assert _counts(store) == (len(CONFIGS), len(CONFIGS))  # nothing lost, nothing twice
-    assert _records(store) == _records(local[False])  # the retried run's numbers too
+    assert sweep_util.counts(store) == (len(CONFIGS), len(CONFIGS))  # nothing lost, nothing twice
+    assert sweep_util.records(store) == sweep_util.records(local[False])  # the retried run's numbers too
     assert killed[0] not in client.run(os.getpid).values()
     # the dataset reached each worker once: one cached dataset per worker process
     cached = client.run(lambda: len(__import__("affdiv.experiments.runs.sweep", fromlist=["_DATASETS"])._DATASETS))
@@ -193,7 +185,7 @@ def test_units_that_fail_every_attempt_are_recorded_and_the_sweep_goes_on(tmp_pa
     assert sorted(f["config_hash"] for f in outcome.failed) == sorted(failures)
 
 
-def test_the_report_lists_the_runs_that_failed(tmp_path, cluster):
+def test_the_report_lists_the_runs_that_failed(tmp_path, cluster, sweep_util):
     import affdiv_dask_test_helpers
 
     _cluster, client = cluster
@@ -212,7 +204,7 @@ def test_the_report_lists_the_runs_that_failed(tmp_path, cluster):
     report = (tmp_path / "report.md").read_text()
     assert "2 run(s) failed on every attempt and are missing from the analysis" in report
     assert "norm_l2 B=32 seed=0 lr_rule=constant: RuntimeError: seed 0 always raises" in report
-    assert len(_rows(tmp_path / "results.sqlite")) == 10
+    assert len(sweep_util.rows(tmp_path / "results.sqlite")) == 10
 
 
 def test_a_worker_runs_at_most_its_share_of_gpu_units(helpers):
@@ -235,18 +227,6 @@ def test_a_worker_runs_at_most_its_share_of_gpu_units(helpers):
     assert all(end <= start for (_, _, end), (_, start, _) in zip(spans, spans[1:])), spans  # never two at once
 
 
-def _rows(db):
-    if not db.exists():
-        return {}
-    connection = sqlite3.connect(db)
-    try:
-        return {row[0]: row for row in connection.execute("SELECT * FROM runs")}
-    except sqlite3.OperationalError:
-        return {}
-    finally:
-        connection.close()
-
-
 def _descendants(root: int) -> list[int]:
     """Every process below ``root`` (its Dask nannies and their workers), from /proc."""
     parents = {}
@@ -264,22 +244,6 @@ def _descendants(root: int) -> list[int]:
     return found
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _wait(condition, timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
-
-
 # constant lr, at most 300 steps to the target: about a second a run, so the interruptions land mid-sweep
 GRID = ["--preset", "smoke", "--methods", "affine", "batchnorm", "--batch-sizes", "8", "64", "--seeds", "3",
         "--set", "lr_rule=constant", "--set", "length=300", "--set", "eval_every=20", "--set", "width=8",
@@ -293,11 +257,11 @@ def _start(out: Path) -> subprocess.Popen:
     return subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
-def _interrupt_after(process, db: Path, rows: int, signum: int, *, group: bool) -> tuple[list[int], str]:
+def _interrupt_after(sweep_util, process, db: Path, rows: int, signum: int, *, group: bool) -> tuple[list[int], str]:
     """Wait until ``rows`` runs are stored, then send ``signum`` (to the process group: Ctrl-C;
     or to the process alone); returns the processes below it at that moment and its stderr."""
     try:
-        assert _wait(lambda: len(_rows(db)) >= rows or process.poll() is not None, 240)
+        assert sweep_util.wait(lambda: len(sweep_util.rows(db)) >= rows or process.poll() is not None, 240)
         assert process.poll() is None, "the sweep ended before the interruption: " + process.stderr.read().decode()
         below = _descendants(process.pid)
         (os.killpg if group else os.kill)(process.pid, signum)
@@ -311,18 +275,18 @@ def _interrupt_after(process, db: Path, rows: int, signum: int, *, group: bool) 
 
 
 @pytest.mark.skipif(not LINUX, reason="reads the process table from /proc")
-def test_an_interrupted_dask_sweep_resumes_without_rerunning_or_duplicating(tmp_path):
+def test_an_interrupted_dask_sweep_resumes_without_rerunning_or_duplicating(tmp_path, sweep_util):
     out = tmp_path / "out"
     db = out / "results.sqlite"
-    below, _ = _interrupt_after(_start(out), db, 2, signal.SIGINT, group=True)  # Ctrl-C
-    assert _wait(lambda: not any(map(_alive, below)), 60), "Dask processes outlived Ctrl-C"
-    first = _rows(db)
+    below, _ = _interrupt_after(sweep_util, _start(out), db, 2, signal.SIGINT, group=True)  # Ctrl-C
+    assert sweep_util.exited(below, 60), "Dask processes outlived Ctrl-C"
+    first = sweep_util.rows(db)
     assert 2 <= len(first) < TOTAL and not (out / "summary.json").exists()
 
-    below, err = _interrupt_after(_start(out), db, len(first) + 2, signal.SIGKILL, group=False)  # kill -9
+    below, err = _interrupt_after(sweep_util, _start(out), db, len(first) + 2, signal.SIGKILL, group=False)  # kill -9
     assert f"0/{TOTAL - len(first)} runs ({len(first)} already done)" in err  # resumed: only the missing runs
-    assert _wait(lambda: not any(map(_alive, below)), 60), "Dask processes outlived their kill -9'd parent"
-    second = _rows(db)
+    assert sweep_util.exited(below, 60), "Dask processes outlived their kill -9'd parent"
+    second = sweep_util.rows(db)
     assert len(first) + 2 <= len(second) < TOTAL
     assert all(second[key] == row for key, row in first.items())  # finished runs kept, untouched
 
@@ -331,7 +295,7 @@ def test_an_interrupted_dask_sweep_resumes_without_rerunning_or_duplicating(tmp_
     provenance = json.loads((out / "summary.json").read_text())["provenance"]
     assert (provenance["runs_this_invocation"], provenance["runs_resumed_from_db"]) == (TOTAL - len(second),
                                                                                         len(second))
-    final = _rows(db)
+    final = sweep_util.rows(db)
     assert len(final) == TOTAL and all(final[key] == row for key, row in second.items())
     connection = sqlite3.connect(db)
     try:

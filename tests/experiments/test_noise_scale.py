@@ -21,6 +21,12 @@ def test_estimates_are_exact_on_the_expected_squared_norms():
     for bad in ((8, 8), (16, 8), (0, 8)):
         with pytest.raises(ValueError, match="batch sizes"):
             ns.estimate(1.0, 0.5, *bad)
+    # A diverging model's overflowed gradients: no estimate, not an error (it must not stop a sweep).
+    for overflowed in ((math.inf, 1.0), (1.0, math.nan), (math.nan, math.inf)):
+        e = ns.estimate(*overflowed, 4, 8)
+        assert all(math.isnan(v) for v in (e.b_simple, e.grad_sq, e.trace)), overflowed
+    with pytest.raises(ValueError, match="squared norms must be >= 0, got -1.0 and 1.0"):
+        ns.estimate(-1.0, 1.0, 4, 8)
 
 
 class Linear(torch.nn.Module):

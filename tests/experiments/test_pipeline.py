@@ -72,6 +72,17 @@ def listing(folder) -> list[str]:
     return sorted(p.name for p in folder.iterdir())
 
 
+def execute_sql(path, *statements) -> None:
+    """Run ``statements`` on the SQLite file ``path`` (created if missing) and commit."""
+    connection = sqlite3.connect(path)
+    try:
+        for statement in statements:
+            connection.execute(statement)
+        connection.commit()
+    finally:
+        connection.close()
+
+
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory, quick):
     """A finished quick sweep: its folder (report, results.sqlite and records.csv)."""
@@ -154,10 +165,7 @@ def test_falsify_refuses_unusable_output_paths(quick, tmp_path, capsys, unwritab
 
 def test_falsify_refuses_a_foreign_database_and_leaves_it_alone(quick, tmp_path, capsys):
     db = tmp_path / "shop.sqlite"
-    connection = sqlite3.connect(db)
-    connection.execute("CREATE TABLE orders (id INTEGER PRIMARY KEY)")
-    connection.commit()
-    connection.close()
+    execute_sql(db, "CREATE TABLE orders (id INTEGER PRIMARY KEY)")
     before = sha256(db)
     refused(capsys, ["falsify", *quick, "--out", str(tmp_path / "out"), "--db", str(db)],
             f"--db {db}: not an affdiv results store", "tables ['orders']")
@@ -325,6 +333,65 @@ def test_overflowing_metrics_make_the_method_inconclusive_with_the_reason(tmp_pa
     assert all(t.get("p") is None or 0 < t["p"] for t in result.get("tests", {}).values())
 
 
+# ------------------------------------------------------------------ analyse: steps to target, imports
+def target_csv(path, budgets=("target",)):
+    """A CSV of steps-to-target runs (S = 100 (1 + B_crit/B), B_crit 64 for affine, 32 for norm_l2,
+    one run censored at max_steps); ``budgets`` cycles over the rows' budget column."""
+    lines = ["method,batch_size,seed,steps_to_target,max_steps,budget"]
+    for i, (m, b, s) in enumerate((m, b, s) for m in ("affine", "norm_l2") for b in (16, 64, 256) for s in range(3)):
+        steps = "" if (m, b, s) == ("affine", 16, 2) else round(100 * (1 + (64 if m == "affine" else 32) / b) *
+                                                                (1 + 0.05 * ((s * 7 + b) % 3)))
+        lines.append(f"{m},{b},{s},{steps},600,{budgets[i % len(budgets)]}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_analyse_defaults_to_steps_to_target_on_target_runs(tmp_path):
+    path = target_csv(tmp_path / "target.csv")
+    assert main(["analyse", "--input", str(path), "--out", str(tmp_path / "out"), "--calibration-sims", "0"]) == 0
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["design"] == "steps_to_target"
+    assert summary["provenance"]["metric"] == "steps_to_target"
+    assert set(summary["critical_batch"]) == {"affine", "norm_l2"}
+
+
+def test_analyse_refuses_target_runs_mixed_with_others_without_a_metric(tmp_path, capsys):
+    path = target_csv(tmp_path / "mixed.csv", budgets=("target", "steps"))
+    refused(capsys, ["analyse", "--input", str(path), "--out", str(tmp_path / "out")],
+            f"--input {path}: records of budget 'target' mixed with budget(s) ['steps']; pass --metric")
+    assert main(["analyse", "--input", str(path), "--out", str(tmp_path / "out"), "--metric", "steps_to_target",
+                 "--calibration-sims", "0"]) == 0
+
+
+ANALYSE_A_CSV = """
+import json, sys
+from affdiv.experiments.pipeline import analyse_file
+analyse_file(sys.argv[1], sys.argv[2], calibration_sims=0)
+print(json.dumps(sorted(m for m in sys.modules if m == "torch" or m.startswith("affdiv.experiments.runs."))))
+"""
+
+
+def _modules_after_analysing_a_csv(tmp_path) -> list[str]:
+    path = planted_csv(tmp_path / "runs.csv")
+    done = subprocess.run([sys.executable, "-c", ANALYSE_A_CSV, str(path), str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_analysing_a_csv_imports_none_of_the_sweeps_modules(tmp_path):
+    imported = _modules_after_analysing_a_csv(tmp_path)
+    assert not {f"affdiv.experiments.runs.{m}" for m in ("sweep", "store", "training", "presets", "grouping")} & \
+        set(imported), imported
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="analysis/groups.py imports runs/config.py, which imports runs/models.py and "
+                   "data/dataset.py, both importing torch at module top")
+def test_analysing_a_csv_does_not_import_torch(tmp_path):
+    assert "torch" not in _modules_after_analysing_a_csv(tmp_path)
+
+
 # ------------------------------------------------------------------------- analyse: a store, read-only
 def test_analyse_reads_a_read_only_store_without_changing_it(quick_run, tmp_path, capsys, unwritable):
     folder = tmp_path / "frozen"
@@ -348,10 +415,7 @@ def test_analyse_reads_a_read_only_store_without_changing_it(quick_run, tmp_path
 def test_analyse_reads_a_store_written_before_the_application_id(quick_run, tmp_path):
     legacy = tmp_path / "old.sqlite"
     shutil.copyfile(quick_run / "results.sqlite", legacy)
-    connection = sqlite3.connect(legacy)
-    connection.execute("PRAGMA application_id = 0")
-    connection.execute("PRAGMA journal_mode = DELETE")
-    connection.close()
+    execute_sql(legacy, "PRAGMA application_id = 0", "PRAGMA journal_mode = DELETE")
     before = sha256(legacy)
     assert main(["analyse", "--input", str(legacy), "--out", str(tmp_path / "out"), "--calibration-sims", "0"]) == 0
     assert sha256(legacy) == before and listing(tmp_path) == ["old.sqlite", "out"]  # no WAL switch, no mark
@@ -359,10 +423,7 @@ def test_analyse_reads_a_store_written_before_the_application_id(quick_run, tmp_
 
 def test_analyse_refuses_a_foreign_database_and_leaves_it_alone(tmp_path, capsys):
     db = tmp_path / "shop.sqlite"
-    connection = sqlite3.connect(db)
-    connection.execute("CREATE TABLE orders (id INTEGER PRIMARY KEY)")
-    connection.commit()
-    connection.close()
+    execute_sql(db, "CREATE TABLE orders (id INTEGER PRIMARY KEY)")
     before = sha256(db)
     refused(capsys, ["analyse", "--input", str(db), "--out", str(tmp_path / "out")],
             f"--input {db}: not an affdiv results store (SQLite application_id 0x0, tables ['orders'])")
@@ -441,10 +502,7 @@ def test_bad_input_has_no_traceback_in_a_real_process(tmp_path):
 def test_falsify_refuses_a_damaged_store_before_training(quick, quick_run, tmp_path, capsys):
     store = tmp_path / "results.sqlite"
     shutil.copyfile(quick_run / "results.sqlite", store)
-    connection = sqlite3.connect(store)
-    connection.execute("UPDATE runs SET config = replace(config, '\"width\":8', '\"width\":9')")
-    connection.commit()
-    connection.close()
+    execute_sql(store, "UPDATE runs SET config = replace(config, '\"width\":8', '\"width\":9')")
     before = sha256(store)
     refused(capsys, ["falsify", *quick, "--out", str(tmp_path / "out"), "--db", str(store)],
             f"--db {store}: run ", "its config does not hash to its key")

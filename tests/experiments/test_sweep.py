@@ -75,6 +75,51 @@ def test_progress_bar_reports_count_and_eta():
     assert lines[-1].startswith("[######] 3/3 runs") and lines[-1].endswith("ETA 00:00")
 
 
+
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_the_eta_is_elapsed_time_per_unit_of_cost_times_the_cost_left():
+    from affdiv.experiments.runs.config import RunConfig
+
+    # Costs 1 : 2 : 4 (batch x steps); each run takes 10 s per unit of cost on the fake clock.
+    runs = [RunConfig(**{**BASE, "method": "affine", "batch_size": b, "seed": 0, "budget": "steps", "length": 10})
+            for b in (8, 16, 32)]
+    assert [Progress.cost(c) for c in runs] == [80.0, 160.0, 320.0]
+    clock, stream = FakeClock(), io.StringIO()
+    bar = Progress(total=3, skipped=0, stream=stream, width=6, runs=runs, clock=clock)
+    assert bar.eta() != bar.eta()  # NaN: no ETA before a run has finished
+    assert stream.getvalue().splitlines()[-1].endswith("ETA --:--")
+    clock.now += 10
+    bar.advance(config=runs[0])
+    assert bar.eta() == pytest.approx(10 * 6)  # cost 6 of 7 left; a count would say 2 x 10 s
+    clock.now += 20
+    bar.advance(config=runs[1])
+    assert bar.eta() == pytest.approx(30 / 3 * 4)
+    clock.now += 40
+    bar.advance(config=runs[2])
+    assert bar.eta() == 0.0
+    assert stream.getvalue().splitlines()[-1].endswith("elapsed 01:10 ETA 00:00")
+
+
+def test_the_cost_of_a_run_follows_its_budget_and_its_learning_rate_candidates():
+    from affdiv.experiments.runs.config import RunConfig
+
+    common = {**BASE, "method": "affine", "batch_size": 16, "seed": 0}
+    steps = RunConfig(**{**common, "budget": "steps", "length": 50})
+    target = RunConfig(**{**common, "budget": "target", "target": 0.5, "length": 50, "eval_every": 10,
+                          "lr_rule": "tuned", "lr_grid": (0.1, 0.2, 0.4)})
+    epochs = RunConfig(**{**common, "budget": "epochs", "length": 2, "data_seed": 12345})
+    assert Progress.cost(steps) == 16 * 50
+    assert Progress.cost(target) == 16 * 50 * 3  # max_steps x the three candidates
+    assert Progress.cost(epochs) == 16 * 2  # the dataset is not loaded here: batch x length as a proxy
+
+
 def test_packaged_presets_expand():
     assert available_presets() == ["fashion", "fashion-cnn", "fashion-steps", "fashion-target", "paper", "smoke"]
     sizes = {name: [len(s.configs) for s in load_preset(name).studies()] for name in available_presets()}
@@ -154,25 +199,9 @@ def _children(parent: int) -> list[int]:
     return found
 
 
-def _alive(pid: int) -> bool:
-    try:  # a zombie (state Z) has exited; it only waits to be reaped by whoever adopted it
-        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _wait(condition, timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return condition()
-
-
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc (Linux)")
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
-def test_workers_die_with_the_parent(tmp_path, signum):
+def test_workers_die_with_the_parent(tmp_path, signum, sweep_util):
     parent = subprocess.Popen([sys.executable, "-c", _ENDLESS_SWEEP, str(tmp_path / "runs.sqlite")])
     workers: list[int] = []
     try:
@@ -181,25 +210,21 @@ def test_workers_die_with_the_parent(tmp_path, signum):
             workers = _children(parent.pid)
             return len(workers) == 2 and all(b"libtorch" in Path(f"/proc/{w}/maps").read_bytes() for w in workers)
 
-        assert _wait(training, 120), f"the sweep did not start its 2 workers: {_children(parent.pid)}"
+        assert sweep_util.wait(training, 120), f"the sweep did not start its 2 workers: {_children(parent.pid)}"
         workers = _children(parent.pid)
         os.kill(parent.pid, signum)
         assert parent.wait(30) == (-signal.SIGKILL if signum == signal.SIGKILL else 128 + signal.SIGTERM)
         # A surviving worker would train for hours; 30 s covers a worker still finishing its start-up.
-        assert _wait(lambda: not any(map(_alive, workers)), 30), [w for w in workers if _alive(w)]
+        assert sweep_util.exited(workers, 30), [w for w in workers if sweep_util.alive(w)]
     finally:  # a failed check must not leave hours of training behind
         parent.kill()
         parent.wait()
-        for worker in filter(_alive, workers):
+        for worker in filter(sweep_util.alive, workers):
             os.kill(worker, signal.SIGKILL)
 
 
-def _records(store):
-    return [repr(r) for r in store.records()], repr(store.curves())
-
-
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc (Linux)")
-def test_a_killed_worker_costs_only_a_retry(tmp_path):
+def test_a_killed_worker_costs_only_a_retry(tmp_path, sweep_util):
     # kill -9 of a worker mid-sweep (what the out-of-memory killer does): the units in flight are
     # trained again in a fresh pool; every run is stored once, with the numbers of an undisturbed sweep.
     configs = expand_grid({**BASE, "budget": "steps", "length": 40},
@@ -218,9 +243,8 @@ def test_a_killed_worker_costs_only_a_retry(tmp_path):
     store = ResultStore(tmp_path / "killed.sqlite")
     outcome = run_sweep(configs, store, workers=2, progress=None, on_result=kill_a_worker)
     assert killed and outcome.restarts >= 1 and outcome.units == 4
-    rows = store._db.execute("SELECT COUNT(*), COUNT(DISTINCT config_hash) FROM runs").fetchone()
-    assert rows == (len(configs), len(configs))
-    assert _records(store) == _records(undisturbed)
+    assert sweep_util.counts(store) == (len(configs), len(configs))
+    assert sweep_util.records(store) == sweep_util.records(undisturbed)
 
 
 _KILLER = "import os, signal\n\ndef die(model, step, data):\n    os.kill(os.getpid(), signal.SIGKILL)\n"
@@ -254,7 +278,7 @@ def test_a_unit_that_always_kills_its_worker_stops_the_sweep(tmp_path, monkeypat
                   measurements=[Measurement("die", 1, affdiv_test_killer.die)])
 
 
-def test_stacked_sweep_equals_one_at_a_time_and_repeats_exactly(tmp_path):
+def test_stacked_sweep_equals_one_at_a_time_and_repeats_exactly(tmp_path, sweep_util):
     configs = expand_grid({**BASE, "budget": "steps", "length": 25, "dtype": "float64", "lr_grid": [0.05, 0.2]},
                           {"method": ["affine", "norm_l2"], "batch_size": [32], "seed": [0, 1],
                            "lr_rule": ["sqrt", "tuned"]})
@@ -262,7 +286,7 @@ def test_stacked_sweep_equals_one_at_a_time_and_repeats_exactly(tmp_path):
     assert run_sweep(configs, stores["off"], workers=1, progress=None, stack=False).units == 8
     assert run_sweep(configs, stores["on"], workers=1, progress=None, stack=True).units == 2
     run_sweep(configs, stores["again"], workers=1, progress=None, stack=True)
-    assert _records(stores["again"]) == _records(stores["on"])  # same sweep, same stored numbers
+    assert sweep_util.records(stores["again"]) == sweep_util.records(stores["on"])  # same sweep, same stored numbers
     off, on = stores["off"].records(), stores["on"].records()
     assert [r["config_hash"] for r in off] == [r["config_hash"] for r in on]
     for one, many in zip(off, on):  # float64: within the bound derived in test_stacked.py
@@ -273,7 +297,7 @@ def test_stacked_sweep_equals_one_at_a_time_and_repeats_exactly(tmp_path):
                 assert value == many[key], key
 
 
-def test_a_resumed_stacked_sweep_trains_only_the_missing_runs(tmp_path):
+def test_a_resumed_stacked_sweep_trains_only_the_missing_runs(tmp_path, sweep_util):
     configs = expand_grid({**BASE, "budget": "steps", "length": 30}, {"method": ["batchnorm"], "batch_size": [32],
                                                                       "seed": [0, 1, 2]})
     whole = ResultStore(tmp_path / "whole.sqlite")
@@ -283,4 +307,5 @@ def test_a_resumed_stacked_sweep_trains_only_the_missing_runs(tmp_path):
     seen = []
     outcome = run_sweep(configs, resumed, workers=1, progress=None, on_result=seen.append)
     assert (outcome.ran, outcome.skipped, outcome.units) == (2, 1, 1) and seen == configs[1:]
-    assert _records(resumed) == _records(whole)  # an MLP member's numbers do not depend on its ensemble
+    # an MLP member's numbers do not depend on its ensemble
+    assert sweep_util.records(resumed) == sweep_util.records(whole)

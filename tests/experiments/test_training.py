@@ -18,19 +18,7 @@ from affdiv.experiments.runs.models import MLP_METHODS, build_model
 from affdiv.experiments.runs.optimizers import make_optimizer
 from affdiv.experiments.runs.training import Measurement, train_run
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Runs use one torch thread, as in a sweep's workers (see affdiv.experiments.runs.sweep)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def digits():
-    return load_dataset("digits")
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _config(**changes):

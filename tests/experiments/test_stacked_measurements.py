@@ -1,0 +1,293 @@
+"""Measurements along stacked training (the gradient noise scale, the divergence meter): equal to one
+at a time, changing nothing they measure, skipping diverged members; ``affdiv falsify
+--noise-scale-every`` and a preset's [measure] table; the committed presets' run keys."""
+
+import hashlib
+import json
+import logging
+import math
+import sqlite3
+
+import pytest
+import torch
+
+from affdiv.cli import main
+from affdiv.experiments.runs import divergence_measurement, noise_scale, training
+from affdiv.experiments.runs.config import RunConfig, candidates, config_hash
+from affdiv.experiments.runs.presets import available_presets, load_preset
+from affdiv.experiments.runs.training import Measurement, train_group, train_run, train_runs
+from tests.experiments.test_pipeline import refused
+from tests.experiments.test_stacked import DIVERGING, TOL, _configs
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/experiments/conftest.py, as is ``digits``
+
+
+def _measurements(every: int = 10) -> list[Measurement]:
+    """Both measurements ``affdiv falsify`` takes, small: B_simple from 2 draws of 8 and 64 samples,
+    the divergence meter on one batch of the run's own size."""
+    return [noise_scale.measurement(every=every, b_small=8, b_big=64, draws=2),
+            divergence_measurement.measurement(every=every)]
+
+
+# ----------------------------------------------------------------------------- stacked = one at a time
+
+# Tolerance of a measured number, stacked against one at a time (float64, one thread). Both engines
+# hand the callback a module holding the member's parameters and buffers and the callback draws
+# its batches from its own generator, so the two calls run the same code on the same samples and
+# differ only by the members' states: within TOL relative (tests/experiments/test_stacked.py, the
+# bound for these configs: 30 SGD steps, batch 32, widths <= 16). The callback's gradients at the
+# two states then differ by at most κ·TOL relative, κ = 10² bounding the cancellation in them (as
+# there), and squared norms by twice that: EPS = 2κ·TOL ≈ 3.4e-7. B_simple's estimates subtract
+# the two batch sizes' mean squared norms s_small, s_big and multiply EPS by their condition
+# numbers, computed from the one-at-a-time values:
+#     |G|²:      c_G = (b_big s_big + b_small s_small) / |b_big s_big − b_small s_small|
+#     tr(Σ):     c_T = (s_small + s_big) / |s_small − s_big|
+#     B_simple:  c_G + c_T
+# The divergence meter's shares, cosines, correlations and coefficient of variation are
+# dimensionless ratios of such sums, O(1) whatever the layer (the corrected layers' diagonal-scale
+# CV is 0 up to rounding, where a relative bound means nothing): absolute EPS·max(1, |value|); its
+# two scales (scale_mean, diagonal_scale_mean): relative EPS. Measured: at most 7e-14.
+EPS = 2 * 100 * TOL
+
+
+def _close(a, b, tol: float, scale: float) -> bool:
+    if a is None or b is None or not math.isfinite(a):
+        return repr(a) == repr(b)  # None, nan and inf where the other has the same
+    return abs(a - b) <= tol * scale
+
+
+def _assert_measurements_close(eager: list[dict], stacked: list[dict]) -> None:
+    assert [(m["measurement"], m["step"]) for m in eager] == [(m["measurement"], m["step"]) for m in stacked]
+    for mine, theirs in zip(eager, stacked):
+        assert mine.keys() == theirs.keys()
+        where = (mine["measurement"], mine["step"])
+        if mine["measurement"] == noise_scale.NAME:
+            small, big = mine["b_small"], mine["b_big"]
+            s_small, s_big = mine["grad_sq"] + mine["trace"] / small, mine["grad_sq"] + mine["trace"] / big
+            c_g = (big * s_big + small * s_small) / abs(big * s_big - small * s_small)
+            c_t = (s_small + s_big) / abs(s_small - s_big)
+            for key, condition in (("grad_sq", c_g), ("trace", c_t), ("b_simple", c_g + c_t)):
+                assert _close(mine[key], theirs[key], EPS * condition, abs(mine[key])), (where, key)
+            assert [mine[k] for k in ("b_small", "b_big", "n_draws")] == [theirs[k] for k in ("b_small", "b_big",
+                                                                                              "n_draws")]
+            continue
+        for key, value in mine.items():
+            if key in ("measurement", "step"):
+                continue
+            scale = abs(value or 0.0) if key.endswith("scale_mean") else max(1.0, abs(value or 0.0))
+            assert _close(value, theirs[key], EPS, scale), (where, key, value, theirs[key])
+
+
+@pytest.mark.parametrize("method", ["affine", "batchnorm", "affine_like", "conv+batchnorm"])
+def test_stacked_measurements_equal_one_at_a_time(digits, method):
+    # _configs: two seeds at a good and at a diverging lr, and a tuned run whose grid holds both
+    # kinds (7 members); 30 steps, measured at 0, 10, 20, 30.
+    configs = _configs(method)
+    eager = [train_run(c, digits, _measurements()) for c in configs]
+    stacked = train_runs(configs, [digits] * len(configs), stacked=True, measurements=_measurements())
+    for config, one, many in zip(configs, eager, stacked):
+        steps = sorted({m["step"] for m in one.measurements})
+        # A diverging member is measured at initialisation only: by step 10 its parameters are not
+        # finite, so it is no longer active (the next test looks at the steps in between).
+        assert steps == ([0] if config.base_lr == DIVERGING else [0, 10, 20, 30]), (config.base_lr, steps)
+        assert {m["measurement"] for m in one.measurements} == {noise_scale.NAME, divergence_measurement.NAME}
+        _assert_measurements_close(one.measurements, many.measurements)
+
+
+def test_a_member_is_not_measured_once_its_parameters_stop_being_finite(digits):
+    # At lr 1e308 the first update leaves the parameters finite (near 1e307) and the outputs not;
+    # the second makes the parameters non-finite. Measured every step, that run is measured at
+    # steps 0 and 1 (its noise scale at step 1 is nan, not an error) and no more; the other at every
+    # step; alike in both engines.
+    base = dict(dataset="digits", method="batchnorm", batch_size=32, depth=1, width=8, budget="steps", length=3,
+                dtype="float64", seed=0)
+    configs = [RunConfig(**base, base_lr=DIVERGING), RunConfig(**base, base_lr=0.1)]
+    for stacked in (False, True):
+        results = train_runs(configs, [digits] * 2, stacked=stacked, measurements=_measurements(every=1))
+        assert [sorted({m["step"] for m in r.measurements}) for r in results] == [[0, 1], [0, 1, 2, 3]], stacked
+        noise = [m["b_simple"] for m in results[0].measurements if m["measurement"] == noise_scale.NAME]
+        assert math.isfinite(noise[0]) and math.isnan(noise[1])
+        assert [r.metrics["diverged"] for r in results] == [1, 0]
+
+
+# ----------------------------------------------------------------------------- measuring changes nothing
+
+
+def _meddling(calls: list) -> Measurement:
+    """A measurement that does all it may to its model: a train-mode forward (BatchNorm's running
+    statistics move) and backward (``.grad`` written), every parameter and buffer changed in place,
+    and a draw from the global random generator. Appends each call's step to ``calls``."""
+    def meddle(model, step, data):
+        calls.append(step)
+        fresh = all(p.grad is None for p in model.parameters())
+        torch.rand(100)
+        x = torch.as_tensor(data.train.x[:16], dtype=next(model.parameters()).dtype)
+        model(x).square().mean().backward()
+        with torch.no_grad():
+            for tensor in (*model.parameters(), *model.buffers()):
+                tensor.add_(1)
+        return {"fresh": fresh, "training": model.training}
+
+    return Measurement("meddle", 3, meddle)
+
+
+def _target() -> list[RunConfig]:
+    """BatchNorm MLPs to a target (a check, with its curve point, every step), a tuned grid that
+    extends upward (a second lockstep), and a constant-lr run beside it."""
+    base = dict(dataset="digits", method="batchnorm", batch_size=32, depth=1, width=16, budget="target", target=0.85,
+                eval_every=1, length=150, dtype="float64")
+    return [RunConfig(**base, seed=0, lr_rule="tuned", lr_grid=(0.025, 0.05)), RunConfig(**base, seed=1, base_lr=0.1)]
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["one at a time", "stacked"])
+def test_a_measurement_changes_nothing_it_measures(digits, stacked):
+    configs = _target()
+    plain = train_runs(configs, [digits] * 2, stacked=stacked)
+    plain_rng = torch.get_rng_state()
+    calls = []
+    measured = train_runs(configs, [digits] * 2, stacked=stacked, measurements=[_meddling(calls), *_measurements(4)])
+    assert torch.equal(torch.get_rng_state(), plain_rng)  # the global generator as training left it
+    assert plain[0].metrics["lr"] > 0.05  # the grid was extended: a second lockstep, measured too
+    # one call per run at step 0 (its candidates share the init), one per active candidate after
+    # (3 in the first lockstep, and the grid extension's)
+    assert calls.count(0) == 2 and calls.count(3) > len(candidates(configs[0])) + 1
+    for one, other in zip(plain, measured):
+        assert repr((one.metrics, one.curves)) == repr((other.metrics, other.curves))  # bit for bit
+        meddled = [m for m in other.measurements if m["measurement"] == "meddle"]
+        assert [m["step"] for m in meddled] == list(range(0, other.metrics["steps"] + 1, 3))
+        assert all(m["fresh"] and m["training"] for m in meddled)  # a new module, no .grad, train mode
+
+
+def test_measured_runs_train_stacked_and_the_unstackable_fall_back_with_them(digits, monkeypatch, caplog):
+    configs = _configs("norm_l2", length=10)
+    with caplog.at_level(logging.WARNING, logger="affdiv.experiments.runs.training"):
+        grouped = train_group(configs, [digits] * len(configs), stack=True, measurements=_measurements(5))
+    assert "one at a time" not in caplog.text  # measurements no longer force one run at a time
+    stacked = train_runs(configs, [digits] * len(configs), stacked=True, measurements=_measurements(5))
+    assert repr([(r.metrics, r.curves, r.measurements) for r in grouped]) == repr(
+        [(r.metrics, r.curves, r.measurements) for r in stacked])
+    # A model torch.func cannot stack still trains one at a time, measured the same way, and says so.
+    monkeypatch.setattr(training, "stack_failure", lambda *args: "RuntimeError: no vmap rule")
+    monkeypatch.setattr(training, "_STACKABLE", {})
+    with caplog.at_level(logging.WARNING, logger="affdiv.experiments.runs.training"):
+        fallback = train_group(configs[:1], [digits], stack=True, measurements=_measurements(5))
+    assert "one at a time, not stacked: torch.func cannot stack it (RuntimeError: no vmap rule)" in caplog.text
+    alone = train_run(configs[0], digits, _measurements(5))
+    assert repr(fallback[0].measurements) == repr(alone.measurements) and alone.measurements
+
+
+# ----------------------------------------------------------------------------- presets
+
+
+def test_committed_presets_keep_their_run_keys():
+    # SHA-256 of the sorted config hashes of every run of each packaged preset, as committed before
+    # measurements could be switched on (issue 14): measurement settings never enter a run's key, so
+    # a store such as docs/results/fashion-target/ resumes. A change here orphans stored runs.
+    expected = {
+        "fashion": (192, "c8e05f670232af4b5e999797084ebec836c7767633eb591696e97f5c49118225"),
+        "fashion-cnn": (120, "215e0e05dc2450e365fc8a9e6e80bf682e745aa2c0e15409297d3e57b42a3e87"),
+        "fashion-steps": (192, "fc1c234bc0dac3388f9ca60bb2e80a56d232baa60c6169bfbb0038d6b71f8354"),
+        "fashion-target": (336, "acf21496df591638404f8039a94c4d5e5b6cc97e5e4430653945ab09a2890c92"),
+        "paper": (2040, "a40e7415a9eb3e1a2255fbbf368315ab897a7240132befd3954d48580971331c"),
+        "smoke": (128, "f82116c453355ef7f8f7505b4d9a624f4ed052a1bb4731828ef8889c667a0383"),
+    }
+    assert available_presets() == sorted(expected)
+    for name, (runs, digest) in expected.items():
+        hashes = sorted(config_hash(c.to_dict()) for study in load_preset(name).studies() for c in study.configs)
+        assert (len(hashes), hashlib.sha256("".join(hashes).encode()).hexdigest()) == (runs, digest), name
+
+
+@pytest.mark.parametrize("table, message", [
+    ("[measure]\nnoise_scale_every = 0", "preset 'bad' [measure] noise_scale_every must be an integer >= 1, got 0"),
+    ("[measure]\nprobe_every = -4", "[measure] probe_every must be an integer >= 1, got -4"),
+    ("[measure]\nnoise_scale_every = 2.5", "noise_scale_every must be an integer >= 1, got 2.5"),
+    ("[measure]\nnoise_scale_every = true", "noise_scale_every must be an integer >= 1, got True"),
+    ("[measure]\nnoise_scale_every = \"10\"", "noise_scale_every must be an integer >= 1, got '10'"),
+    ("[measure]\nnoise_every = 10", "[measure] takes only ['noise_scale_every', 'probe_every']"),
+    ("measure = 10", "[measure] takes only"),
+])
+def test_bad_measure_tables_are_refused(tmp_path, table, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(f"{table}\n[grid]\nmethod = [\"affine\"]\n")
+    with pytest.raises(ValueError) as error:
+        load_preset(str(path))
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+# ----------------------------------------------------------------------------- affdiv falsify
+
+# A steps-to-target grid that trains in seconds (its own preset: the packaged ones may change).
+PRESET = """
+[run]
+dataset = "digits"
+depth = 1
+width = 8
+activation = "tanh"
+optimizer = "sgd"
+base_lr = 0.2
+budget = "target"
+target = 0.6
+eval_every = 2
+length = 60
+[grid]
+method = ["affine"]
+batch_size = [16, 64]
+seed = [0, 1]
+[analysis]
+corrected = []
+baselines = ["affine"]
+"""
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("preset")
+    (folder / "quick.toml").write_text(PRESET)
+    (folder / "measured.toml").write_text(PRESET + "[measure]\nnoise_scale_every = 4\n")
+    return folder
+
+
+def _options(quick, preset="quick"):
+    return ["--preset", str(quick / f"{preset}.toml"), "--calibration-sims", "0", "--workers", "1"]
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "1.5", "ten"])
+def test_bad_noise_scale_intervals_are_one_line_errors_before_any_work(tmp_path, capsys, quick, value):
+    out = tmp_path / "out"
+    shown = value if value.lstrip("-").isdigit() else repr(value)
+    refused(capsys, ["falsify", *_options(quick), "--out", str(out), "--noise-scale-every", value],
+            f"--noise-scale-every must be an integer >= 1, got {shown}")
+    assert not out.exists()
+
+
+def test_falsify_noise_scale_every_measures_and_refuses_to_mix_intervals(tmp_path, capsys, quick):
+    out = tmp_path / "out"
+    assert main(["falsify", *_options(quick), "--seeds", "1", "--out", str(out), "--noise-scale-every", "4"]) == 0
+    for other, said in ((["--noise-scale-every", "6"], "resuming with --noise-scale-every 6"),
+                        ([], "resuming without --noise-scale-every")):
+        refused(capsys, ["falsify", *_options(quick), "--out", str(out), *other],
+                "holds runs of this sweep measured with --noise-scale-every 4", said)
+    # the preset's [measure] table sets the same interval: it resumes the store; another is refused, naming it
+    refused(capsys, ["falsify", *_options(quick, "measured"), "--out", str(out), "--noise-scale-every", "3"],
+            "resuming with --noise-scale-every 3 would")
+    assert main(["falsify", *_options(quick, "measured"), "--out", str(out)]) == 0
+    db = sqlite3.connect(f"file:{out / 'results.sqlite'}?mode=ro", uri=True)
+    rows = [json.loads(text) for (text,) in db.execute("SELECT measurements FROM runs")]
+    assert len(rows) == 4
+    for measured in rows:
+        steps = [m["step"] for m in measured]
+        assert {m["measurement"] for m in measured} == {noise_scale.NAME} and steps[:2] == [0, 4]
+    header = (out / "records.csv").read_text().splitlines()[0].split(",")
+    assert {"b_simple_init", "b_simple"} <= set(header)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["provenance"]["noise_scale_every"] == 4 and summary["provenance"]["probe_every"] is None
+    assert "B_simple (init)" in (out / "report.md").read_text()
+    # with nothing left to train, a store is never refused
+    assert main(["falsify", *_options(quick), "--out", str(out)]) == 0
+    fresh = tmp_path / "fresh"
+    assert main(["falsify", *_options(quick), "--seeds", "1", "--out", str(fresh), "--noise-scale-every", "6"]) == 0
+    refused(capsys, ["falsify", *_options(quick, "measured"), "--out", str(fresh)],
+            "measured with --noise-scale-every 6; resuming with --noise-scale-every 4 (set by preset 'measured' "
+            "[measure]) would mix them; rerun with --noise-scale-every 6 or use another --db")
+    refused(capsys, ["falsify", *_options(quick), "--out", str(fresh), "--noise-scale-every", "6", "--probe-every",
+                     "5"], "measured without --probe-every; resuming with --probe-every 5")
