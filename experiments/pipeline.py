@@ -289,7 +289,7 @@ def falsify(
         raise ValueError(f"--workers must be an integer >= 1, got {workers!r}")
     preset_ = load_preset(preset)
     intervals = {key: preset_.measure.get(key) if value is None else value for key, value in given.items()}
-    origin = {key: f"preset {preset_.name!r} [measure]" for key in preset_.measure if given[key] is None}
+    origin = {key: f"preset {preset_.name!r} [measure]" for key in preset_.measure if given.get(key) is None}
     _check_finite(settings or {}, "--set ")
     for block in [preset_.raw, *preset_.raw.get("study", [])]:
         for table in ("run", "grid"):

@@ -183,7 +183,7 @@ class Progress:
     """A plain-text progress bar with ETA on a stream (redrawn in place on a terminal).
 
     The ETA is an estimate from the measured time per unit of cost: each run weighs
-    :meth:`cost` (the examples it processes at most), and ETA = elapsed x remaining cost / finished
+    :meth:`cost` (its work, in examples up to a shared factor), and ETA = elapsed x remaining cost / finished
     cost, so that a few cheap runs finishing first (or a unit of work finishing many at once) do
     not set the pace of the expensive ones. ``runs``: the pending runs' configs (None: every run
     weighs the same); ``advance(config=...)`` names the run that finished. No ETA is shown until a
@@ -205,18 +205,16 @@ class Progress:
 
     @staticmethod
     def cost(config: RunConfig) -> float:
-        """The examples a run processes at most: batch_size x steps x learning-rate candidates, with
-        steps = ``length`` under the ``steps`` budget and ``length`` (max_steps) under ``target``;
-        under ``epochs``, length x the training split's size when its dataset is already loaded in
-        this process, else batch_size x length as a proxy."""
+        """The work of a run, in examples at most up to a factor shared by the sweep's runs:
+        batch_size x steps x learning-rate candidates, with steps = ``length`` under the ``steps``
+        budget and ``length`` (max_steps) under ``target``; under ``epochs`` every batch size passes
+        over the same training split ``length`` times, so the work is ``length`` x candidates (the
+        split's size is the shared factor). A function of the config alone, so the total and the
+        finished work are counted alike."""
         from affdiv.experiments.runs.config import candidates
 
-        examples = config.batch_size * config.length
-        if config.budget == "epochs":
-            n_train = _loaded_train_size(config)
-            if n_train is not None:
-                examples = config.length * (n_train // config.batch_size) * config.batch_size
-        return float(max(examples, 1) * max(len(candidates(config)), 1))
+        work = config.length if config.budget == "epochs" else config.batch_size * config.length
+        return float(max(work, 1) * max(len(candidates(config)), 1))
 
     def advance(self, failed: bool = False, config: RunConfig | None = None) -> None:
         self.done += 1
@@ -248,16 +246,6 @@ class Progress:
         )
         end = "" if self.tty and self.done < self.total else "\n"
         print(("\r" if self.tty else "") + line, end=end, file=self.stream, flush=True)
-
-
-def _loaded_train_size(config: RunConfig) -> int | None:
-    """The training split's size of ``config``'s data if :func:`dataset_for` has loaded it in this
-    process (with any data_dir), else None: never loads anything."""
-    key = (config.dataset, config.data_seed, config.val_fraction, tuple(sorted(config.data_options.items())))
-    for cached, data in list(_DATASETS.items()):
-        if cached[:4] == key:
-            return len(data.train.y)
-    return None
 
 
 def _clock(seconds: float) -> str:

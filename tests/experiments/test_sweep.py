@@ -117,7 +117,8 @@ def test_the_cost_of_a_run_follows_its_budget_and_its_learning_rate_candidates()
     epochs = RunConfig(**{**common, "budget": "epochs", "length": 2, "data_seed": 12345})
     assert Progress.cost(steps) == 16 * 50
     assert Progress.cost(target) == 16 * 50 * 3  # max_steps x the three candidates
-    assert Progress.cost(epochs) == 16 * 2  # the dataset is not loaded here: batch x length as a proxy
+    assert Progress.cost(epochs) == 2  # every batch size passes over the split `length` times
+    assert Progress.cost(RunConfig(**{**common, "budget": "epochs", "length": 2, "batch_size": 256})) == 2
 
 
 def test_packaged_presets_expand():
