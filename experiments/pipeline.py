@@ -20,7 +20,7 @@ from affdiv.atomic import check_writable_file, check_writable_folder
 from affdiv.experiments.analysis.calibration import calibrate_for
 from affdiv.experiments.analysis.decision import analyse, check_settings
 from affdiv.experiments.analysis.groups import label_groups
-from affdiv.experiments.records import RENAMED_METHODS, decode_text, read_csv
+from affdiv.experiments.records import RENAMED_METHODS, read_csv, read_csv_rows
 from affdiv.experiments.report.writer import write_report
 from affdiv.provenance import provenance
 
@@ -389,25 +389,6 @@ def falsify(
     return written
 
 
-def _csv_budgets(path: Path) -> set[str]:
-    """The values of a record CSV's ``budget`` column (empty: the CSV has none), read as
-    :func:`~affdiv.experiments.records.read_csv` reads the file."""
-    import csv
-    import io
-
-    text, _encoding = decode_text(path.read_bytes(), path)
-    first = text.split("\n", 1)[0]
-    delimiter = max((",", "\t", ";"), key=first.count)
-    try:
-        rows = csv.DictReader(io.StringIO(text, newline=""), delimiter=delimiter)
-        rows.fieldnames = [name.strip() for name in rows.fieldnames or []]
-        if "budget" not in rows.fieldnames:
-            return set()
-        return {str(row.get("budget") or "").strip() for row in rows}
-    except csv.Error:  # read_csv names the line
-        return set()
-
-
 def default_metric(budgets: set[str], *, database: bool, where: str) -> str:
     """The metric ``affdiv analyse`` takes when none is given: ``steps_to_target`` when every
     record is of a ``budget = "target"`` run, else ``test_accuracy`` of a store or the column
@@ -477,9 +458,12 @@ def analyse_file(
             message = str(error)
             raise ValueError(message if message.startswith("--input") else f"--input {message}") from None
     else:
+        table = read_csv_rows(path)  # read once: the budgets choose the default metric
         if metric is None:
-            metric = default_metric(_csv_budgets(path), database=False, where=f"--input {path}")
-        records, curves = read_csv(path, metric=metric), None
+            header, rows = table
+            budgets = {str(row.get("budget") or "").strip() for row in rows} if "budget" in header else set()
+            metric = default_metric(budgets, database=False, where=f"--input {path}")
+        records, curves = read_csv(path, metric=metric, table=table), None
     settings["metric"] = metric
     if not records:
         raise ValueError(f"--input {path}: no records")

@@ -154,14 +154,11 @@ def decode_text(data: bytes, where) -> tuple[str, str]:
                          f"{error.start}){hint}") from None
 
 
-def read_csv(path, *, metric: str = "metric") -> list[dict]:
-    """Records from a CSV with (at least) columns method, batch_size, seed and ``metric``.
-
-    Read as spreadsheets write it: UTF-8 (a BOM is skipped), or UTF-16/32 with a BOM; comma-,
-    tab- or semicolon-separated (the delimiter is the one the header line uses); column names
-    stripped of surrounding spaces. Typed as in :func:`validate_records`; other columns (lr_rule,
-    ...) stay text. Any problem raises ValueError naming the file and the line.
-    """
+def read_csv_rows(path) -> tuple[list[str], list[dict]]:
+    """(header, rows) of a CSV, the values as text, read as spreadsheets write it: UTF-8 (a BOM is
+    skipped), or UTF-16/32 with a BOM; comma-, tab- or semicolon-separated (the delimiter is the one
+    the header line uses); column names stripped of surrounding spaces. A malformed file, no data
+    rows or a row with more fields than the header raise ValueError naming the file and the line."""
     path = Path(path)
     text, _encoding = decode_text(path.read_bytes(), path)
     first = text.split("\n", 1)[0]
@@ -170,22 +167,30 @@ def read_csv(path, *, metric: str = "metric") -> list[dict]:
     try:
         header = [name.strip() for name in reader.fieldnames or []]
         reader.fieldnames = header
-        missing = [c for c in (*REQUIRED_COLUMNS, metric) if c not in header]
-        if missing:
-            raise ValueError(f"{path}: missing column(s) {missing}; expected {[*REQUIRED_COLUMNS, metric]}, "
-                             f"got header {header}")
         rows = list(reader)
     except csv.Error as error:  # e.g. a field over csv.field_size_limit() characters
         raise ValueError(f"{path} line {reader.line_num + 1}: {error}") from None  # the line being read
     if not rows:
         raise ValueError(f"{path}: no data rows below the header")
-    records = []
     for number, row in enumerate(rows, start=2):  # line numbers count the header as line 1
         if None in row:
             raise ValueError(f"{path} line {number}: {len(row[None])} more field(s) than the {len(header)} "
                              f"columns of the header")
-        records.append(_validate_record(row, metric, f"{path} line {number}"))
-    return records
+    return header, rows
+
+
+def read_csv(path, *, metric: str = "metric", table: tuple[list[str], list[dict]] | None = None) -> list[dict]:
+    """Records from a CSV with (at least) columns method, batch_size, seed and ``metric``, read by
+    :func:`read_csv_rows` (``table``: its result, when the file was already read). Typed as in
+    :func:`validate_records`; other columns (lr_rule, ...) stay text. Any problem raises ValueError
+    naming the file and the line.
+    """
+    header, rows = table if table is not None else read_csv_rows(path)
+    missing = [c for c in (*REQUIRED_COLUMNS, metric) if c not in header]
+    if missing:
+        raise ValueError(f"{path}: missing column(s) {missing}; expected {[*REQUIRED_COLUMNS, metric]}, "
+                         f"got header {header}")
+    return [_validate_record(row, metric, f"{path} line {number}") for number, row in enumerate(rows, start=2)]
 
 
 def write_csv(path, records: Sequence[Mapping], *, metric: str = "metric") -> Path:
