@@ -2,6 +2,7 @@
 
 Sub-packages by pipeline stage; an import only ever points down this list:
 
+    checks      the one-line checks of a setting's value (torch-free, used by every stage)
     data/       datasets (digits, fashion-mnist, cifar10, synthetic): one module per source, and
                 the API that splits, standardises and fingerprints them (load_dataset)
     records     the one place that reads and writes record CSVs

@@ -268,9 +268,8 @@ def falsify(
     Returns:
         ``{study name: {file kind: path}}`` of the written reports.
     """
-    from affdiv.experiments.runs.config import config_hash
+    from affdiv.experiments.runs.config import METHODS, config_hash
     from affdiv.experiments.runs.grouping import DEFAULT_ENSEMBLE_MEMORY, parse_memory
-    from affdiv.experiments.runs.models import METHODS
     from affdiv.experiments.runs.presets import MEASURE, check_every, load_preset
     from affdiv.experiments.runs.store import ResultStore, data_key, identify
     from affdiv.experiments.runs.sweep import check_executor, dataset_for, run_sweep
@@ -450,9 +449,8 @@ def analyse_file(
 
         try:
             with ResultStore(path, read_only=True) as store:
-                if metric is None:  # "method": a column every run has, to read the budgets first
-                    budgets = {str(r.get("budget", "")) for r in store.records(metric="method")}
-                    metric = default_metric(budgets, database=True, where=f"--input {path}")
+                if metric is None:
+                    metric = default_metric(store.budgets(), database=True, where=f"--input {path}")
                 records, curves = store.records(metric=metric), store.curves()
         except (ValueError, IsADirectoryError) as error:
             message = str(error)

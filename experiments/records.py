@@ -142,10 +142,14 @@ def decode_text(data: bytes, where) -> tuple[str, str]:
     """(text, encoding) of a text file as spreadsheets write it: UTF-8 with or without a BOM, or
     UTF-16/UTF-32 with a BOM. Anything else raises ValueError naming the file and the encoding."""
     encoding = next((name for bom, name in _BOMS if data.startswith(bom)), "utf-8")
-    if encoding == "utf-8" and b"\x00" in data[:4096]:  # text has no NUL; UTF-16 of ASCII is half NULs
-        order = "big-endian" if data[:1] == b"\x00" else "little-endian"
-        raise ValueError(f"{where}: not valid utf-8 text (NUL bytes): it looks like UTF-16 ({order}) without a "
-                         "byte-order mark; save it as UTF-8, or as UTF-16 with a BOM")
+    head = data[:4096]
+    if encoding == "utf-8" and b"\x00" in head:  # text has no NUL; UTF-16 of ASCII has a NUL in every pair
+        evens, odds = head[0::2], head[1::2]
+        for order, nuls, others in (("big-endian", evens, odds), ("little-endian", odds, evens)):
+            if nuls.count(0) >= len(nuls) / 2 and not others.count(0):  # UTF-16 of mostly Latin text
+                raise ValueError(f"{where}: not valid utf-8 text (NUL bytes): it looks like UTF-16 ({order}) "
+                                 "without a byte-order mark; save it as UTF-8, or as UTF-16 with a BOM")
+        raise ValueError(f"{where}: a binary file (NUL bytes), not a text CSV")
     try:
         return data.decode(encoding), encoding
     except UnicodeDecodeError as error:

@@ -79,7 +79,9 @@ def _table(rows: Sequence[Mapping], metric: str, sign: float) -> tuple[list, lis
 
 
 def _complete_seeds(rows: Sequence[Mapping], metric: str, sign: float) -> tuple[list, np.ndarray]:
-    """(batch sizes, the rows of :func:`_table` of the seeds that ran every batch size)."""
+    """(batch sizes, the rows of :func:`_table` of the seeds that ran every batch size). A NaN
+    metric counts as a missing run: its seed is left out (so are :func:`lack_of_fit`'s and
+    :func:`noise_components`' inputs)."""
     _, batch_sizes, table = _table(rows, metric, sign)
     return batch_sizes, table[~np.isnan(table).any(1)]
 
@@ -290,7 +292,8 @@ def classify_contrast(contrast: Mapping, alpha: float) -> str:
 
 
 def lack_of_fit(rows: Sequence[Mapping], *, metric: str, sign: float = 1.0) -> dict:
-    """Repeated-measures F test of the nonlinear (degree >= 2) polynomial contrasts in log2 B."""
+    """Repeated-measures F test of the nonlinear (degree >= 2) polynomial contrasts in log2 B, on
+    the seeds that ran every batch size with a finite metric (:func:`_complete_seeds`)."""
     batch_sizes, table = _complete_seeds(rows, metric, sign)
     q, g = len(batch_sizes) - 2, table.shape[0]
     if q < 1 or g < 2:
@@ -318,11 +321,12 @@ def noise_components(rows: Sequence[Mapping], *, metric: str, sign: float = 1.0)
         P(s, B) = mu(B) + u_s + v_s (x - mean x) + e,   x = log2 B,
 
     u_s the seed's shift (s.d. ``seed_sd``), v_s its slope (s.d. ``slope_sd``), e the run's own noise
-    (s.d. ``noise_sd``). From the complete seeds' two-way residuals e_sB = P - mean_s - mean_B + mean:
-    per seed, the slope of e_s on x and the residual after it; noise_sd^2 = residual sum of squares /
-    ((G-1)(J-2)); slope_sd^2 = var(seed slopes) - noise_sd^2 / Sxx; seed_sd^2 = var(seed means) -
-    noise_sd^2 / J (each clipped at 0). Curvature (mu) never enters the noise: that was the error of
-    the earlier calibration, which took its noise from the residuals of a straight line.
+    (s.d. ``noise_sd``). From the complete seeds' (every batch size, no NaN: :func:`_complete_seeds`)
+    two-way residuals e_sB = P - mean_s - mean_B + mean: per seed, the slope of e_s on x and the
+    residual after it; noise_sd^2 = residual sum of squares / ((G-1)(J-2)); slope_sd^2 = var(seed
+    slopes) - noise_sd^2 / Sxx; seed_sd^2 = var(seed means) - noise_sd^2 / J (each clipped at 0).
+    Curvature (mu) never enters the noise: that was the error of the earlier calibration, which took
+    its noise from the residuals of a straight line.
     """
     batch_sizes, table = _complete_seeds(rows, metric, sign)
     g, j = table.shape

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from affdiv.experiments.checks import check_fraction
 from affdiv.experiments.data.cifar10 import load_cifar10
 from affdiv.experiments.data.fashion_mnist import load_fashion_mnist
 from affdiv.experiments.data.raw import RawData
@@ -167,14 +168,6 @@ def _fingerprint(name: str, raw_sha256: str, config: dict[str, Any], indices: di
         digest.update(f";{part}:".encode())
         digest.update(np.ascontiguousarray(indices[part], dtype="<i8").tobytes())
     return digest.hexdigest()
-
-
-def check_fraction(name: str, value: Any, *, allow_zero: bool) -> float:
-    """``value`` as a float in [0, 1) (``allow_zero``) or (0, 1); a ValueError naming it otherwise."""
-    number = not isinstance(value, bool) and isinstance(value, int | float)
-    if not (number and (0 <= value < 1 if allow_zero else 0 < value < 1)):
-        raise ValueError(f"{name} must be a number in {'[0, 1)' if allow_zero else '(0, 1)'}, got {value!r}")
-    return float(value)
 
 
 def _raw(name: str, data_dir: str | Path | None, seed: int, options: dict[str, Any]) -> RawData:

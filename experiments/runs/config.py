@@ -31,9 +31,13 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from affdiv.experiments.data.dataset import check_fraction
-from affdiv.experiments.runs.models import ACTIVATIONS, METHODS, check_choice
+from affdiv.experiments.checks import check_choice, check_fraction
 
+#: The hidden layers' kinds by architecture (what each one is: ``runs/models.py``).
+MLP_METHODS = ("affine", "batchnorm", "layernorm", "rmsnorm", "norm_l2", "affine_like")
+CNN_METHODS = ("conv", "conv+batchnorm", "patchnorm")
+METHODS = (*MLP_METHODS, *CNN_METHODS)
+ACTIVATIONS = ("tanh", "relu", "gelu", "identity")
 LR_RULES = ("constant", "linear", "sqrt", "tuned")
 OPTIMIZERS = ("sgd", "momentum", "adam")
 BUDGETS = ("epochs", "steps", "target")
@@ -47,7 +51,7 @@ class RunConfig:
     key in the store.
 
     Args (defaults in the signature): ``dataset``, ``method`` (the hidden layers' kind, one of
-    ``models.METHODS``), ``batch_size``, ``seed`` (init and shuffles), the learning-rate rule
+    ``METHODS``), ``batch_size``, ``seed`` (init and shuffles), the learning-rate rule
     (``lr_rule``, ``base_lr``, ``ref_batch_size``, ``lr_grid``, ``momentum_grid``,
     ``grid_extensions``), the network (``depth``, ``width``, ``activation``), the optimizer
     (``optimizer``, ``momentum``), the budget (``budget`` = "epochs" | "steps" | "target",

@@ -24,9 +24,13 @@ from collections.abc import Callable
 
 from torch import nn
 
+from affdiv.experiments.checks import check_choice
+from affdiv.experiments.runs.config import ACTIVATIONS, METHODS, MLP_METHODS
+
 Block = Callable[[int, int], list[nn.Module]]
 
-ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
+#: The modules behind ``config.ACTIVATIONS``.
+ACTIVATION_MODULES: dict[str, Callable[[], nn.Module]] = {
     "tanh": nn.Tanh,
     "relu": nn.ReLU,
     "gelu": nn.GELU,
@@ -52,7 +56,8 @@ def _patchnorm(c_in: int, c_out: int) -> list[nn.Module]:
     return [PatchNormConv2d(c_in, c_out, 3, padding=1)]
 
 
-MLP_METHODS: dict[str, Block] = {
+#: The hidden blocks behind ``config.MLP_METHODS`` and ``config.CNN_METHODS``.
+MLP_BLOCKS: dict[str, Block] = {
     "affine": lambda n_in, n_out: [nn.Linear(n_in, n_out)],
     "batchnorm": lambda n_in, n_out: [nn.Linear(n_in, n_out, bias=False), nn.BatchNorm1d(n_out)],
     "layernorm": lambda n_in, n_out: [nn.Linear(n_in, n_out), nn.LayerNorm(n_out)],
@@ -61,7 +66,7 @@ MLP_METHODS: dict[str, Block] = {
     "affine_like": _affine_like,
 }
 
-CNN_METHODS: dict[str, Block] = {
+CNN_BLOCKS: dict[str, Block] = {
     "conv": lambda c_in, c_out: [nn.Conv2d(c_in, c_out, 3, padding=1)],
     "conv+batchnorm": lambda c_in, c_out: [
         nn.Conv2d(c_in, c_out, 3, padding=1, bias=False),
@@ -69,16 +74,6 @@ CNN_METHODS: dict[str, Block] = {
     ],
     "patchnorm": _patchnorm,
 }
-
-METHODS: tuple[str, ...] = (*MLP_METHODS, *CNN_METHODS)
-
-
-def check_choice(kind: str, value: str, valid) -> str:
-    """Return ``value`` if it is one of ``valid``, else raise a ValueError listing them."""
-    if value not in valid:
-        raise ValueError(f"unknown {kind} {value!r}; expected one of: {', '.join(valid)}")
-    return value
-
 
 def build_model(
     method: str,
@@ -94,7 +89,7 @@ def build_model(
     check_choice("activation", activation, ACTIVATIONS)
     if depth < 1 or width < 1:
         raise ValueError(f"depth and width must be >= 1, got depth={depth}, width={width}")
-    act = ACTIVATIONS[activation]
+    act = ACTIVATION_MODULES[activation]
     layers: list[nn.Module] = []
     if method in MLP_METHODS:
         n_in = 1
@@ -102,7 +97,7 @@ def build_model(
             n_in *= size
         layers.append(nn.Flatten())
         for _ in range(depth):
-            layers += [*MLP_METHODS[method](n_in, width), act()]
+            layers += [*MLP_BLOCKS[method](n_in, width), act()]
             n_in = width
     else:
         if len(input_shape) != 3:
@@ -111,7 +106,7 @@ def build_model(
             )
         channels, height, breadth = input_shape
         for _ in range(depth):
-            layers += [*CNN_METHODS[method](channels, width), act()]
+            layers += [*CNN_BLOCKS[method](channels, width), act()]
             channels = width
             if min(height, breadth) >= 2:
                 layers.append(nn.MaxPool2d(2))

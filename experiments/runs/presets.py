@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from affdiv.experiments.checks import check_choice
 from affdiv.experiments.runs import divergence_measurement, noise_scale
-from affdiv.experiments.runs.config import RunConfig, expand_grid
-from affdiv.experiments.runs.models import CNN_METHODS, METHODS, MLP_METHODS, check_choice
+from affdiv.experiments.runs.config import CNN_METHODS, METHODS, MLP_METHODS, RunConfig, expand_grid
 
 _SECTIONS = {"description", "caveats", "run", "grid", "analysis", "measure", "study"}
 #: ``data_seed = SEED`` in a preset's run settings: every run's data split is drawn from its own seed.

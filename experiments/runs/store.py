@@ -440,6 +440,13 @@ class ResultStore:
             out.append(record)
         return sorted(out, key=_record_order)
 
+    def budgets(self) -> set[str]:
+        """The budget kinds of the stored runs ("" for a run that names none), from their configs
+        alone: what ``affdiv analyse`` chooses its default metric by before reading the runs."""
+        rows = self._query("SELECT config_hash, config FROM runs")
+        configs = (self._json(config, key, "config") for key, config in rows)
+        return {str(config.get("budget", "")) if isinstance(config, dict) else "" for config in configs}
+
     def curves(self, hashes: Iterable[str] | None = None) -> list[dict]:
         """Per-epoch points of every run, each tagged with its run's config and hash."""
         out = []

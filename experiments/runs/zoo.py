@@ -6,9 +6,9 @@ Every built-in is a factory ``(input_shape, num_classes) -> nn.Module`` for imag
     layer-<member>       one layer from the flattened input to the logits: the affine family's
                          members as production layers (affine = nn.Linear, norm_l2 / norm_rms =
                          NormLike, affine_like = AffineLike): the old member-based probe
-    mlp-<method>         the harness's MLP for every method of ``models.MLP_METHODS``
+    mlp-<method>         the harness's MLP for every method of ``config.MLP_METHODS``
                          (depth 3, width 256, tanh: the fashion preset's networks)
-    cnn-<method>         the harness's CNN for every method of ``models.CNN_METHODS``
+    cnn-<method>         the harness's CNN for every method of ``config.CNN_METHODS``
                          (depth 3, width 32, relu: the paper preset's CNNs at half width)
     resnet               a small ResNet: 3x3 stem, two basic blocks (16 channels, then 32 at
                          stride 2 with a 1x1 projection), global average pool, linear read-out;
@@ -40,7 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from affdiv.experiments.runs.models import CNN_METHODS, MLP_METHODS, build_model
+from affdiv.experiments.runs.config import CNN_METHODS, MLP_METHODS
+from affdiv.experiments.runs.models import build_model
 
 Factory = Callable[..., nn.Module]
 

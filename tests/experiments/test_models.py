@@ -6,7 +6,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from affdiv.experiments.runs.models import ACTIVATIONS, CNN_METHODS, METHODS, MLP_METHODS, build_model
+from affdiv.experiments.runs.config import ACTIVATIONS, CNN_METHODS, METHODS, MLP_METHODS
+from affdiv.experiments.runs.models import ACTIVATION_MODULES, CNN_BLOCKS, MLP_BLOCKS, build_model
 
 # The layer each method puts in every hidden block (the one the theory is about).
 HIDDEN_LAYER = {
@@ -44,7 +45,7 @@ def test_mlp_shapes_blocks_and_gradients(method, depth, width, activation, batch
     kind = HIDDEN_LAYER.get(method) or _corrected_layer(method)
     # affine: depth hidden Linear + the Linear read-out; everything else: depth blocks of its kind.
     assert _count(model, kind) == depth + (method == "affine")
-    assert _count(model, ACTIVATIONS[activation]) >= depth
+    assert _count(model, ACTIVATION_MODULES[activation]) >= depth
     assert isinstance(model[-1], nn.Linear) and model[-1].out_features == 4
     out.square().sum().backward()
     for name, param in model.named_parameters():
@@ -76,6 +77,11 @@ def test_unknown_method_lists_the_valid_ones():
     with pytest.raises(ValueError, match="unknown method 'dropout'.*affine.*batchnorm.*patchnorm"):
         build_model("dropout", input_shape=(4,), num_classes=2, depth=1, width=2, activation="tanh")
     assert set(METHODS) == set(MLP_METHODS) | set(CNN_METHODS)
+
+
+def test_every_named_method_and_activation_has_its_module_and_no_other():
+    assert tuple(MLP_BLOCKS) == MLP_METHODS and tuple(CNN_BLOCKS) == CNN_METHODS
+    assert tuple(ACTIVATION_MODULES) == ACTIVATIONS
 
 
 def test_bad_activation_depth_and_input_shape():

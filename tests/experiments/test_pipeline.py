@@ -385,9 +385,6 @@ def test_analysing_a_csv_imports_none_of_the_sweeps_modules(tmp_path):
         set(imported), imported
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="analysis/groups.py imports runs/config.py, which imports runs/models.py and "
-                   "data/dataset.py, both importing torch at module top")
 def test_analysing_a_csv_does_not_import_torch(tmp_path):
     assert "torch" not in _modules_after_analysing_a_csv(tmp_path)
 

@@ -52,6 +52,11 @@ def test_undecodable_text_names_the_file_the_encoding_and_the_byte():
         decode_text(codecs.BOM_UTF16_LE + b"a\x00\x00\xd8", "f.csv")  # a lone surrogate
     with pytest.raises(ValueError, match=r"UTF-16 \(little-endian\) without a byte-order mark"):
         decode_text("method".encode("utf-16-le"), "f.csv")
+    with pytest.raises(ValueError, match=r"UTF-16 \(big-endian\) without a byte-order mark"):
+        decode_text("méthode,batch_size".encode("utf-16-be"), "f.csv")
+    sqlite_header = b"SQLite format 3\x00\x10\x00\x02\x02\x00@  \x00\x00\x00\x05"
+    with pytest.raises(ValueError, match=r"^f.csv: a binary file \(NUL bytes\), not a text CSV$"):
+        decode_text(sqlite_header, "f.csv")
 
 
 def test_written_records_read_back_bit_for_bit_with_missing_columns_empty(tmp_path):

@@ -9,9 +9,8 @@ import torch
 
 from affdiv.experiments.data.dataset import load_dataset
 from affdiv.experiments.runs import training
-from affdiv.experiments.runs.config import RunConfig, config_hash
+from affdiv.experiments.runs.config import CNN_METHODS, METHODS, RunConfig, config_hash
 from affdiv.experiments.runs.grouping import ensemble_key, member_bytes, parse_memory, plan_ensembles
-from affdiv.experiments.runs.models import CNN_METHODS, METHODS
 from affdiv.experiments.runs.optimizers import StackedOptimizer, make_optimizer
 from affdiv.experiments.runs.stacked import stack_failure
 from affdiv.experiments.runs.training import Measurement, train_group, train_run, train_runs

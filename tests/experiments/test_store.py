@@ -365,3 +365,15 @@ def test_records_carry_the_noise_scale_columns_of_measured_runs(tmp_path):
                   measurements=measurements)
         (record,) = store.records()
     assert (record["b_simple_init"], record["b_simple"], record["b_simple_step"]) == (12.5, 40.0, 50)
+
+
+def test_budgets_are_read_from_the_configs_alone(tmp_path):
+    path = tmp_path / "r.sqlite"
+    base = {"method": "affine", "batch_size": 32, "dataset": "digits"}
+    with ResultStore(path) as store:
+        assert store.budgets() == set()
+        for seed, budget in enumerate(("target", "epochs", None)):
+            config = {**base, "seed": seed, **({"budget": budget} if budget else {})}
+            store.put(config, metrics={"test_accuracy": 0.5}, curves=[], seconds=1.0, data_fingerprint="a" * 64)
+    with ResultStore(path, read_only=True) as store:
+        assert store.budgets() == {"target", "epochs", ""}

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from affdiv.experiments.data.dataset import load_dataset
 from affdiv.experiments.runs import training
-from affdiv.experiments.runs.config import RunConfig, candidates, config_hash, learning_rates
-from affdiv.experiments.runs.models import MLP_METHODS, build_model
+from affdiv.experiments.runs.config import MLP_METHODS, RunConfig, candidates, config_hash, learning_rates
+from affdiv.experiments.runs.models import build_model
 from affdiv.experiments.runs.optimizers import make_optimizer
 from affdiv.experiments.runs.training import Measurement, train_run
 
