@@ -5,7 +5,7 @@ Sub-packages by pipeline stage; an import only ever points down this list:
     checks      the one-line checks of a setting's value (torch-free, used by every stage)
     data/       datasets (digits, fashion-mnist, cifar10, synthetic): one module per source, and
                 the API that splits, standardises and fingerprints them (load_dataset)
-    records     the one place that reads and writes record CSVs
+    records     the one place that reads and writes record CSVs (and tells one from a results store)
     runs/       one run and many: config (RunConfig, its hash, grids), models, training, the
                 SQLite store, the parallel sweep, presets and their TOML files
     analysis/   trend statistics, the decision rule, the groups analysed together, calibration

@@ -20,7 +20,7 @@ from affdiv.atomic import check_writable_file, check_writable_folder
 from affdiv.experiments.analysis.calibration import calibrate_for
 from affdiv.experiments.analysis.decision import analyse, check_settings
 from affdiv.experiments.analysis.groups import label_groups
-from affdiv.experiments.records import RENAMED_METHODS, read_csv, read_csv_rows
+from affdiv.experiments.records import RENAMED_METHODS, is_sqlite, read_csv, read_csv_rows
 from affdiv.experiments.report.writer import write_report
 from affdiv.provenance import provenance
 
@@ -37,8 +37,6 @@ REPORT_FILES = ("records.csv", "metric_vs_batch.png", "slope_forest.png", "contr
 MAX_SEED = 2**64 - 1
 #: From this many records on, the analysis prints a line before each long step.
 PROGRESS_FROM = 5000
-#: The first bytes of every SQLite file (as :func:`affdiv.experiments.runs.store.is_sqlite` reads them).
-_SQLITE_MAGIC = b"SQLite format 3\x00"
 #: The metric of steps-to-target runs (``budget = "target"``), which ``analyse`` defaults to.
 _TARGET_METRIC = "steps_to_target"
 
@@ -442,8 +440,7 @@ def analyse_file(
 
     with open(path, "rb") as handle:  # before reading it: the file as analysed
         digest = hashlib.file_digest(handle, "sha256").hexdigest()
-    with open(path, "rb") as handle:
-        database = handle.read(len(_SQLITE_MAGIC)) == _SQLITE_MAGIC
+    database = is_sqlite(path)
     if database:
         from affdiv.experiments.runs.store import ResultStore, data_key
 

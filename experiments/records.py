@@ -1,4 +1,5 @@
-"""Records: the one place that reads and writes record CSVs and checks a record's types.
+"""Records: the one place that reads and writes record CSVs, checks a record's types and tells a CSV from
+a results store (:func:`is_sqlite`).
 
 A record is one run's row: ``method``, ``batch_size``, ``seed``, the metric column, and any other
 columns (``lr_rule``, ``diverged``, ...). Runs of the ``target`` budget add ``steps_to_target``
@@ -136,20 +137,42 @@ def validate_records(records: Sequence[Mapping], *, metric: str = "metric") -> l
 _BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"), (codecs.BOM_UTF8, "utf-8-sig"),
          (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
 _DELIMITERS = (",", "\t", ";")
+#: The first bytes of every SQLite file.
+SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+def is_sqlite(path: str | Path) -> bool:
+    """Whether the file starts as every SQLite database does (a results store, not a CSV)."""
+    with open(path, "rb") as handle:
+        return handle.read(len(SQLITE_MAGIC)) == SQLITE_MAGIC
+
+
+_WIDE = (("utf-16-le", "UTF-16 (little-endian)"), ("utf-16-be", "UTF-16 (big-endian)"),
+         ("utf-32-le", "UTF-32 (little-endian)"), ("utf-32-be", "UTF-32 (big-endian)"))
+
+
+def _nul_reason(head: bytes) -> str:
+    """Why a file whose ``head`` holds a NUL byte is not read: text in a wide encoding without a
+    byte-order mark (its head decodes to printable text with a line break or a delimiter), or
+    binary."""
+    for codec, name in _WIDE:
+        try:
+            text = codecs.getincrementaldecoder(codec)().decode(head, final=False)  # a cut last unit waits
+        except UnicodeDecodeError:
+            continue
+        printable = all(c.isprintable() or c in "\r\n\t" for c in text)
+        if text and printable and any(mark in text for mark in ("\n", *_DELIMITERS)):
+            return (f"not UTF-8 text: it looks like {name} without a byte-order mark; save it as UTF-8, or as "
+                    "UTF-16 with a BOM")
+    return f"a binary file (a NUL byte at offset {head.index(0)}), not a text CSV"
 
 
 def decode_text(data: bytes, where) -> tuple[str, str]:
     """(text, encoding) of a text file as spreadsheets write it: UTF-8 with or without a BOM, or
     UTF-16/UTF-32 with a BOM. Anything else raises ValueError naming the file and the encoding."""
     encoding = next((name for bom, name in _BOMS if data.startswith(bom)), "utf-8")
-    head = data[:4096]
-    if encoding == "utf-8" and b"\x00" in head:  # text has no NUL; UTF-16 of ASCII has a NUL in every pair
-        evens, odds = head[0::2], head[1::2]
-        for order, nuls, others in (("big-endian", evens, odds), ("little-endian", odds, evens)):
-            if nuls.count(0) >= len(nuls) / 2 and not others.count(0):  # UTF-16 of mostly Latin text
-                raise ValueError(f"{where}: not valid utf-8 text (NUL bytes): it looks like UTF-16 ({order}) "
-                                 "without a byte-order mark; save it as UTF-8, or as UTF-16 with a BOM")
-        raise ValueError(f"{where}: a binary file (NUL bytes), not a text CSV")
+    if encoding == "utf-8" and b"\x00" in data[:4096]:  # no text CSV holds a NUL
+        raise ValueError(f"{where}: {_nul_reason(data[:4096])}")
     try:
         return data.decode(encoding), encoding
     except UnicodeDecodeError as error:

@@ -293,7 +293,7 @@ def classify_contrast(contrast: Mapping, alpha: float) -> str:
 
 def lack_of_fit(rows: Sequence[Mapping], *, metric: str, sign: float = 1.0) -> dict:
     """Repeated-measures F test of the nonlinear (degree >= 2) polynomial contrasts in log2 B, on
-    the seeds that ran every batch size with a finite metric (:func:`_complete_seeds`)."""
+    the seeds that ran every batch size with a metric that is not NaN (:func:`_complete_seeds`)."""
     batch_sizes, table = _complete_seeds(rows, metric, sign)
     q, g = len(batch_sizes) - 2, table.shape[0]
     if q < 1 or g < 2:

@@ -44,6 +44,7 @@ import urllib.parse
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from affdiv.experiments.records import is_sqlite, write_csv
 from affdiv.experiments.runs.config import canonical_json, config_hash
 
 APPLICATION_ID = 0x41464456  # "AFDV"
@@ -86,8 +87,6 @@ CREATE TABLE IF NOT EXISTS failures (
 )
 """
 
-SQLITE_MAGIC = b"SQLite format 3\x00"
-
 #: The run settings that define the data a run trains on (the arguments of its dataset loader).
 DATA_SETTINGS = ("dataset", "data_seed", "val_fraction", "data_options")
 
@@ -106,11 +105,6 @@ def _finite_json(value):
     if isinstance(value, list | tuple):
         return [_finite_json(v) for v in value]
     return _finite_or_none(value)
-
-
-def is_sqlite(path: str | Path) -> bool:
-    with open(path, "rb") as handle:
-        return handle.read(len(SQLITE_MAGIC)) == SQLITE_MAGIC
 
 
 def data_key(config: Mapping) -> str:
@@ -443,9 +437,13 @@ class ResultStore:
     def budgets(self) -> set[str]:
         """The budget kinds of the stored runs ("" for a run that names none), from their configs
         alone: what ``affdiv analyse`` chooses its default metric by before reading the runs."""
-        rows = self._query("SELECT config_hash, config FROM runs")
-        configs = (self._json(config, key, "config") for key, config in rows)
-        return {str(config.get("budget", "")) if isinstance(config, dict) else "" for config in configs}
+        budgets = set()
+        for key, text in self._query("SELECT config_hash, config FROM runs"):
+            config = self._json(text, key, "config")
+            if not isinstance(config, dict):
+                raise ValueError(f"{self.path}: run {key}: its config is not a JSON object (damaged store)")
+            budgets.add(str(config.get("budget", "")))
+        return budgets
 
     def curves(self, hashes: Iterable[str] | None = None) -> list[dict]:
         """Per-epoch points of every run, each tagged with its run's config and hash."""
@@ -463,8 +461,6 @@ class ResultStore:
         self, path: str | Path, hashes: Iterable[str] | None = None, *, metric: str = "test_accuracy"
     ) -> Path:
         """Write ``records`` as CSV (method, batch_size, seed, metric, then the other columns sorted)."""
-        from affdiv.experiments.records import write_csv
-
         return write_csv(path, self.records(hashes, metric=metric))
 
 

@@ -5,7 +5,7 @@ import codecs
 import numpy as np
 import pytest
 
-from affdiv.experiments.records import decode_text, read_csv, write_csv
+from affdiv.experiments.records import decode_text, is_sqlite, read_csv, write_csv
 
 ROWS = "method,batch_size,seed,metric\r\naffine,16,0,0.5\r\nnorm_l2,32,1,0.25\r\n"
 EXPECTED = [{"method": "affine", "batch_size": 16, "seed": 0, "metric": 0.5},
@@ -50,13 +50,17 @@ def test_undecodable_text_names_the_file_the_encoding_and_the_byte():
         decode_text(b"ab\xffcd", "f.csv")
     with pytest.raises(ValueError, match=r"not valid utf-16 text"):
         decode_text(codecs.BOM_UTF16_LE + b"a\x00\x00\xd8", "f.csv")  # a lone surrogate
-    with pytest.raises(ValueError, match=r"UTF-16 \(little-endian\) without a byte-order mark"):
-        decode_text("method".encode("utf-16-le"), "f.csv")
-    with pytest.raises(ValueError, match=r"UTF-16 \(big-endian\) without a byte-order mark"):
-        decode_text("méthode,batch_size".encode("utf-16-be"), "f.csv")
-    sqlite_header = b"SQLite format 3\x00\x10\x00\x02\x02\x00@  \x00\x00\x00\x05"
-    with pytest.raises(ValueError, match=r"^f.csv: a binary file \(NUL bytes\), not a text CSV$"):
-        decode_text(sqlite_header, "f.csv")
+    header = "method,batch_size,seed,metric\n"
+    for codec, name in (("utf-16-le", r"UTF-16 \(little-endian\)"), ("utf-16-be", r"UTF-16 \(big-endian\)"),
+                        ("utf-32-le", r"UTF-32 \(little-endian\)")):
+        # Latin; characters U+xx00 (a NUL byte each); a surrogate pair cut by the 4096-byte head
+        for text in (header, "méthode,一,Ā,Привет\n", "a,😀\n" * 1000):
+            with pytest.raises(ValueError, match=rf"^f\.csv: not UTF-8 text: it looks like {name} without a byte"):
+                decode_text(text.encode(codec), "f.csv")
+    for binary in (b"PK\x03\x04\x14\x00\x06\x00", header.encode() + b"\x00" * 7):  # an xlsx; a NUL-padded CSV
+        with pytest.raises(ValueError, match=rf"^f\.csv: a binary file \(a NUL byte at offset {binary.index(0)}\), "
+                                             "not a text CSV$"):
+            decode_text(binary, "f.csv")
 
 
 def test_written_records_read_back_bit_for_bit_with_missing_columns_empty(tmp_path):
@@ -66,3 +70,9 @@ def test_written_records_read_back_bit_for_bit_with_missing_columns_empty(tmp_pa
     assert path.read_text().splitlines()[1:] == ["affine,16,0,0.30000000000000004,sqrt",
                                                  "affine,32,0,0.3333333333333333,"]
     assert read_csv(path) == [records[0], {**records[1], "lr_rule": ""}]
+
+
+def test_is_sqlite_on_a_csv(tmp_path):
+    path = tmp_path / "x.csv"
+    path.write_text("method,batch_size,seed,metric\n")
+    assert not is_sqlite(path)

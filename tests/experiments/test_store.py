@@ -10,8 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from affdiv.experiments.records import is_sqlite
 from affdiv.experiments.runs.config import canonical_json, config_hash
-from affdiv.experiments.runs.store import ResultStore, is_sqlite
+from affdiv.experiments.runs.store import ResultStore
 
 
 def test_config_hash_is_sha256_of_the_canonical_json():
@@ -106,12 +107,6 @@ def test_records_restricted_to_given_hashes(tmp_path):
         _, first = _put(store, seed=0, accuracy=0.5)
         _put(store, seed=1, accuracy=0.6)
         assert [r["seed"] for r in store.records([first])] == [0]
-
-
-def test_is_sqlite_on_a_csv(tmp_path):
-    path = tmp_path / "x.csv"
-    path.write_text("method,batch_size,seed,metric\n")
-    assert not is_sqlite(path)
 
 
 # ------------------------------------------------------------------ identity, read-only, integrity
