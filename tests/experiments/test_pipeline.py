@@ -292,7 +292,7 @@ def test_analyse_reads_csvs_as_spreadsheets_write_them(tmp_path, capsys):
         path = planted_csv(tmp_path / name, **options)
         if name == "utf16be.txt":  # no BOM: named, not guessed
             refused(capsys, ["analyse", "--input", str(path), "--out", str(tmp_path / name[:-4])],
-                    f"{path}: not valid utf-8 text", "it looks like UTF-16 (big-endian) without a byte-order mark")
+                    f"{path}: not UTF-8 text", "it looks like UTF-16 (big-endian) without a byte-order mark")
             continue
         assert main(["analyse", "--input", str(path), "--out", str(tmp_path / name[:-4]),
                      "--calibration-sims", "0"]) == 0, name
