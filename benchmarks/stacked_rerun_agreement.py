@@ -69,10 +69,6 @@ def _interval(values: np.ndarray, level: float) -> tuple[float, float] | None:
     return float(values.mean() - half), float(values.mean() + half)
 
 
-def _differences(committed: dict, rerun: dict, keys, metric: str) -> np.ndarray:
-    return np.array([float(rerun[k][metric]) - float(committed[k][metric]) for k in keys])
-
-
 def _mean_abs(d: np.ndarray) -> float:
     return float(np.abs(d).mean()) if len(d) else math.nan
 
@@ -82,6 +78,11 @@ def agreement(committed: dict, rerun: dict, metric: str, margin: float) -> dict:
     missing = sorted(set(committed) - set(rerun), key=str)
     if missing:
         raise SystemExit(f"{len(missing)} committed runs have no rerun, e.g. {dict(zip(KEY, missing[0]))}")
+    difference = {k: float(rerun[k][metric]) - float(committed[k][metric]) for k in committed}
+
+    def differences(keys) -> np.ndarray:
+        return np.array([difference[k] for k in keys])
+
     cells, by_seed = defaultdict(list), defaultdict(list)
     for key in committed:
         method, batch_size, seed, rule = key
@@ -90,7 +91,7 @@ def agreement(committed: dict, rerun: dict, metric: str, margin: float) -> dict:
 
     rows = []
     for (method, batch_size, rule), keys in sorted(cells.items(), key=lambda item: item[0]):
-        d = _differences(committed, rerun, keys, metric)
+        d = differences(keys)
         before = np.array([float(committed[k][metric]) for k in keys])
         rows.append(dict(method=method, batch_size=batch_size, lr_rule=rule, seeds=len(keys), mean=float(d.mean()),
                          interval=_interval(d, 0.95), varies=bool(np.ptp(d) > 0),
@@ -99,7 +100,7 @@ def agreement(committed: dict, rerun: dict, metric: str, margin: float) -> dict:
     judged = [r for r in rows if r["interval"] is not None and r["varies"]]
     outside = sum(not (r["interval"][0] <= 0 <= r["interval"][1]) for r in judged)
 
-    seed_means = np.array([_differences(committed, rerun, keys, metric).mean() for keys in by_seed.values()])
+    seed_means = np.array([differences(keys).mean() for keys in by_seed.values()])
     tost = _interval(seed_means, 0.90)
     paired = [(r["sd"], r["committed_sd"]) for r in rows if r["committed_sd"] > 0 and math.isfinite(r["sd"])]
     drift_ratio = math.nan
@@ -116,9 +117,8 @@ def agreement(committed: dict, rerun: dict, metric: str, margin: float) -> dict:
         seeds=len(seed_means), overall_mean=float(seed_means.mean()), overall=_interval(seed_means, 0.95), tost=tost,
         equivalent=tost is not None and -margin < tost[0] and tost[1] < margin, drift_ratio=drift_ratio,
         tuned=len(tuned), same_lr=len(same_lr),
-        mean_abs_same_lr=_mean_abs(_differences(committed, rerun, same_lr, metric)),
-        mean_abs_other_lr=_mean_abs(_differences(committed, rerun, other_lr, metric)),
-        identical=int(np.sum(_differences(committed, rerun, list(committed), metric) == 0)), pairs=len(committed),
+        mean_abs_same_lr=_mean_abs(differences(same_lr)), mean_abs_other_lr=_mean_abs(differences(other_lr)),
+        identical=sum(d == 0 for d in difference.values()), pairs=len(committed),
         same_key=sum(committed[k].get("config_hash") not in (None, "")
                      and committed[k].get("config_hash") == rerun[k].get("config_hash") for k in committed),
     )

@@ -45,9 +45,9 @@ def register(subparsers) -> None:
     falsify.add_argument("--stack", choices=("on", "off"), default="on", metavar="on|off",
                          help="train the runs that differ only in seed, data split and learning rate as one "
                          "vmapped ensemble; off: one run at a time (default on)")
-    falsify.add_argument("--ensemble-memory", default="2GiB", metavar="SIZE",
+    falsify.add_argument("--ensemble-memory", metavar="SIZE",
                          help="memory budget of one stacked ensemble (each worker trains one at a time), e.g. "
-                         "512MiB (default 2GiB)")
+                         "512MiB (default: the preset's [sweep] ensemble_memory, else 2GiB)")
     falsify.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",
         help="set a run setting of every run, e.g. --set length=3 (VALUE is read as TOML; "

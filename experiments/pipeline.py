@@ -244,7 +244,8 @@ def falsify(
         settings: run settings applied to every run (``--set KEY=VALUE``; a grid axis is replaced).
         calibration_sims: simulated studies per planted effect for the report's calibration (0: none).
         stack: train the runs that can share one as a stacked ensemble (False: one at a time).
-        ensemble_memory: memory budget of one ensemble, bytes or a size such as "2GiB" (default:
+        ensemble_memory: memory budget of one ensemble, bytes or a size such as "2GiB" (default: the
+            preset's [sweep] ensemble_memory, else
             :data:`~affdiv.experiments.runs.grouping.DEFAULT_ENSEMBLE_MEMORY`, 2 GiB).
         probe_every: measure every run with the divergence meter
             (:mod:`affdiv.experiments.runs.divergence_measurement`) at step 0 and every
@@ -281,10 +282,11 @@ def falsify(
     for key, value in given.items():
         check_every(MEASURE[key][0], value)
     check_executor(executor, scheduler, retries)
-    ensemble_memory = parse_memory(DEFAULT_ENSEMBLE_MEMORY if ensemble_memory is None else ensemble_memory)
+    memory_given = None if ensemble_memory is None else parse_memory(ensemble_memory)
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise ValueError(f"--workers must be an integer >= 1, got {workers!r}")
     preset_ = load_preset(preset)
+    ensemble_memory = memory_given or preset_.ensemble_memory or DEFAULT_ENSEMBLE_MEMORY
     intervals = {key: preset_.measure.get(key) if value is None else value for key, value in given.items()}
     origin = {key: f"preset {preset_.name!r} [measure]" for key in preset_.measure if given.get(key) is None}
     _check_finite(settings or {}, "--set ")
@@ -373,6 +375,8 @@ def falsify(
                 compute_time_s=round(store.seconds(hashes), 1),
                 runs_this_invocation=outcome.ran,
                 runs_resumed_from_db=outcome.skipped,
+                stack=stack,
+                ensemble_memory=ensemble_memory if stack else None,  # bytes; this invocation's grouping
                 **intervals,
                 failed_runs=[{k: f[k] for k in ("config_hash", "error", "kind", "attempts")}
                              | {k: f["config"].get(k) for k in ("method", "batch_size", "seed", "lr_rule")}
@@ -438,9 +442,9 @@ def analyse_file(
     check_no_overwrite({"--input": path}, [out])
     check_writable_folder(out, "--out")
 
-    with open(path, "rb") as handle:  # before reading it: the file as analysed
-        digest = hashlib.file_digest(handle, "sha256").hexdigest()
-    database = is_sqlite(path)
+    data = path.read_bytes()  # read once: the digest is of the bytes analysed
+    digest = hashlib.sha256(data).hexdigest()
+    database = is_sqlite(data)
     if database:
         from affdiv.experiments.runs.store import ResultStore, data_key
 
@@ -453,7 +457,7 @@ def analyse_file(
             message = str(error)
             raise ValueError(message if message.startswith("--input") else f"--input {message}") from None
     else:
-        table = read_csv_rows(path)  # read once: the budgets choose the default metric
+        table = read_csv_rows(path, data)  # parsed once: the budgets choose the default metric
         if metric is None:
             header, rows = table
             budgets = {str(row.get("budget") or "").strip() for row in rows} if "budget" in header else set()

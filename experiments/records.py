@@ -141,9 +141,12 @@ _DELIMITERS = (",", "\t", ";")
 SQLITE_MAGIC = b"SQLite format 3\x00"
 
 
-def is_sqlite(path: str | Path) -> bool:
-    """Whether the file starts as every SQLite database does (a results store, not a CSV)."""
-    with open(path, "rb") as handle:
+def is_sqlite(source: str | Path | bytes) -> bool:
+    """Whether the file (a path, or its bytes already read) starts as every SQLite database does (a
+    results store, not a CSV)."""
+    if isinstance(source, bytes):
+        return source.startswith(SQLITE_MAGIC)
+    with open(source, "rb") as handle:
         return handle.read(len(SQLITE_MAGIC)) == SQLITE_MAGIC
 
 
@@ -181,13 +184,14 @@ def decode_text(data: bytes, where) -> tuple[str, str]:
                          f"{error.start}){hint}") from None
 
 
-def read_csv_rows(path) -> tuple[list[str], list[dict]]:
+def read_csv_rows(path, data: bytes | None = None) -> tuple[list[str], list[dict]]:
     """(header, rows) of a CSV, the values as text, read as spreadsheets write it: UTF-8 (a BOM is
     skipped), or UTF-16/32 with a BOM; comma-, tab- or semicolon-separated (the delimiter is the one
     the header line uses); column names stripped of surrounding spaces. A malformed file, no data
-    rows or a row with more fields than the header raise ValueError naming the file and the line."""
+    rows or a row with more fields than the header raise ValueError naming the file and the line.
+    ``data``: the file's bytes when the caller has read them already (``path`` then only names it)."""
     path = Path(path)
-    text, _encoding = decode_text(path.read_bytes(), path)
+    text, _encoding = decode_text(path.read_bytes() if data is None else data, path)
     first = text.split("\n", 1)[0]
     delimiter = max(_DELIMITERS, key=first.count) if any(d in first for d in _DELIMITERS) else ","
     reader = csv.DictReader(io.StringIO(text, newline=""), delimiter=delimiter)

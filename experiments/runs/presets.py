@@ -15,6 +15,11 @@ override them (one report each):
                    noise_scale_every = N   the gradient noise scale B_simple (``--noise-scale-every``)
                    probe_every = N         the divergence meter (``--probe-every``)
                  Like those options, measurements are not part of a run's key (config hash).
+    [sweep]      optional: how the runs are trained, as ``affdiv falsify``'s option of the same name
+                 (which overrides it); not part of a run's key:
+                   ensemble_memory = "64MiB"  memory budget of one stacked ensemble
+                                              (``--ensemble-memory``); a small budget makes each run
+                                              its own unit of work, so that no unit outlives a session
     [[study]]    name = "...", and its own [study.run] / [study.grid] / [study.analysis]
 
 Command-line overrides replace grid axes (``seed``, ``batch_size``), restrict ``method`` to the
@@ -33,8 +38,9 @@ from pathlib import Path
 from affdiv.experiments.checks import check_choice
 from affdiv.experiments.runs import divergence_measurement, noise_scale
 from affdiv.experiments.runs.config import CNN_METHODS, METHODS, MLP_METHODS, RunConfig, expand_grid
+from affdiv.experiments.runs.grouping import parse_memory
 
-_SECTIONS = {"description", "caveats", "run", "grid", "analysis", "measure", "study"}
+_SECTIONS = {"description", "caveats", "run", "grid", "analysis", "measure", "sweep", "study"}
 #: ``data_seed = SEED`` in a preset's run settings: every run's data split is drawn from its own seed.
 SEED = "seed"
 #: The keys of a preset's [measure] table (also ``falsify``'s keywords): the ``affdiv falsify``
@@ -74,6 +80,12 @@ class Preset:
     def measure(self) -> dict:
         """The [measure] table: {key of ``MEASURE``: interval in steps} (checked at load)."""
         return dict(self.raw.get("measure", {}))
+
+    @property
+    def ensemble_memory(self) -> int | None:
+        """The [sweep] table's ensemble memory budget in bytes; None when it sets none."""
+        value = self.raw.get("sweep", {}).get("ensemble_memory")
+        return None if value is None else parse_memory(value, f"preset {self.name!r} [sweep] ensemble_memory")
 
     def studies(
         self,
@@ -146,4 +158,9 @@ def load_preset(name_or_path: str) -> Preset:
         raise ValueError(f"preset {name!r}: [measure] takes only {sorted(MEASURE)}, got {measure!r}")
     for key, value in measure.items():
         check_every(f"preset {name!r} [measure] {key}", value)
+    sweep = raw.get("sweep", {})
+    if not isinstance(sweep, dict) or set(sweep) - {"ensemble_memory"}:
+        raise ValueError(f"preset {name!r}: [sweep] takes only ['ensemble_memory'], got {sweep!r}")
+    if "ensemble_memory" in sweep:
+        parse_memory(sweep["ensemble_memory"], f"preset {name!r} [sweep] ensemble_memory")
     return Preset(name, raw.get("description", ""), raw)

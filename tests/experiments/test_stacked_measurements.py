@@ -14,6 +14,7 @@ import torch
 from affdiv.cli import main
 from affdiv.experiments.runs import divergence_measurement, noise_scale, training
 from affdiv.experiments.runs.config import RunConfig, candidates, config_hash
+from affdiv.experiments.runs.grouping import plan_ensembles
 from affdiv.experiments.runs.presets import available_presets, load_preset
 from affdiv.experiments.runs.training import Measurement, train_group, train_run, train_runs
 from tests.experiments.test_pipeline import refused
@@ -205,8 +206,12 @@ def test_committed_presets_keep_their_run_keys():
     ("[measure]\nnoise_scale_every = \"10\"", "noise_scale_every must be an integer >= 1, got '10'"),
     ("[measure]\nnoise_every = 10", "[measure] takes only ['noise_scale_every', 'probe_every']"),
     ("measure = 10", "[measure] takes only"),
+    ("[sweep]\nensemble_memory = \"lots\"", "preset 'bad' [sweep] ensemble_memory must be a size such as 2GiB"),
+    ("[sweep]\nensemble_memory = 0", "[sweep] ensemble_memory must be more than 0 bytes, got 0"),
+    ("[sweep]\nworkers = 2", "preset 'bad': [sweep] takes only ['ensemble_memory'], got {'workers': 2}"),
+    ("sweep = 1", "[sweep] takes only"),
 ])
-def test_bad_measure_tables_are_refused(tmp_path, table, message):
+def test_bad_measure_and_sweep_tables_are_refused(tmp_path, table, message):
     path = tmp_path / "bad.toml"
     path.write_text(f"{table}\n[grid]\nmethod = [\"affine\"]\n")
     with pytest.raises(ValueError) as error:
@@ -244,11 +249,35 @@ def quick(tmp_path_factory):
     folder = tmp_path_factory.mktemp("preset")
     (folder / "quick.toml").write_text(PRESET)
     (folder / "measured.toml").write_text(PRESET + "[measure]\nnoise_scale_every = 4\n")
+    (folder / "one-run-units.toml").write_text(PRESET + "[sweep]\nensemble_memory = \"1\"\n")
     return folder
 
 
 def _options(quick, preset="quick"):
     return ["--preset", str(quick / f"{preset}.toml"), "--calibration-sims", "0", "--workers", "1"]
+
+
+def test_a_presets_sweep_table_sets_the_ensemble_budget_and_the_option_overrides_it(tmp_path, quick, monkeypatch):
+    from affdiv.experiments.runs import sweep
+
+    budgets = []
+
+    def plan(configs, shape_of, budget):
+        budgets.append(budget)
+        return plan_ensembles(configs, shape_of, budget)
+
+    monkeypatch.setattr(sweep, "plan_ensembles", plan)
+    for preset, option, want in (("quick", [], 2 * 2**30), ("one-run-units", [], 1),
+                                 ("one-run-units", ["--ensemble-memory", "3MiB"], 3 * 2**20)):
+        out = tmp_path / f"{preset}-{len(option)}"
+        assert main(["falsify", *_options(quick, preset), "--seeds", "1", "--out", str(out), *option]) == 0
+        assert budgets[-1] == want
+        assert json.loads((out / "summary.json").read_text())["provenance"]["ensemble_memory"] == want
+    out = tmp_path / "off"
+    assert main(["falsify", *_options(quick, "one-run-units"), "--seeds", "1", "--out", str(out), "--stack",
+                 "off"]) == 0
+    provenance = json.loads((out / "summary.json").read_text())["provenance"]
+    assert provenance["stack"] is False and provenance["ensemble_memory"] is None and len(budgets) == 3
 
 
 @pytest.mark.parametrize("value", ["0", "-2", "1.5", "ten"])
