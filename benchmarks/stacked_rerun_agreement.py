@@ -78,10 +78,10 @@ def agreement(committed: dict, rerun: dict, metric: str, margin: float) -> dict:
     missing = sorted(set(committed) - set(rerun), key=str)
     if missing:
         raise SystemExit(f"{len(missing)} committed runs have no rerun, e.g. {dict(zip(KEY, missing[0]))}")
-    difference = {k: float(rerun[k][metric]) - float(committed[k][metric]) for k in committed}
+    diff_by_key = {k: float(rerun[k][metric]) - float(committed[k][metric]) for k in committed}
 
     def differences(keys) -> np.ndarray:
-        return np.array([difference[k] for k in keys])
+        return np.array([diff_by_key[k] for k in keys])
 
     cells, by_seed = defaultdict(list), defaultdict(list)
     for key in committed:
@@ -118,7 +118,7 @@ def agreement(committed: dict, rerun: dict, metric: str, margin: float) -> dict:
         equivalent=tost is not None and -margin < tost[0] and tost[1] < margin, drift_ratio=drift_ratio,
         tuned=len(tuned), same_lr=len(same_lr),
         mean_abs_same_lr=_mean_abs(differences(same_lr)), mean_abs_other_lr=_mean_abs(differences(other_lr)),
-        identical=sum(d == 0 for d in difference.values()), pairs=len(committed),
+        identical=sum(d == 0 for d in diff_by_key.values()), pairs=len(committed),
         same_key=sum(committed[k].get("config_hash") not in (None, "")
                      and committed[k].get("config_hash") == rerun[k].get("config_hash") for k in committed),
     )

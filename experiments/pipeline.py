@@ -286,7 +286,9 @@ def falsify(
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise ValueError(f"--workers must be an integer >= 1, got {workers!r}")
     preset_ = load_preset(preset)
-    ensemble_memory = memory_given or preset_.ensemble_memory or DEFAULT_ENSEMBLE_MEMORY
+    ensemble_memory = memory_given if memory_given is not None else preset_.ensemble_memory
+    if ensemble_memory is None:
+        ensemble_memory = DEFAULT_ENSEMBLE_MEMORY
     intervals = {key: preset_.measure.get(key) if value is None else value for key, value in given.items()}
     origin = {key: f"preset {preset_.name!r} [measure]" for key in preset_.measure if given.get(key) is None}
     _check_finite(settings or {}, "--set ")
@@ -375,8 +377,8 @@ def falsify(
                 compute_time_s=round(store.seconds(hashes), 1),
                 runs_this_invocation=outcome.ran,
                 runs_resumed_from_db=outcome.skipped,
-                stack=stack,
-                ensemble_memory=ensemble_memory if stack else None,  # bytes; this invocation's grouping
+                # how this invocation trained its runs (resumed runs may have trained otherwise)
+                this_invocation={"stack": stack, "ensemble_memory": ensemble_memory if stack else None},
                 **intervals,
                 failed_runs=[{k: f[k] for k in ("config_hash", "error", "kind", "attempts")}
                              | {k: f["config"].get(k) for k in ("method", "batch_size", "seed", "lr_rule")}
@@ -442,9 +444,13 @@ def analyse_file(
     check_no_overwrite({"--input": path}, [out])
     check_writable_folder(out, "--out")
 
-    data = path.read_bytes()  # read once: the digest is of the bytes analysed
-    digest = hashlib.sha256(data).hexdigest()
-    database = is_sqlite(data)
+    database = is_sqlite(path)
+    if database:  # the digest is of the database file before it is opened (a -wal file beside it is not in it)
+        with open(path, "rb") as handle:
+            digest = hashlib.file_digest(handle, "sha256").hexdigest()
+    else:  # a CSV is read once: the digest is of the bytes parsed
+        data = path.read_bytes()
+        digest = hashlib.sha256(data).hexdigest()
     if database:
         from affdiv.experiments.runs.store import ResultStore, data_key
 

@@ -141,12 +141,9 @@ _DELIMITERS = (",", "\t", ";")
 SQLITE_MAGIC = b"SQLite format 3\x00"
 
 
-def is_sqlite(source: str | Path | bytes) -> bool:
-    """Whether the file (a path, or its bytes already read) starts as every SQLite database does (a
-    results store, not a CSV)."""
-    if isinstance(source, bytes):
-        return source.startswith(SQLITE_MAGIC)
-    with open(source, "rb") as handle:
+def is_sqlite(path: str | Path) -> bool:
+    """Whether the file starts as every SQLite database does (a results store, not a CSV)."""
+    with open(path, "rb") as handle:
         return handle.read(len(SQLITE_MAGIC)) == SQLITE_MAGIC
 
 

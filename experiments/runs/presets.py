@@ -19,7 +19,8 @@ override them (one report each):
                  (which overrides it); not part of a run's key:
                    ensemble_memory = "64MiB"  memory budget of one stacked ensemble
                                               (``--ensemble-memory``); a small budget makes each run
-                                              its own unit of work, so that no unit outlives a session
+                                              its own unit of work, so that a stopped sweep loses at
+                                              most the runs in flight
     [[study]]    name = "...", and its own [study.run] / [study.grid] / [study.analysis]
 
 Command-line overrides replace grid axes (``seed``, ``batch_size``), restrict ``method`` to the
@@ -48,6 +49,8 @@ SEED = "seed"
 #: ``measurement(every=N)``).
 MEASURE = {"noise_scale_every": ("--noise-scale-every", noise_scale),
            "probe_every": ("--probe-every", divergence_measurement)}
+#: The keys of a preset's [sweep] table.
+SWEEP = ("ensemble_memory",)
 
 
 def check_every(setting: str, value) -> None:
@@ -75,17 +78,12 @@ class Preset:
     name: str
     description: str
     raw: dict  # the parsed TOML, recorded in provenance
+    ensemble_memory: int | None = None  # the [sweep] table's budget in bytes; None when it sets none
 
     @property
     def measure(self) -> dict:
         """The [measure] table: {key of ``MEASURE``: interval in steps} (checked at load)."""
         return dict(self.raw.get("measure", {}))
-
-    @property
-    def ensemble_memory(self) -> int | None:
-        """The [sweep] table's ensemble memory budget in bytes; None when it sets none."""
-        value = self.raw.get("sweep", {}).get("ensemble_memory")
-        return None if value is None else parse_memory(value, f"preset {self.name!r} [sweep] ensemble_memory")
 
     def studies(
         self,
@@ -159,8 +157,9 @@ def load_preset(name_or_path: str) -> Preset:
     for key, value in measure.items():
         check_every(f"preset {name!r} [measure] {key}", value)
     sweep = raw.get("sweep", {})
-    if not isinstance(sweep, dict) or set(sweep) - {"ensemble_memory"}:
-        raise ValueError(f"preset {name!r}: [sweep] takes only ['ensemble_memory'], got {sweep!r}")
-    if "ensemble_memory" in sweep:
-        parse_memory(sweep["ensemble_memory"], f"preset {name!r} [sweep] ensemble_memory")
-    return Preset(name, raw.get("description", ""), raw)
+    if not isinstance(sweep, dict) or set(sweep) - set(SWEEP):
+        raise ValueError(f"preset {name!r}: [sweep] takes only {list(SWEEP)}, got {sweep!r}")
+    memory = sweep.get("ensemble_memory")
+    if memory is not None:
+        memory = parse_memory(memory, f"preset {name!r} [sweep] ensemble_memory")
+    return Preset(name, raw.get("description", ""), raw, memory)

@@ -260,24 +260,26 @@ def _options(quick, preset="quick"):
 def test_a_presets_sweep_table_sets_the_ensemble_budget_and_the_option_overrides_it(tmp_path, quick, monkeypatch):
     from affdiv.experiments.runs import sweep
 
-    budgets = []
+    plans = []  # (budget, ensemble sizes) of each sweep's plan
 
     def plan(configs, shape_of, budget):
-        budgets.append(budget)
-        return plan_ensembles(configs, shape_of, budget)
+        ensembles = plan_ensembles(configs, shape_of, budget)
+        plans.append((budget, sorted(len(e) for e in ensembles)))
+        return ensembles
 
     monkeypatch.setattr(sweep, "plan_ensembles", plan)
-    for preset, option, want in (("quick", [], 2 * 2**30), ("one-run-units", [], 1),
-                                 ("one-run-units", ["--ensemble-memory", "3MiB"], 3 * 2**20)):
+    # 2 seeds x 2 batch sizes: an ensemble per batch size, or (1 byte) a unit per run
+    for preset, option, budget, sizes in (("quick", [], 2 * 2**30, [2, 2]), ("one-run-units", [], 1, [1, 1, 1, 1]),
+                                          ("one-run-units", ["--ensemble-memory", "2GiB"], 2 * 2**30, [2, 2])):
         out = tmp_path / f"{preset}-{len(option)}"
-        assert main(["falsify", *_options(quick, preset), "--seeds", "1", "--out", str(out), *option]) == 0
-        assert budgets[-1] == want
-        assert json.loads((out / "summary.json").read_text())["provenance"]["ensemble_memory"] == want
+        assert main(["falsify", *_options(quick, preset), "--out", str(out), *option]) == 0
+        assert plans[-1] == (budget, sizes)
+        invocation = json.loads((out / "summary.json").read_text())["provenance"]["this_invocation"]
+        assert invocation == {"stack": True, "ensemble_memory": budget}
     out = tmp_path / "off"
-    assert main(["falsify", *_options(quick, "one-run-units"), "--seeds", "1", "--out", str(out), "--stack",
-                 "off"]) == 0
+    assert main(["falsify", *_options(quick, "one-run-units"), "--out", str(out), "--stack", "off"]) == 0
     provenance = json.loads((out / "summary.json").read_text())["provenance"]
-    assert provenance["stack"] is False and provenance["ensemble_memory"] is None and len(budgets) == 3
+    assert provenance["this_invocation"] == {"stack": False, "ensemble_memory": None} and len(plans) == 3
 
 
 @pytest.mark.parametrize("value", ["0", "-2", "1.5", "ten"])
