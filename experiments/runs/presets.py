@@ -15,6 +15,9 @@ override them (one report each):
                    noise_scale_every = N   the gradient noise scale B_simple (``--noise-scale-every``)
                    probe_every = N         the divergence meter (``--probe-every``)
                  Like those options, measurements are not part of a run's key (config hash).
+    [method.NAME] optional: run settings for the runs of method NAME only, replacing [run]'s (e.g. a
+                 learning-rate grid for a layer whose learning rates are larger); not grid axes, not
+                 ``method`` or ``data_seed``. ``--set`` replaces them too.
     [sweep]      optional: how the runs are trained, as ``affdiv falsify``'s option of the same name
                  (which overrides it); not part of a run's key:
                    ensemble_memory = "64MiB"  memory budget of one stacked ensemble
@@ -41,7 +44,7 @@ from affdiv.experiments.runs import divergence_measurement, noise_scale
 from affdiv.experiments.runs.config import CNN_METHODS, METHODS, MLP_METHODS, RunConfig, expand_grid
 from affdiv.experiments.runs.grouping import parse_memory
 
-_SECTIONS = {"description", "caveats", "run", "grid", "analysis", "measure", "sweep", "study"}
+_SECTIONS = {"description", "caveats", "run", "grid", "analysis", "measure", "method", "sweep", "study"}
 #: ``data_seed = SEED`` in a preset's run settings: every run's data split is drawn from its own seed.
 SEED = "seed"
 #: The keys of a preset's [measure] table (also ``falsify``'s keywords): the ``affdiv falsify``
@@ -120,7 +123,7 @@ class Preset:
             split_per_seed = base.get("data_seed") == SEED
             if split_per_seed:
                 del base["data_seed"]
-            configs = expand_grid(base, grid)
+            configs = self._with_method_settings(expand_grid(base, grid), set(run or {}))
             if split_per_seed:
                 configs = [dataclasses.replace(c, data_seed=c.seed) for c in configs]
             analysis = {**self.raw.get("analysis", {}), **block.get("analysis", {})}
@@ -128,6 +131,16 @@ class Preset:
         if not studies:
             raise ValueError(f"none of the methods {methods} is in preset {self.name!r}")
         return studies
+
+    def _with_method_settings(self, configs: list[RunConfig], overridden: set[str]) -> list[RunConfig]:
+        """``configs`` with each [method.NAME] table applied to the runs of NAME (settings in
+        ``overridden``, the command line's, stay as they are)."""
+        tables = self.raw.get("method", {})
+        out = []
+        for config in configs:
+            settings = {k: v for k, v in tables.get(config.method, {}).items() if k not in overridden}
+            out.append(RunConfig.from_dict({**config.to_dict(), **settings}) if settings else config)
+        return out
 
 
 def load_preset(name_or_path: str) -> Preset:
@@ -156,6 +169,7 @@ def load_preset(name_or_path: str) -> Preset:
         raise ValueError(f"preset {name!r}: [measure] takes only {sorted(MEASURE)}, got {measure!r}")
     for key, value in measure.items():
         check_every(f"preset {name!r} [measure] {key}", value)
+    _check_method_tables(name, raw)
     sweep = raw.get("sweep", {})
     if not isinstance(sweep, dict) or set(sweep) - set(SWEEP):
         raise ValueError(f"preset {name!r}: [sweep] takes only {list(SWEEP)}, got {sweep!r}")
@@ -163,3 +177,23 @@ def load_preset(name_or_path: str) -> Preset:
     if memory is not None:
         memory = parse_memory(memory, f"preset {name!r} [sweep] ensemble_memory")
     return Preset(name, raw.get("description", ""), raw, memory)
+
+
+def _check_method_tables(name: str, raw: dict) -> None:
+    """Refuse a [method.NAME] table that names no method, or sets a grid axis, ``method``,
+    ``data_seed`` or a key that is no run setting."""
+    tables = raw.get("method", {})
+    if not isinstance(tables, dict) or not all(isinstance(t, dict) for t in tables.values()):
+        raise ValueError(f"preset {name!r}: [method] holds one table of run settings per method ([method.NAME]), "
+                         f"got {tables!r}")
+    fields = {f.name for f in dataclasses.fields(RunConfig)}
+    axes = set(raw.get("grid", {})).union(*(block.get("grid", {}) for block in raw.get("study", [])))
+    for method, settings in tables.items():
+        if method not in METHODS:
+            raise ValueError(f"preset {name!r} [method.{method}]: unknown method {method!r}; expected one of: "
+                             f"{', '.join(METHODS)}")
+        for key in settings:
+            why = ("is not a run setting" if key not in fields else "is a grid axis" if key in axes
+                   else "cannot differ by method" if key in ("method", "data_seed") else None)
+            if why:
+                raise ValueError(f"preset {name!r} [method.{method}]: {key!r} {why}")
