@@ -295,6 +295,8 @@ def falsify(
     for block in [preset_.raw, *preset_.raw.get("study", [])]:
         for table in ("run", "grid"):
             _check_finite(block.get(table, {}), f"preset {preset_.name!r} [{table}] ")
+    for method, table in preset_.raw.get("method", {}).items():
+        _check_finite(table, f"preset {preset_.name!r} [method.{method}] ")
     try:
         studies = preset_.studies(seeds=seeds, batch_sizes=batch_sizes, methods=methods, run=dict(settings or {}))
     except TypeError as error:  # a setting of the wrong type (e.g. base_lr = "fast") met a comparison

@@ -235,4 +235,9 @@ def expand_grid(base: dict, axes: dict[str, Sequence]) -> list[RunConfig]:
     for values in itertools.product(*(axes[name] for name in names)):
         config = RunConfig.from_dict({**base, **dict(zip(names, values))})
         configs[config_hash(config.to_dict())] = config  # duplicates collapse (e.g. grids of unused keys)
-    return sorted(configs.values(), key=lambda c: (c.method, c.batch_size, c.seed, config_hash(c.to_dict())))
+    return sorted(configs.values(), key=run_order)
+
+
+def run_order(config: RunConfig) -> tuple:
+    """The order of a preset's runs: method, batch size, seed, then config hash."""
+    return config.method, config.batch_size, config.seed, config_hash(config.to_dict())

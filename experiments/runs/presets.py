@@ -15,9 +15,10 @@ override them (one report each):
                    noise_scale_every = N   the gradient noise scale B_simple (``--noise-scale-every``)
                    probe_every = N         the divergence meter (``--probe-every``)
                  Like those options, measurements are not part of a run's key (config hash).
-    [method.NAME] optional: run settings for the runs of method NAME only, replacing [run]'s (e.g. a
-                 learning-rate grid for a layer whose learning rates are larger); not grid axes, not
-                 ``method`` or ``data_seed``. ``--set`` replaces them too.
+    [method.NAME] optional: run settings for the runs of method NAME only (e.g. a learning-rate
+                 grid for a layer whose learning rates are larger); a name with "+" is quoted:
+                 [method."conv+batchnorm"]. Not grid axes, not ``method``, ``seed``, ``batch_size``
+                 or ``data_seed``. Precedence: [run] < [method.NAME] < [study.run] < ``--set``.
     [sweep]      optional: how the runs are trained, as ``affdiv falsify``'s option of the same name
                  (which overrides it); not part of a run's key:
                    ensemble_memory = "64MiB"  memory budget of one stacked ensemble
@@ -41,7 +42,7 @@ from pathlib import Path
 
 from affdiv.experiments.checks import check_choice
 from affdiv.experiments.runs import divergence_measurement, noise_scale
-from affdiv.experiments.runs.config import CNN_METHODS, METHODS, MLP_METHODS, RunConfig, expand_grid
+from affdiv.experiments.runs.config import CNN_METHODS, METHODS, MLP_METHODS, RunConfig, expand_grid, run_order
 from affdiv.experiments.runs.grouping import parse_memory
 
 _SECTIONS = {"description", "caveats", "run", "grid", "analysis", "measure", "method", "sweep", "study"}
@@ -123,7 +124,7 @@ class Preset:
             split_per_seed = base.get("data_seed") == SEED
             if split_per_seed:
                 del base["data_seed"]
-            configs = self._with_method_settings(expand_grid(base, grid), set(run or {}))
+            configs = self._expand(base, grid, keep=set(block.get("run", {})) | set(run or {}))
             if split_per_seed:
                 configs = [dataclasses.replace(c, data_seed=c.seed) for c in configs]
             analysis = {**self.raw.get("analysis", {}), **block.get("analysis", {})}
@@ -132,15 +133,23 @@ class Preset:
             raise ValueError(f"none of the methods {methods} is in preset {self.name!r}")
         return studies
 
-    def _with_method_settings(self, configs: list[RunConfig], overridden: set[str]) -> list[RunConfig]:
-        """``configs`` with each [method.NAME] table applied to the runs of NAME (settings in
-        ``overridden``, the command line's, stay as they are)."""
+    def _expand(self, base: dict, grid: dict, keep: set[str]) -> list[RunConfig]:
+        """The runs of ``grid`` on ``base``, each method's built from ``base`` with its
+        [method.NAME] table merged in (the settings in ``keep``, those of [study.run] and of the
+        command line, stay as ``base`` has them)."""
         tables = self.raw.get("method", {})
-        out = []
-        for config in configs:
-            settings = {k: v for k, v in tables.get(config.method, {}).items() if k not in overridden}
-            out.append(RunConfig.from_dict({**config.to_dict(), **settings}) if settings else config)
-        return out
+        if not tables:
+            return expand_grid(base, grid)
+        configs = []
+        for method in grid.get("method", [base.get("method")]):
+            settings = {k: v for k, v in tables.get(method, {}).items() if k not in keep}
+            try:
+                configs += expand_grid({**base, **settings}, {**grid, "method": [method]} if "method" in grid else grid)
+            except (TypeError, ValueError) as error:
+                if not settings:
+                    raise
+                raise ValueError(f"preset {self.name!r} [method.{method}]: {error}") from None
+        return sorted(configs, key=run_order)
 
 
 def load_preset(name_or_path: str) -> Preset:
@@ -180,20 +189,41 @@ def load_preset(name_or_path: str) -> Preset:
 
 
 def _check_method_tables(name: str, raw: dict) -> None:
-    """Refuse a [method.NAME] table that names no method, or sets a grid axis, ``method``,
-    ``data_seed`` or a key that is no run setting."""
+    """Refuse a [method.NAME] table for a method the preset does not run, or one that sets a key
+    that is no run setting, a grid axis, or one of ``_SAME_FOR_EVERY_METHOD``. (Its values are
+    checked when its runs are built, the error naming the table.)"""
     tables = raw.get("method", {})
     if not isinstance(tables, dict) or not all(isinstance(t, dict) for t in tables.values()):
         raise ValueError(f"preset {name!r}: [method] holds one table of run settings per method ([method.NAME]), "
                          f"got {tables!r}")
+    if not tables:
+        return
+    blocks = [raw, *raw.get("study", [])]
+    tables_of = [block.get(table, {}) for block in blocks for table in ("grid", "run")]
+    if not all(isinstance(t, dict) for t in tables_of):
+        return  # a malformed [grid] or [run]: refused, with its own message, when the runs are built
     fields = {f.name for f in dataclasses.fields(RunConfig)}
-    axes = set(raw.get("grid", {})).union(*(block.get("grid", {}) for block in raw.get("study", [])))
+    axes = set().union(*(block.get("grid", {}) for block in blocks))
+    run = set().union(*(_as_list(block.get(table, {}).get("method")) for block in blocks for table in ("grid", "run")))
     for method, settings in tables.items():
-        if method not in METHODS:
-            raise ValueError(f"preset {name!r} [method.{method}]: unknown method {method!r}; expected one of: "
-                             f"{', '.join(METHODS)}")
+        if method not in run:
+            raise ValueError(f"preset {name!r} [method.{method}]: the preset runs no method {method!r}; it runs: "
+                             f"{', '.join(sorted(run))}")
         for key in settings:
-            why = ("is not a run setting" if key not in fields else "is a grid axis" if key in axes
-                   else "cannot differ by method" if key in ("method", "data_seed") else None)
-            if why:
-                raise ValueError(f"preset {name!r} [method.{method}]: {key!r} {why}")
+            if key not in fields:
+                why = "is not a run setting"
+            elif key in axes:
+                why = "is a grid axis"
+            elif key in _SAME_FOR_EVERY_METHOD:
+                why = "cannot differ by method"
+            else:
+                continue
+            raise ValueError(f"preset {name!r} [method.{method}]: {key!r} {why}")
+
+
+#: Settings a [method.NAME] table may not set: a run's identity and its replication.
+_SAME_FOR_EVERY_METHOD = ("method", "seed", "batch_size", "data_seed")
+
+
+def _as_list(value) -> list:
+    return [] if value is None else list(value) if isinstance(value, list) else [value]

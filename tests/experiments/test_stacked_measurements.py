@@ -184,7 +184,8 @@ def test_committed_presets_keep_their_run_keys():
     # SHA-256 of the sorted config hashes of every run of each packaged preset, as committed before
     # measurements could be switched on (issue 14): measurement settings never enter a run's key, so
     # a store such as docs/results/fashion-target/ resumes. A change here orphans stored runs.
-    # (fashion-cnn's 40 patchnorm runs changed key once, on purpose: its [method.patchnorm] grid.)
+    # (fashion-cnn's 40 patchnorm runs changed key once, on purpose, when its [method.patchnorm] grid
+    # came in; the digest pinned here is from then.)
     expected = {
         "fashion": (192, "c8e05f670232af4b5e999797084ebec836c7767633eb591696e97f5c49118225"),
         "fashion-cnn": (120, "8f7d7ab32794d7cd774acea3dba9fd6f88afc7bd8b3cedcb961f1051bc5b974f"),
@@ -197,6 +198,11 @@ def test_committed_presets_keep_their_run_keys():
     for name, (runs, digest) in expected.items():
         hashes = sorted(config_hash(c.to_dict()) for study in load_preset(name).studies() for c in study.configs)
         assert (len(hashes), hashlib.sha256("".join(hashes).encode()).hexdigest()) == (runs, digest), name
+    # fashion-cnn's conv and conv+batchnorm runs, the same 80 keys as before patchnorm got its own grid
+    conv = sorted(config_hash(c.to_dict()) for study in load_preset("fashion-cnn").studies() for c in study.configs
+                  if c.method != "patchnorm")
+    assert hashlib.sha256("".join(conv).encode()).hexdigest() == \
+        "a5e1c3b7094e2385121ec39e2fb5e82bbf856ecaff5b8b4fda575ca7826b6db5" and len(conv) == 80
 
 
 @pytest.mark.parametrize("table, message", [
@@ -211,7 +217,11 @@ def test_committed_presets_keep_their_run_keys():
     ("[sweep]\nensemble_memory = 0", "[sweep] ensemble_memory must be more than 0 bytes, got 0"),
     ("[sweep]\nworkers = 2", "preset 'bad': [sweep] takes only ['ensemble_memory'], got {'workers': 2}"),
     ("sweep = 1", "[sweep] takes only"),
-    ("[method.nosuch]\nlr_grid = [1.0]", "preset 'bad' [method.nosuch]: unknown method 'nosuch'; expected one of: "),
+    ("[method.nosuch]\nlr_grid = [1.0]", "preset 'bad' [method.nosuch]: the preset runs no method 'nosuch'; it runs: "
+     "affine"),
+    ("[method.batchnorm]\nlr_grid = [1.0]", "[method.batchnorm]: the preset runs no method 'batchnorm'"),
+    ("[method.affine]\nseed = 5", "[method.affine]: 'seed' cannot differ by method"),
+    ("[method]\naffine = 3", "[method] holds one table of run settings per method ([method.NAME]), got {'affine': 3}"),
     ("[method.affine]\nmethod = \"batchnorm\"", "preset 'bad' [method.affine]: 'method' is a grid axis"),
     ("[method.affine]\ndata_seed = 1", "[method.affine]: 'data_seed' cannot differ by method"),
     ("[method.affine]\nwidht = 3", "[method.affine]: 'widht' is not a run setting"),
@@ -251,6 +261,26 @@ def test_a_method_table_sets_the_runs_of_its_method_only(tmp_path):
     overridden = runs("by-method", run={"lr_grid": [0.05]})
     assert {c.method: (tuple(c.lr_grid), c.grid_extensions) for c in overridden.values()} == {
         "affine": ((0.05,), 3), "batchnorm": ((0.05,), 1)}
+
+
+def test_a_method_table_merges_before_its_runs_are_built(tmp_path):
+    # [run]'s momentum is idle under sgd; a table that switches batchnorm to momentum makes it count
+    # (a run built from [run] and then changed would have lost it), and a [study.run] setting wins
+    (tmp_path / "p.toml").write_text(
+        "[run]\ndataset = \"digits\"\nmomentum = 0.5\nwidth = 8\nbatch_size = 16\nseed = 0\n"
+        "[grid]\nmethod = [\"affine\", \"batchnorm\"]\n"
+        "[method.batchnorm]\noptimizer = \"momentum\"\nwidth = 4\n"
+        "[[study]]\nname = \"plain\"\n[[study]]\nname = \"wide\"\n[study.run]\nwidth = 32\n")
+    plain, wide = load_preset(str(tmp_path / "p.toml")).studies()
+    assert [(c.method, c.optimizer, c.width) for c in plain.configs] == [("affine", "sgd", 8),
+                                                                          ("batchnorm", "momentum", 4)]
+    assert plain.configs[1].momentum == 0.5
+    assert [(c.method, c.width) for c in wide.configs] == [("affine", 32), ("batchnorm", 32)]
+    (tmp_path / "bad.toml").write_text("[run]\ndataset = \"digits\"\nbatch_size = 16\nseed = 0\n"
+                                       "[grid]\nmethod = [\"affine\"]\n"
+                                       "[method.affine]\ngrid_extensions = -1\n")
+    with pytest.raises(ValueError, match=r"^preset 'bad' \[method.affine\]: grid_extensions must be an integer"):
+        load_preset(str(tmp_path / "bad.toml")).studies()
 
 
 # ----------------------------------------------------------------------------- affdiv falsify
