@@ -447,14 +447,11 @@ def analyse_file(
     check_writable_folder(out, "--out")
 
     database = is_sqlite(path)
-    if database:  # the digest is of the database file before it is opened (a -wal file beside it is not in it)
-        with open(path, "rb") as handle:
-            digest = hashlib.file_digest(handle, "sha256").hexdigest()
-    else:  # a CSV is read once: the digest is of the bytes parsed
-        data = path.read_bytes()
-        digest = hashlib.sha256(data).hexdigest()
     if database:
         from affdiv.experiments.runs.store import ResultStore, data_key
+
+        with open(path, "rb") as handle:  # the database file before it is opened (a -wal file is not in it)
+            digest = hashlib.file_digest(handle, "sha256").hexdigest()
 
         try:
             with ResultStore(path, read_only=True) as store:
@@ -465,6 +462,8 @@ def analyse_file(
             message = str(error)
             raise ValueError(message if message.startswith("--input") else f"--input {message}") from None
     else:
+        data = path.read_bytes()  # read once: the digest is of the bytes parsed
+        digest = hashlib.sha256(data).hexdigest()
         table = read_csv_rows(path, data)  # parsed once: the budgets choose the default metric
         if metric is None:
             header, rows = table
