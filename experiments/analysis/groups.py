@@ -1,12 +1,18 @@
 """Which runs are analysed together: a group is the runs that differ only in method, batch size
-and seed."""
+and seed (and in the method's own learning-rate search, see ``_TUNING``)."""
 
 from __future__ import annotations
+
+from collections import defaultdict
 
 from affdiv.experiments.runs.config import RunConfig, unused_settings
 
 # Config fields that never name a group: the grid's own axes.
 _NOT_GROUPS = {"method", "batch_size", "seed"}
+# How a tuned method's learning rate is searched. A preset may give each method its own
+# ([method.NAME]), and each method is compared at the rate its search chose; so a search setting
+# that takes one value per method belongs to the method and names no group.
+_TUNING = ("lr_grid", "grid_extensions", "momentum_grid")
 
 
 def label_groups(records: list[dict]) -> str:
@@ -17,7 +23,10 @@ def label_groups(records: list[dict]) -> str:
     width=512``. A setting varies only if it does among the records that use it
     (:func:`~affdiv.experiments.runs.config.unused_settings`): the grid of the tuned rule, or the
     reference batch size of the scaling rules, names no group by itself. Nor does ``data_seed``
-    when it equals every record's seed (``data_seed = "seed"`` in a preset).
+    when it equals every record's seed (``data_seed = "seed"`` in a preset). A learning-rate search
+    setting (``_TUNING``) names groups only if it varies within one method among runs that share
+    every other group setting (two studies' grids mixed in one store); one grid per method (a
+    preset's ``[method.NAME]`` table) keeps the methods in one group.
     """
     fields = [f for f in RunConfig.__dataclass_fields__ if f not in _NOT_GROUPS]
     if all(r.get("data_seed") == r.get("seed") for r in records):
@@ -30,11 +39,25 @@ def label_groups(records: list[dict]) -> str:
     for record, key in zip(records, settings):
         first.setdefault(key, record)
     idle = {key: unused_settings(record) for key, record in first.items()}
-    varying = [f for i, f in enumerate(fields) if len({key[i] for key, unused in idle.items() if f not in unused}) > 1]
-    if not varying or varying == ["lr_rule"]:
+
+    def used(key, index):
+        return fields[index] not in idle[key]
+
+    def varies(index, keys):
+        return len({key[index] for key in keys if used(key, index)}) > 1
+
+    other = [i for i, f in enumerate(fields) if f not in _TUNING]
+    varying = {i for i in other if varies(i, idle)}
+    # The settings each method ran with, per group of the other settings.
+    methods = defaultdict(set)
+    for record, key in zip(records, settings):
+        methods[tuple(key[i] if used(key, i) else None for i in sorted(varying)), record.get("method")].add(key)
+    varying |= {i for i, f in enumerate(fields) if f in _TUNING and any(varies(i, keys) for keys in methods.values())}
+    names = [fields[i] for i in sorted(varying)]
+    if not names or names == ["lr_rule"]:
         return "lr_rule"
-    varying = ["lr_rule", *[f for f in varying if f != "lr_rule"]]
-    labels = {key: ", ".join(f"{f}={record.get(f)}" for f in varying if f not in idle[key])
+    names = ["lr_rule", *[f for f in names if f != "lr_rule"]]
+    labels = {key: ", ".join(f"{f}={record.get(f)}" for f in names if f not in idle[key])
               for key, record in first.items()}
     for record, key in zip(records, settings):
         record["group"] = labels[key]

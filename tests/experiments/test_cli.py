@@ -86,6 +86,40 @@ def test_settings_a_run_ignores_name_no_group():
                                                      "lr_rule=sqrt, ref_batch_size=64", "lr_rule=tuned"]
 
 
+def test_a_method_with_its_own_learning_rate_search_stays_in_its_group():
+    from affdiv.experiments.analysis.groups import label_groups
+
+    # A preset's [method.patchnorm] table: patchnorm searches its own grid, the baselines the [run] one.
+    def record(method, batch, width=8):
+        own = method == "patchnorm"
+        return {"method": method, "batch_size": batch, "seed": 0, "lr_rule": "tuned", "budget": "target",
+                "lr_grid": [1.6, 3.2, 6.4] if own else [0.2, 0.4, 0.8], "grid_extensions": 4 if own else 3,
+                "width": width}
+
+    records = [record(m, b) for m in ("conv", "conv+batchnorm", "patchnorm") for b in (32, 64)]
+    assert label_groups(records) == "lr_rule" and "group" not in records[0]
+    # Per width, each method still has one grid (patchnorm another at width 16): width alone names groups.
+    records += [{**record(m, b, width=16), **({"grid_extensions": 5} if m == "patchnorm" else {})}
+                for m in ("conv", "patchnorm") for b in (32, 64)]
+    assert label_groups(records) == "group"
+    assert {r["group"] for r in records} == {"lr_rule=tuned, width=8", "lr_rule=tuned, width=16"}
+
+
+def test_two_searches_of_one_method_name_groups():
+    from affdiv.experiments.analysis.groups import label_groups
+
+    # One store holding two studies' patchnorm runs (a narrower grid, then a wider one): each grid a group.
+    records = [{"method": m, "batch_size": b, "seed": 0, "lr_rule": "tuned", "budget": "target",
+                "lr_grid": [0.2, 0.4, 0.8], "grid_extensions": 3} for m in ("conv", "patchnorm") for b in (32, 64)]
+    records += [{**r, "grid_extensions": 4} for r in records if r["method"] == "patchnorm"]
+    assert label_groups(records) == "group"
+    assert [r["group"] for r in records] == ["lr_rule=tuned, grid_extensions=3"] * 4 + ["lr_rule=tuned, grid_extensions=4"] * 2
+    # A search setting the runs ignore (no target budget: no grid extensions) names no group.
+    for r in records:
+        r["budget"] = "epochs"
+    assert label_groups(records) == "lr_rule"
+
+
 def test_analyse_a_minimal_csv(tmp_path):
     # Any CSV with columns method, batch_size, seed, metric; here a planted fall of 0.1 per doubling.
     path = tmp_path / "mine.csv"
