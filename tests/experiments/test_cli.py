@@ -113,7 +113,8 @@ def test_two_searches_of_one_method_name_groups():
                 "lr_grid": [0.2, 0.4, 0.8], "grid_extensions": 3} for m in ("conv", "patchnorm") for b in (32, 64)]
     records += [{**r, "grid_extensions": 4} for r in records if r["method"] == "patchnorm"]
     assert label_groups(records) == "group"
-    assert [r["group"] for r in records] == ["lr_rule=tuned, grid_extensions=3"] * 4 + ["lr_rule=tuned, grid_extensions=4"] * 2
+    narrow, wide = "lr_rule=tuned, grid_extensions=3", "lr_rule=tuned, grid_extensions=4"
+    assert [r["group"] for r in records] == [narrow] * 4 + [wide] * 2
     # A search setting the runs ignore (no target budget: no grid extensions) names no group.
     for r in records:
         r["budget"] = "epochs"

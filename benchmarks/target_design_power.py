@@ -1,0 +1,73 @@
+"""How a steps-to-target study's power depends on its batch sizes and seeds: the report's own
+calibration (``calibration.target_calibration``), re-run on the layout a committed report fitted
+but with other batch sizes or seed counts.
+
+Each method keeps the fitted S_min, run noise σ (log steps) and seed shift of the report's
+``summary.json`` (``calibration.layout``); the baselines' B_crit is the report's reference B_crit
+and the corrected layers' is that times the planted ratio (1, 0.5, 0.25). Per layout it prints the
+rates of the joint verdicts and of each pair's one-sided test over ``--sims`` simulated studies
+(Monte-Carlo s.e. √(r(1 − r)/sims)). Used to choose fashion-cnn's batch sizes: the B_crits it fitted
+(20–28) lie below its first smallest batch size, 32.
+
+    python benchmarks/target_design_power.py docs/results/fashion-cnn/summary.json \\
+        --layout 32-512:8 --layout 16-512:8 --layout 8-512:8 [--sims 300] [--json PATH]
+
+A layout ``LOW-HIGH:SEEDS`` is the powers of two from LOW to HIGH with SEEDS seeds. About one
+minute per layout at 300 simulated studies per ratio on one core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+from affdiv.experiments.analysis.calibration import TargetLayout, TargetMethod, target_calibration
+from affdiv.reporting import write_json
+
+RATIOS = (1.0, 0.5, 0.25)
+
+
+def layout_argument(text: str) -> tuple[tuple[int, ...], int]:
+    """``"8-512:8"`` -> ((8, 16, ..., 512), 8); a one-line error for anything else."""
+    try:
+        span, seeds = text.split(":")
+        low, high = (int(x) for x in span.split("-"))
+        seeds = int(seeds)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a layout is LOW-HIGH:SEEDS, e.g. 8-512:8, got {text!r}") from None
+    if not (0 < low < high and math.log2(low).is_integer() and math.log2(high).is_integer() and seeds >= 3):
+        raise argparse.ArgumentTypeError(f"a layout needs powers of two LOW < HIGH and >= 3 seeds, got {text!r}")
+    return tuple(2 ** k for k in range(int(math.log2(low)), int(math.log2(high)) + 1)), seeds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("summary", type=Path, help="a steps-to-target report's summary.json")
+    parser.add_argument("--layout", type=layout_argument, action="append", required=True, metavar="LOW-HIGH:SEEDS")
+    parser.add_argument("--sims", type=int, default=300, help="simulated studies per planted ratio (default 300)")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the rates as JSON")
+    args = parser.parse_args()
+    if args.sims < 1:
+        parser.error(f"--sims must be >= 1, got {args.sims}")
+    fitted = json.loads(args.summary.read_text()).get("calibration", {}).get("layout")
+    if not fitted or "reference_b_crit" not in fitted:
+        parser.error(f"{args.summary} has no steps-to-target calibration layout (calibration.layout)")
+    methods = {name: TargetMethod(**model) for name, model in fitted["methods"].items()}
+    print(f"reference B_crit {fitted['reference_b_crit']:.3g}; planted ratios {RATIOS}; {args.sims} studies each")
+    rows = []
+    for batch_sizes, seeds in args.layout:
+        layout = TargetLayout(batch_sizes, seeds, fitted["max_steps"], methods, fitted["reference_b_crit"])
+        rates = target_calibration(layout, RATIOS, n_sims=args.sims, seed=0)
+        rows.append({"batch_sizes": list(batch_sizes), "seeds": seeds, "joint": rates.joint, "pairs": rates.pairs})
+        pairs = "; ".join(f"{pair} {', '.join(f'{r:.2f}' for r in values)}" for pair, values in rates.pairs.items())
+        print(f"B {batch_sizes[0]}-{batch_sizes[-1]}, {seeds} seeds: joint supported "
+              f"{', '.join(f'{r:.2f}' for r in rates.joint['supported'])}; contradicted "
+              f"{', '.join(f'{r:.2f}' for r in rates.joint['contradicted'])}; pair tests {pairs}", flush=True)
+    if args.json:
+        write_json(args.json, {"summary": str(args.summary), "ratios": list(RATIOS), "sims": args.sims, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
