@@ -252,9 +252,16 @@ TOTAL = 12
 
 
 def _start(out: Path) -> subprocess.Popen:
+    """The sweep as a foreground command: with SIGINT at its default even where this process ignores
+    it (a shell starts a background job with SIGINT ignored, children inherit that, and Python then
+    never raises KeyboardInterrupt). A handled signal, unlike an ignored one, is reset on exec."""
     command = [sys.executable, "-m", "affdiv", "falsify", *GRID, "--out", str(out), "--executor", "dask",
                "--workers", "2"]
-    return subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _interrupt_after(sweep_util, process, db: Path, rows: int, signum: int, *, group: bool) -> tuple[list[int], str]:
