@@ -6,8 +6,8 @@ Each method keeps the fitted S_min, run noise σ (log steps) and seed shift of t
 ``summary.json`` (``calibration.layout``); the baselines' B_crit is the report's reference B_crit
 and the corrected layers' is that times the planted ratio (1, 0.5, 0.25). Per layout it prints the
 rates of the joint verdicts and of each pair's one-sided test over ``--sims`` simulated studies
-(Monte-Carlo s.e. √(r(1 − r)/sims)). Used to choose fashion-cnn's batch sizes: the B_crits it fitted
-(20–28) lie below its first smallest batch size, 32.
+(Monte-Carlo s.e. √(r(1 − r)/sims)). The rates hold only as far as the fitted curves and noise
+extend to the batch sizes asked for. docs/results/fashion-cnn/README.md shows a use.
 
     python benchmarks/target_design_power.py docs/results/fashion-cnn/summary.json \\
         --layout 32-512:8 --layout 16-512:8 --layout 8-512:8 [--sims 300] [--json PATH]

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from affdiv.atomic import check_writable_file, check_writable_folder
 from affdiv.experiments.analysis.calibration import calibrate_for
 from affdiv.experiments.analysis.decision import analyse, check_settings
-from affdiv.experiments.analysis.groups import label_groups
+from affdiv.experiments.analysis.groups import label_curves, label_groups
 from affdiv.experiments.records import RENAMED_METHODS, is_sqlite, read_csv, read_csv_rows
 from affdiv.experiments.report.writer import write_report
 from affdiv.provenance import provenance
@@ -144,7 +144,7 @@ def analyse_and_report(out: Path, records: list[dict], curves, settings: Mapping
     _check_calibration_sims(calibration_sims)
     group_by = label_groups(records)
     if curves:
-        label_groups(curves)
+        label_curves(curves, records)
     analysis = analyse(records, group_by=group_by, progress=progress, **settings)
     calibration = None
     if calibration_sims:

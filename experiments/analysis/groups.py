@@ -1,5 +1,5 @@
 """Which runs are analysed together: a group is the runs that differ only in method, batch size
-and seed (and in the method's own learning-rate search, see ``_TUNING``)."""
+and seed (and in how each method's step size is set, see ``_STEP_SIZE``)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from affdiv.experiments.runs.config import RunConfig, unused_settings
 
 # Config fields that never name a group: the grid's own axes.
 _NOT_GROUPS = {"method", "batch_size", "seed"}
-# How a tuned method's learning rate is searched. A preset may give each method its own
-# ([method.NAME]), and each method is compared at the rate its search chose; so a search setting
-# that takes one value per method belongs to the method and names no group.
-_TUNING = ("lr_grid", "grid_extensions", "momentum_grid")
+# How a method's step size is set: its rate and momentum, or their search under the tuned rule. A
+# preset may give each method its own ([method.NAME]), and each method is compared at its own step
+# size; so such a setting that takes one value per method belongs to the method and names no group.
+_STEP_SIZE = ("base_lr", "momentum", "lr_grid", "grid_extensions", "momentum_grid")
 
 
 def label_groups(records: list[dict]) -> str:
@@ -23,13 +23,17 @@ def label_groups(records: list[dict]) -> str:
     width=512``. A setting varies only if it does among the records that use it
     (:func:`~affdiv.experiments.runs.config.unused_settings`): the grid of the tuned rule, or the
     reference batch size of the scaling rules, names no group by itself. Nor does ``data_seed``
-    when it equals every record's seed (``data_seed = "seed"`` in a preset). A learning-rate search
-    setting (``_TUNING``) names groups only if it varies within one method among runs that share
-    every other group setting (two studies' grids mixed in one store); one grid per method (a
-    preset's ``[method.NAME]`` table) keeps the methods in one group.
+    when it equals every record's seed (``data_seed = "seed"`` in a preset). A step-size setting
+    (``_STEP_SIZE``) names groups only if it varies within one method among runs that share every
+    other group setting (two studies' grids mixed in one store); one value per method (a preset's
+    ``[method.NAME]`` table) keeps the methods in one group. When it does name groups it splits every
+    method by its value, so a method whose own value no other method shares is alone in its group
+    (the report says it has no baseline there). Any other setting that differs between methods (a
+    ``[method.NAME]`` width, say) names groups too: methods are compared only under equal settings.
     """
     fields = [f for f in RunConfig.__dataclass_fields__ if f not in _NOT_GROUPS]
-    if all(r.get("data_seed") == r.get("seed") for r in records):
+    # (as text: a records CSV types seed but leaves data_seed as written)
+    if all(str(r.get("data_seed")) == str(r.get("seed")) for r in records):
         fields.remove("data_seed")  # each seed draws its own split: data_seed is the seed axis, not a group
     # Records with the same settings (compared by repr: 1, 1.0 and "1" differ) share their label and
     # their idle settings (unused_settings reads only lr_rule, optimizer, budget and momentum_grid,
@@ -46,13 +50,14 @@ def label_groups(records: list[dict]) -> str:
     def varies(index, keys):
         return len({key[index] for key in keys if used(key, index)}) > 1
 
-    other = [i for i, f in enumerate(fields) if f not in _TUNING]
-    varying = {i for i in other if varies(i, idle)}
-    # The settings each method ran with, per group of the other settings.
-    methods = defaultdict(set)
+    other = [i for i, f in enumerate(fields) if f not in _STEP_SIZE]
+    varying = {i for i in other if varies(i, list(idle))}
+    # The distinct settings each method ran with, per group of the other settings.
+    searches = defaultdict(set)
     for record, key in zip(records, settings):
-        methods[tuple(key[i] if used(key, i) else None for i in sorted(varying)), record.get("method")].add(key)
-    varying |= {i for i, f in enumerate(fields) if f in _TUNING and any(varies(i, keys) for keys in methods.values())}
+        searches[tuple(key[i] if used(key, i) else None for i in sorted(varying)), record.get("method")].add(key)
+    varying |= {i for i, f in enumerate(fields)
+                if f in _STEP_SIZE and any(varies(i, keys) for keys in searches.values())}
     names = [fields[i] for i in sorted(varying)]
     if not names or names == ["lr_rule"]:
         return "lr_rule"
@@ -62,3 +67,14 @@ def label_groups(records: list[dict]) -> str:
     for record, key in zip(records, settings):
         record["group"] = labels[key]
     return "group"
+
+
+def label_curves(curves: list[dict], records: list[dict]) -> None:
+    """Give each curve point its run's ``group`` label, as :func:`label_groups` put it on
+    ``records`` (matched by ``config_hash``); nothing when the records have no such label. Not the
+    curves' own labels: whether a setting names groups depends on the runs present, and runs without
+    curve points would be missing."""
+    labels = {record["config_hash"]: record["group"] for record in records if "group" in record}
+    if labels:
+        for point in curves:
+            point["group"] = labels[point["config_hash"]]

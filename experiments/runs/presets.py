@@ -19,6 +19,9 @@ override them (one report each):
                  grid for a layer whose learning rates are larger); a name with "+" is quoted:
                  [method."conv+batchnorm"]. Not grid axes, not ``method``, ``seed``, ``batch_size``
                  or ``data_seed``. Precedence: [run] < [method.NAME] < [study.run] < ``--set``.
+                 The analysis compares the method with the others only if the table sets just
+                 its step size (``analysis/groups.py``: base_lr, momentum and their search);
+                 any other setting puts the method in an analysis group of its own.
     [sweep]      optional: how the runs are trained, as ``affdiv falsify``'s option of the same name
                  (which overrides it); not part of a run's key:
                    ensemble_memory = "64MiB"  memory budget of one stacked ensemble

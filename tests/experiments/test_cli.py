@@ -98,11 +98,44 @@ def test_a_method_with_its_own_learning_rate_search_stays_in_its_group():
 
     records = [record(m, b) for m in ("conv", "conv+batchnorm", "patchnorm") for b in (32, 64)]
     assert label_groups(records) == "lr_rule" and "group" not in records[0]
+    # A per-method rate under a scaling rule is the method's too.
+    scaled = [{**r, "lr_rule": "sqrt", "base_lr": 0.4 if r["method"] == "patchnorm" else 0.05} for r in records]
+    assert label_groups(scaled) == "lr_rule"
     # Per width, each method still has one grid (patchnorm another at width 16): width alone names groups.
     records += [{**record(m, b, width=16), **({"grid_extensions": 5} if m == "patchnorm" else {})}
                 for m in ("conv", "patchnorm") for b in (32, 64)]
     assert label_groups(records) == "group"
     assert {r["group"] for r in records} == {"lr_rule=tuned, width=8", "lr_rule=tuned, width=16"}
+
+
+def test_a_split_per_seed_names_no_group_in_a_records_csv(tmp_path):
+    from affdiv.experiments.analysis.groups import label_groups
+    from affdiv.experiments.records import read_csv, write_csv
+
+    # data_seed = "seed": as falsify writes records.csv (seed is typed on reading, data_seed stays text)
+    records = [{"method": m, "batch_size": b, "seed": s, "data_seed": s, "metric": 0.5, "lr_rule": "tuned"}
+               for m in ("conv", "patchnorm") for b in (32, 64) for s in (0, 1, 2)]
+    assert label_groups(records) == "lr_rule"
+    back = read_csv(write_csv(tmp_path / "records.csv", records))
+    assert back[1]["data_seed"] == "1" and back[1]["seed"] == 1
+    assert label_groups(back) == "lr_rule" and "group" not in back[0]
+    back[1]["data_seed"] = "0"  # one seed on another's split: data_seed names groups again
+    assert label_groups(back) == "group"
+
+
+def test_curve_points_take_their_runs_group():
+    from affdiv.experiments.analysis.groups import label_curves, label_groups
+
+    records = [{"method": m, "batch_size": 32, "seed": 0, "lr_rule": "tuned", "budget": "target",
+                "grid_extensions": g, "config_hash": f"{m}{g}"} for m, g in (("conv", 3), ("pn", 3), ("pn", 4))]
+    assert label_groups(records) == "group"
+    # Only the runs of one grid have curve points: alone they would vary in nothing and name no group.
+    curves = [{**records[i], "epoch": e} for i in (0, 2) for e in (1, 2)]
+    for point in curves:
+        point.pop("group")
+    label_curves(curves, records)
+    assert [p["group"] for p in curves] == [records[0]["group"]] * 2 + [records[2]["group"]] * 2
+    assert records[0]["group"] != records[2]["group"]
 
 
 def test_two_searches_of_one_method_name_groups():
@@ -115,6 +148,10 @@ def test_two_searches_of_one_method_name_groups():
     assert label_groups(records) == "group"
     narrow, wide = "lr_rule=tuned, grid_extensions=3", "lr_rule=tuned, grid_extensions=4"
     assert [r["group"] for r in records] == [narrow] * 4 + [wide] * 2
+    # Named once, a search setting splits every method: a method's own third search stands alone.
+    records.append({**records[-1], "grid_extensions": 5})
+    assert label_groups(records) == "group" and records[-1]["group"] == "lr_rule=tuned, grid_extensions=5"
+    assert {r["method"] for r in records if r["group"] == wide} == {"patchnorm"}
     # A search setting the runs ignore (no target budget: no grid extensions) names no group.
     for r in records:
         r["budget"] = "epochs"
