@@ -12,6 +12,8 @@ extend to the batch sizes asked for. docs/results/fashion-cnn/README.md shows a 
     python benchmarks/target_design_power.py docs/results/fashion-cnn/summary.json \\
         --layout 32-512:8 --layout 16-512:8 --layout 8-512:8 [--sims 300] [--json PATH]
 
+The JSON records the summary's path and SHA-256 (a committed summary.json is rewritten by a later run).
+
 A layout ``LOW-HIGH:SEEDS`` is the powers of two from LOW to HIGH with SEEDS seeds. About one
 minute per layout at 300 simulated studies per ratio on one core.
 """
@@ -19,6 +21,7 @@ minute per layout at 300 simulated studies per ratio on one core.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -51,7 +54,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.sims < 1:
         parser.error(f"--sims must be >= 1, got {args.sims}")
-    fitted = json.loads(args.summary.read_text()).get("calibration", {}).get("layout")
+    text = args.summary.read_bytes()
+    fitted = json.loads(text).get("calibration", {}).get("layout")
     if not fitted or "reference_b_crit" not in fitted:
         parser.error(f"{args.summary} has no steps-to-target calibration layout (calibration.layout)")
     methods = {name: TargetMethod(**model) for name, model in fitted["methods"].items()}
@@ -66,7 +70,8 @@ def main() -> None:
               f"{', '.join(f'{r:.2f}' for r in rates.joint['supported'])}; contradicted "
               f"{', '.join(f'{r:.2f}' for r in rates.joint['contradicted'])}; pair tests {pairs}", flush=True)
     if args.json:
-        write_json(args.json, {"summary": str(args.summary), "ratios": list(RATIOS), "sims": args.sims, "rows": rows})
+        write_json(args.json, {"summary": str(args.summary), "summary_sha256": hashlib.sha256(text).hexdigest(),
+                               "ratios": list(RATIOS), "sims": args.sims, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -107,6 +107,8 @@ def _validate_record(record: Mapping, metric: str, where: str) -> dict:
     if row["batch_size"] <= 0:
         raise ValueError(f"{where}: batch_size must be > 0, got {record['batch_size']!r}")
     row["seed"] = _as_int(record["seed"], "seed", where)
+    if record.get("data_seed") not in (None, ""):  # compared with seed (analysis/groups.py)
+        row["data_seed"] = _as_int(record["data_seed"], "data_seed", where)
     if metric in CENSORED_METRICS or not record.keys().isdisjoint(_TARGET_COLUMNS):
         _target_columns(row, record, metric, where)
     if metric not in CENSORED_METRICS:
@@ -125,7 +127,7 @@ def _validate_record(record: Mapping, metric: str, where: str) -> dict:
 
 def validate_records(records: Sequence[Mapping], *, metric: str = "metric") -> list[dict]:
     """Copies of ``records`` with method:str, batch_size:int > 0, seed:int, metric:finite float,
-    and diverged: 0 or 1 where the record has it.
+    and data_seed:int and diverged: 0 or 1 where the record has them.
 
     Other keys are kept unchanged. Raises ValueError naming the record, the column, the expected
     and the actual value.

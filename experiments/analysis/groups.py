@@ -9,10 +9,11 @@ from affdiv.experiments.runs.config import RunConfig, unused_settings
 
 # Config fields that never name a group: the grid's own axes.
 _NOT_GROUPS = {"method", "batch_size", "seed"}
-# How a method's step size is set: its rate and momentum, or their search under the tuned rule. A
+# How a method's step size is set: its rate (and the batch size it scales from) and momentum, or
+# their search under the tuned rule. A
 # preset may give each method its own ([method.NAME]), and each method is compared at its own step
 # size; so such a setting that takes one value per method belongs to the method and names no group.
-_STEP_SIZE = ("base_lr", "momentum", "lr_grid", "grid_extensions", "momentum_grid")
+_STEP_SIZE = ("base_lr", "ref_batch_size", "momentum", "lr_grid", "grid_extensions", "momentum_grid")
 
 
 def label_groups(records: list[dict]) -> str:
@@ -32,8 +33,7 @@ def label_groups(records: list[dict]) -> str:
     ``[method.NAME]`` width, say) names groups too: methods are compared only under equal settings.
     """
     fields = [f for f in RunConfig.__dataclass_fields__ if f not in _NOT_GROUPS]
-    # (as text: a records CSV types seed but leaves data_seed as written)
-    if all(str(r.get("data_seed")) == str(r.get("seed")) for r in records):
+    if all(r.get("data_seed") == r.get("seed") for r in records):
         fields.remove("data_seed")  # each seed draws its own split: data_seed is the seed axis, not a group
     # Records with the same settings (compared by repr: 1, 1.0 and "1" differ) share their label and
     # their idle settings (unused_settings reads only lr_rule, optimizer, budget and momentum_grid,
@@ -51,13 +51,13 @@ def label_groups(records: list[dict]) -> str:
         return len({key[index] for key in keys if used(key, index)}) > 1
 
     other = [i for i, f in enumerate(fields) if f not in _STEP_SIZE]
-    varying = {i for i in other if varies(i, list(idle))}
+    varying = {i for i in other if varies(i, idle)}
     # The distinct settings each method ran with, per group of the other settings.
-    searches = defaultdict(set)
+    per_method = defaultdict(set)
     for record, key in zip(records, settings):
-        searches[tuple(key[i] if used(key, i) else None for i in sorted(varying)), record.get("method")].add(key)
+        per_method[tuple(key[i] if used(key, i) else None for i in sorted(varying)), record.get("method")].add(key)
     varying |= {i for i, f in enumerate(fields)
-                if f in _STEP_SIZE and any(varies(i, keys) for keys in searches.values())}
+                if f in _STEP_SIZE and any(varies(i, keys) for keys in per_method.values())}
     names = [fields[i] for i in sorted(varying)]
     if not names or names == ["lr_rule"]:
         return "lr_rule"
@@ -77,4 +77,6 @@ def label_curves(curves: list[dict], records: list[dict]) -> None:
     labels = {record["config_hash"]: record["group"] for record in records if "group" in record}
     if labels:
         for point in curves:
+            if point.get("config_hash") not in labels:
+                raise ValueError(f"a curve point of run {point.get('config_hash')!r}, which is not among the records")
             point["group"] = labels[point["config_hash"]]

@@ -20,7 +20,8 @@ override them (one report each):
                  [method."conv+batchnorm"]. Not grid axes, not ``method``, ``seed``, ``batch_size``
                  or ``data_seed``. Precedence: [run] < [method.NAME] < [study.run] < ``--set``.
                  The analysis compares the method with the others only if the table sets just
-                 its step size (``analysis/groups.py``: base_lr, momentum and their search);
+                 its step size (``analysis/groups.py``: base_lr, ref_batch_size, momentum and
+                 their search);
                  any other setting puts the method in an analysis group of its own.
     [sweep]      optional: how the runs are trained, as ``affdiv falsify``'s option of the same name
                  (which overrides it); not part of a run's key:

@@ -14,13 +14,11 @@ step is :class:`~affdiv.experiments.runs.optimizers.StackedOptimizer`: an lr (mo
 
 Every operation is per model, so model k's numbers equal those of the same model trained alone
 up to the order of summation inside the batched kernels (see the tests for the bound). Whether
-they also depend on which other models share the stack is up to the kernels: in the tests
-(digits, width 16) the MLP methods' numbers do not, bit for bit; the CNN methods' grouped
-convolutions pick their kernels by the total channel count, so there a model's float32 numbers
-can change at rounding level with its ensemble's size. So can affine_like's at width 128: 4 of the
-21 affine_like runs of docs/results/fashion-target-noise (ensembles of 3 seeds) differ from their
-twins trained in ensembles of 8 in the 7th digit of their losses (same steps, learning rate and
-accuracies); its affine, batchnorm and norm_l2 runs, and 80 runs in all, are bit-identical.
+they also depend on which other models share the stack is up to those kernels, which may pick
+their blocking by the total size: the CNN methods' grouped convolutions pick theirs by the total
+channel count, so a model's float32 numbers can change at rounding level with its ensemble's size,
+and so can affine_like's at width 128 (docs/results/fashion-target-noise/README.md). In the tests
+(digits, width 16) affine_like's do not, bit for bit.
 
 Measurements (:class:`~affdiv.experiments.runs.training.Measurement`) look at one model at a
 time: :meth:`StackedEnsemble.copy` materialises model k as a plain module (a copy of the base

@@ -98,9 +98,14 @@ def test_a_method_with_its_own_learning_rate_search_stays_in_its_group():
 
     records = [record(m, b) for m in ("conv", "conv+batchnorm", "patchnorm") for b in (32, 64)]
     assert label_groups(records) == "lr_rule" and "group" not in records[0]
-    # A per-method rate under a scaling rule is the method's too.
+    # A per-method rate under a scaling rule is the method's too, as are its reference batch size and momentum.
     scaled = [{**r, "lr_rule": "sqrt", "base_lr": 0.4 if r["method"] == "patchnorm" else 0.05} for r in records]
     assert label_groups(scaled) == "lr_rule"
+    scaled = [{**r, "ref_batch_size": 64 if r["method"] == "patchnorm" else 32} for r in scaled]
+    assert label_groups(scaled) == "lr_rule"
+    with_momentum = [{**r, "optimizer": "momentum", "momentum": 0.5 if r["method"] == "patchnorm" else 0.9}
+                     for r in scaled]
+    assert label_groups(with_momentum) == "lr_rule"
     # Per width, each method still has one grid (patchnorm another at width 16): width alone names groups.
     records += [{**record(m, b, width=16), **({"grid_extensions": 5} if m == "patchnorm" else {})}
                 for m in ("conv", "patchnorm") for b in (32, 64)]
@@ -117,9 +122,12 @@ def test_a_split_per_seed_names_no_group_in_a_records_csv(tmp_path):
                for m in ("conv", "patchnorm") for b in (32, 64) for s in (0, 1, 2)]
     assert label_groups(records) == "lr_rule"
     back = read_csv(write_csv(tmp_path / "records.csv", records))
-    assert back[1]["data_seed"] == "1" and back[1]["seed"] == 1
+    assert back[1]["data_seed"] == 1 == back[1]["seed"]
     assert label_groups(back) == "lr_rule" and "group" not in back[0]
-    back[1]["data_seed"] = "0"  # one seed on another's split: data_seed names groups again
+    as_floats = read_csv(write_csv(tmp_path / "floats.csv", [{**r, "seed": float(r["seed"]),
+                                                               "data_seed": float(r["data_seed"])} for r in records]))
+    assert label_groups(as_floats) == "lr_rule"  # "1.0", as pandas writes an integer column with gaps
+    back[1]["data_seed"] = 0  # one seed on another's split: data_seed names groups again
     assert label_groups(back) == "group"
 
 
@@ -129,13 +137,16 @@ def test_curve_points_take_their_runs_group():
     records = [{"method": m, "batch_size": 32, "seed": 0, "lr_rule": "tuned", "budget": "target",
                 "grid_extensions": g, "config_hash": f"{m}{g}"} for m, g in (("conv", 3), ("pn", 3), ("pn", 4))]
     assert label_groups(records) == "group"
-    # Only the runs of one grid have curve points: alone they would vary in nothing and name no group.
+    # Only one run per method has curve points (conv's on grid 3, patchnorm's on grid 4): alone they would
+    # hold one grid per method and name no group.
     curves = [{**records[i], "epoch": e} for i in (0, 2) for e in (1, 2)]
     for point in curves:
         point.pop("group")
     label_curves(curves, records)
     assert [p["group"] for p in curves] == [records[0]["group"]] * 2 + [records[2]["group"]] * 2
     assert records[0]["group"] != records[2]["group"]
+    with pytest.raises(ValueError, match="a curve point of run 'other', which is not among the records"):
+        label_curves([{**curves[0], "config_hash": "other"}], records)
 
 
 def test_two_searches_of_one_method_name_groups():

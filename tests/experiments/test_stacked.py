@@ -154,10 +154,10 @@ def test_steps_to_target_stacked_as_one_at_a_time(digits):
         _assert_close(one, many)
 
 
-def test_members_do_not_depend_on_their_ensemble(digits):
-    # MLPs at this size: bit for bit, whatever else is stacked with a run (so a resumed sweep that
-    # trains only the missing runs gives the numbers of an uninterrupted one). Not a guarantee of the
-    # kernels: at width 128 affine_like's float32 losses can change in the 7th digit (stacked.py).
+def test_small_mlp_members_do_not_depend_on_their_ensemble(digits):
+    # affine_like at width 16: bit for bit, whatever else is stacked with a run. Not a guarantee of the
+    # kernels: at width 128 its float32 losses can change in the 7th digit with the ensemble's size
+    # (stacked.py), and so can a resumed sweep's.
     configs = _configs("affine_like", dtype="float32")
     together = train_runs(configs, [digits] * len(configs), stacked=True)
     for config, result in zip(configs, together):

@@ -126,7 +126,7 @@ def test_packaged_presets_expand():
     sizes = {name: [len(s.configs) for s in load_preset(name).studies()] for name in available_presets()}
     assert sizes["smoke"] == [4 * 4 * 8] and sizes["fashion"] == [6 * 4 * 8]
     assert sizes["fashion-target"] == [6 * 7 * 8] and sizes["fashion-steps"] == [6 * 4 * 8]
-    assert sizes["fashion-cnn"] == [3 * 5 * 8]
+    assert sizes["fashion-cnn"] == [3 * 7 * 8]
     for name in available_presets():  # >= 8 seeds, each with its own data split (data_seed = "seed")
         configs = [c for s in load_preset(name).studies() for c in s.configs]
         assert len({c.seed for c in configs}) >= 8 and all(c.data_seed == c.seed for c in configs), name

@@ -1,6 +1,7 @@
 """benchmarks/target_design_power.py: its layout argument and a run on a hand-written layout."""
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import subprocess
@@ -41,7 +42,9 @@ def test_the_rates_come_from_the_summary_layout(tmp_path):
                            "--layout", "8-1024:4", "--sims", "4", "--json", str(tmp_path / "rates.json")],
                           capture_output=True, text=True, check=True)
     assert "B 8-1024, 4 seeds" in done.stdout
-    rates = json.loads((tmp_path / "rates.json").read_text())["rows"][0]
+    written = json.loads((tmp_path / "rates.json").read_text())
+    assert written["summary_sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    rates = written["rows"][0]
     assert rates["batch_sizes"] == [8, 16, 32, 64, 128, 256, 512, 1024]
     assert rates["pairs"]["c vs b"][1:] == [1.0, 1.0]
     assert rates["joint"]["supported"] == [0.0, 1.0, 1.0] and rates["joint"]["contradicted"] == [1.0, 0.0, 0.0]
