@@ -107,7 +107,7 @@ def _validate_record(record: Mapping, metric: str, where: str) -> dict:
     if row["batch_size"] <= 0:
         raise ValueError(f"{where}: batch_size must be > 0, got {record['batch_size']!r}")
     row["seed"] = _as_int(record["seed"], "seed", where)
-    if record.get("data_seed") not in (None, ""):  # compared with seed (analysis/groups.py)
+    if not _is_empty(record.get("data_seed")):  # compared with seed (analysis/groups.py)
         row["data_seed"] = _as_int(record["data_seed"], "data_seed", where)
     if metric in CENSORED_METRICS or not record.keys().isdisjoint(_TARGET_COLUMNS):
         _target_columns(row, record, metric, where)

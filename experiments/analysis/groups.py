@@ -73,10 +73,11 @@ def label_curves(curves: list[dict], records: list[dict]) -> None:
     """Give each curve point its run's ``group`` label, as :func:`label_groups` put it on
     ``records`` (matched by ``config_hash``); nothing when the records have no such label. Not the
     curves' own labels: whether a setting names groups depends on the runs present, and runs without
-    curve points would be missing."""
+    curve points would be missing. Raises ValueError for a point whose run has no record."""
     labels = {record["config_hash"]: record["group"] for record in records if "group" in record}
     if labels:
         for point in curves:
             if point.get("config_hash") not in labels:
-                raise ValueError(f"a curve point of run {point.get('config_hash')!r}, which is not among the records")
+                raise ValueError(f"curve point of run {point.get('config_hash')!r} has no record "
+                                 "among the records analysed")
             point["group"] = labels[point["config_hash"]]

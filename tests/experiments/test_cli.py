@@ -117,7 +117,7 @@ def test_a_split_per_seed_names_no_group_in_a_records_csv(tmp_path):
     from affdiv.experiments.analysis.groups import label_groups
     from affdiv.experiments.records import read_csv, write_csv
 
-    # data_seed = "seed": as falsify writes records.csv (seed is typed on reading, data_seed stays text)
+    # data_seed = "seed": as falsify writes records.csv (both typed on reading)
     records = [{"method": m, "batch_size": b, "seed": s, "data_seed": s, "metric": 0.5, "lr_rule": "tuned"}
                for m in ("conv", "patchnorm") for b in (32, 64) for s in (0, 1, 2)]
     assert label_groups(records) == "lr_rule"
@@ -145,7 +145,7 @@ def test_curve_points_take_their_runs_group():
     label_curves(curves, records)
     assert [p["group"] for p in curves] == [records[0]["group"]] * 2 + [records[2]["group"]] * 2
     assert records[0]["group"] != records[2]["group"]
-    with pytest.raises(ValueError, match="a curve point of run 'other', which is not among the records"):
+    with pytest.raises(ValueError, match="curve point of run 'other' has no record among the records analysed"):
         label_curves([{**curves[0], "config_hash": "other"}], records)
 
 

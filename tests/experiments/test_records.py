@@ -76,3 +76,13 @@ def test_is_sqlite_on_a_csv(tmp_path):
     path = tmp_path / "x.csv"
     path.write_text("method,batch_size,seed,metric\n")
     assert not is_sqlite(path)
+
+
+def test_data_seed_is_typed_like_seed(tmp_path):
+    path = tmp_path / "r.csv"
+    path.write_text("method,batch_size,seed,metric,data_seed\naffine,8,1,0.5,1.0\naffine,8,2,0.5,\n")
+    first, second = read_csv(path)
+    assert (first["data_seed"], second["data_seed"]) == (1, "")  # an empty cell stays absent
+    path.write_text("method,batch_size,seed,metric,data_seed\naffine,8,1,0.5,split-a\n")
+    with pytest.raises(ValueError, match="line 2.*data_seed"):
+        read_csv(path)
