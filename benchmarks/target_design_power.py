@@ -21,12 +21,13 @@ minute per layout at 300 simulated studies per ratio on one core.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
 from pathlib import Path
 
-from affdiv.experiments.analysis.calibration import TargetLayout, TargetMethod, target_calibration
+from affdiv.experiments.analysis.calibration import TargetLayout, target_calibration
 from affdiv.reporting import write_json
 
 RATIOS = (1.0, 0.5, 0.25)
@@ -45,6 +46,11 @@ def layout_argument(text: str) -> tuple[tuple[int, ...], int]:
     return tuple(2 ** k for k in range(int(math.log2(low)), int(math.log2(high)) + 1)), seeds
 
 
+def _listed(rates) -> str:
+    """Rates at the planted ratios, as '0.01, 0.98, 1.00'."""
+    return ", ".join(f"{r:.2f}" for r in rates)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("summary", type=Path, help="a steps-to-target report's summary.json")
@@ -58,17 +64,17 @@ def main() -> None:
     fitted = json.loads(text).get("calibration", {}).get("layout")
     if not fitted or "reference_b_crit" not in fitted:
         parser.error(f"{args.summary} has no steps-to-target calibration layout (calibration.layout)")
-    methods = {name: TargetMethod(**model) for name, model in fitted["methods"].items()}
-    print(f"reference B_crit {fitted['reference_b_crit']:.3g}; planted ratios {RATIOS}; {args.sims} studies each")
+    fitted = TargetLayout.from_description(fitted)
+    print(f"reference B_crit {fitted.reference_b_crit:.3g}; planted ratios {RATIOS}; {args.sims} studies each")
     rows = []
     for batch_sizes, seeds in args.layout:
-        layout = TargetLayout(batch_sizes, seeds, fitted["max_steps"], methods, fitted["reference_b_crit"])
+        layout = dataclasses.replace(fitted, batch_sizes=batch_sizes, n_seeds=seeds)
         rates = target_calibration(layout, RATIOS, n_sims=args.sims, seed=0)
         rows.append({"batch_sizes": list(batch_sizes), "seeds": seeds, "joint": rates.joint, "pairs": rates.pairs})
-        pairs = "; ".join(f"{pair} {', '.join(f'{r:.2f}' for r in values)}" for pair, values in rates.pairs.items())
+        pairs = "; ".join(f"{pair} {_listed(values)}" for pair, values in rates.pairs.items())
         print(f"B {batch_sizes[0]}-{batch_sizes[-1]}, {seeds} seeds: joint supported "
-              f"{', '.join(f'{r:.2f}' for r in rates.joint['supported'])}; contradicted "
-              f"{', '.join(f'{r:.2f}' for r in rates.joint['contradicted'])}; pair tests {pairs}", flush=True)
+              f"{_listed(rates.joint['supported'])}; contradicted {_listed(rates.joint['contradicted'])}; "
+              f"pair tests {pairs}", flush=True)
     if args.json:
         write_json(args.json, {"summary": str(args.summary), "summary_sha256": hashlib.sha256(text).hexdigest(),
                                "ratios": list(RATIOS), "sims": args.sims, "rows": rows})

@@ -356,6 +356,13 @@ class TargetLayout:
                 "reference_b_crit": self.reference_b_crit,
                 "methods": {m: asdict(model) for m, model in self.methods.items()}}
 
+    @classmethod
+    def from_description(cls, description: Mapping) -> TargetLayout:
+        """The layout :meth:`describe` wrote (a report's ``summary.json`` ``calibration.layout``)."""
+        return cls(tuple(description["batch_sizes"]), description["n_seeds"], description["max_steps"],
+                   {m: TargetMethod(**model) for m, model in description["methods"].items()},
+                   description["reference_b_crit"])
+
 
 def target_layout(analysis) -> TargetLayout:
     """The layout of a real steps-to-target analysis (primary group): its batch sizes, seeds and

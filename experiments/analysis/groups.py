@@ -10,9 +10,9 @@ from affdiv.experiments.runs.config import RunConfig, unused_settings
 # Config fields that never name a group: the grid's own axes.
 _NOT_GROUPS = {"method", "batch_size", "seed"}
 # How a method's step size is set: its rate (and the batch size it scales from) and momentum, or
-# their search under the tuned rule. A
-# preset may give each method its own ([method.NAME]), and each method is compared at its own step
-# size; so such a setting that takes one value per method belongs to the method and names no group.
+# their search under the tuned rule. A preset may give each method its own ([method.NAME]), and each
+# method is compared at its own step size; so such a setting that takes one value per method
+# belongs to the method and names no group.
 _STEP_SIZE = ("base_lr", "ref_batch_size", "momentum", "lr_grid", "grid_extensions", "momentum_grid")
 
 

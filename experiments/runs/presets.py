@@ -21,8 +21,7 @@ override them (one report each):
                  or ``data_seed``. Precedence: [run] < [method.NAME] < [study.run] < ``--set``.
                  The analysis compares the method with the others only if the table sets just
                  its step size (``analysis/groups.py``: base_lr, ref_batch_size, momentum and
-                 their search);
-                 any other setting puts the method in an analysis group of its own.
+                 their search); any other setting puts the method in an analysis group of its own.
     [sweep]      optional: how the runs are trained, as ``affdiv falsify``'s option of the same name
                  (which overrides it); not part of a run's key:
                    ensemble_memory = "64MiB"  memory budget of one stacked ensemble
@@ -57,6 +56,8 @@ SEED = "seed"
 #: ``measurement(every=N)``).
 MEASURE = {"noise_scale_every": ("--noise-scale-every", noise_scale),
            "probe_every": ("--probe-every", divergence_measurement)}
+#: Settings a [method.NAME] table may not set: a run's identity and its replication.
+_SAME_FOR_EVERY_METHOD = ("method", "seed", "batch_size", "data_seed")
 #: The keys of a preset's [sweep] table.
 SWEEP = ("ensemble_memory",)
 
@@ -223,10 +224,6 @@ def _check_method_tables(name: str, raw: dict) -> None:
             else:
                 continue
             raise ValueError(f"preset {name!r} [method.{method}]: {key!r} {why}")
-
-
-#: Settings a [method.NAME] table may not set: a run's identity and its replication.
-_SAME_FOR_EVERY_METHOD = ("method", "seed", "batch_size", "data_seed")
 
 
 def _as_list(value) -> list:

@@ -50,6 +50,14 @@ def test_the_rates_come_from_the_summary_layout(tmp_path):
     assert rates["joint"]["supported"] == [0.0, 1.0, 1.0] and rates["joint"]["contradicted"] == [1.0, 0.0, 0.0]
 
 
+def test_a_layout_reads_back_from_its_description():
+    from affdiv.experiments.analysis.calibration import TargetLayout, TargetMethod
+
+    layout = TargetLayout((8, 16, 32), 4, 900, {"c": TargetMethod("corrected", 100.0, 20.0, 0.2, 0.05),
+                                                "b": TargetMethod("baseline", 90.0, 20.0, 0.1)}, 20.0)
+    assert TargetLayout.from_description(json.loads(json.dumps(layout.describe()))) == layout
+
+
 def test_a_summary_without_a_target_layout_is_refused(tmp_path):
     path = tmp_path / "summary.json"
     path.write_text("{}")
