@@ -420,6 +420,7 @@ def analyse_file(
     contrast_margin: float | None = None,
     alpha: float = 0.05,
     calibration_sims: int = 500,
+    primary_target: float | None = None,
 ) -> dict[str, Path]:
     """Test the batch-size prediction on existing results: a record CSV or a results store;
     returns the written paths. The metric, when None, is :func:`default_metric`'s:
@@ -429,7 +430,9 @@ def analyse_file(
     The input is only read: a store is opened read-only (its bytes, and the folder it is in, stay
     as they were), and a report folder whose files would replace the input is refused. The
     provenance records the SHA-256 of the input as it was read. Names in ``corrected`` and
-    ``baselines`` must be methods of the records. Every setting is checked before the analysis.
+    ``baselines`` must be methods of the records. ``primary_target``: for steps to a target along
+    a ladder, the target that decides (default: the runs' own, else the highest). Every setting is
+    checked before the analysis.
     """
     started = time.monotonic()
     _check_calibration_sims(calibration_sims)
@@ -441,7 +444,8 @@ def analyse_file(
     names = {role: None if given is None else tuple(RENAMED_METHODS.get(m, m) for m in given)
              for role, given in (("corrected", corrected), ("baselines", baselines))}
     settings = {"metric": metric, "higher_is_better": higher_is_better, "alpha": alpha, "margin": margin,
-                "contrast_margin": contrast_margin, **{role: given for role, given in names.items() if given}}
+                "contrast_margin": contrast_margin, "primary_target": primary_target,
+                **{role: given for role, given in names.items() if given}}
     check_settings({k: v for k, v in settings.items() if k != "metric"}, where="analyse")
     check_no_overwrite({"--input": path}, [out])
     check_writable_folder(out, "--out")
