@@ -8,18 +8,20 @@ Reads. A run of the ``target`` budget evaluates the validation split at *reads*.
     s_1 = 1,    s_{k+1} = s_k + max(1, floor(r s_k)),    and max_steps,
 
 so every gap is at most r times the step it starts from: every step while r s < 1, then a fixed
-fraction of the steps so far. A crossing at S is bracketed by reads s_{k-1} < S <= s_k with
-s_k - s_{k-1} <= r s_{k-1} < r S, i.e. to within r of S at any batch size, with about
-log(max_steps) / log(1 + r) reads in all (r = 0.05: 155 reads up to 8000 steps, against 800 at a
-read every 10 steps).
+fraction of the steps so far, with about log(max_steps) / log(1 + r) reads in all (r = 0.05: 155
+reads up to 8000 steps, against 800 at a read every 10 steps). A crossing that the reads see
+between s_{k-1} and s_k is located to within the gap, r s_{k-1}. Validation accuracy is not
+monotone, though: a brief excursion above the target between two reads goes unseen, so the first
+crossing the reads see can come later than the first at a read every step. Against a read at
+every step the mean error is small (on digits, 27 crossings: -0.05% of S on average, at most 10%
+on one run; the tests hold the mean under 2%).
 
 Crossings. A candidate *reaches* target t at the first read k whose accuracy a_k >= t. With
 geometric reads its steps to t are interpolated linearly between the read before and that read,
 
     S_t = s_{k-1} + (t - a_{k-1}) / (a_k - a_{k-1}) (s_k - s_{k-1}),
 
-which lies in (s_{k-1}, s_k]: the error is below the gap, r S (the bias, measured against a read
-at every step, is far smaller: tests). A crossing at the first read, or under reads every
+which lies in (s_{k-1}, s_k]. A crossing at the first read, or under reads every
 ``eval_every`` steps, is the read's step itself, as earlier versions recorded it.
 
 Best at each target. A run's candidates (its learning rates) each stop once, for every target
