@@ -308,8 +308,8 @@ def falsify(
     for device in sorted({c.device for c in configs.values()}):
         _check_device(device)
     for study in studies:
-        check_settings(study.analysis, methods=METHODS, where=f"preset {preset_.name!r} [analysis] of study "
-                                                              f"{study.name!r}")
+        check_settings(study.analysis, methods=sorted({*METHODS, *(c.method for c in study.configs)}),
+                       where=f"preset {preset_.name!r} [analysis] of study {study.name!r}")
 
     out = Path(out)
     db = Path(db) if db else out / "results.sqlite"

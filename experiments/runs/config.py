@@ -96,9 +96,18 @@ class RunConfig:
     dtype: str = "float32"
     targets: tuple[float, ...] = ()
     read_spacing: float | None = None
+    model: str | None = None
+    model_digest: str | None = None
 
     def __post_init__(self):
-        check_choice("method", self.method, METHODS)
+        if self.model is None:
+            check_choice("method", self.method, METHODS)
+        else:
+            from affdiv.experiments.runs.factories import check_spec
+
+            check_spec(self.model)
+            if self.method in METHODS:
+                raise ValueError(f"method {self.method!r} is built in; a method with its own model needs another name")
         check_choice("activation", self.activation, ACTIVATIONS)
         check_choice("lr_rule", self.lr_rule, LR_RULES)
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
@@ -184,7 +193,7 @@ class RunConfig:
 # (None: no such value; the setting is idle for every earlier run). ``to_dict`` leaves them out
 # where they are idle or at that value, so the key of every earlier config stays what it was.
 _ADDED = {"target": None, "eval_every": None, "momentum_grid": (), "grid_extensions": None, "dtype": "float32",
-          "targets": (), "read_spacing": None}
+          "targets": (), "read_spacing": None, "model": None, "model_digest": None}
 
 # Settings that cannot change a run's numbers, by the value of the setting that makes them idle.
 _UNUSED = {
@@ -206,7 +215,8 @@ def unused_settings(settings: Mapping) -> set[str]:
     ``base_lr`` under tuned; ``momentum`` and ``momentum_grid`` unless the optimizer is momentum
     SGD, and ``momentum`` when a ``momentum_grid`` is tuned; ``target``, ``eval_every`` and
     ``grid_extensions`` unless the budget is ``target`` (the last also unless tuned), and so are
-    ``targets`` and ``read_spacing``; ``eval_every`` when ``read_spacing`` spaces the reads. A record
+    ``targets`` and ``read_spacing``; ``eval_every`` when ``read_spacing`` spaces the reads;
+    ``depth``, ``width`` and ``activation`` when a ``model`` factory builds the network. A record
     without ``lr_rule``, ``optimizer`` or ``budget`` is taken to use every setting those would idle.
     """
     unused = {name for key in ("lr_rule", "optimizer", "budget") for name in _UNUSED.get((key, settings.get(key)), ())}
@@ -214,6 +224,8 @@ def unused_settings(settings: Mapping) -> set[str]:
         unused.add("momentum")
     if "read_spacing" not in unused and settings.get("read_spacing") is not None:
         unused.add("eval_every")
+    if settings.get("model") is not None:
+        unused.update(("depth", "width", "activation"))  # the factory builds the whole network
     return unused
 
 

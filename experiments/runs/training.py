@@ -80,7 +80,7 @@ import torch.nn.functional as F
 
 from affdiv.experiments.runs.config import RunConfig, candidates
 from affdiv.experiments.runs.grouping import ensemble_key
-from affdiv.experiments.runs.models import build_model
+from affdiv.experiments.runs.models import build_network
 from affdiv.experiments.runs import reads
 from affdiv.experiments.runs.optimizers import make_optimizer
 from affdiv.experiments.runs.reads import read_steps
@@ -165,17 +165,10 @@ def max_steps(config: RunConfig, n_train: int) -> int:
 
 
 def build_member(config: RunConfig, data, seed: int) -> torch.nn.Module:
-    """The network of ``config`` for ``data``, initialised under ``torch.manual_seed(seed)``, on
-    the config's device and dtype, in train mode."""
+    """The network of ``config`` for ``data`` (a built-in method's, or its ``model`` factory's),
+    initialised under ``torch.manual_seed(seed)``, on the config's device and dtype, in train mode."""
     torch.manual_seed(seed)
-    model = build_model(
-        config.method,
-        input_shape=tuple(data.input_shape),
-        num_classes=data.num_classes,
-        depth=config.depth,
-        width=config.width,
-        activation=config.activation,
-    ).to(config.device)
+    model = build_network(config, tuple(data.input_shape), data.num_classes).to(config.device)
     if config.dtype != "float32":
         model = model.to(getattr(torch, config.dtype))
     return model.train()
