@@ -22,7 +22,7 @@ from affdiv.experiments.analysis.decision import analyse, check_settings
 from affdiv.experiments.analysis.groups import label_curves, label_groups
 from affdiv.experiments.records import RENAMED_METHODS, is_sqlite, read_csv, read_csv_rows
 from affdiv.experiments.report.writer import write_report
-from affdiv.provenance import provenance
+from affdiv.provenance import provenance, relative_path
 
 if TYPE_CHECKING:
     from affdiv.experiments.runs.config import RunConfig
@@ -364,7 +364,9 @@ def falsify(
             metric = analysis_settings["metric"]
             hashes = sorted(config_hash(c.to_dict()) for c in study.configs)
             records = store.records(hashes, metric=metric)
+            study_out = out if len(studies) == 1 else out / study.name
             record = provenance(
+                root=study_out,
                 preset=preset_.name,
                 preset_settings=preset_.raw,
                 study=study.name,
@@ -373,7 +375,7 @@ def falsify(
                 runs=len(hashes),
                 seeds=sorted({c.seed for c in study.configs}),
                 data_fingerprint={c.dataset: sorted(fingerprints[c.dataset]) for c in study.configs},
-                results_db=str(db),
+                results_db=relative_path(Path(db).resolve(), study_out),
                 hardware=_hardware(outcome, {c.device for c in study.configs}),
                 wall_time_s=round(time.monotonic() - started, 1),
                 compute_time_s=round(store.seconds(hashes), 1),
@@ -386,7 +388,6 @@ def falsify(
                              | {k: f["config"].get(k) for k in ("method", "batch_size", "seed", "lr_rule")}
                              for f in store.failures(hashes)],
             )
-            study_out = out if len(studies) == 1 else out / study.name
             written[study.name] = analyse_and_report(
                 study_out, records, store.curves(hashes), analysis_settings, record, calibration_sims,
                 progress=_progress(started) if len(records) >= PROGRESS_FROM else None,
@@ -494,7 +495,7 @@ def analyse_file(
         extra["data_fingerprint"] = {dataset: sorted({str(r.get("data_fingerprint")) for r in records
                                                       if str(r.get("dataset")) == dataset})
                                      for dataset in sorted({str(r.get("dataset")) for r in records})}
-    record = provenance(input=str(path), input_sha256=digest, metric=metric, **extra)
+    record = provenance(root=out, input=relative_path(path.resolve(), out), input_sha256=digest, metric=metric, **extra)
     progress = _progress(started) if len(records) >= PROGRESS_FROM else None
     if progress is not None:
         progress(f"read {len(records)} records from {path}")

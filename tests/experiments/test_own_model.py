@@ -74,9 +74,12 @@ def own(tmp_path, monkeypatch):
 
 
 def test_a_preset_with_a_factory_and_an_npz_dataset_runs_end_to_end(own, capsys):
-    code = main(["falsify", "--preset", "mine.toml", "--out", "out", "--calibration-sims", "0", "--workers", "1"])
+    code = main(["falsify", "--preset", "mine.toml", "--out", str(own / "out"), "--calibration-sims", "0",
+                 "--workers", "1"])
     assert code == 0, capsys.readouterr().err
     summary = json.loads((own / "out" / "summary.json").read_text())
+    # The provenance names no path of this machine: the results folder is ".", the store beside it.
+    assert str(own) not in json.dumps(summary["provenance"]) and summary["provenance"]["results_db"] == "results.sqlite"
     assert set(summary["by_target"]) == {"0.5", "0.7"} and summary["primary_target"] == 0.7
     assert summary["critical_batch"]["mine"]["role"] == "corrected" and summary["groups"].keys() == {"tuned"}
     with ResultStore(own / "out" / "results.sqlite", read_only=True) as store:
