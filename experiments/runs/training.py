@@ -78,10 +78,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from affdiv.experiments.runs import reads
 from affdiv.experiments.runs.config import RunConfig, candidates
 from affdiv.experiments.runs.grouping import ensemble_key
 from affdiv.experiments.runs.models import build_network
-from affdiv.experiments.runs import reads
 from affdiv.experiments.runs.optimizers import make_optimizer
 from affdiv.experiments.runs.reads import read_steps
 from affdiv.experiments.runs.stacked import StackedEnsemble, stack_failure
