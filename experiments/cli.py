@@ -110,8 +110,15 @@ def register(subparsers) -> None:
         description=probe_doc, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     probe.add_argument("--model", required=True, metavar="NAME[,NAME...]",
-                       help="built-in model(s) (affdiv.experiments.runs.zoo), 'all', or package.module:factory")
-    probe.add_argument("--data", default="digits", help="digits, fashion-mnist, cifar10 or synthetic (default digits)")
+                       help="built-in model(s) (affdiv.experiments.runs.zoo), 'all', path/to/file.py:factory or "
+                       "package.module:factory; the factory is called as factory(input_shape=..., num_classes=...) "
+                       "-> torch.nn.Module (see above)")
+    probe.add_argument("--data", default="digits", metavar="NAME|PATH.npz",
+                       help="digits, fashion-mnist, cifar10, synthetic, or an .npz file with x_train, y_train, "
+                       "x_test, y_test (default digits)")
+    probe.add_argument("--loss", choices=("cross_entropy", "mse"), default="cross_entropy",
+                       metavar="cross_entropy|mse", help="the per-sample loss of the measured step (default "
+                       "cross_entropy; mse: mean squared error to the target, one-hot where y holds labels)")
     _add_data_dir_option(probe)
     probe.add_argument("--batch-sizes", default="8,32,128,512", metavar="B,B,...",
                        help="comma-separated batch sizes (default 8,32,128,512)")
@@ -238,5 +245,5 @@ def probe_command(args) -> int:
     _print_paths(probe(args.out, models=args.model, data=args.data, data_dir=args.data_dir,
                        batch_sizes=args.batch_sizes, seeds=args.seeds, seed=args.seed, batches=args.batches,
                        scope=args.scope, lr=args.lr, dtype=args.dtype, per_sample=not args.no_per_sample,
-                       masked_limit=args.masked_limit))
+                       masked_limit=args.masked_limit, loss=args.loss))
     return 0

@@ -196,7 +196,8 @@ def _uses_batch_statistics(module: nn.Module) -> bool:
 def _active_dropout(model: nn.Module) -> list[str]:
     from torch.nn.modules.dropout import _DropoutNd
 
-    return [name for name, m in model.named_modules() if isinstance(m, _DropoutNd) and m.training and m.p > 0]
+    return [name for name, m in model.named_modules() if m.training and (
+        (isinstance(m, _DropoutNd) and m.p > 0) or (isinstance(m, nn.MultiheadAttention) and m.dropout > 0))]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1005,7 +1006,8 @@ def _layer_diagonal(m: _Module, lr: float, batch: int, budget: int) -> tuple[Ten
 
     size = sum(a.numel() for a in record.args if isinstance(a, Tensor)) + g.numel()
     chunk = _chunk(budget, itemsize, params, size, batch)
-    d = vmap(masked, chunk_size=chunk)(_onehots(batch, g))
+    # randomness="same": each pass replays the batch's draws (dropout inside attention), as the batch update did
+    d = vmap(masked, chunk_size=chunk, randomness="same")(_onehots(batch, g))
     return d.detach(), f"masked vjp→jvp over the batch (module couples samples; chunks of {chunk})"
 
 

@@ -26,6 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.func import functional_call, jacrev
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from affdiv.verify import divergence
 from affdiv.verify.divergence import UnmeasuredModuleWarning, UnsupportedModuleError
@@ -237,3 +238,48 @@ def test_what_cannot_be_measured_is_warned_named_and_listed():
         assert any(f"module {name!r}" in m and reason in m for m in messages), name
     with pytest.raises(UnsupportedModuleError, match="module 'attn' \\(MultiheadAttention\\): called 2 times"):
         divergence(Twice(), x, ce(y), lr=LR, on_unsupported="raise")
+
+
+def test_dropout_inside_attention_is_replayed_by_every_pass():
+    """A stock encoder layer in train mode (dropout 0.1, inside the attention too): every pass of
+    the meter replays the batch pass's draws. Reference: the attention's input, kwargs, output
+    gradient and RNG state recorded by plain hooks in a forward from the same seed, J by jacrev
+    with that state, u = −η J Jᵀ g and d_i = row i of −η J Jᵀ (e_i ⊙ g) (the module couples
+    nothing, but its dropout masks differ between a sample alone and the batch: the masked route)."""
+    net = nn.Sequential(nn.TransformerEncoderLayer(E, 2, dim_feedforward=12, batch_first=True, dtype=F64),
+                        nn.Flatten(), nn.Linear(3 * E, 3, dtype=F64)).train()
+    x, y = torch.randn(5, 3, E, dtype=F64), torch.randint(0, 3, (5,))
+    torch.manual_seed(3)
+    report = divergence(net, x, ce(y), lr=LR, keep_updates=True)
+    attn = report.layers["0.self_attn"]
+    assert attn.diagonal_route.startswith("masked")
+
+    seen = {}
+    sa = net[0].self_attn
+    pre = sa.register_forward_pre_hook(lambda m, a, k: seen.update(state=torch.get_rng_state(), args=a, kwargs=k),
+                                       with_kwargs=True)
+    post = sa.register_forward_hook(lambda m, a, out: seen.update(out=out[0]))
+    with sdpa_kernel(SDPBackend.MATH):  # the fused kernel draws its dropout mask another way
+        torch.manual_seed(3)
+        (g,) = torch.autograd.grad(ce(y)(net(x)).mean(), [seen["out"]])
+    pre.remove()
+    post.remove()
+    theta = {n: p.detach() for n, p in sa.named_parameters()}
+    args = tuple(a.detach() for a in seen["args"])
+
+    def z(t):
+        with torch.random.fork_rng(devices=[]), sdpa_kernel(SDPBackend.MATH):
+            torch.set_rng_state(seen["state"])
+            return functional_call(sa, t, args, seen["kwargs"])[0]
+
+    jac = jacrev(z)(theta)
+    matrix = torch.cat([j.reshape(g.numel(), -1) for j in jac.values()], dim=1)
+
+    def update(cotangent):
+        return (-LR * matrix @ (matrix.T @ cotangent.reshape(-1))).reshape(g.shape)
+
+    d = torch.stack([update(g * (torch.arange(5) == i).reshape(-1, 1, 1))[i] for i in range(5)])
+    assert close(attn.effective, update(g))
+    assert close(attn.diagonal, d)
+    with pytest.raises(UnsupportedModuleError, match="'0.self_attn' \\(Dropout in train mode"):
+        divergence(net, x, ce(y), lr=LR, scope="network")
