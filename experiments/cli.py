@@ -8,6 +8,7 @@ runs, so that ``affdiv --help`` stays fast.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import tomllib
 from pathlib import Path
@@ -103,8 +104,7 @@ def register(subparsers) -> None:
     _add_calibration_option(analyse)
     analyse.set_defaults(func=analyse_command)
 
-    from affdiv.experiments.probe import __doc__ as probe_doc  # stdlib-only at import: --help stays fast
-
+    probe_doc = ast.get_docstring(ast.parse(Path(__file__).with_name("probe.py").read_text(encoding="utf-8")))
     probe = subparsers.add_parser(
         "probe", help="measure the update alignment behind the batch-size prediction, per layer, on real data",
         description=probe_doc, formatter_class=argparse.RawDescriptionHelpFormatter,
