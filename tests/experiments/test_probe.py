@@ -260,3 +260,18 @@ def test_a_bad_npz_dataset_is_one_line(tmp_path, monkeypatch, capsys, arrays, ar
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_an_npz_of_class_labels_loads_as_labels(tmp_path):
+    import numpy as np
+    import torch
+
+    from affdiv.experiments.data.npz import load_npz
+
+    labels = np.array([0, 2, 1, 2] * 5, dtype=np.uint8)
+    data = load_npz(_npz(tmp_path / "c.npz", x_train=np.ones((20, 1, 3, 3), dtype=np.float32), y_train=labels,
+                         x_test=np.zeros((2, 1, 3, 3)), y_test=np.array([4, 0])))
+    assert data.labels and data.num_classes == 5 and data.input_shape == (1, 3, 3)  # 0..4: the test split's 4 too
+    assert data.train.y.dtype == torch.int64 and data.train.x.dtype == torch.float32 and len(data.train) == 20
+    with pytest.raises(ValueError, match=r"y_train as class labels must be integers >= 0 of shape \(N,\), got shape"):
+        load_npz(_npz(tmp_path / "n.npz", y_train=-np.ones(30, dtype=int), y_test=np.zeros(6, dtype=int)))
