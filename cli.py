@@ -67,6 +67,8 @@ def command_module(name: str) -> ModuleType:
     package first (see the module docstring); the one already imported where there is one."""
     if name in sys.modules:
         return sys.modules[name]
+    if name.rpartition(".")[0] in sys.modules:  # its package is imported already: the usual way
+        return importlib.import_module(name)
     path = Path(__file__).resolve().parent.joinpath(*name.split(".")[1:]).with_suffix(".py")
     if not path.is_file():
         raise ModuleNotFoundError(f"No module named {name!r}", name=name)

@@ -52,8 +52,8 @@ def select(names: list[str] | None):
 
 def run(args: argparse.Namespace) -> int:
     from affdiv.provenance import provenance
+    from affdiv.verify import checks as checks_module
     from affdiv.verify import report
-    from affdiv.verify.checks import run_checks
 
     if args.seeds < 1:
         raise ValueError(f"--seeds must be at least 1, got {args.seeds}")
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
 
     seeds = list(range(args.seed, args.seed + args.seeds))
     try:
-        checks = run_checks(derivations, seeds, progress)
+        checks = checks_module.run_checks(derivations, seeds, progress)
         if checked:
             say(derivation_line(*checked.popitem(), steps))
     finally:
