@@ -1,6 +1,6 @@
 """The optional dependency groups (pip extras) and the error that names the one to install.
 
-A plain ``pip install affdiv`` brings numpy and torch only: enough for ``affdiv.layers``. The
+A plain install (``pip install .`` in the checkout) brings numpy and torch only: enough for ``affdiv.layers``. The
 rest comes with extras (``pyproject.toml``)::
 
     affdiv[verify]        sympy, tqdm                     affdiv.theory, affdiv.verify, `affdiv verify`
@@ -43,6 +43,11 @@ def available(module: str) -> bool:
         return False
 
 
+def install_hint(extra: str) -> str:
+    """How to install ``extra``: by its name, and from a checkout (affdiv is not on a package index)."""
+    return f"pip install 'affdiv[{extra}]' (from a checkout of affdiv: pip install -e '.[{extra}]')"
+
+
 def require(*modules: str, extra: str, feature: str) -> None:
     """Raise :class:`MissingExtra` naming ``affdiv[extra]`` unless every import name in ``modules``
     is installed. ``feature`` is what needs them, e.g. ``"affdiv.verify"``."""
@@ -51,7 +56,7 @@ def require(*modules: str, extra: str, feature: str) -> None:
         names = ", ".join(missing)
         raise MissingExtra(
             f"{feature} needs {names}, which {'is' if len(missing) == 1 else 'are'} not installed: "
-            f"pip install 'affdiv[{extra}]'",
+            f"{install_hint(extra)}",
             name=missing[0],
         )
 
@@ -63,6 +68,6 @@ def missing_extra(error: ModuleNotFoundError, *, extra: str, feature: str) -> Mo
     top = (error.name or "").partition(".")[0]
     if top in EXTRAS.get(extra, ()):
         return MissingExtra(
-            f"{feature} needs {top}, which is not installed: pip install 'affdiv[{extra}]'", name=top
+            f"{feature} needs {top}, which is not installed: {install_hint(extra)}", name=top
         )
     return error

@@ -2,8 +2,11 @@
 
 Every subcommand lives in the module that owns its work (``COMMANDS``); that module's
 ``register(subparsers)`` adds its parsers and sets ``func(args) -> int``. Only the module of the
-command being run is imported, so ``affdiv --help`` and ``affdiv --version`` answer without
-importing torch or sympy.
+command being run is loaded, from its file and without its package's ``__init__`` (which imports
+torch, or checks for an extra): the module's top level imports the standard library and the
+light root modules only, and its commands import their work when they run. So ``affdiv --help``,
+``affdiv --version`` and every ``affdiv CMD --help`` answer without importing torch or sympy, and
+without any extra installed.
 
 Exit status, the same for every command: 0 success; 1 a check or test failed (the command says
 which); 2 bad input — an argparse usage error, a missing optional dependency group
@@ -15,8 +18,10 @@ unreadable or unwritable file raised by the command, printed as one line
 from __future__ import annotations
 
 import argparse
-import importlib
+import importlib.util
 import sys
+from pathlib import Path
+from types import ModuleType
 
 from affdiv import __version__
 from affdiv._extras import MissingExtra
@@ -49,12 +54,33 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     else:
         modules = {COMMANDS[command][0]} if command in COMMANDS else set()
     for module in sorted(modules):
-        importlib.import_module(module).register(subparsers)
+        command_module(module).register(subparsers)
     registered = set(subparsers.choices)
     for name, (_, text) in COMMANDS.items():
         if name not in registered:
             subparsers.add_parser(name, help=text)
     return parser
+
+
+def command_module(name: str) -> ModuleType:
+    """The module ``name`` (``affdiv.<package>.cli``), loaded from its file without importing its
+    package first (see the module docstring); the one already imported where there is one."""
+    if name in sys.modules:
+        return sys.modules[name]
+    if name.rpartition(".")[0] in sys.modules:  # its package is imported already: the usual way
+        return importlib.import_module(name)
+    path = Path(__file__).resolve().parent.joinpath(*name.split(".")[1:]).with_suffix(".py")
+    if not path.is_file():
+        raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
 
 def main(argv: list[str] | None = None) -> int:

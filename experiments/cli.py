@@ -8,6 +8,7 @@ runs, so that ``affdiv --help`` stays fast.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import tomllib
 from pathlib import Path
@@ -106,15 +107,21 @@ def register(subparsers) -> None:
     _add_calibration_option(analyse)
     analyse.set_defaults(func=analyse_command)
 
-    from affdiv.experiments.probe import __doc__ as probe_doc  # stdlib-only at import: --help stays fast
-
+    probe_doc = ast.get_docstring(ast.parse(Path(__file__).with_name("probe.py").read_text(encoding="utf-8")))
     probe = subparsers.add_parser(
         "probe", help="measure the update alignment behind the batch-size prediction, per layer, on real data",
         description=probe_doc, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     probe.add_argument("--model", required=True, metavar="NAME[,NAME...]",
-                       help="built-in model(s) (affdiv.experiments.runs.zoo), 'all', or package.module:factory")
-    probe.add_argument("--data", default="digits", help="digits, fashion-mnist, cifar10 or synthetic (default digits)")
+                       help="built-in model(s) (affdiv.experiments.runs.zoo), 'all', path/to/file.py:factory or "
+                       "package.module:factory; the factory is called as factory(input_shape=..., num_classes=...) "
+                       "-> torch.nn.Module (see above)")
+    probe.add_argument("--data", default="digits", metavar="NAME|PATH.npz",
+                       help="digits, fashion-mnist, cifar10, synthetic, or an .npz file with x_train, y_train, "
+                       "x_test, y_test (default digits)")
+    probe.add_argument("--loss", choices=("cross_entropy", "mse"), default="cross_entropy",
+                       metavar="cross_entropy|mse", help="the per-sample loss of the measured step (default "
+                       "cross_entropy; mse: mean squared error to the target, one-hot where y holds labels)")
     _add_data_dir_option(probe)
     probe.add_argument("--batch-sizes", default="8,32,128,512", metavar="B,B,...",
                        help="comma-separated batch sizes (default 8,32,128,512)")
@@ -242,5 +249,5 @@ def probe_command(args) -> int:
     _print_paths(probe(args.out, models=args.model, data=args.data, data_dir=args.data_dir,
                        batch_sizes=args.batch_sizes, seeds=args.seeds, seed=args.seed, batches=args.batches,
                        scope=args.scope, lr=args.lr, dtype=args.dtype, per_sample=not args.no_per_sample,
-                       masked_limit=args.masked_limit))
+                       masked_limit=args.masked_limit, loss=args.loss))
     return 0

@@ -3,8 +3,9 @@ batch size, for built-in or your own models.
 
 For each model, seed and batch size B, a freshly initialised model (torch.manual_seed(seed), in
 train mode, float64 by default) meets --batches random batches of the training split; on each
-batch one SGD step on the mean cross-entropy is measured for every module that owns trainable
-parameters:
+batch one SGD step on the mean of --loss is measured for every module that owns trainable
+parameters (nn.MultiheadAttention included; a module that cannot be measured is warned about
+and listed under "Not measured"):
 
     scale               ⟨u_i, u*_i⟩/‖u*_i‖²: each sample's real update u_i against the ideal
                         u*_i = −η g_i, as a factor (mean over the batch)
@@ -25,7 +26,11 @@ under --scope layer (only the module's own parameters step: the theory's quantit
 --scope network (every parameter steps; the update is read at the module's output). Every number in
 probe.json is the mean over seeds of the per-seed mean over batches, with a 95% t interval over
 seeds (seeds are the independent units: batches of one seed share its initialisation); null
-where undefined (one seed, or a metric undefined in every batch).
+where undefined (one seed, or a metric undefined in every batch). The quantities that cannot be
+negative (diagonal scale, off-diagonal share, their spreads, the site diagonal scale) are
+averaged on the log scale: the geometric mean over seeds and the t interval of the logarithms,
+transformed back, so that the interval stays positive (where a seed's value is exactly 0: the
+plain mean, its interval cut at 0).
 
 Written to --out: probe.json (rows per model, layer and batch size; per layer kind and batch
 size; per-sample diagonal scales and input norms at one batch size for the scatter figure;
@@ -33,14 +38,32 @@ provenance), probe.md, share_vs_batch.png (off-diagonal share and cosine against
 one line per layer kind, told apart by marker and line style) and diagonal_vs_norm.png (each
 sample's diagonal scale against ‖x‖, plain layers open markers, corrected ones filled).
 
-Models: the built-ins of affdiv.experiments.runs.zoo (layer-<member>, mlp-<method>,
-cnn-<method>, resnet[-conv|-patchnorm], transformer[-affine_like][-qknorm]), 'all' (every
-built-in), or package.module:factory.
+Models (--model, comma-separated): the built-ins of affdiv.experiments.runs.zoo (layer-<member>,
+mlp-<method>, cnn-<method>, resnet[-conv|-patchnorm], transformer[-affine_like][-qknorm]), 'all'
+(every built-in), or a model of your own as path/to/file.py:factory or package.module:factory (a
+module in the current directory is found without PYTHONPATH). The factory is called as
+
+    factory(input_shape=(...), num_classes=K) -> torch.nn.Module
+
+when its signature takes those two names (or **kwargs), else as factory(). input_shape is one
+sample's shape without the batch (digits (1, 8, 8), an .npz file's x_train.shape[1:]); K is the
+number of outputs the model must give per sample: the classes (cross_entropy, or mse on one-hot
+labels) or the target values (mse on real targets). The model maps a batch (B, *input_shape) to
+(B, K) logits (cross_entropy) or to B outputs of K values (mse).
+
+Data (--data): digits, fashion-mnist, cifar10, synthetic (standardised on the training split), or
+an .npz file of your own with arrays x_train, y_train, x_test, y_test (x: (N, *input_shape) real;
+y: integer class labels (N,), or real targets (N, ...) for mse), used as given.
+
+Loss (--loss): cross_entropy (class labels) or mse (per sample, the mean over its outputs of the
+squared difference to the target; to the one-hot label where y holds class labels).
 """
 
 from __future__ import annotations
 
 import math
+import os
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -48,6 +71,7 @@ from pathlib import Path
 
 SCOPES = ("layer", "network")
 DTYPES = ("float64", "float32")
+LOSSES = ("cross_entropy", "mse")
 DEFAULT_BATCH_SIZES = (8, 32, 128, 512)
 DEFAULT_LR = 0.1  # the metrics do not depend on it (first order: u, d and u* all scale with η)
 SUMMARY_METRICS = (
@@ -55,6 +79,13 @@ SUMMARY_METRICS = (
     "off_diagonal_share_median", "batch_cosine", "diagonal_norm_correlation", "site_diagonal_scale_mean",
     "site_diagonal_scale_cv",
 )
+# the summaries that cannot be negative: averaged over seeds on the log scale (the module docstring)
+POSITIVE_METRICS = frozenset({
+    "diagonal_scale_mean", "diagonal_scale_cv", "off_diagonal_share_mean", "off_diagonal_share_median",
+    "site_diagonal_scale_mean", "site_diagonal_scale_cv",
+})
+CI_TEXT = ("95% t interval over seeds of the per-seed means over batches; for the quantities that cannot be "
+           "negative, the geometric mean and the t interval of the logarithms, transformed back")
 SAMPLES_MAX_BATCH = 128  # the per-sample scatter is stored at the largest batch size up to this
 
 # (plain model, corrected model, layer, what): the pairs the scatter figure draws when measured
@@ -86,7 +117,8 @@ def parse_int_list(text: str | Sequence[int], what: str) -> list[int]:
 
 
 def model_list(spec: str | Sequence[str]) -> list[str]:
-    """``"all"``, one name, or a comma-separated list of built-in names and package.module:factory."""
+    """``"all"``, one name, or a comma-separated list of built-in names, path/to/file.py:factory
+    and package.module:factory."""
     from affdiv.experiments.runs import zoo
 
     names = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec) if s.strip()]
@@ -96,8 +128,105 @@ def model_list(spec: str | Sequence[str]) -> list[str]:
     for name in names:
         out += list(zoo.BUILTIN) if name == "all" else [name]
     for name in out:
-        zoo.resolve(name)  # unknown names and failed imports fail here, before any work
+        zoo.resolve(importable(name))  # unknown names and failed imports fail here, before any work
     return list(dict.fromkeys(out))
+
+
+def importable(spec: str) -> str:
+    """``spec`` as :func:`affdiv.experiments.runs.zoo.resolve` takes it. ``path/to/file.py:factory``
+    (a spec whose module part ends in .py or holds a path separator) is loaded from that file, once,
+    as a module named after the file's absolute path, and named by it; for ``package.module:factory``
+    the current directory joins the import path (first, as ``python -m`` has it). Built-in names
+    are returned unchanged."""
+    import hashlib
+    import importlib.util
+
+    module_part, colon, attribute = spec.rpartition(":")
+    if not colon:
+        return spec
+    if not (module_part.endswith(".py") or "/" in module_part or os.sep in module_part):
+        if os.getcwd() not in sys.path and "" not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        return spec
+    path = Path(module_part).resolve()
+    if not path.is_file():
+        raise ValueError(f"model {spec!r}: no such file {module_part!r}")
+    name = "affdiv_model_" + hashlib.sha256(str(path).encode()).hexdigest()[:16]
+    if name not in sys.modules:
+        loader = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(loader)
+        sys.modules[name] = module
+        try:
+            loader.loader.exec_module(module)
+        except Exception as error:  # the user's file: whatever it raises is bad input, named with it
+            del sys.modules[name]
+            raise ValueError(f"model {spec!r}: running {module_part} failed: {type(error).__name__}: {error}") from None
+    return f"{name}:{attribute}"
+
+
+def build_model(spec: str, dataset):
+    """The model ``spec`` names, built for ``dataset`` (errors name ``spec`` as the user gave it)."""
+    from affdiv.experiments.runs import zoo
+
+    target = importable(spec)
+    try:
+        return zoo.build(target, input_shape=tuple(dataset.input_shape), num_classes=dataset.num_classes)
+    except ValueError as error:
+        raise ValueError(str(error).replace(repr(target), repr(spec))) from None
+
+
+def load_data(data: str, *, data_dir: str | None, seed: int):
+    """A built-in dataset by name (:func:`affdiv.experiments.data.dataset.load_dataset`), or a path
+    ending in .npz (:func:`affdiv.experiments.data.npz.load_npz`)."""
+    if str(data).endswith(".npz"):
+        from affdiv.experiments.data.npz import load_npz
+
+        return load_npz(data)
+    from affdiv.experiments.data.dataset import load_dataset
+
+    return load_dataset(data, data_dir=data_dir, seed=seed)
+
+
+def per_sample_loss(name: str, dataset):
+    """ℓ(out, y) -> (B,) for ``--loss name``: ``cross_entropy`` −log softmax(out_i)[y_i];
+    ``mse`` the mean over sample i's outputs of (out_i − t_i)², t_i its target (the one-hot label
+    where the data hold class labels)."""
+    import torch.nn.functional as F
+
+    labels = getattr(dataset, "labels", True)  # the built-in datasets hold class labels
+    if name not in LOSSES:
+        raise ValueError(f"--loss must be one of {', '.join(LOSSES)}, got {name!r}")
+    if name == "cross_entropy":
+        if not labels:
+            raise ValueError(f"--loss cross_entropy needs integer class labels; {dataset.name} holds real targets "
+                             "(use --loss mse)")
+        return lambda out, y: F.cross_entropy(out, y, reduction="none")
+    classes = dataset.num_classes
+
+    def mse(out, y):
+        target = F.one_hot(y, classes).to(out.dtype) if labels else y.to(out.dtype)
+        return (out.reshape(len(out), -1) - target.reshape(len(target), -1)).pow(2).mean(1)
+
+    return mse
+
+
+def check_output(spec: str, model, dataset, loss: str, dtype) -> None:
+    """One forward on two training samples: the output has the shape ``loss`` needs (a ValueError
+    naming the expected and the actual shape otherwise)."""
+    import torch
+
+    x = dataset.train.x[:2].to(dtype)
+    with torch.no_grad():
+        out = model(x)
+    k = dataset.num_classes
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(f"model {spec!r} must return one tensor, got {type(out).__name__}")
+    if loss == "cross_entropy" and (out.dim() != 2 or out.shape[0] != len(x) or out.shape[1] < k):
+        raise ValueError(f"model {spec!r} with --loss cross_entropy must return logits of shape (B, {k}) "
+                         f"(B = {len(x)}), got {tuple(out.shape)}")
+    if loss == "mse" and (out.dim() == 0 or out.shape[0] != len(x) or out[0].numel() != k):
+        raise ValueError(f"model {spec!r} with --loss mse must return {k} value(s) per sample (B = {len(x)}), got "
+                         f"shape {tuple(out.shape)}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,7 +235,8 @@ def model_list(spec: str | Sequence[str]) -> list[str]:
 
 def measure(dataset, models: Sequence[str], batch_sizes: Sequence[int], *, seeds: Sequence[int], batches: int,
             scope: str, lr: float = DEFAULT_LR, dtype: str = "float64", per_sample: bool = True,
-            masked_limit: int | None = 128, progress=None) -> tuple[list[dict], list[dict]]:
+            masked_limit: int | None = 128, loss: str = "cross_entropy",
+            progress=None) -> tuple[list[dict], list[dict]]:
     """Every (model, seed, batch size, batch): one :func:`affdiv.verify.divergence` report.
 
     Returns (measurements, samples): one row per module and measurement with its summary, and the
@@ -115,9 +245,7 @@ def measure(dataset, models: Sequence[str], batch_sizes: Sequence[int], *, seeds
     batch at the largest B ≤ ``SAMPLES_MAX_BATCH``)."""
     import numpy as np
     import torch
-    import torch.nn.functional as F
 
-    from affdiv.experiments.runs import zoo
     from affdiv.verify.divergence import divergence
 
     torch_dtype = {"float64": torch.float64, "float32": torch.float32}[dtype]
@@ -126,8 +254,9 @@ def measure(dataset, models: Sequence[str], batch_sizes: Sequence[int], *, seeds
     too_big = [b for b in batch_sizes if b > n_train]
     if too_big:
         raise ValueError(f"batch size {too_big[0]} exceeds the {n_train} training samples of {dataset.name}")
-    for name in models:  # every model must build on this data before any measurement starts
-        zoo.build(name, input_shape=tuple(dataset.input_shape), num_classes=dataset.num_classes)
+    criterion = per_sample_loss(loss, dataset)
+    for name in models:  # every model must build on this data, and fit the loss, before any measurement
+        check_output(name, build_model(name, dataset).to(torch_dtype), dataset, loss, torch_dtype)
     scatter_batch = max([b for b in batch_sizes if b <= SAMPLES_MAX_BATCH] or [min(batch_sizes)])
     paired = {m for pair in SCATTER_PAIRS for m in pair[:2]} & set(models)
     scatter_models = paired or set(models[:4])
@@ -135,8 +264,7 @@ def measure(dataset, models: Sequence[str], batch_sizes: Sequence[int], *, seeds
     for name in models:
         for seed in seeds:
             torch.manual_seed(seed)
-            model = zoo.build(name, input_shape=tuple(dataset.input_shape), num_classes=dataset.num_classes)
-            model = model.to(torch_dtype).train()
+            model = build_model(name, dataset).to(torch_dtype).train()
             for batch_size in batch_sizes:
                 rng = np.random.default_rng([seed, batch_size])
                 start = time.perf_counter()
@@ -144,8 +272,8 @@ def measure(dataset, models: Sequence[str], batch_sizes: Sequence[int], *, seeds
                     index = torch.from_numpy(rng.choice(n_train, size=batch_size, replace=False))
                     x, y = split.x[index].to(torch_dtype), split.y[index]
                     report = divergence(
-                        model, x, lambda out, y=y: F.cross_entropy(out, y, reduction="none"), lr=lr, scope=scope,
-                        per_sample=per_sample, masked_limit=masked_limit,
+                        model, x, lambda out, y=y: criterion(out, y), lr=lr, scope=scope, per_sample=per_sample,
+                        masked_limit=masked_limit,
                     )
                     for record in report.records():
                         rows.append({"model": name, "seed": seed, "batch": b, **record,
@@ -176,19 +304,26 @@ def _round(value: float) -> float | None:
 # aggregating: per seed over batches, then over seeds
 
 
-def _interval(values: list[float]) -> tuple[float | None, float | None, float | None]:
-    """(mean, low, high) of a 95% t interval over ``values`` (None where undefined)."""
+def _interval(values: list[float], positive: bool = False) -> tuple[float | None, float | None, float | None]:
+    """(mean, low, high) of a 95% t interval over ``values`` (None where undefined). ``positive``:
+    a quantity that cannot be negative; where every value is > 0, the geometric mean and the t
+    interval of log(values) mapped back by exp (so inside (0, ∞)); where one is 0, the plain
+    interval with its lower end cut at 0."""
     from scipy.stats import t
 
     values = [v for v in values if v is not None and math.isfinite(v)]
     if not values:
         return None, None, None
-    mean = sum(values) / len(values)
-    if len(values) < 2:
-        return mean, None, None
-    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
-    half = float(t.ppf(0.975, len(values) - 1)) * sd / math.sqrt(len(values))
-    return mean, mean - half, mean + half
+    log_scale = positive and all(v > 0 for v in values)
+    points = [math.log(v) for v in values] if log_scale else values
+    mean = sum(points) / len(points)
+    if len(points) < 2:
+        return values[0], None, None
+    sd = math.sqrt(sum((v - mean) ** 2 for v in points) / (len(points) - 1))
+    half = float(t.ppf(0.975, len(points) - 1)) * sd / math.sqrt(len(points))
+    if log_scale:
+        return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+    return mean, (max(mean - half, 0.0) if positive else mean - half), mean + half
 
 
 def _seed_means(rows: list[dict], keys: tuple[str, ...]) -> dict[tuple, dict[int, dict[str, float]]]:
@@ -218,7 +353,7 @@ def aggregate(rows: list[dict], keys: tuple[str, ...]) -> list[dict]:
             row["kind"] = kinds.get((row["model"], row["layer"]))
         row["seeds"] = len(by_seed)
         for metric in SUMMARY_METRICS:
-            mean, low, high = _interval([s.get(metric) for s in by_seed.values()])
+            mean, low, high = _interval([s.get(metric) for s in by_seed.values()], metric in POSITIVE_METRICS)
             row[metric], row[f"{metric}_ci"] = mean, (None if low is None else [low, high])
         out.append(row)
     return out
@@ -254,9 +389,12 @@ def to_markdown(meta: dict, by_kind: list[dict], by_layer: list[dict], skipped: 
         f"# affdiv probe — {meta['data']}, {meta['scope']} scope",
         "",
         f"Models: {', '.join(meta['models'])}. Batch sizes {meta['batch_sizes']}, {len(meta['seeds'])} seeds × "
-        f"{meta['batches']} batches, {meta['dtype']}, fresh models in train mode, mean cross-entropy, "
-        f"η = {meta['lr']}. "
-        "Each cell: mean over seeds of the per-seed mean over batches [95% t interval over seeds].",
+        f"{meta['batches']} batches, {meta['dtype']}, fresh models in train mode, loss: mean "
+        f"{meta.get('loss', 'cross_entropy')}, η = {meta['lr']}. "
+        "Each cell: mean over seeds of the per-seed mean over batches [95% t interval over seeds]. "
+        "The quantities that cannot be negative (diagonal scale, off-diagonal share, their spreads) are "
+        "averaged on the log scale: the geometric mean over seeds and the t interval of the logarithms, "
+        "transformed back, so the interval stays positive.",
         "",
         "## Per layer kind",
         "",
@@ -400,7 +538,7 @@ def _build_diagonal_vs_norm(samples: list[dict], meta: dict):
 def probe(out: str | Path, *, models: str | Sequence[str], data: str = "digits", data_dir: str | None = None,
           batch_sizes: str | Sequence[int] = DEFAULT_BATCH_SIZES, seeds: int = 3, seed: int = 0, batches: int = 2,
           scope: str = "layer", lr: float = DEFAULT_LR, dtype: str = "float64", per_sample: bool = True,
-          masked_limit: int | None = 128, quiet: bool = False) -> dict[str, Path]:
+          masked_limit: int | None = 128, loss: str = "cross_entropy", quiet: bool = False) -> dict[str, Path]:
     """Measure every model at every batch size; write probe.json, probe.md and the two figures
     under ``out``; returns the written paths. Bad input raises a one-line ValueError before any
     measurement (the data are loaded first, to check the batch sizes and the models against them)."""
@@ -419,11 +557,12 @@ def probe(out: str | Path, *, models: str | Sequence[str], data: str = "digits",
         raise ValueError(f"--lr must be a finite number > 0, got {lr!r}")
     if masked_limit is not None and masked_limit < 1:
         raise ValueError(f"--masked-limit must be >= 1, got {masked_limit!r}")
-    from affdiv.experiments.data.dataset import load_dataset
+    if loss not in LOSSES:
+        raise ValueError(f"--loss must be one of {', '.join(LOSSES)}, got {loss!r}")
     from affdiv.provenance import provenance
 
     start = time.perf_counter()
-    dataset = load_dataset(data, data_dir=data_dir, seed=seed)
+    dataset = load_data(data, data_dir=data_dir, seed=seed)
     seed_list = list(range(seed, seed + seeds))
 
     def progress(name, s, batch_size, seconds):
@@ -431,7 +570,8 @@ def probe(out: str | Path, *, models: str | Sequence[str], data: str = "digits",
             print(f"{name:<32} seed {s} B={batch_size:<5} {seconds:7.2f} s", flush=True)
 
     rows, samples = measure(dataset, names, batch_sizes, seeds=seed_list, batches=batches, scope=scope, lr=lr,
-                            dtype=dtype, per_sample=per_sample, masked_limit=masked_limit, progress=progress)
+                            dtype=dtype, per_sample=per_sample, masked_limit=masked_limit, loss=loss,
+                            progress=progress)
     by_layer = aggregate(rows, ("model", "layer", "batch_size"))
     by_kind = aggregate(rows, ("kind", "batch_size"))
     skipped = {(r["model"], r["layer"]): r["skipped_reason"] for r in rows if "skipped_reason" in r}
@@ -442,13 +582,13 @@ def probe(out: str | Path, *, models: str | Sequence[str], data: str = "digits",
     meta = {
         "data": data, "models": names, "batch_sizes": batch_sizes, "seeds": seed_list, "batches": batches,
         "scope": scope, "lr": lr, "dtype": dtype, "per_sample": per_sample, "masked_limit": masked_limit,
-        "ci": "95% t interval over seeds of the per-seed means over batches",
+        "loss": loss, "ci": CI_TEXT,
         "routes": routes,
         "provenance": provenance(root=out, seed=seed, data_fingerprint=dataset.fingerprint,
                                  wall_time_s=round(time.perf_counter() - start, 2)),
     }
     out = Path(out)
-    record = {"schema_version": 2, **meta, "by_kind": by_kind, "rows": by_layer,
+    record = {"schema_version": 3, **meta, "by_kind": by_kind, "rows": by_layer,
               "skipped": [{"model": m, "layer": layer, "reason": why} for (m, layer), why in sorted(skipped.items())],
               "samples": samples}
     paths = {"json": _write_json(out / "probe.json", record),

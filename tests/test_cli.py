@@ -58,3 +58,21 @@ def test_bad_input_is_one_line_exit_2_without_traceback():
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("affdiv verify: error: --only: unknown derivation(s)")
     assert "Traceback" not in done.stderr
+
+
+def test_every_command_help_is_light_and_needs_no_extra():
+    """Every `affdiv CMD --help` with every extra blocked: exit 0, and neither torch nor sympy imported."""
+    commands = [[name, "--help"] for name in COMMANDS] + [["bench", "layers", "--help"]]
+    done = _python(
+        "import sys\n"
+        "for m in ('sympy', 'scipy', 'matplotlib', 'sklearn', 'statsmodels', 'tqdm', 'dask', 'distributed'):\n"
+        "    sys.modules[m] = None\n"
+        "from affdiv.cli import main\n"
+        f"for argv in {commands!r}:\n"
+        "    try:\n        main(argv)\n    except SystemExit as e:\n        assert e.code == 0, (argv, e.code)\n"
+        "    else:\n        raise AssertionError(argv)\n"
+        "heavy = sorted(m for m in ('torch', 'numpy') if m in sys.modules)\n"
+        "print('HEAVY', heavy)"
+    )
+    assert done.returncode == 0, done.stderr
+    assert "HEAVY []" in done.stdout and "factory(input_shape=" in done.stdout  # the probe's help says how

@@ -8,10 +8,9 @@ import sys
 import time
 
 from affdiv.atomic import atomic_write, check_writable_file
-from affdiv.provenance import provenance
-from affdiv.theory import registry
-from affdiv.verify import report
-from affdiv.verify.checks import run_checks
+
+# The parser imports nothing heavy (affdiv.cli loads this module without its package): the
+# derivations and checks (sympy, torch) are imported when the command runs.
 
 
 def register(subparsers) -> None:
@@ -29,6 +28,9 @@ def register(subparsers) -> None:
     parser.add_argument("--only", nargs="+", metavar="NAME",
                         help="check only these derivations (default: all; --list names them)")
     parser.add_argument("--list", action="store_true", help="list the registered derivations and exit")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="print every proof step and every check (without it: one line per derivation, and "
+                        "every proof step or check that fails)")
     parser.add_argument("--json", metavar="PATH", help="write the full record as JSON (default: not written)")
     parser.add_argument("--markdown", metavar="PATH", help="write a Markdown report (default: not written)")
     parser.add_argument("--latex", metavar="PATH",
@@ -37,6 +39,8 @@ def register(subparsers) -> None:
 
 
 def select(names: list[str] | None):
+    from affdiv.theory import registry
+
     derivations = registry()
     if not names:
         return list(derivations.values())
@@ -47,6 +51,10 @@ def select(names: list[str] | None):
 
 
 def run(args: argparse.Namespace) -> int:
+    from affdiv.provenance import provenance
+    from affdiv.verify import checks as checks_module
+    from affdiv.verify import report
+
     if args.seeds < 1:
         raise ValueError(f"--seeds must be at least 1, got {args.seeds}")
     derivations = select(args.only)
@@ -62,31 +70,48 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     print(f"proving {len(derivations)} derivations (sympy) ...", file=sys.stderr, flush=True)
     failing = []  # derivations with a proof step that does not hold
+    steps = {}
     for d in derivations:
-        for step in d.proof_steps():
-            verdict = "PASS" if step.holds else "FAIL"
-            print(f"{verdict}  {d.name + '/proof':<28} [{step.kind.value}] {step.claim}")
+        steps[d.name] = d.proof_steps()
+        for step in steps[d.name]:
+            if args.verbose or not step.holds:
+                verdict = "PASS" if step.holds else "FAIL"
+                print(f"{verdict}  {d.name + '/proof':<28} [{step.kind.value}] {step.claim}")
         if not d.proven:
             failing.append(d.name)
 
     bar = None
+    checked: dict[str, list] = {}  # derivation -> its checks so far (they arrive derivation by derivation)
+
+    def say(line: str) -> None:
+        if bar is None:
+            print(line, flush=True)
+        else:  # the line above the bar (tqdm clears and redraws it)
+            bar.write(line, file=sys.stdout)
 
     def progress(index: int, total: int, check) -> None:
         nonlocal bar
         if bar is None:
             bar = _bar(total)
-        if bar is None:
-            print(report.format_row(check), flush=True)
-        else:  # the row above the bar (tqdm clears and redraws it)
-            bar.write(report.format_row(check), file=sys.stdout)
+        if checked and check.derivation not in checked:
+            say(derivation_line(*checked.popitem(), steps))
+        checked.setdefault(check.derivation, []).append(check)
+        if args.verbose or not check.passed:
+            say(report.format_row(check))
+        if bar is not None:
             bar.update(index - bar.n)
 
     seeds = list(range(args.seed, args.seed + args.seeds))
     try:
-        checks = run_checks(derivations, seeds, progress)
+        checks = checks_module.run_checks(derivations, seeds, progress)
+        if checked:
+            say(derivation_line(*checked.popitem(), steps))
     finally:
         if bar is not None:
             bar.close()
+    for d in derivations:  # a derivation without numeric checks: its proof alone
+        if not any(c.derivation == d.name for c in checks):
+            print(derivation_line(d.name, [], steps))
     record = report.build_record(
         derivations, checks, provenance(seeds=seeds, wall_time_s=round(time.perf_counter() - start, 2))
     )
@@ -103,6 +128,16 @@ def run(args: argparse.Namespace) -> int:
     if failing:
         print(f"PROOF STEP FAILS: {', '.join(failing)}", file=sys.stderr)
     return 1 if failed or failing else 0
+
+
+def derivation_line(name: str, checks: list, steps: dict) -> str:
+    """One console line for a derivation: how many of its proof steps hold and how many of its
+    checks passed (``--verbose`` prints each, with its kind and error)."""
+    held = sum(step.holds for step in steps[name])
+    passed = sum(c.passed for c in checks)
+    verdict = "PASS" if held == len(steps[name]) and passed == len(checks) else "FAIL"
+    text = f"{verdict}  {name:<28} proof: {held}/{len(steps[name])} steps hold"
+    return text + (f"; checks: {passed}/{len(checks)} passed" if checks else "; no numeric checks")
 
 
 def _bar(total: int):

@@ -2,7 +2,7 @@ r"""A divergence meter for any network: per layer, how far each sample's real ac
 from the ideal −η g, measured from one forward and one backward pass.
 
 For every module that owns trainable parameters (its own ``_parameters``: Linear, Conv, the
-corrected layers, attention projections, norm layers with affine parameters, …) and one plain
+corrected layers, MultiheadAttention, norm layers with affine parameters, …) and one plain
 gradient step Δθ = −η ∇θL on a batch, L = mean (or sum) of the per-sample losses:
 
     u*_i = −η g_i,  g = ∂L/∂z                        the ideal update of the module's output z
@@ -60,12 +60,22 @@ the bound holds for c ≥ 2 and one item's working set is the floor. The closed 
 network's single pass need no chunks: O(B·T²) for a token kernel, about two forwards' activations
 for the dual pass.
 
+Attention and other modules with several outputs: a module whose output is a tuple (nested
+tuples, lists, dicts) is measured on the tensors of it that reach the loss, each flattened per
+sample and joined side by side (nn.MultiheadAttention: its output; its averaged weights too where
+they are used). A child whose forward is never called but whose parent uses its parameters
+(MultiheadAttention's ``out_proj``) is measured as part of that parent: the parent's update moves
+with every parameter it uses (``LayerDivergence.parameters`` lists them). While the meter runs,
+attention takes its math path (:func:`differentiable_kernels`): the fused kernels (flash attention
+on CPU, the fast paths of MultiheadAttention and TransformerEncoderLayer) have no forward-mode AD.
+
 What is refused, never turned into a silent number: modules called more than once in one forward
-(shared), modules whose parameters are tied to another module's, modules whose output is not one
+(shared), modules whose parameters are tied to another module's, modules whose output holds no
 tensor or does not reach the loss, modules whose input is modified in place after the call, and
 modules torch.func cannot differentiate: each is listed in ``DivergenceReport.skipped`` with the
-reason (``on_unsupported="skip"``, the default) or raises :class:`UnsupportedModuleError` naming
-the module (``on_unsupported="raise"``). A module's output modified in place downstream
+reason and warned (:class:`UnmeasuredModuleWarning`, naming the module and why) under
+``on_unsupported="skip"``, the default, or raises :class:`UnsupportedModuleError` naming the module
+(``on_unsupported="raise"``). A module's output modified in place downstream
 (``ReLU(inplace=True)``) is handled: the hooks hand the rest of the network a copy.
 
 Nothing is changed: every Parameter and buffer keeps its identity and value (BatchNorm in train mode
@@ -77,13 +87,15 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator, Mapping
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.autograd.forward_ad as fwAD
 from torch import Tensor, nn
 from torch.func import functional_call, jvp, vjp, vmap
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from affdiv.verify._measurement import ModuleFunction, as_inputs, check_lr
 from affdiv.verify.metrics import cosine, off_diagonal_share, scale_factor
@@ -97,6 +109,11 @@ PER_SAMPLE_METRICS = ("scale", "diagonal_scale", "cosine", "off_diagonal_share")
 
 class UnsupportedModuleError(ValueError):
     """A module the meter cannot measure; the message names it and says why."""
+
+
+class UnmeasuredModuleWarning(UserWarning):
+    """Warned for every module the meter leaves out (``on_unsupported="skip"``), naming it and why;
+    the same reason is in ``DivergenceReport.skipped``."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,7 +196,8 @@ def _uses_batch_statistics(module: nn.Module) -> bool:
 def _active_dropout(model: nn.Module) -> list[str]:
     from torch.nn.modules.dropout import _DropoutNd
 
-    return [name for name, m in model.named_modules() if isinstance(m, _DropoutNd) and m.training and m.p > 0]
+    return [name for name, m in model.named_modules() if m.training and (
+        (isinstance(m, _DropoutNd) and m.p > 0) or (isinstance(m, nn.MultiheadAttention) and m.dropout > 0))]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,7 +223,11 @@ class LayerDivergence:
             kernel diagonal (‖x_s‖²+1, ‖P_s‖²+1; 1 for AffineLike and PatchNorm). For one-row
             samples it equals ``diagonal_scale``; with tokens or positions, ``diagonal_scale``
             also holds the same sample's other sites.
-        effective, ideal, diagonal: u, u* = −ηg and d, shaped like the output (``keep_updates``).
+        parameters: the names (relative to the module) of the parameters that step: its own, and
+            those of a child whose forward it bypasses (``out_proj.weight`` of MultiheadAttention).
+        effective, ideal, diagonal: u, u* = −ηg and d, shaped like the output (``keep_updates``);
+            for an output that is a tuple, its tensors that reach the loss, each flattened per
+            sample and joined, shape (B, ·).
 
     NaN in a per-sample metric marks a sample whose ideal update (or own update) is 0: no factor
     is defined there.
@@ -223,6 +245,7 @@ class LayerDivergence:
     off_diagonal_share: Tensor | None = None
     diagonal_route: str | None = None
     site_diagonal_scale: Tensor | None = None
+    parameters: tuple[str, ...] = ()
     effective: Tensor | None = field(default=None, repr=False)
     ideal: Tensor | None = field(default=None, repr=False)
     diagonal: Tensor | None = field(default=None, repr=False)
@@ -342,6 +365,7 @@ class _Record:
     rng_state: Tensor | None = None
     entry_versions: list = field(default_factory=list)  # the same when the call began
     modifies_input: bool = False
+    selected: tuple[int, ...] | None = None  # the output's tensors that reach the loss (once measured)
 
 
 class _Hooks:
@@ -366,7 +390,10 @@ class _Hooks:
             self._handles.append(module.register_forward_pre_hook(self._pre(name), with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._post(name), with_kwargs=True))
 
-    def remove(self) -> None:
+    def __enter__(self) -> _Hooks:
+        return self
+
+    def __exit__(self, *exc) -> None:
         for handle in self._handles:
             handle.remove()
 
@@ -392,13 +419,8 @@ class _Hooks:
                 self.stack.pop()
             if name not in self.records:
                 return None
-            if not isinstance(output, Tensor):
-                if self.mode == "capture":
-                    self.records[name].calls += 1
-                    self.records[name].output = output
-                return None
+            record = self.records[name]
             if self.mode == "capture":
-                record = self.records[name]
                 record.calls += 1
                 if record.calls == 1:
                     record.modifies_input = any(t._version != v for t, v in record.entry_versions)
@@ -406,18 +428,23 @@ class _Hooks:
                     record.kwargs = {k: v.detach() if isinstance(v, Tensor) else v for k, v in kwargs.items()}
                     record.versions = [(a, a._version) for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
                     record.output = output
+            elif record.selected is None:  # not measured
+                return None
             elif self.mode == "tangent":
-                self.seen[name] = fwAD.unpack_dual(output).tangent
+                self.seen[name] = _tangent(output, record.selected)
             elif self.mode == "inject":
                 d = self.inject.get(name)
                 if d is not None:
-                    output = output + fwAD.make_dual(torch.zeros_like(d), d)
-                self.seen[name] = fwAD.unpack_dual(output).tangent
+                    leaves, spec = tree_flatten(output)
+                    for i, part in zip(record.selected, _split(d, [leaves[i] for i in record.selected])):
+                        leaves[i] = leaves[i] + fwAD.make_dual(torch.zeros_like(part), part)
+                    output = tree_unflatten(leaves, spec)
+                self.seen[name] = _tangent(output, record.selected)
             else:  # collect, compare
-                self.seen[name] = output
+                self.seen[name] = _joined(_leaves(output), record.selected)
             # the rest of the network gets a copy: an in-place op downstream (ReLU(inplace=True))
             # must not change what was recorded here
-            return output.clone()
+            return tree_map(lambda t: t.clone() if isinstance(t, Tensor) else t, output)
 
         return hook
 
@@ -473,6 +500,41 @@ def _onehots(batch: int, like: Tensor) -> Tensor:
 def _select(t: Tensor, onehot: Tensor) -> Tensor:
     """Row i of t (batch first), written as a contraction so that it vmaps over one-hots."""
     return (t * onehot.reshape((-1,) + (1,) * (t.dim() - 1))).sum(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# a module's output: one tensor, or the tensors of a tuple (nested) that reach the loss
+
+
+def _leaves(output) -> list:
+    """The leaves of a (possibly nested) output: a Tensor is its own one leaf."""
+    return tree_flatten(output)[0]
+
+
+def _joined(leaves: Sequence | Mapping[int, Tensor], selected: tuple[int, ...]) -> Tensor:
+    """The measured output z: the one selected leaf as it is, or several selected leaves side by
+    side per sample, each flattened to (B, ·) (nn.MultiheadAttention with need_weights=True and
+    its weights used downstream; an LSTM's output and final state)."""
+    if len(selected) == 1:
+        return leaves[selected[0]]
+    return torch.cat([leaves[i].reshape(leaves[i].shape[0], -1) for i in selected], dim=1)
+
+
+def _tangent(output, selected: tuple[int, ...]) -> Tensor | None:
+    """The forward-mode tangent of the measured output (None where no selected tensor has one)."""
+    leaves = _leaves(output)
+    tangents = {i: fwAD.unpack_dual(leaves[i]).tangent for i in selected}
+    if all(t is None for t in tangents.values()):
+        return None
+    return _joined({i: torch.zeros_like(leaves[i]) if t is None else t for i, t in tangents.items()}, selected)
+
+
+def _split(z: Tensor, like: list[Tensor]) -> list[Tensor]:
+    """The inverse of :func:`_joined` on the selected leaves ``like``."""
+    if len(like) == 1:
+        return [z]
+    parts = z.split([t[0].numel() for t in like], dim=1)
+    return [part.reshape(t.shape) for part, t in zip(parts, like)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -577,14 +639,39 @@ def batchnorm_diagonal(module: nn.Module, x: Tensor, g: Tensor, lr: float) -> Te
 # the meter
 
 
+@contextlib.contextmanager
+def differentiable_kernels() -> Iterator[None]:
+    """Attention computed by its math path while the meter runs: scaled dot-product attention on
+    SDPBackend.MATH (torch.nn.attention.sdpa_kernel) and the fast path of nn.MultiheadAttention
+    and nn.TransformerEncoderLayer off (torch.backends.mha). The fused kernels have no
+    forward-mode AD, and the encoder layer's fast path would bypass its submodules' hooks; the
+    math path computes the same function (to rounding) with every operation differentiable."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fastpath)
+
+
 @dataclass
 class _Module:
     name: str
     module: nn.Module
     record: _Record
     grad: Tensor
-    step: dict[str, Tensor]  # direct trainable parameters -> −η ∇L
-    values: dict[str, Tensor]  # direct parameters -> their values (detached)
+    step: dict[str, Tensor]  # its trainable parameters -> −η ∇L
+    values: dict[str, Tensor]  # its parameters -> their values (detached)
+    output: Tensor  # z as recorded (detached; the selected tensors of a tuple output, joined)
+
+    def __call__(self, values: Mapping[str, Tensor], args: tuple, kwargs: dict,
+                 rng_state: Tensor | None) -> Tensor:
+        """z of the module alone on (args, kwargs) with ``values`` as its parameters."""
+        leaves = _leaves(_call_alone(self.module, values, args, kwargs, rng_state))
+        return _joined(leaves, self.record.selected)
 
 
 def divergence(
@@ -614,7 +701,8 @@ def divergence(
             ``off_diagonal_share``).
         reduction: L = ``"mean"`` (default) or ``"sum"`` of the per-sample losses.
         memory_budget: bytes for each chunked vmap pass (the bound in the module docstring).
-        on_unsupported: ``"skip"`` (list the module in ``skipped``) or ``"raise"``.
+        on_unsupported: ``"skip"`` (list the module in ``skipped`` and warn, UnmeasuredModuleWarning) or
+            ``"raise"``.
         keep_updates: keep u, u* and d in each record (``effective``, ``ideal``, ``diagonal``).
         masked_limit: in network scope, the largest batch for which the masked route (B
             full-batch passes) is run; above it the network's diagonals are not computed and
@@ -659,12 +747,17 @@ def divergence(
         raise ValueError("inputs hold an empty batch")
 
     skipped: dict[str, str] = {}
+    absorbed: dict[str, str] = {}  # a module whose forward is not called -> the parent measured with its parameters
+    kinds = {name: type(module).__name__ for name, module in model.named_modules()}
 
     def unsupported(name: str, reason: str) -> None:
+        message = f"module {name!r} ({kinds[name]}): {reason}"
         if on_unsupported == "raise":
-            module = dict(model.named_modules())[name]
-            raise UnsupportedModuleError(f"module {name!r} ({type(module).__name__}): {reason}")
+            raise UnsupportedModuleError(message)
         skipped[name] = reason
+        warnings.warn(f"affdiv divergence meter: not measured: {message}", UnmeasuredModuleWarning, stacklevel=3)
+        for child in [c for c, parent in absorbed.items() if parent == name]:
+            unsupported(child, f"its parameters are used by its parent module {name!r}, which is not measured")
 
     measured = {name: m for name, m in model.named_modules() if _trainable(m)}
     if not measured:
@@ -676,8 +769,7 @@ def divergence(
 
     function = ModuleFunction(model, args)
     canonical = {id(p): n for n, p in model.named_parameters()}
-    hooks = _Hooks(model, measured)
-    try:
+    with _Hooks(model, measured) as hooks, differentiable_kernels():
         # 1. one forward and one backward: inputs, outputs, output gradients, the step
         leaves = {n: t.detach().requires_grad_(True) for n, t in function.params.items()}
         with hooks.active("capture"), torch.enable_grad():
@@ -689,26 +781,37 @@ def divergence(
                 shape = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
                 raise ValueError(f"loss must return the per-sample losses, shape ({batch},), got {shape}")
             total = losses.mean() if reduction == "mean" else losses.sum()
-            outputs = {name: r.output for name, r in hooks.records.items()
-                       if r.calls == 1 and isinstance(r.output, Tensor) and r.output.requires_grad}
+            outputs = {(name, i): t for name, r in hooks.records.items() if r.calls == 1
+                       for i, t in enumerate(_leaves(r.output)) if isinstance(t, Tensor) and t.requires_grad}
             wrt = [*leaves.values(), *outputs.values(), out]
             grads = torch.autograd.grad(total, wrt, allow_unused=True)
         n_params = len(leaves)
         param_grads = dict(zip(leaves, grads[:n_params]))
-        output_grads = dict(zip(outputs, grads[n_params:-1]))
+        leaf_grads: dict[str, dict[int, Tensor]] = {}
+        for (name, i), g in zip(outputs, grads[n_params:-1]):
+            if g is not None:
+                leaf_grads.setdefault(name, {})[i] = g.detach()
         grad_out = grads[-1]
         step = {n: -lr * (g if g is not None else torch.zeros_like(leaves[n])) for n, g in param_grads.items()}
 
+        absorbed.update(_absorbed(measured, hooks.records, owners))
         modules: dict[str, _Module] = {}
         for name, module in measured.items():
+            if name in absorbed:
+                continue
             record = hooks.records[name]
-            reason = _capture_problem(name, module, record, owners, output_grads)
+            reason = _capture_problem(name, module, record, owners, leaf_grads.get(name, {}), batch)
             if reason:
                 unsupported(name, reason)
                 continue
-            values = {n: p.detach() for n, p in _direct_params(module).items()}
-            own = {n: step[canonical[id(p)]] for n, p in _trainable(module).items()}
-            modules[name] = _Module(name, module, record, output_grads[name].detach(), own, values)
+            record.selected = tuple(sorted(leaf_grads[name]))
+            leaves_out = _leaves(record.output)
+            params = _measured_params(name, module, absorbed)
+            own = {n: step[canonical[id(p)]] for n, p in params.items() if p.requires_grad}
+            modules[name] = _Module(
+                name, module, record, _joined(leaf_grads[name], record.selected), own,
+                {n: p.detach() for n, p in params.items()}, _joined(leaves_out, record.selected).detach(),
+            )
 
         # 2. the batch update of every module
         effective: dict[str, Tensor] = {}
@@ -757,8 +860,6 @@ def divergence(
                     memory_budget, masked_limit,
                 )
                 diag_routes = {name: network_route for name in diagonals}
-    finally:
-        hooks.remove()
 
     layers = {}
     for name, m in modules.items():
@@ -772,10 +873,13 @@ def _reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}".strip()
 
 
-def _capture_problem(name, module, record: _Record, owners, output_grads) -> str | None:
-    """Why the capture pass cannot stand for this module, or None."""
+def _capture_problem(name, module, record: _Record, owners, leaf_grads: Mapping[int, Tensor],
+                     batch: int) -> str | None:
+    """Why the capture pass cannot stand for this module, or None. ``leaf_grads``: the output
+    gradient of each of its output's tensors that reaches the loss, by position in the output."""
     if record.calls == 0:
-        return "its forward was not called (its parameters are used by another module directly, or not at all)"
+        return ("its forward was not called, and no parent module that is measured owns it (its parameters are "
+                "used by another module directly, or not at all)")
     if record.calls > 1:
         return (f"called {record.calls} times in one forward (a shared module): its output is not one "
                 "tensor per sample, so there is no one update to measure")
@@ -784,12 +888,17 @@ def _capture_problem(name, module, record: _Record, owners, output_grads) -> str
         if others:
             return (f"its parameter {pname!r} is tied to module {others[0]!r}: its step carries that module's "
                     "gradient too")
-    if not isinstance(record.output, Tensor):
-        return f"its output is a {type(record.output).__name__}, not one tensor"
-    if record.output.dim() == 0:
-        return "its output is a scalar, not batched"
-    if name not in output_grads or output_grads[name] is None:
+    leaves = _leaves(record.output)
+    if not any(isinstance(t, Tensor) for t in leaves):
+        return f"its output ({type(record.output).__name__}) holds no tensor"
+    if not leaf_grads:
         return "its output does not reach the loss (no output gradient)"
+    if any(leaves[i].dim() == 0 for i in leaf_grads):
+        return "its output is a scalar, not batched"
+    firsts = {leaves[i].shape[0] for i in leaf_grads}
+    if len(leaf_grads) > 1 and firsts != {batch}:
+        return (f"the tensors of its output that reach the loss have first dimensions {sorted(firsts)}, not all "
+                f"the batch ({batch}): they cannot be joined per sample")
     if record.modifies_input:
         return "it modifies its input in place (the recorded input is not the one it read)"
     for tensor, version in record.versions:
@@ -798,17 +907,42 @@ def _capture_problem(name, module, record: _Record, owners, output_grads) -> str
     return None
 
 
+def _absorbed(measured: Mapping[str, nn.Module], records: Mapping[str, _Record], owners) -> dict[str, str]:
+    """Modules whose forward is never called but whose parent, called in the forward, uses their parameters
+    directly (nn.MultiheadAttention's ``out_proj``): child -> parent. Their parameters are measured
+    as the parent's (the parent's output is where they act)."""
+    out = {}
+    for name in measured:
+        parent = name.rpartition(".")[0]
+        if (name and records[name].calls == 0 and parent in measured and records[parent].calls >= 1
+                and all(owners[id(p)] == [name] for p in _direct_params(measured[name]).values())):
+            out[name] = parent
+    return out
+
+
+def _measured_params(name: str, module: nn.Module, absorbed: Mapping[str, str]) -> dict[str, Tensor]:
+    """The parameters measured as this module's, by their name relative to it: its own, and those
+    of the children it absorbs (``out_proj.weight``)."""
+    params = dict(_direct_params(module))
+    children = dict(module.named_children())
+    for child, parent in absorbed.items():
+        if parent == name:
+            local = child.rpartition(".")[2]
+            params.update({f"{local}.{n}": p for n, p in _direct_params(children[local]).items()})
+    return params
+
+
 def _layer_update(m: _Module) -> tuple[Tensor, str]:
     """u = J_θ Δθ of the module alone (its own parameters stepping)."""
     record = m.record
     if linear_in_parameters(m.module):
         values = {n: m.step.get(n, torch.zeros_like(v)) for n, v in m.values.items()}
         with torch.no_grad():
-            u = _call_alone(m.module, values, record.args, record.kwargs, None)
+            u = m(values, record.args, record.kwargs, None)
         return u, "closed form f(x; Δθ) (linear in θ)"
 
     def f(p):
-        return _call_alone(m.module, {**m.values, **p}, record.args, record.kwargs, record.rng_state)
+        return m({**m.values, **p}, record.args, record.kwargs, record.rng_state)
 
     primal = {n: m.values[n] for n in m.step}
     _, u = jvp(f, (primal,), (m.step,))
@@ -839,14 +973,14 @@ def _layer_diagonal(m: _Module, lr: float, batch: int, budget: int) -> tuple[Ten
             sample = tuple(s.unsqueeze(0) if d == 0 else s for s, d in zip(sample, in_dims))
 
             def f(p):
-                return _call_alone(module, {**m.values, **p}, sample, record.kwargs, record.rng_state)
+                return m({**m.values, **p}, sample, record.kwargs, record.rng_state)
 
             _, pullback = vjp(f, trainable_values)
             (grad,) = pullback(g_i.unsqueeze(0))
             own = {n: -lr * v for n, v in grad.items()}
             if linear:
-                out = _call_alone(module, {n: own.get(n, torch.zeros_like(v)) for n, v in m.values.items()},
-                                  sample, record.kwargs, None)
+                out = m({n: own.get(n, torch.zeros_like(v)) for n, v in m.values.items()}, sample, record.kwargs,
+                        None)
             else:
                 _, out = jvp(f, (trainable_values,), (own,))
             return out.squeeze(0)
@@ -856,7 +990,7 @@ def _layer_diagonal(m: _Module, lr: float, batch: int, budget: int) -> tuple[Ten
         return d.detach(), f"vmap per-sample vjp→jvp (module alone, chunks of {chunk})"
 
     def f(p):
-        return _call_alone(module, {**m.values, **p}, record.args, record.kwargs, record.rng_state)
+        return m({**m.values, **p}, record.args, record.kwargs, record.rng_state)
 
     _, pullback = vjp(f, trainable_values)
 
@@ -864,15 +998,16 @@ def _layer_diagonal(m: _Module, lr: float, batch: int, budget: int) -> tuple[Ten
         (grad,) = pullback(g * onehot.reshape((-1,) + (1,) * (g.dim() - 1)))
         own = {n: -lr * v for n, v in grad.items()}
         if linear:
-            out = _call_alone(module, {n: own.get(n, torch.zeros_like(v)) for n, v in m.values.items()},
-                              record.args, record.kwargs, None)
+            out = m({n: own.get(n, torch.zeros_like(v)) for n, v in m.values.items()}, record.args,
+                    record.kwargs, None)
         else:
             _, out = jvp(f, (trainable_values,), (own,))
         return _select(out, onehot)
 
     size = sum(a.numel() for a in record.args if isinstance(a, Tensor)) + g.numel()
     chunk = _chunk(budget, itemsize, params, size, batch)
-    d = vmap(masked, chunk_size=chunk)(_onehots(batch, g))
+    # randomness="same": each pass replays the batch's draws (dropout inside attention), as the batch update did
+    d = vmap(masked, chunk_size=chunk, randomness="same")(_onehots(batch, g))
     return d.detach(), f"masked vjp→jvp over the batch (module couples samples; chunks of {chunk})"
 
 
@@ -892,10 +1027,10 @@ def _independent_module(m: _Module, batch: int) -> bool:
     args = tuple(a[index] if _batched(a, batch) else a for a in m.record.args)
     try:
         with torch.no_grad():
-            sub = _call_alone(m.module, m.values, args, m.record.kwargs, m.record.rng_state)
+            sub = m(m.values, args, m.record.kwargs, m.record.rng_state)
     except Exception:
         return False  # e.g. BatchNorm1d refuses a batch of one in train mode: it couples samples
-    return isinstance(sub, Tensor) and _close(sub, m.record.output.detach()[index])
+    return _close(sub, m.output[index])
 
 
 def _network_diagonals(model, function, hooks: _Hooks, args, modules, layer_diagonals, skipped, step, grad_out,
@@ -940,7 +1075,7 @@ def _network_diagonals(model, function, hooks: _Hooks, args, modules, layer_diag
                     f"masked_limit = {masked_limit}")
     params = function.params
     n_params = sum(t.numel() for t in params.values())
-    activations = sum(m.record.output.numel() for m in modules.values()) * 2 + sum(a.numel() for a in args)
+    activations = sum(m.output.numel() for m in modules.values()) * 2 + sum(a.numel() for a in args)
 
     def forward(p):
         return function(p, args)
@@ -979,7 +1114,7 @@ def _independent_network(function, hooks: _Hooks, args, modules, batch) -> bool:
             seen = dict(hooks.seen)
     except Exception:
         return False
-    return all(isinstance(seen.get(n), Tensor) and _close(seen[n], m.record.output.detach()[index])
+    return all(isinstance(seen.get(n), Tensor) and _close(seen[n], m.output[index])
                for n, m in modules.items())
 
 
@@ -1013,6 +1148,7 @@ def _metrics(name, m: _Module, scope, lr, u: Tensor, d: Tensor | None, route, di
         off_diagonal_share=None if d is None else off_diagonal_share(u, d),
         diagonal_route=diagonal_route,
         site_diagonal_scale=site,
+        parameters=tuple(m.step),
         effective=u if keep else None,
         ideal=ideal if keep else None,
         diagonal=d if keep else None,

@@ -36,7 +36,7 @@ import torch
 from affdiv.experiments.checks import check_fraction
 from affdiv.experiments.data.cifar10 import load_cifar10
 from affdiv.experiments.data.fashion_mnist import load_fashion_mnist
-from affdiv.experiments.data.npz import load_npz
+from affdiv.experiments.data.npz import raw_npz
 from affdiv.experiments.data.raw import RawData
 from affdiv.experiments.data.synthetic import DEFAULTS as SYNTHETIC_DEFAULTS
 from affdiv.experiments.data.synthetic import make_teacher_student
@@ -186,7 +186,7 @@ def _raw(name: str, data_dir: str | Path | None, seed: int, options: dict[str, A
     if name == "cifar10":
         return load_cifar10(data_dir, md5=options["md5"], member_md5=options["member_md5"])
     if name == "npz":
-        return load_npz(options["path"], data_dir)
+        return raw_npz(options["path"], data_dir)
     return make_teacher_student(seed, **{k: options[k] for k in SYNTHETIC_DEFAULTS})
 
 

@@ -143,15 +143,17 @@ def test_a_built_in_name_cannot_take_a_factory():
     "arrays, message",
     [
         ({"x_train": np.zeros((4, 3)), "y_train": np.zeros(4, int), "x_test": np.zeros((2, 3))},
-         "expected exactly the arrays ['x_train', 'y_train', 'x_test', 'y_test']; missing ['y_test']"),
+         "needs arrays x_train, y_train, x_test, y_test; missing y_test"),
+        ({"x_train": np.zeros((4, 3)), "y_train": np.zeros(4), "x_test": np.zeros((2, 3)), "y_test": np.zeros(2)},
+         "the harness trains classifiers; y_train and y_test must be integer class labels"),
         ({"x_train": np.zeros((4, 3)), "y_train": np.zeros(4), "x_test": np.zeros((2, 3)), "y_test": np.zeros(2, int)},
-         "y_train and y_test must be non-empty 1-D integer arrays"),
+         "y_train and y_test must both be integer class labels or both real targets, got dtypes float64 and int64"),
         ({"x_train": np.zeros((4, 3)), "y_train": np.zeros(4, int), "x_test": np.zeros((2, 5)),
-          "y_test": np.zeros(2, int)}, "test inputs have sample shape (5,), the training pool (3,)"),
+          "y_test": np.zeros(2, int)}, "x_test's sample shape must be x_train's (3,), got (5,)"),
         ({"x_train": np.array([[np.nan, 0, 0]] * 4), "y_train": np.zeros(4, int), "x_test": np.zeros((2, 3)),
-          "y_test": np.zeros(2, int)}, "inputs contain NaN or infinity"),
+          "y_test": np.zeros(2, int)}, "x_train must be finite, got NaN or inf"),
         ({"x_train": np.array([object()] * 4), "y_train": np.zeros(4, int), "x_test": np.zeros((2, 3)),
-          "y_test": np.zeros(2, int)}, "an array holds Python objects"),
+          "y_test": np.zeros(2, int)}, "an array holds Python objects, which are not read (no pickles)"),
     ],
 )
 def test_bad_npz_files_are_named(tmp_path, arrays, message):
@@ -164,7 +166,7 @@ def test_bad_npz_files_are_named(tmp_path, arrays, message):
 def test_npz_paths_and_identity(tmp_path):
     with pytest.raises(ValueError, match="npz: data_options needs path"):
         load_dataset("npz")
-    with pytest.raises(FileNotFoundError, match="npz: no such file"):
+    with pytest.raises(FileNotFoundError, match="nowhere.npz: no such file"):
         load_dataset("npz", path="nowhere.npz", data_dir=str(tmp_path))
     x = np.arange(60, dtype=np.float32).reshape(20, 3)
     y = np.arange(20) % 2

@@ -470,12 +470,10 @@ def test_bench_checks_its_json_path_and_backend_before_timing(tmp_path, capsys, 
 
 
 def test_verify_checks_its_report_paths_before_the_checks(tmp_path, capsys, monkeypatch, unwritable):
-    import affdiv.verify.cli as verify_cli
-
     def no_checks(*_args, **_kwargs):
         raise AssertionError("the checks ran before the report paths were checked")
 
-    monkeypatch.setattr(verify_cli, "run_checks", no_checks)
+    monkeypatch.setattr("affdiv.verify.checks.run_checks", no_checks)
     locked = unwritable(tmp_path / "locked")
     for option in ("--json", "--markdown", "--latex"):
         refused(capsys, ["verify", "--only", "affine", option, str(locked / "v.out")],

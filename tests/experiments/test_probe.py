@@ -1,13 +1,17 @@
 """`affdiv probe`: the divergence meter on real data behaves as the derivations say it must."""
 
+import hashlib
 import json
 import math
+import sys
+import warnings
 
 import pytest
 
 from affdiv import cli
 from affdiv.experiments.data.dataset import load_dataset
 from affdiv.experiments.probe import aggregate, measure, parse_int_list
+from affdiv.verify.divergence import UnmeasuredModuleWarning
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +71,7 @@ def test_probe_command_writes_its_reports(tmp_path):
     )
     assert status == 0
     record = json.loads((tmp_path / "probe.json").read_text(), parse_constant=pytest.fail)  # no NaN/inf
-    assert record["schema_version"] == 2 and record["scope"] == "layer" and record["batch_sizes"] == [4, 8]
+    assert record["schema_version"] == 3 and record["scope"] == "layer" and record["batch_sizes"] == [4, 8]
     assert record["provenance"]["data_fingerprint"]
     layers = {(r["model"], r["layer"]) for r in record["rows"]}
     assert ("transformer-qknorm", "block.attn.q_norm") in layers and ("cnn-patchnorm", "0") in layers
@@ -168,3 +172,106 @@ def test_the_divergence_measurement_rides_along_a_training_run():
                             "diagonal_scale_cv_init", "diagonal_scale_cv_last", "divergence_last_step"}
     with pytest.raises(ValueError, match="scope must be"):
         divergence_measurement.measurement(every=2, scope="model")
+
+
+def test_positive_quantities_get_a_positive_interval_from_the_log_scale():
+    values = [(0, 4.0), (1, 0.25)]  # two seeds far apart: the plain t interval would reach below 0
+    rows = [{"model": "m", "layer": "0", "kind": "Linear", "batch_size": 8, "seed": s, "batch": 0,
+             "diagonal_scale_mean": v, "cosine_mean": v - 1} for s, v in values]
+    (row,) = aggregate(rows, ("model", "layer", "batch_size"))
+    half = 12.706204736174707 * abs(math.log(4.0) - math.log(0.25)) / 2  # t(0.975, 1)·sd/√n, sd = |a − b|/√2
+    assert row["diagonal_scale_mean"] == pytest.approx(1.0)  # the geometric mean of 4 and 1/4
+    assert row["diagonal_scale_mean_ci"] == pytest.approx([math.exp(-half), math.exp(half)])
+    assert row["cosine_mean"] == pytest.approx((3.0 - 0.75) / 2)  # a signed quantity: the plain mean
+    assert row["cosine_mean_ci"][0] < 0
+    rows[1]["diagonal_scale_mean"] = 0.0  # a zero has no logarithm: the plain interval, cut at 0
+    (row,) = aggregate(rows, ("model", "layer", "batch_size"))
+    assert row["diagonal_scale_mean"] == pytest.approx(2.0) and row["diagonal_scale_mean_ci"][0] == 0.0
+
+
+MODELS = """
+import torch
+def attention(input_shape, num_classes):
+    tokens, width = input_shape[-2], input_shape[-1]
+    return torch.nn.Sequential(
+        torch.nn.Flatten(1, -2), torch.nn.TransformerEncoderLayer(width, 2, dim_feedforward=16, batch_first=True),
+        torch.nn.Flatten(), torch.nn.Linear(tokens * width, num_classes))
+def three_outputs():
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(8, 3))
+"""
+
+
+def test_a_model_file_by_path_and_a_module_in_the_current_directory(tmp_path, monkeypatch):
+    (tmp_path / "models_here.py").write_text(MODELS)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "elsewhere.py").write_text(MODELS)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])  # no PYTHONPATH
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnmeasuredModuleWarning)
+        assert cli.main(["probe", "--model", "models_here:attention,sub/elsewhere.py:attention", "--batch-sizes",
+                         "4", "--seeds", "1", "--batches", "1", "--out", "out"]) == 0
+    record = json.loads((tmp_path / "out" / "probe.json").read_text())
+    assert not record["skipped"]
+    layers = {(r["model"], r["layer"], r["kind"]) for r in record["rows"]}
+    for model in ("models_here:attention", "sub/elsewhere.py:attention"):
+        assert (model, "1.self_attn", "MultiheadAttention") in layers
+
+
+def _npz(path, **arrays):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    base = {"x_train": rng.normal(size=(30, 2, 4)), "y_train": rng.normal(size=(30, 3)),
+            "x_test": rng.normal(size=(6, 2, 4)), "y_test": rng.normal(size=(6, 3))}
+    np.savez(path, **{k: v for k, v in {**base, **arrays}.items() if v is not None})
+    return str(path)
+
+
+def test_an_npz_dataset_with_the_mse_loss(tmp_path, monkeypatch):
+    (tmp_path / "m.py").write_text(MODELS)
+    data = _npz(tmp_path / "d.npz")
+    assert cli.main(["probe", "--model", f"{tmp_path / 'm.py'}:attention,layer-affine", "--data", data, "--loss",
+                     "mse", "--batch-sizes", "4,8", "--seeds", "2", "--batches", "1", "--out",
+                     str(tmp_path / "out")]) == 0
+    record = json.loads((tmp_path / "out" / "probe.json").read_text())
+    assert record["loss"] == "mse" and record["data"] == data
+    assert record["provenance"]["data_fingerprint"] == hashlib.sha256((tmp_path / "d.npz").read_bytes()).hexdigest()
+    linear = next(r for r in record["rows"] if r["model"] == "layer-affine" and r["batch_size"] == 8)
+    assert linear["diagonal_scale_mean"] > 1 and linear["diagonal_scale_mean_ci"][0] > 0  # ‖x‖² + 1
+    assert "log scale" in (tmp_path / "out" / "probe.md").read_text()
+
+
+@pytest.mark.parametrize("arrays, argv, message", [
+    ({"x_test": None}, [], "needs arrays x_train, y_train, x_test, y_test; missing x_test"),
+    ({"y_train": [1.0, 2.0]}, [], "y_train must have one entry per sample of x_train (30), got shape (2,)"),
+    ({"x_test": [[1.0, 2.0]]}, [], "x_test's sample shape must be x_train's (2, 4), got (2,)"),
+    ({}, ["--loss", "cross_entropy"], "--loss cross_entropy needs integer class labels"),
+    ({"y_train": [[0.0]] * 30, "y_test": [[0.0]] * 6}, ["--model", "m.py:three_outputs"],
+     "model 'm.py:three_outputs' with --loss mse must return 1 value(s) per sample (B = 2), got shape (2, 3)"),
+])
+def test_a_bad_npz_dataset_is_one_line(tmp_path, monkeypatch, capsys, arrays, argv, message):
+    (tmp_path / "m.py").write_text(MODELS)
+    monkeypatch.chdir(tmp_path)
+    data = _npz(tmp_path / "d.npz", **arrays)
+    argv = ["probe", "--model", "layer-affine", "--data", data, "--loss", "mse", *argv, "--batch-sizes", "4",
+            "--out", str(tmp_path / "out")]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_npz_of_class_labels_loads_as_labels(tmp_path):
+    import numpy as np
+    import torch
+
+    from affdiv.experiments.data.npz import load_npz
+
+    labels = np.array([0, 2, 1, 2] * 5, dtype=np.uint8)
+    data = load_npz(_npz(tmp_path / "c.npz", x_train=np.ones((20, 1, 3, 3), dtype=np.float32), y_train=labels,
+                         x_test=np.zeros((2, 1, 3, 3)), y_test=np.array([4, 0])))
+    assert data.labels and data.num_classes == 5 and data.input_shape == (1, 3, 3)  # 0..4: the test split's 4 too
+    assert data.train.y.dtype == torch.int64 and data.train.x.dtype == torch.float32 and len(data.train) == 20
+    with pytest.raises(ValueError, match=r"y_train as class labels must be integers >= 0 of shape \(N,\), got shape"):
+        load_npz(_npz(tmp_path / "n.npz", y_train=-np.ones(30, dtype=int), y_test=np.zeros(6, dtype=int)))

@@ -13,7 +13,7 @@ from affdiv.theory import registry
 def test_verify_writes_three_reports_and_passes(tmp_path, capsys):
     paths = {k: tmp_path / f"v.{k}" for k in ("json", "md", "tex")}
     status = cli.main(
-        ["verify", "--only", "affine", "affine_like", "--seeds", "1",
+        ["verify", "-v", "--only", "affine", "affine_like", "--seeds", "1",
          "--json", str(paths["json"]), "--markdown", str(paths["md"]), "--latex", str(paths["tex"])]
     )
     assert status == 0
@@ -67,3 +67,21 @@ def test_verify_list_aligns_names(capsys):
     lines = capsys.readouterr().out.splitlines()
     width = max(len(name) for name in registry())
     assert lines and all(line[width:width + 2] == "  " and line[width + 2] != " " for line in lines)
+
+
+def test_verify_prints_one_line_per_derivation_unless_verbose(tmp_path, capsys):
+    outputs, records = {}, {}
+    for mode in ("default", "--verbose"):
+        path = tmp_path / f"{mode}.json"
+        argv = ["verify", "--only", "affine_like", "--seeds", "1", "--json", str(path)]
+        assert cli.main(argv + ([mode] if mode != "default" else [])) == 0
+        outputs[mode] = capsys.readouterr().out.splitlines()
+        records[mode] = {k: v for k, v in json.loads(path.read_text()).items() if k != "provenance"}
+    line, summary = outputs["default"]  # the derivation's line and the summary: nothing else
+    assert line.startswith("PASS  affine_like ") and "proof: 3/3 steps hold; checks: 12/12 passed" in line
+    assert summary.startswith("12 passed, 0 failed")
+    verbose = outputs["--verbose"]
+    assert sum(row.startswith("PASS  affine_like/proof") for row in verbose) == 3
+    assert sum(row.startswith("PASS  affine_like/") for row in verbose) == 3 + 12
+    assert line in verbose and verbose[-1].startswith("12 passed, 0 failed")
+    assert records["default"] == records["--verbose"]  # the reports do not depend on what is printed

@@ -30,7 +30,8 @@ def example(monkeypatch):
 
 
 def test_the_example_is_proven_and_passes_every_check(example, tmp_path, capsys):
-    status = cli.main(["verify", "--only", "linear_no_bias", "--seeds", "1", "--markdown", str(tmp_path / "v.md")])
+    status = cli.main(["verify", "-v", "--only", "linear_no_bias", "--seeds", "1", "--markdown",
+                       str(tmp_path / "v.md")])
     out = capsys.readouterr().out
     assert status == 0, out
     assert "PASS  linear_no_bias/proof" in out and "FAIL" not in out
@@ -42,6 +43,6 @@ def test_the_example_is_proven_and_passes_every_check(example, tmp_path, capsys)
 def test_a_wrong_closed_form_fails(example, monkeypatch, capsys):
     wrong = dataclasses.replace(example, predict=lambda case, grad_output, lr: -lr * grad_output)
     monkeypatch.setitem(derivation_module._REGISTRY, "linear_no_bias", wrong)
-    assert cli.main(["verify", "--only", "linear_no_bias", "--seeds", "1"]) == 1
+    assert cli.main(["verify", "-v", "--only", "linear_no_bias", "--seeds", "1"]) == 1
     out = capsys.readouterr().out
     assert "FAIL  linear_no_bias/update" in out and "PASS  linear_no_bias/diagonal" in out

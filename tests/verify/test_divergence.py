@@ -22,7 +22,7 @@ from affdiv.layers import AffineLike, NormLike, PatchNormConv2d
 from affdiv.theory import affine as theory_affine
 from affdiv.theory import conv as theory_conv
 from affdiv.verify import diagonal_update, divergence, effective_update
-from affdiv.verify.divergence import UnsupportedModuleError, batchnorm_diagonal
+from affdiv.verify.divergence import UnmeasuredModuleWarning, UnsupportedModuleError, batchnorm_diagonal
 from affdiv.verify.metrics import cosine, off_diagonal_share, scale_factor
 
 F64 = torch.float64
@@ -364,9 +364,11 @@ def test_refusals_are_listed_with_their_reason():
 
     net = Net()
     x, y = torch.randn(5, 4, dtype=F64), torch.randint(0, 2, (5,))
-    report = divergence(net, x, ce(y), lr=LR)
+    with pytest.warns(UnmeasuredModuleWarning) as caught:
+        report = divergence(net, x, ce(y), lr=LR)
     assert set(report.layers) == {"head"}
     reasons = report.skipped
+    assert sorted(str(w.message).split("'")[1] for w in caught) == sorted(reasons)  # each named once
     assert "called 2 times" in reasons["shared"]
     assert "tied to module 'b'" in reasons["a"] and "tied to module 'a'" in reasons["b"]
     assert "does not reach the loss" in reasons["unused"]
@@ -374,8 +376,9 @@ def test_refusals_are_listed_with_their_reason():
     with pytest.raises(UnsupportedModuleError, match="module 'shared' \\(Linear\\): called 2 times"):
         divergence(net, x, ce(y), lr=LR, on_unsupported="raise")
     # network scope: the shared and tied modules still step; the diagonals take the masked route
-    network = divergence(nn.Sequential(Net().shared, nn.Tanh(), Net().shared, nn.Linear(4, 2, dtype=F64)), x,
-                         ce(y), lr=LR, scope="network")
+    with pytest.warns(UnmeasuredModuleWarning, match="module '0' \\(Linear\\): called 2 times"):
+        network = divergence(nn.Sequential(Net().shared, nn.Tanh(), Net().shared, nn.Linear(4, 2, dtype=F64)), x,
+                             ce(y), lr=LR, scope="network")
     assert "called 2 times" in network.skipped["0"] and network.network_diagonal_route.startswith("masked")
 
 
@@ -530,6 +533,7 @@ def test_a_module_that_modifies_its_input_in_place_is_refused():
 
     x, y = torch.randn(4, 3, dtype=F64), torch.randint(0, 2, (4,))
     net = nn.Sequential(nn.Linear(3, 3, dtype=F64), Clamp(), Scale(), nn.Linear(3, 2, dtype=F64))
-    report = divergence(net, x, ce(y), lr=LR)
+    with pytest.warns(UnmeasuredModuleWarning, match="module '2' \\(Scale\\): it modifies its input in place"):
+        report = divergence(net, x, ce(y), lr=LR)
     assert "modifies its input in place" in report.skipped["2"]
     assert "1.lin" in report.layers  # its input is the clamped tensor, unchanged after its call
