@@ -183,6 +183,48 @@ def _sum_terms(expr: sp.Expr) -> list[tuple[sp.Expr, tuple]]:
     return [(expr, ())]
 
 
+def linear_sums(expr: sp.Expr) -> sp.Expr:
+    """``expr`` with every finite sum distributed over + and its index-free factors pulled out
+    (Σ_l (c f_l + h_l) = c Σ_l f_l + Σ_l h_l), innermost sums first."""
+    if not expr.args:
+        return expr
+    expr = expr.func(*[linear_sums(arg) for arg in expr.args])
+    if not isinstance(expr, sp.Sum):
+        return expr
+    indices = {limit[0] for limit in expr.limits}
+    total = sp.Integer(0)
+    for term in sp.Add.make_args(sp.expand(expr.function)):
+        factors = sp.Mul.make_args(term)
+        outside = [f for f in factors if not f.free_symbols & indices]
+        inside = [f for f in factors if f.free_symbols & indices]
+        total += sp.Mul(*outside) * sp.Sum(sp.Mul(*inside), *expr.limits)
+    return total
+
+
+def sums_as_atoms(expr: sp.Expr) -> sp.Expr:
+    """Every distinct finite sum replaced by a fresh symbol (positive when the sum is of exps).
+
+    Each one-index sum is first written with one shared index name (renaming a bound index changes
+    nothing), so Σ_k a_k u_k and Σ_l a_l u_l become one symbol. Sound for zero tests: a rational
+    identity in independent symbols holds at any values they take, the sums' values included."""
+    sums = sorted({_one_index_name(term) for term in expr.atoms(sp.Sum)}, key=sp.default_sort_key)
+    expr = expr.xreplace({term: _one_index_name(term) for term in expr.atoms(sp.Sum)})
+    atoms = {
+        term: sp.Dummy(f"sum{i}", positive=bool(term.function.is_positive)) for i, term in enumerate(sums)
+    }
+    return expr.xreplace(atoms)
+
+
+_INDEX = sp.Dummy("l", integer=True)
+
+
+def _one_index_name(term: sp.Sum) -> sp.Sum:
+    if len(term.limits) != 1 or term.function.has(sp.Sum):
+        return term
+    (index, low, high), = term.limits
+    return sp.Sum(term.function.xreplace({index: _INDEX}), (_INDEX, low, high))
+
+
 def symbolic_identity(claim: str, residual) -> Proof:
     """The proof step "``residual`` is identically 0" at general size: a sympy matrix expression
     (expanded by matrix calculus) or an index expression with finite sums (``sum_normal_form``)."""
