@@ -1,6 +1,8 @@
 """Residual blocks y = x + F(x) fed by an upstream layer x = H(u), every parameter stepping.
 
-First order (chain rule; Θ_F, Θ_H the layers' own parameter kernels, M = ∂y/∂x = I + ∂F/∂x):
+First order (chain rule; Θ_F, Θ_H the layers' own parameter kernels, M = ∂y/∂x = I + ∂F/∂x;
+proven by matrix calculus at general width, input size and hidden width, φ undefined:
+``first_order_theorem``; exact differentiation at B = m = n = hidden = 2 corroborates it):
 
     Δy_i = −η Σ_j [Θ_F(i,j) + M_i Θ_H(i,j) M_jᵀ] g_j + O(η²)
 
@@ -218,6 +220,142 @@ def affine_block_theorem() -> Proof:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockCalculus:
+    """The block y_s = x_s + F(x_s), x_s = α_s (V u_s + c), for samples s ∈ {i, j} at general sizes
+    (n = width, m = input size, h = hidden width), α_s any θ-independent factor (1: affine upstream,
+    1/√(‖u_s‖²+1): affine-like), and its differential dy_s(dθ) by the chain rule (x_s, h_s, D_s, ρ_s
+    stand for their values at θ, constants of the linear map dθ ↦ dy_s):
+
+        dx_s = α_s (dV u_s + dc)
+        two-layer    dF_s = dW₂ h_s + W₂ D_s (dW₁ x_s + W₁ dx_s + db₁) + db₂     h_s = φ(a_s)
+        affine-like  dF_s = ρ_s (dW x_s + W dx_s + db) − ρ_s³ (W x_s + b) x_sᵀ dx_s  ρ_s = (‖x_s‖²+1)^(−1/2)
+
+    For φ elementwise (undefined), dφ(a) = diag(φ'(a)) da = D da is the definition of the
+    derivative; D is diagonal, so Dᵀ = D. ρ's derivative, −ρ³ xᵀ, is ``normaliser_derivative``.
+    """
+
+    branch: str  # "two_layer" or "affine_like"
+
+    @property
+    def sizes(self):
+        return sp.symbols("n m h", integer=True, positive=True)
+
+    def _matrix(self, name: str, rows, cols) -> sp.MatrixSymbol:
+        return sp.MatrixSymbol(name, rows, cols)
+
+    @property
+    def params(self) -> dict[str, sp.MatrixSymbol]:
+        n, m, h = self.sizes
+        shapes = {"V": (n, m), "c": (n, 1)}
+        shapes.update({"W_1": (h, n), "b_1": (h, 1), "W_2": (n, h), "b_2": (n, 1)} if self.branch == "two_layer"
+                      else {"W": (n, n), "b": (n, 1)})
+        return {name: self._matrix(name, *shape) for name, shape in shapes.items()}
+
+    def sample(self, s: str) -> dict:
+        """Sample s's symbols: input u, upstream factor α, and D, h (two-layer) or ρ (affine-like)."""
+        n, m, h = self.sizes
+        return {"u": self._matrix(f"u_{s}", m, 1), "alpha": sp.Symbol(f"alpha_{s}"), "D": self._matrix(f"D_{s}", h, h),
+                "h": self._matrix(f"h_{s}", h, 1), "rho": sp.Symbol(f"rho_{s}", positive=True)}
+
+    @property
+    def grad(self) -> sp.MatrixSymbol:
+        """g_j = ∂L/∂y_j."""
+        return self._matrix("g_j", self.sizes[0], 1)
+
+    def x(self, s: str) -> sp.MatrixSymbol:
+        """x_s's value at θ: a constant of the differential (its change is dx_s)."""
+        return self._matrix(f"x_{s}", self.sizes[0], 1)
+
+    def differential(self, s: str, d: Mapping[str, sp.MatrixExpr]) -> sp.MatrixExpr:
+        """dy_s in the direction d (one matrix per parameter)."""
+        p, v, x = self.params, self.sample(s), self.x(s)
+        dx = v["alpha"] * (d["V"] * v["u"] + d["c"])
+        if self.branch == "two_layer":
+            df = d["W_2"] * v["h"] + p["W_2"] * v["D"] * (d["W_1"] * x + p["W_1"] * dx + d["b_1"]) + d["b_2"]
+        else:
+            rho = v["rho"]
+            df = rho * (d["W"] * x + p["W"] * dx + d["b"]) - rho**3 * (p["W"] * x + p["b"]) * (x.T * dx)
+        return dx + df
+
+    def jacobian(self, s: str) -> sp.MatrixExpr:
+        """M_s = ∂y_s/∂x_s = I + ∂F/∂x at sample s."""
+        p, v, x = self.params, self.sample(s), self.x(s)
+        eye = sp.Identity(self.sizes[0])
+        if self.branch == "two_layer":
+            return eye + p["W_2"] * v["D"] * p["W_1"]
+        return eye + v["rho"] * p["W"] - v["rho"] ** 3 * (p["W"] * x + p["b"]) * x.T
+
+    def closed_form(self) -> sp.MatrixExpr:
+        """−η [Θ_F(i,j) + M_i k_H(i,j) M_jᵀ] g_j, k_H = α_i α_j (u_i·u_j + 1), with the 1×1 products
+        u_jᵀu_i, x_jᵀx_i, h_jᵀh_i to the right of g_j (they are scalars)."""
+        g, i, j = self.grad, self.sample("i"), self.sample("j")
+        x_i, x_j = self.x("i"), self.x("j")
+        if self.branch == "two_layer":
+            w_2 = self.params["W_2"]
+            outer = w_2 * i["D"] * j["D"] * w_2.T * g
+            branch = g * (j["h"].T * i["h"]) + g + outer * (x_j.T * x_i) + outer
+        else:
+            branch = i["rho"] * j["rho"] * (g * (x_j.T * x_i) + g)
+        upstream = self.jacobian("i") * self.jacobian("j").T * g
+        return -ETA * (branch + i["alpha"] * j["alpha"] * (upstream * (j["u"].T * i["u"]) + upstream))
+
+    @property
+    def diagonal(self) -> dict:
+        """Dᵀ = D for the diagonal D_s."""
+        return {self.sample(s)["D"].T: self.sample(s)["D"] for s in "ij"}
+
+
+@cache
+def _first_order_update(block: BlockCalculus) -> sp.MatrixExpr:
+    """dy_i(Δθ), Δθ = −η ∇θ (g_jᵀ y_j) = −η ∇_{dθ} (g_jᵀ dy_j(dθ))."""
+    directions = {name: sp.MatrixSymbol(f"d{name}", *p.shape) for name, p in block.params.items()}
+    loss = sp.Trace(block.grad.T * block.differential("j", directions))
+    step = {name: -ETA * sp.diff(loss, direction) for name, direction in directions.items()}
+    return block.differential("i", step)
+
+
+@cache
+def first_order_theorem(branch: str, closed_form=BlockCalculus.closed_form) -> Proof:
+    """dy_i(Δθ) = ``closed_form`` at general sizes, Δθ = −η ∇θ (g_jᵀ y_j); the gradient of g_jᵀ y_j
+    is that of the linear map dθ ↦ g_jᵀ dy_j(dθ) (the adjoint of the differential), so no term
+    of the block is differentiated twice. ``closed_form`` is a parameter so that a planted-wrong
+    one can be shown to fail."""
+    block = BlockCalculus(branch)
+    residual = (_first_order_update(block) - closed_form(block)).xreplace(block.diagonal)
+    if branch == "two_layer":
+        what = ("two-layer branch F = W₂ φ(W₁x + b₁) + b₂, φ undefined, D_s = diag φ'(W₁x_s + b₁): Θ_F(i,j) = "
+                "(h_i·h_j + 1) I + (x_i·x_j + 1) W₂ D_i D_j W₂ᵀ, M = I + W₂ D W₁")
+    else:
+        what = "affine-like branch F = ρ(x)(Wx + b): Θ_F(i,j) = ρ_i ρ_j (x_i·x_j + 1) I, M = I + ρW − ρ³(Wx+b)xᵀ"
+    return symbolic_identity(
+        f"{what}; upstream x = α(u)(Vu + c), α θ-independent: the first-order update dy_i(Δθ) from sample j is "
+        "−η [Θ_F(i,j) + α_i α_j (u_i·u_j + 1) M_i M_jᵀ] g_j at general width, input size, hidden width "
+        "(linear in g, so summing over j gives any batch)",
+        residual,
+    )
+
+
+@cache
+def normaliser_derivative() -> Proof:
+    """d/dt ρ(x + t v)|₀ = −ρ(x)³ xᵀv for ρ(x) = (‖x‖² + 1)^(−1/2), at general size: ‖x + tv‖² expands
+    (matrix calculus) to ‖x‖² + 2t xᵀv + t²‖v‖², and the scalar derivative follows."""
+    n = sp.Symbol("n", integer=True, positive=True)
+    x, v = sp.MatrixSymbol("x", n, 1), sp.MatrixSymbol("v", n, 1)
+    t, sq, cross, vv = sp.symbols("t s p q", real=True)
+    # ‖x + tv‖² = ‖x‖² + t (xᵀv + vᵀx) + t²‖v‖², and vᵀx = xᵀv = p (a 1×1 matrix is its own transpose)
+    expansion = is_zero((x + t * v).T * (x + t * v) - (x.T * x + t * (x.T * v + v.T * x) + t**2 * v.T * v))
+    derivative = sp.diff((sq + 2 * t * cross + t**2 * vv + 1) ** sp.Rational(-1, 2), t).subs(t, 0)
+    scalar = sp.simplify(derivative + (sq + 1) ** sp.Rational(-3, 2) * cross)
+    return Proof(
+        claim="ρ(x) = (‖x‖²+1)^(−1/2) has derivative −ρ³ xᵀ in every direction, at general size",
+        kind=ProofKind.SYMBOLIC_GENERAL,
+        holds=bool(expansion and scalar == 0),
+        detail=f"‖x+tv‖² = ‖x‖² + t(xᵀv + vᵀx) + t²‖v‖² by matrix calculus ({'holds' if expansion else 'fails'}); "
+        f"d/dt (s + 2tp + t²q + 1)^(−1/2) at t = 0, plus (s+1)^(−3/2) p, simplifies to {scalar}",
+    )
+
+
 def _exact_residual_forward(branch: str, upstream: str, u: sp.Matrix):
     """The block on exact input rows, as a sympy function of its parameters (φ left undefined)."""
     up = affine.member(upstream)
@@ -332,10 +470,14 @@ def make_derivation(branch: str, upstream: str) -> Derivation:
     exact_second = (branch, upstream) == ("affine", "affine")
 
     def proofs() -> list[Proof]:
-        exact = exact_residual_proof(branch, upstream)
-        steps = [dataclasses.replace(exact, corroborates=True)] if exact_second else [exact]
+        """The general-size theorem, then the exact first order at B = m = n = hidden = 2 as corroboration."""
         if exact_second:
-            steps.insert(0, affine_block_theorem())
+            steps = [affine_block_theorem()]
+        elif branch == "affine_like":
+            steps = [normaliser_derivative(), first_order_theorem("affine_like")]
+        else:
+            steps = [first_order_theorem("two_layer")]
+        steps.append(dataclasses.replace(exact_residual_proof(branch, upstream), corroborates=True))
         if branch == "affine_like" and upstream == "affine_like":
             steps.append(_corrected_diagonal_proof())
         return steps

@@ -5,12 +5,14 @@ and planted wrong formulas fail."""
 import dataclasses
 
 import pytest
+import sympy as sp
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.func import functional_call, jvp, vjp
 
 from affdiv.theory import ProofKind, attention, registry
+from affdiv.theory.exact import ETA
 from affdiv.verify.checks import SLOPE_TOL, TOL, check_taylor, check_update, rel_err
 from affdiv.verify.engine import effective_update
 
@@ -38,13 +40,82 @@ def _case(sizes, seed):
 
 
 def test_registered_and_each_step_holds_with_its_kind():
+    """Five general-size steps (V path, scores, row softmax, the two assemblies) make it proven; the
+    exact first order at concrete sizes and the nested-AD η² check stay as corroboration."""
     assert registry()["attention"] is D
     steps = D.proof_steps()
     assert all(p.holds for p in steps), [p for p in steps if not p.holds]
-    kinds = [p.kind for p in steps]
-    assert kinds.count(ProofKind.SYMBOLIC_GENERAL) == 2  # V path kernel, scores' exact expansion
-    assert kinds.count(ProofKind.EXACT_CONCRETE) == 2  # softmax derivatives, first-order composition
-    assert D.proof_kind is ProofKind.NUMERIC_ONLY  # the assembled η² term is checked numerically only
+    essential = [p.kind for p in steps if not p.corroborates]
+    assert essential == [ProofKind.SYMBOLIC_GENERAL] * 5
+    assert [p.kind for p in steps if p.corroborates] == [ProofKind.EXACT_CONCRETE, ProofKind.NUMERIC_ONLY]
+    assert D.proof_kind is ProofKind.SYMBOLIC_GENERAL
+
+
+def _jvp_without_mean(row, k, direction):
+    """Planted: J(U) = A ⊙ U (the − ū dropped)."""
+    return row.a(k) * direction(k)
+
+
+def _curvature_without_variance(row, k, direction):
+    """Planted: C(U) = A ⊙ (U − ū)² (the − Σ A (U − ū)² dropped)."""
+    mean = row.row_sum(lambda j: row.a(j) * direction(j))
+    return row.a(k) * (direction(k) - mean) ** 2
+
+
+def _curvature_not_squared(row, k, direction):
+    """Planted: (U − ū) for (U − ū)² in C."""
+    mean = row.row_sum(lambda j: row.a(j) * direction(j))
+    return row.a(k) * ((direction(k) - mean) - row.row_sum(lambda j: row.a(j) * (direction(j) - mean)))
+
+
+def test_planted_wrong_softmax_derivatives_fail():
+    assert attention.softmax_row_theorem().holds
+    assert not attention.softmax_row_theorem(jvp=_jvp_without_mean).holds
+    assert not attention.softmax_row_theorem(curvature=_curvature_without_variance).holds
+    assert not attention.softmax_row_theorem(curvature=_curvature_not_squared).holds
+
+
+def _first_order_variant(calc, *, power=2, transpose_d=False, o_path=True):
+    """AttentionCalculus.first_order rebuilt with one planted change."""
+    x, g, c = calc.x, calc.grad, calc.scale
+    scores, rest = [], []
+    for h in calc.heads:
+        p = calc.head(h)
+        q, k, ax = x * p["Q"], x * p["K"], p["A"] * x
+        d = p["D"].T if transpose_d else p["D"]
+        scores.append(-ETA * c**power * (x * x.T * d * k * k.T + q * q.T * d * x * x.T))
+        y = ax * p["V"]
+        rest += [-ETA * ax * ax.T * g * p["O"].T * p["O"]] + ([-ETA * y * y.T * g] if o_path else [])
+    return scores, sp.Add(*rest)
+
+
+def test_planted_wrong_first_order_assembly_fails():
+    """The rebuilt closed form holds; c for c², Dᵀ for D, and the O path dropped each fail."""
+    assert attention.first_order_assembly(_first_order_variant).holds
+    for change in (dict(power=1), dict(transpose_d=True), dict(o_path=False)):
+        planted = attention.first_order_assembly(lambda calc, change=change: _first_order_variant(calc, **change))
+        assert not planted.holds, change
+
+
+def _second_order_variant(calc, step, *, score_value=True, y1_value=True):
+    x, terms = calc.x, []
+    for h in calc.heads:
+        p = calc.head(h)
+        dv, do = step[f"W_V{h}"], step[f"W_O{h}"]
+        y1 = p["A1"] * x * p["V"] + (p["A"] * x * dv if y1_value else sp.ZeroMatrix(*p["A"].shape) * x * dv)
+        terms += [p["A2"] * x * p["V"] * p["O"], y1 * do]
+        if score_value:
+            terms.append(p["A1"] * x * dv * p["O"])
+    return sp.Add(*terms)
+
+
+def test_planted_wrong_second_order_assembly_fails():
+    """Without J(S1) X ΔW_V W_O, or with Y1 missing A X ΔW_V, the η² coefficient is not Z2."""
+    assert attention.second_order_assembly(_second_order_variant).holds
+    for change in (dict(score_value=False), dict(y1_value=False)):
+        planted = attention.second_order_assembly(lambda calc, step, change=change: _second_order_variant(
+            calc, step, **change))
+        assert not planted.holds, change
 
 
 @settings(max_examples=15)

@@ -4,11 +4,13 @@ geometries, the box filter equals the unfold definition, and planted wrong formu
 import dataclasses
 
 import pytest
+import sympy as sp
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from affdiv.theory import ProofKind, conv, registry
+from affdiv.theory.exact import ETA
 from affdiv.verify.checks import check_site_diagonal, check_update
 from affdiv.verify.engine import effective_update
 from affdiv.verify.metrics import site_diagonal_update
@@ -36,16 +38,56 @@ def geometries(draw):
     return sizes
 
 
-def test_both_are_registered_and_proven_exactly_at_concrete_sizes():
-    """The family theorem is general, but conv = affine map of its patches is established only by the
-    exact step at concrete geometries: that essential step sets the proof kind."""
+def test_both_are_registered_and_proven_at_general_size():
+    """The index-form theorem (1-D and 2-D, symbolic sizes, stride, dilation, groups) sets the proof
+    kind; the exact step at concrete geometries stays as corroboration and holds."""
     for name in ("conv", "patchnorm"):
         d = registry()[name]
         assert d.proven, [p for p in d.proof_steps() if not p.holds]
-        assert d.proof_kind is ProofKind.EXACT_CONCRETE
+        assert d.proof_kind is ProofKind.SYMBOLIC_GENERAL
         exact = [p for p in d.proof_steps() if p.kind is ProofKind.EXACT_CONCRETE]
-        assert len(exact) == 1 and not exact[0].corroborates
-        assert any(p.kind is ProofKind.SYMBOLIC_GENERAL for p in d.proof_steps())  # the family theorem
+        assert len(exact) == 1 and exact[0].corroborates and exact[0].holds
+        assert [p.claim[:9] for p in d.proof_steps()][:2] == ["1-D conv ", "2-D conv "]
+
+
+def _without_group_restriction(form, n, o, p):
+    """Planted: the patch over all C input channels (channel c itself), not o's group's C_g."""
+    m, q, k = sp.Symbol("m", integer=True, nonnegative=True), form.index("q"), form.index("k")
+    c, channels = sp.Symbol("c", integer=True, nonnegative=True), sp.Symbol("C", integer=True, positive=True)
+    window = ((c, 0, channels - 1),) + tuple((ka, 0, size - 1) for ka, size in zip(k, form.kernel))
+    dot = sp.Sum(form.tap(n, c, p, k) * form.tap(m, c, q, k), *window)
+    kernel = form.scale(n, p) * form.scale(m, q) * (dot + 1)
+    return -ETA * sp.Sum(kernel * form.arrays["g"][(m, o) + q], *form.over_sites(m, q))
+
+
+def _output_delta_dropped(form, n, o, p):
+    """Planted: δ(o, o') dropped, so every output channel's gradient reaches channel o."""
+    m, q, o2 = sp.Symbol("m", integer=True, nonnegative=True), form.index("q"), sp.Symbol("o2", integer=True)
+    kernel = form.scale(n, p) * form.scale(m, q) * (form.patch_dot(o, n, p, m, q) + 1)
+    return -ETA * sp.Sum(kernel * form.arrays["g"][(m, o2) + q], *form.over_sites(m, q), (o2, 0, form.sizes["O"] - 1))
+
+
+def _bias_dropped(form, n, o, p):
+    """Planted: K = P·P without the +1 of the bias."""
+    m, q = sp.Symbol("m", integer=True, nonnegative=True), form.index("q")
+    kernel = form.scale(n, p) * form.scale(m, q) * form.patch_dot(o, n, p, m, q)
+    return -ETA * sp.Sum(kernel * form.arrays["g"][(m, o) + q], *form.over_sites(m, q))
+
+
+def _one_scale_only(form, n, o, p):
+    """Planted: PatchNorm's α(n,p) α(m,q) taken as α(n,p) alone."""
+    m, q = sp.Symbol("m", integer=True, nonnegative=True), form.index("q")
+    kernel = form.scale(n, p) * (form.patch_dot(o, n, p, m, q) + 1)
+    return -ETA * sp.Sum(kernel * form.arrays["g"][(m, o) + q], *form.over_sites(m, q))
+
+
+@pytest.mark.parametrize("dims", [1, 2])
+@pytest.mark.parametrize(
+    "wrong", [_without_group_restriction, _output_delta_dropped, _bias_dropped, _one_scale_only]
+)
+def test_planted_wrong_index_form_fails(dims, wrong):
+    assert conv.conv_index_theorem(dims).holds
+    assert not conv.conv_index_theorem(dims, closed_form=wrong).holds, wrong.__doc__
 
 
 @settings(max_examples=12)

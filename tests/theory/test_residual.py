@@ -4,11 +4,13 @@ affine block's η² term is exact, and what the affine-like correction leaves in
 import dataclasses
 
 import pytest
+import sympy as sp
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from affdiv.theory import ProofKind, registry, residual
+from affdiv.theory.exact import ETA
 from affdiv.verify.checks import SLOPE_TOL, TOL, check_taylor, check_update, rel_err
 from affdiv.verify.engine import effective_update
 from affdiv.verify.metrics import cosine, diagonal_update
@@ -24,12 +26,47 @@ def _case(name, sizes, seed):
     return case, g
 
 
-def test_registered_with_their_proof_kinds():
-    kinds = {name: registry()[name].proof_kind for name in NAMES}
-    assert all(registry()[name].proven for name in NAMES)
-    assert kinds["residual_affine"] is ProofKind.SYMBOLIC_GENERAL
-    for name in NAMES[1:]:
-        assert kinds[name] is ProofKind.EXACT_CONCRETE  # first order exact at concrete sizes, any φ
+def test_registered_and_proven_at_general_size():
+    """Every block has a general-size theorem; the exact first order at concrete sizes corroborates."""
+    for name in NAMES:
+        d = registry()[name]
+        assert d.proven, [p for p in d.proof_steps() if not p.holds]
+        assert d.proof_kind is ProofKind.SYMBOLIC_GENERAL
+        exact = [p for p in d.proof_steps() if p.kind is ProofKind.EXACT_CONCRETE]
+        assert len(exact) == 1 and exact[0].corroborates and exact[0].holds
+
+
+def _block_closed_form(block, *, transpose_m_j=True, d_j=True, both_rho=True, plus_one=True):
+    """The closed form of BlockCalculus with one planted change at a time."""
+    g, i, j = block.grad, block.sample("i"), block.sample("j")
+    x_i, x_j = block.x("i"), block.x("j")
+    if block.branch == "two_layer":
+        w_2 = block.params["W_2"]
+        outer = w_2 * i["D"] * (j["D"] if d_j else sp.Identity(block.sizes[2])) * w_2.T * g
+        branch = g * (j["h"].T * i["h"]) + g + outer * (x_j.T * x_i) + outer
+    else:
+        branch = i["rho"] * (j["rho"] if both_rho else 1) * (g * (x_j.T * x_i) + g)
+    m_j = block.jacobian("j")
+    upstream = block.jacobian("i") * (m_j.T if transpose_m_j else m_j) * g
+    k_h = upstream * (j["u"].T * i["u"]) + (upstream if plus_one else sp.ZeroMatrix(*upstream.shape))
+    return -ETA * (branch + i["alpha"] * j["alpha"] * k_h)
+
+
+@pytest.mark.parametrize("branch", ["two_layer", "affine_like"])
+def test_planted_wrong_general_first_order_fails(branch):
+    """The helper rebuilds the closed form (it holds), and each planted change fails: M_j for M_jᵀ, the
+    upstream kernel without +1, and D_j dropped (two-layer) or ρ_i ρ_j taken as ρ_i (affine-like)."""
+    assert residual.first_order_theorem(branch, _block_closed_form).holds
+    wrongs = [dict(transpose_m_j=False), dict(plus_one=False)]
+    wrongs.append(dict(d_j=False) if branch == "two_layer" else dict(both_rho=False))
+    for change in wrongs:
+        planted = residual.first_order_theorem(branch, lambda block, change=change: _block_closed_form(block, **change))
+        assert not planted.holds, change
+
+
+def test_normaliser_derivative_is_proven():
+    step = residual.normaliser_derivative()
+    assert step.holds and step.kind is ProofKind.SYMBOLIC_GENERAL
 
 
 sizes = st.fixed_dictionaries(
