@@ -34,8 +34,8 @@ one line per layer kind, told apart by marker and line style) and diagonal_vs_no
 sample's diagonal scale against ‖x‖, plain layers open markers, corrected ones filled).
 
 Models: the built-ins of affdiv.experiments.runs.zoo (layer-<member>, mlp-<method>,
-cnn-<method>, resnet[-conv|-patchnorm], transformer[-affine_like][-qknorm]), 'all' (every
-built-in), or package.module:factory.
+cnn-<method>, vit[-<variant>], resnet[-conv|-patchnorm], transformer[-affine_like][-qknorm]),
+'all' (every built-in), or package.module:factory.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ override them (one report each):
     [[study]]    name = "...", and its own [study.run] / [study.grid] / [study.analysis]
 
 Command-line overrides replace grid axes (``seed``, ``batch_size``), restrict ``method`` to the
-named methods of the right kind (MLP or CNN) per study, and set run fields (``--set k=v``; when
+named methods of the right kind (MLP, CNN or ViT) per study, and set run fields (``--set k=v``; when
 k is a grid axis, v, or the list v, replaces the axis).
 """
 
@@ -45,7 +45,7 @@ from pathlib import Path
 
 from affdiv.experiments.checks import check_choice
 from affdiv.experiments.runs import divergence_measurement, noise_scale
-from affdiv.experiments.runs.config import CNN_METHODS, METHODS, MLP_METHODS, RunConfig, expand_grid, run_order
+from affdiv.experiments.runs.config import METHODS, RunConfig, architecture, expand_grid, run_order
 from affdiv.experiments.runs.grouping import parse_memory
 
 _SECTIONS = {"description", "caveats", "run", "grid", "analysis", "measure", "method", "sweep", "study"}
@@ -117,8 +117,8 @@ class Preset:
             if batch_sizes:
                 grid["batch_size"] = list(batch_sizes)
             if methods:
-                kinds = [MLP_METHODS if m in MLP_METHODS else CNN_METHODS for m in grid.get("method", [])]
-                grid["method"] = [m for m in methods if any(m in kind for kind in kinds)]
+                kinds = {architecture(m) for m in grid.get("method", [])}
+                grid["method"] = [m for m in methods if architecture(m) in kinds]
                 if not grid["method"]:
                     continue  # none of the requested methods belongs to this study
             for key, value in (run or {}).items():
