@@ -147,6 +147,17 @@ def test_preset_overrides():
     assert [{c.method for c in s.configs} for s in paper] == [{"affine"}, {"affine"}, {"patchnorm"}]
 
 
+def test_method_overrides_keep_each_study_to_its_architecture(tmp_path):
+    preset = tmp_path / "arms.toml"
+    preset.write_text('[run]\ndataset = "digits"\n'
+                      '[[study]]\nname = "mlp"\ngrid = {method = ["affine", "affine_like"]}\n'
+                      '[[study]]\nname = "vit"\ngrid = {method = ["vit", "vit-qknorm"]}\n'
+                      '[grid]\nbatch_size = [8]\nseed = [0]\n')
+    studies = load_preset(str(preset)).studies(methods=["affine_like", "vit-qknorm", "patchnorm"])
+    assert {s.name: {c.method for c in s.configs} for s in studies} == {"mlp": {"affine_like"},
+                                                                        "vit": {"vit-qknorm"}}
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
