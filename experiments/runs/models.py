@@ -25,10 +25,10 @@ ViT (image input C,H,W, H and W multiples of 4; ``runs/transformer.py``): a 4x4 
     vit-qknorm              the same with QK-norm: RMSNorm on each head's queries and keys
     vit-affine_like         AffineLike q, k, v, o and MLP projections, N = LayerNorm  (the paper's correction per layer)
     vit-affine_like-qknorm  the same with QK-norm
-    vit-nonorm              nn.Linear projections, no normalisation at all (N = identity, no QK-norm). It
-                            trains: on Fashion-MNIST at width 32, depth 1 it reaches 0.80 validation accuracy
-                            (SGD, B = 64) as vit does, at a smaller largest stable lr (the module's tests hold
-                            no such run; README gives the numbers).
+    vit-nonorm              nn.Linear projections, no normalisation at all (N = identity, no QK-norm).
+                            It trains at these sizes: on Fashion-MNIST (width 32, depth 1, gelu, plain SGD,
+                            B = 64, seed 0) it reached 0.80 validation accuracy in 1800 steps at lr 0.3
+                            (vit: 1100) and in 2600 at lr 0.1, and diverged at lr 1.0 (vit: 1800 steps).
 """
 
 from __future__ import annotations

@@ -86,6 +86,8 @@ class Attention(nn.Module):
         self.q, self.k, self.v, self.o = (proj(dim, dim) for _ in range(4))
         self.q_norm = nn.RMSNorm(self.head_dim) if qk_norm else None
         self.k_norm = nn.RMSNorm(self.head_dim) if qk_norm else None
+        # a module, so that the memory estimates (runs/grouping.py) see the H·T² attention weights
+        self.softmax = nn.Softmax(dim=-1)
 
     def _split(self, t: Tensor) -> Tensor:
         return t.reshape(t.shape[0], t.shape[1], self.heads, self.head_dim).transpose(1, 2)
@@ -95,7 +97,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)
-        y = torch.softmax(scores, dim=-1) @ v
+        y = self.softmax(scores) @ v
         return self.o(y.transpose(1, 2).reshape(x.shape))
 
 
