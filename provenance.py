@@ -12,6 +12,11 @@ only when one is known for *this package's own source*:
 
 The working directory is never consulted: run from a user's own project, a result does not carry
 that project's commit.
+
+Paths: a record names no absolute path of the machine that wrote it. The command is written as
+``affdiv ARGS`` with every absolute path among its arguments relative to ``root`` (the result's
+output folder), and callers write the paths they record with :func:`relative_path`, so that a
+result folder moved or committed elsewhere still reads the same.
 """
 
 from __future__ import annotations
@@ -82,8 +87,31 @@ def library_versions() -> dict[str, str | None]:
     return versions
 
 
-def provenance(**extra) -> dict:
-    """A JSON-ready provenance record; ``extra`` (seed, config hash, ...) is merged in.
+def relative_path(path: str | os.PathLike, root: str | os.PathLike | None) -> str:
+    """``path`` as a record writes it: relative to ``root`` when absolute (``os.path.relpath``:
+    "." for root itself, "../x" beside it); a relative path, or any path when ``root`` is None,
+    as given."""
+    path = os.fspath(path)
+    if root is None or not os.path.isabs(path):
+        return path
+    return os.path.relpath(path, os.path.abspath(root))
+
+
+def command_line(argv: list[str], root: str | os.PathLike | None = None) -> str:
+    """``argv`` as ``affdiv ARGS``: the program's own path dropped, absolute paths (also in
+    ``--option=PATH``) relative to ``root``."""
+    def portable(token: str) -> str:
+        option, sep, value = token.partition("=")
+        if sep and option.startswith("--"):
+            return f"{option}={relative_path(value, root)}"
+        return relative_path(token, root)
+
+    return " ".join(["affdiv", *(portable(token) for token in argv[1:])])
+
+
+def provenance(*, root: str | os.PathLike | None = None, **extra) -> dict:
+    """A JSON-ready provenance record; ``extra`` (seed, config hash, ...) is merged in. ``root``:
+    the folder the result is written to; absolute paths in the command are written relative to it.
 
     Keys: package, version, git_commit, git_dirty, git_source (module docstring), libraries,
     command, platform, machine, processor, cpu_count, time_utc, then ``extra``."""
@@ -92,7 +120,7 @@ def provenance(**extra) -> dict:
         "version": __version__,
         **source_state(),
         "libraries": library_versions(),
-        "command": " ".join(sys.argv),
+        "command": command_line(sys.argv, root),
         "platform": platform.platform(),
         "machine": platform.machine(),
         "processor": platform.processor() or None,

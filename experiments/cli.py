@@ -100,6 +100,9 @@ def register(subparsers) -> None:
                          help="equivalence margin of the primary contrasts, in metric units "
                          "(default: 0.01 for a score in [0, 1], else 2%% of the median |metric|)")
     analyse.add_argument("--alpha", type=float, default=0.05, metavar="A", help="level of every test (default 0.05)")
+    analyse.add_argument("--primary-target", type=float, metavar="T",
+                         help="steps to target along a ladder: the target whose verdict is the study's (default: the "
+                         "preset's, as the runs of a store record it, else the highest target in the input)")
     _add_calibration_option(analyse)
     analyse.set_defaults(func=analyse_command)
 
@@ -228,6 +231,7 @@ def analyse_command(args) -> int:
         args.input, args.out, metric=args.metric, higher_is_better=not args.lower_is_better,
         corrected=args.corrected, baselines=args.baselines, margin=args.margin,
         contrast_margin=args.contrast_margin, alpha=args.alpha, calibration_sims=args.calibration_sims,
+        primary_target=args.primary_target,
     ))
     return 0
 

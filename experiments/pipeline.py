@@ -22,7 +22,7 @@ from affdiv.experiments.analysis.decision import analyse, check_settings
 from affdiv.experiments.analysis.groups import label_curves, label_groups
 from affdiv.experiments.records import RENAMED_METHODS, is_sqlite, read_csv, read_csv_rows
 from affdiv.experiments.report.writer import write_report
-from affdiv.provenance import provenance
+from affdiv.provenance import provenance, relative_path
 
 if TYPE_CHECKING:
     from affdiv.experiments.runs.config import RunConfig
@@ -308,8 +308,8 @@ def falsify(
     for device in sorted({c.device for c in configs.values()}):
         _check_device(device)
     for study in studies:
-        check_settings(study.analysis, methods=METHODS, where=f"preset {preset_.name!r} [analysis] of study "
-                                                              f"{study.name!r}")
+        check_settings(study.analysis, methods=sorted({*METHODS, *(c.method for c in study.configs)}),
+                       where=f"preset {preset_.name!r} [analysis] of study {study.name!r}")
 
     out = Path(out)
     db = Path(db) if db else out / "results.sqlite"
@@ -364,7 +364,9 @@ def falsify(
             metric = analysis_settings["metric"]
             hashes = sorted(config_hash(c.to_dict()) for c in study.configs)
             records = store.records(hashes, metric=metric)
+            study_out = out if len(studies) == 1 else out / study.name
             record = provenance(
+                root=study_out,
                 preset=preset_.name,
                 preset_settings=preset_.raw,
                 study=study.name,
@@ -373,7 +375,7 @@ def falsify(
                 runs=len(hashes),
                 seeds=sorted({c.seed for c in study.configs}),
                 data_fingerprint={c.dataset: sorted(fingerprints[c.dataset]) for c in study.configs},
-                results_db=str(db),
+                results_db=relative_path(Path(db).resolve(), study_out),
                 hardware=_hardware(outcome, {c.device for c in study.configs}),
                 wall_time_s=round(time.monotonic() - started, 1),
                 compute_time_s=round(store.seconds(hashes), 1),
@@ -386,7 +388,6 @@ def falsify(
                              | {k: f["config"].get(k) for k in ("method", "batch_size", "seed", "lr_rule")}
                              for f in store.failures(hashes)],
             )
-            study_out = out if len(studies) == 1 else out / study.name
             written[study.name] = analyse_and_report(
                 study_out, records, store.curves(hashes), analysis_settings, record, calibration_sims,
                 progress=_progress(started) if len(records) >= PROGRESS_FROM else None,
@@ -420,6 +421,7 @@ def analyse_file(
     contrast_margin: float | None = None,
     alpha: float = 0.05,
     calibration_sims: int = 500,
+    primary_target: float | None = None,
 ) -> dict[str, Path]:
     """Test the batch-size prediction on existing results: a record CSV or a results store;
     returns the written paths. The metric, when None, is :func:`default_metric`'s:
@@ -429,7 +431,9 @@ def analyse_file(
     The input is only read: a store is opened read-only (its bytes, and the folder it is in, stay
     as they were), and a report folder whose files would replace the input is refused. The
     provenance records the SHA-256 of the input as it was read. Names in ``corrected`` and
-    ``baselines`` must be methods of the records. Every setting is checked before the analysis.
+    ``baselines`` must be methods of the records. ``primary_target``: for steps to a target along
+    a ladder, the target that decides (default: the runs' own, else the highest). Every setting is
+    checked before the analysis.
     """
     started = time.monotonic()
     _check_calibration_sims(calibration_sims)
@@ -441,7 +445,8 @@ def analyse_file(
     names = {role: None if given is None else tuple(RENAMED_METHODS.get(m, m) for m in given)
              for role, given in (("corrected", corrected), ("baselines", baselines))}
     settings = {"metric": metric, "higher_is_better": higher_is_better, "alpha": alpha, "margin": margin,
-                "contrast_margin": contrast_margin, **{role: given for role, given in names.items() if given}}
+                "contrast_margin": contrast_margin, "primary_target": primary_target,
+                **{role: given for role, given in names.items() if given}}
     check_settings({k: v for k, v in settings.items() if k != "metric"}, where="analyse")
     check_no_overwrite({"--input": path}, [out])
     check_writable_folder(out, "--out")
@@ -490,7 +495,7 @@ def analyse_file(
         extra["data_fingerprint"] = {dataset: sorted({str(r.get("data_fingerprint")) for r in records
                                                       if str(r.get("dataset")) == dataset})
                                      for dataset in sorted({str(r.get("dataset")) for r in records})}
-    record = provenance(input=str(path), input_sha256=digest, metric=metric, **extra)
+    record = provenance(root=out, input=relative_path(path.resolve(), out), input_sha256=digest, metric=metric, **extra)
     progress = _progress(started) if len(records) >= PROGRESS_FROM else None
     if progress is not None:
         progress(f"read {len(records)} records from {path}")

@@ -444,7 +444,7 @@ def probe(out: str | Path, *, models: str | Sequence[str], data: str = "digits",
         "scope": scope, "lr": lr, "dtype": dtype, "per_sample": per_sample, "masked_limit": masked_limit,
         "ci": "95% t interval over seeds of the per-seed means over batches",
         "routes": routes,
-        "provenance": provenance(seed=seed, data_fingerprint=dataset.fingerprint,
+        "provenance": provenance(root=out, seed=seed, data_fingerprint=dataset.fingerprint,
                                  wall_time_s=round(time.perf_counter() - start, 2)),
     }
     out = Path(out)

@@ -75,3 +75,16 @@ def test_no_git_gives_no_commit_and_ignores_the_environment(monkeypatch):
     monkeypatch.setitem(sys.modules, "affdiv._build_info", None)
     monkeypatch.setenv("AFFDIV_GIT_COMMIT", "abc123")  # no longer read: it named whatever the caller said
     assert provenance.source_state() == {"git_commit": None, "git_dirty": None, "git_source": None}
+
+
+def test_the_command_names_no_absolute_path(tmp_path, monkeypatch):
+    out = tmp_path / "reports" / "study"
+    argv = ["/somewhere/bin/affdiv", "falsify", "--preset", "smoke", "--out", str(out), f"--db={tmp_path / 'r.sqlite'}",
+            "--data-dir", "data/fashion"]
+    assert provenance.command_line(argv, out) == ("affdiv falsify --preset smoke --out . --db=../../r.sqlite "
+                                                  "--data-dir data/fashion")
+    monkeypatch.setattr(sys, "argv", argv)
+    record = provenance.provenance(root=out)
+    assert record["command"].startswith("affdiv falsify") and str(tmp_path) not in record["command"]
+    assert provenance.relative_path(tmp_path / "x.csv", out) == "../../x.csv"
+    assert provenance.relative_path("rel/x.csv", out) == "rel/x.csv"

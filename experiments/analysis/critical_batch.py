@@ -60,7 +60,10 @@ MIN_SEEDS = 3
 MIN_BATCH_SIZES = 3
 MAX_FAILED_RESAMPLES = 0.1  # more failed bootstrap refits than this and no CI is reported
 
-SMALLER, EQUIVALENT, LARGER, UNCLEAR = "smaller", "equivalent", "larger", "unclear"
+SMALLER, SMALLER_WITHIN_MARGIN = "smaller", "smaller_within_margin"
+EQUIVALENT, LARGER, UNCLEAR = "equivalent", "larger", "unclear"
+RATIO_CLASSES = (SMALLER, SMALLER_WITHIN_MARGIN, EQUIVALENT, LARGER, UNCLEAR)
+TREND_STEP = 0.01  # the trend of a log ratio along the ladder is reported per this rise of the target
 SUPPORTED, CONTRADICTED, INCONCLUSIVE, MIXED = "supported", "contradicted", "inconclusive", "mixed"
 REFERENCE, NO_PREDICTION = "reference", "no prediction"
 
@@ -390,7 +393,10 @@ def _t_quantile(q: float, df: int) -> float:
 
 def _ratio(fc: CurveFit, fb: CurveFit, seeds_c: set, seeds_b: set, n_seeds: int, alpha: float,
            n_boot: int) -> dict:
-    """The one-sided jackknife t test of log(B_crit(c)/B_crit(b)) < 0 and its classification."""
+    """The one-sided jackknife t test of log(B_crit(c)/B_crit(b)) < 0 and its classification: the
+    test first (smaller, then whether the 1 - 2 alpha interval lies inside the band), then
+    equivalence, then larger. ``_replicates``: the leave-one-seed-out log ratios by seed position
+    (for the trend along a ladder; not reported)."""
     estimate = float(fc.log_b_crit[0] - fb.log_b_crit[0])
     present = sorted(seeds_c | seeds_b)
     jack = 1 + np.array(present)
@@ -402,17 +408,19 @@ def _ratio(fc: CurveFit, fb: CurveFit, seeds_c: set, seeds_b: set, n_seeds: int,
     half, half2 = _t_quantile(1 - alpha / 2, df) * se, _t_quantile(1 - alpha, df) * se
     margin = -math.log(RATIO_MARGIN)
     low2, high2 = estimate - half2, estimate + half2
-    if -margin < low2 and high2 < margin:
+    inside = -margin < low2 and high2 < margin
+    if p < alpha:
+        kind = SMALLER_WITHIN_MARGIN if inside else SMALLER
+    elif inside:
         kind = EQUIVALENT
-    elif p < alpha:
-        kind = SMALLER
     elif low2 > 0:
         kind = LARGER
     else:
         kind = UNCLEAR
     out = {"status": "ok", "ratio": math.exp(estimate), "ci_low": math.exp(estimate - half),
            "ci_high": math.exp(estimate + half), "ci_low_one_sided": math.exp(low2),
-           "ci_high_one_sided": math.exp(high2), "log_se": se, "df": df, "t": t, "p": p, "class": kind}
+           "ci_high_one_sided": math.exp(high2), "log_se": se, "df": df, "t": t, "p": p, "class": kind,
+           "_replicates": dict(zip(present, replicates.tolist()))}
     if n_boot:
         boot = slice(1 + n_seeds, 1 + n_seeds + n_boot)
         ok = fc.valid[boot] & fb.valid[boot]
@@ -436,12 +444,16 @@ def decision_rule(*, alpha: float, corrected: Sequence[str], baselines: Sequence
         "the target, else it is inconclusive with the reason; a B_crit whose fit (or a leave-one-seed-out refit) "
         "ends on the edge of the search range (3 doublings beyond the batch sizes) is unresolved: a bound, no CI.",
         f"Per pair (corrected c, baseline b), r = B_crit(c)/B_crit(b), log r with the paired jackknife (a seed "
-        f"left out of both): 'equivalent' if the {1 - 2 * alpha:.0%} interval lies within [{margin:.3f}, "
-        f"{1 / margin:.3f}] (half a doubling either way; checked first); 'smaller' if the one-sided t test of "
-        f"H1: r < 1 has p < alpha = {alpha:g}; 'larger' if the {1 - 2 * alpha:.0%} interval lies above 1; else "
+        f"left out of both). The margin: ratios within [{margin:.3f}, {1 / margin:.3f}] (half a doubling either "
+        "way) are differences too small to matter in practice: a batch size half a doubling off the critical one "
+        "costs at most about 1.2x the minimum steps or examples, within the run-to-run spread of S. The test "
+        f"comes first: if the one-sided t test of H1: r < 1 has p < alpha = {alpha:g}, the pair is 'smaller' when "
+        f"its {1 - 2 * alpha:.0%} interval is not inside the band, 'smaller_within_margin' when it is; otherwise "
+        f"'equivalent' if the {1 - 2 * alpha:.0%} interval lies inside the band, 'larger' if it lies above 1, else "
         "'unclear' (also when either B_crit is unresolved).",
-        "Corrected layer: supported if 'smaller' against every baseline (intersection-union: each test at alpha, "
-        "no adjustment); contradicted if 'equivalent' or 'larger' against some baseline; inconclusive otherwise.",
+        "Corrected layer: supported if smaller (either kind) against every baseline (intersection-union: each test "
+        "at alpha, no adjustment), and the report says whether the effect exceeds the margin; contradicted if "
+        "'equivalent' or 'larger' against some baseline; inconclusive otherwise.",
         "A method with a diverged run or a run whose chosen learning rate sits on its grid's edge makes its pairs "
         "inconclusive (the steps may reflect the LR grid, not the layer).",
         "Joint verdict of the prediction: supported if every corrected layer is supported; contradicted if some "
@@ -555,24 +567,67 @@ def _corrected_verdict(method: str, pairs: Mapping[str, Mapping], methods: Mappi
         return CONTRADICTED, "; ".join(
             f"B_crit ratio vs {b} {kinds[b]} ({pairs[b]['ratio']:.3g}, {1 - 2 * alpha:.0%} interval "
             f"[{pairs[b]['ci_low_one_sided']:.3g}, {pairs[b]['ci_high_one_sided']:.3g}])" for b in against)
-    if all(k == SMALLER for k in kinds.values()):
+    if all(k in (SMALLER, SMALLER_WITHIN_MARGIN) for k in kinds.values()):
         return SUPPORTED, "B_crit smaller than that of " + ", ".join(
-            f"{b} (ratio {pairs[b]['ratio']:.3g}, p = {pairs[b]['p']:.3g})" for b in kinds)
+            f"{b} (ratio {pairs[b]['ratio']:.3g}, p = {pairs[b]['p']:.3g}; "
+            + ("not shown within the margin" if kinds[b] == SMALLER else "within the margin") + ")" for b in kinds)
     unclear = [b for b, k in kinds.items() if k == UNCLEAR]
     return INCONCLUSIVE, "ratio unclear against " + ", ".join(
         f"{b}" + (f" ({pairs[b]['status']})" if pairs[b].get("status", "ok") != "ok" else
                   f" (ratio {pairs[b]['ratio']:.3g}, p = {pairs[b]['p']:.3g})") for b in unclear)
 
 
+def target_key(target: float | None) -> str:
+    """A target as the keys of ``by_target`` write it: the shortest text that reads back as the
+    same float ("0.84"), "" for records without a target."""
+    return "" if target is None else repr(float(target))
+
+
+def trend(by_target: Mapping[str, Mapping], corrected: str, baseline: str, alpha: float) -> dict:
+    """The trend of log r = log(B_crit(c)/B_crit(b)) along the ladder: the least-squares slope of
+    log r on the target over the targets where the ratio was estimated, per ``TREND_STEP`` of
+    target, with a leave-one-seed-out jackknife t interval on seeds-1 df (the same seed left out
+    at every target: seeds are the clusters). Needs >= 3 targets."""
+    points = [(float(t), content["ratios"].get(corrected, {}).get(baseline, {})) for t, content in by_target.items()]
+    points = sorted((t, r) for t, r in points if r.get("status") == "ok")
+    if len(points) < 3:
+        return {"status": f"no trend: the ratio was estimated at {len(points)} target(s), needs >= 3"}
+    x = np.array([t for t, _ in points]) / TREND_STEP
+    seeds = sorted(set.intersection(*(set(r["_replicates"]) for _, r in points)))
+    if len(seeds) < MIN_SEEDS:
+        return {"status": f"no trend: {len(seeds)} seed(s) common to every target, needs >= {MIN_SEEDS}"}
+
+    def slope(y: np.ndarray) -> np.ndarray:
+        xc = x - x.mean()
+        return (y - y.mean(axis=-1, keepdims=True)) @ xc / float(xc @ xc)
+
+    estimate = float(slope(np.array([math.log(r["ratio"]) for _, r in points])))
+    replicates = slope(np.array([[r["_replicates"][s] for _, r in points] for s in seeds]))
+    se = stats.jackknife_se(replicates)
+    df = len(seeds) - 1
+    t = estimate / se if se > 0 else math.copysign(math.inf, estimate) if estimate else 0.0
+    half = _t_quantile(1 - alpha / 2, df) * se
+    return {"status": "ok", "targets": [t for t, _ in points], "per": TREND_STEP, "log_slope": estimate,
+            "ci_low": estimate - half, "ci_high": estimate + half, "factor": math.exp(estimate),
+            "factor_ci_low": math.exp(estimate - half), "factor_ci_high": math.exp(estimate + half),
+            "log_se": se, "df": df, "p": float(2 * special.stdtr(df, -abs(t)))}
+
+
 @dataclass(frozen=True)
 class TargetAnalysis:
-    """The steps-to-target analysis; :meth:`to_dict` is the content of summary.json."""
+    """The steps-to-target analysis; :meth:`to_dict` is the content of summary.json.
+
+    ``by_target``: {target key: {group: analyse_group(...)}}; ``groups`` is the primary target's
+    entry; ``trends``: {group: {corrected: {baseline: trend}}} along the ladder."""
 
     settings: dict
     decision_rule: str
-    groups: dict  # {group: analyse_group(...)}
+    groups: dict  # {group: analyse_group(...)} at the primary target
     primary_group: str
     overall: dict = field(default_factory=dict)  # {method: verdict across groups}
+    primary_target: float | None = None
+    by_target: dict = field(default_factory=dict)
+    trends: dict = field(default_factory=dict)
 
     design = "steps_to_target"
 
@@ -599,6 +654,10 @@ class TargetAnalysis:
             "methods": methods,
             "overall": self.overall,
             "groups": self.groups,
+            "primary_target": self.primary_target,
+            "by_target": {t: {k: groups[self.primary_group][k] for k in ("critical_batch", "ratios", "prediction")}
+                          for t, groups in self.by_target.items() if self.primary_group in groups},
+            "trends": self.trends.get(self.primary_group, {}),
         })
 
 
@@ -608,12 +667,46 @@ def _overall(verdicts: Sequence[str]) -> str:
     return _joint(verdicts)
 
 
+def _problems(rows: Sequence[Mapping]) -> list[str]:
+    """Why records cannot give a curve at all (the report says so, never a fitted number)."""
+    problems = []
+    if all(r["censored"] for r in rows):
+        problems.append(f"no run reached the target: all {len(rows)} runs are censored at their max_steps "
+                        f"({', '.join(map(str, sorted({r['max_steps'] for r in rows})))}); lower the target or raise "
+                        "max_steps")
+    batch_sizes = sorted({r["batch_size"] for r in rows})
+    if len(batch_sizes) < MIN_BATCH_SIZES:
+        problems.append(f"a steps-vs-batch-size curve needs >= {MIN_BATCH_SIZES} batch sizes, got {batch_sizes}")
+    seeds = sorted({r["seed"] for r in rows})
+    if len(seeds) < MIN_SEEDS:
+        problems.append(f"confidence intervals need >= {MIN_SEEDS} seeds, got {len(seeds)} ({seeds})")
+    return problems
+
+
+def _primary_target(rows: Sequence[Mapping], targets: Sequence[float | None], given: float | None) -> float | None:
+    """The given primary target (one of the records'), else the records' own ``primary_target``
+    when they agree on one, else the highest target."""
+    if given is not None:
+        if not any(t is not None and math.isclose(t, given, rel_tol=0, abs_tol=1e-12) for t in targets):
+            raise ValueError(f"primary_target {given!r} is not among the records' targets "
+                             f"{[t for t in targets if t is not None]}")
+        return next(t for t in targets if t is not None and math.isclose(t, given, rel_tol=0, abs_tol=1e-12))
+    named = {float(r["primary_target"]) for r in rows if r.get("primary_target") not in (None, "")}
+    if len(named) == 1 and named <= set(targets):
+        return named.pop()
+    return max((t for t in targets if t is not None), default=None)
+
+
 def analyse_target(records: Sequence[Mapping], *, metric: str = TARGET_METRIC,
                    corrected: Sequence[str] = ("affine_like", "norm_l2", "patchnorm"),
                    baselines: Sequence[str] = ("affine", "batchnorm"), group_by: str | None = None,
                    alpha: float = 0.05, n_boot: int = 2000, seed: int = 0, primary_group: str | None = None,
-                   higher_is_better: bool | None = None, **ignored) -> TargetAnalysis:
-    """Fit B_crit per method (and group), the ratios and the verdicts (see the module docstring).
+                   primary_target: float | None = None, higher_is_better: bool | None = None,
+                   **ignored) -> TargetAnalysis:
+    """Fit B_crit per method (and group) at every target of the records (their ``target``
+    column: a ladder), the ratios, their verdicts and their trend along the ladder (see the
+    module docstring). ``primary_target``: the target whose verdict is the study's (default: the
+    records' ``primary_target``, else the highest).
 
     ``higher_is_better`` must be False or None (steps to a target: fewer is better). Other keyword
     arguments of the fixed-budget analysis (margin, sensitivity, ...) do not apply and are ignored.
@@ -627,49 +720,58 @@ def analyse_target(records: Sequence[Mapping], *, metric: str = TARGET_METRIC,
     if not records:
         raise ValueError("no records to analyse")
     rows = check_target_records(records, metric=metric)
-    # Data that cannot give a curve: the report says so ("inconclusive: why"), never a fitted number.
-    problems = []
-    if all(r["censored"] for r in rows):
-        problems.append(f"no run reached the target: all {len(rows)} runs are censored at their max_steps "
-                        f"({', '.join(map(str, sorted({r['max_steps'] for r in rows})))}); lower the target or raise "
-                        "max_steps")
-    batch_sizes = sorted({r["batch_size"] for r in rows})
-    if len(batch_sizes) < MIN_BATCH_SIZES:
-        problems.append(f"a steps-vs-batch-size curve needs >= {MIN_BATCH_SIZES} batch sizes, got {batch_sizes}")
-    seeds = sorted({r["seed"] for r in rows})
-    if len(seeds) < MIN_SEEDS:
-        problems.append(f"confidence intervals need >= {MIN_SEEDS} seeds, got {len(seeds)} ({seeds})")
     has_group = group_by is not None and any(group_by in r for r in rows)
-    grouped = defaultdict(list)
+    grouped = defaultdict(lambda: defaultdict(list))
     seen = set()
     for number, row in enumerate(rows, start=1):
         if has_group and row.get(group_by) in (None, ""):
             raise ValueError(f"record {number}: no value for the group column {group_by!r} (other records have one)")
         group = str(row[group_by]) if has_group else "all"
-        key = (group, row["method"], row["batch_size"], row["seed"])
+        key = (group, row.get("target"), row["method"], row["batch_size"], row["seed"])
         if key in seen:
+            target = "" if row.get("target") is None else f", target={row['target']!r}"
             raise ValueError(f"record {number}: a second run for group={group!r}, method={row['method']!r}, "
-                             f"batch_size={row['batch_size']}, seed={row['seed']}; expected one run per cell")
+                             f"batch_size={row['batch_size']}, seed={row['seed']}{target}; expected one run per cell")
         seen.add(key)
-        grouped[group].append(row)
-    groups = {g: analyse_group(grouped[g], metric=metric, corrected=corrected, baselines=baselines, alpha=alpha,
-                               n_boot=n_boot, seed=seed, label=g) for g in sorted(grouped)}
-    for content in groups.values():
-        if problems:
-            content["prediction"]["reason"] = "inconclusive: " + "; ".join(problems)
+        grouped[row.get("target")][group].append(row)
+    targets = sorted(grouped, key=lambda t: -1.0 if t is None else t)
+    primary_target = _primary_target(rows, targets, primary_target)
+    by_target, problems = {}, {}
+    for target in targets:
+        name = target_key(target)
+        problems[name] = _problems([r for g in grouped[target].values() for r in g])
+        by_target[name] = {g: analyse_group(grouped[target][g], metric=metric, corrected=corrected,
+                                            baselines=baselines, alpha=alpha, n_boot=n_boot, seed=seed,
+                                            label=g if target is None else f"{g} @ {name}")
+                           for g in sorted(grouped[target])}
+        for content in by_target[name].values():
+            if problems[name]:
+                content["prediction"]["reason"] = "inconclusive: " + "; ".join(problems[name])
+    groups = by_target[target_key(primary_target)]
     if primary_group is None:
         primary_group = "tuned" if "tuned" in groups else next(iter(groups))
     elif primary_group not in groups:
         raise ValueError(f"primary_group {primary_group!r} is not among the groups {sorted(groups)}")
+    trends = {}
+    for g in groups:
+        ladder = {t: content[g] for t, content in by_target.items() if g in content and t}
+        trends[g] = {c: {b: trend(ladder, c, b, alpha) for b in against}
+                     for c, against in groups[g]["ratios"].items()} if len(ladder) > 1 else {}
+    for content in (c for t in by_target.values() for c in t.values()):  # the jackknife stays inside
+        for against in content["ratios"].values():
+            for pair in against.values():
+                pair.pop("_replicates", None)
     names = sorted({m for g in groups.values() for m in g["critical_batch"]})
     overall = {m: _overall([g["critical_batch"][m]["verdict"] for g in groups.values() if m in g["critical_batch"]])
                for m in names}
     settings = {"metric": metric, "design": "steps_to_target", "alpha": alpha, "corrected": list(corrected),
                 "baselines": list(baselines), "group_by": group_by if has_group else None, "n_boot": n_boot,
                 "seed": seed, "n_records": len(rows), "ratio_margin": RATIO_MARGIN,
-                "grid_doublings": GRID_DOUBLINGS, "higher_is_better": False, "problems": problems}
+                "grid_doublings": GRID_DOUBLINGS, "higher_is_better": False,
+                "problems": problems[target_key(primary_target)],
+                "targets": [t for t in targets if t is not None], "primary_target": primary_target}
     rule = decision_rule(alpha=alpha, corrected=corrected, baselines=baselines)
-    return TargetAnalysis(settings, rule, groups, primary_group, overall)
+    return TargetAnalysis(settings, rule, groups, primary_group, overall, primary_target, by_target, trends)
 
 
 # ------------------------------------------------------------------------------ simulation

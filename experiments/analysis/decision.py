@@ -341,7 +341,7 @@ class Analysis:
 
 #: The keyword arguments of :func:`analyse` a preset's ``[analysis]`` table may set.
 SETTINGS = ("metric", "higher_is_better", "corrected", "baselines", "group_by", "alpha", "margin", "n_boot", "seed",
-            "primary_group", "sensitivity", "contrast_margin", "test_baselines")
+            "primary_group", "sensitivity", "contrast_margin", "test_baselines", "primary_target")
 
 
 def check_settings(settings: Mapping, *, methods: Sequence[str] | None = None, where: str = "analysis") -> None:
@@ -361,6 +361,10 @@ def check_settings(settings: Mapping, *, methods: Sequence[str] | None = None, w
         if margin is not None and (isinstance(margin, bool) or not isinstance(margin, int | float)
                                    or not (math.isfinite(margin) and margin > 0)):
             raise ValueError(f"{where}: {key} must be a finite number > 0, got {margin!r}")
+    primary_target = settings.get("primary_target")
+    if primary_target is not None and (isinstance(primary_target, bool) or not isinstance(primary_target, int | float)
+                                       or not 0 < primary_target <= 1):
+        raise ValueError(f"{where}: primary_target must be a validation accuracy in (0, 1], got {primary_target!r}")
     test_baselines = settings.get("test_baselines")
     if test_baselines is not None and not isinstance(test_baselines, bool):
         raise ValueError(f"{where}: test_baselines must be true or false, got {test_baselines!r}")
@@ -391,7 +395,8 @@ def analyse(records: Sequence[Mapping], *, metric: str = "metric", higher_is_bet
             group_by: str | None = "lr_rule", alpha: float = 0.05, margin: float | None = None,
             n_boot: int = 2000, seed: int = 0, primary_group: str | None = None,
             sensitivity: bool = True, progress: Callable[[str], None] | None = None,
-            contrast_margin: float | None = None, test_baselines: bool | None = None):
+            contrast_margin: float | None = None, test_baselines: bool | None = None,
+            primary_target: float | None = None):
     """Test the batch-size prediction on ``records`` (see the module docstring for the tests).
 
     group_by: the column whose values split the records into independent analyses (the LR rule);
@@ -406,7 +411,8 @@ def analyse(records: Sequence[Mapping], *, metric: str = "metric", higher_is_bet
     every method fall).
 
     ``metric = "steps_to_target"`` runs the critical-batch analysis instead and returns its
-    :class:`~affdiv.experiments.analysis.critical_batch.TargetAnalysis`.
+    :class:`~affdiv.experiments.analysis.critical_batch.TargetAnalysis`, at every target of the
+    records, ``primary_target`` deciding (the fixed-budget design ignores it).
     sensitivity: False skips the bootstrap and Page's L (they do not enter the verdicts; the
     calibration of the whole rule runs without them).
     progress: called with a line before each method's fits.
@@ -415,13 +421,13 @@ def analyse(records: Sequence[Mapping], *, metric: str = "metric", higher_is_bet
     method's status, and so its verdict, "inconclusive" with the reason; it never yields a test.
     """
     check_settings({"alpha": alpha, "margin": margin, "n_boot": n_boot, "corrected": corrected,
-                    "baselines": baselines}, where="analyse")
+                    "baselines": baselines, "primary_target": primary_target}, where="analyse")
     from affdiv.experiments.analysis import critical_batch
 
     if metric == critical_batch.TARGET_METRIC:
         return critical_batch.analyse_target(records, metric=metric, corrected=corrected, baselines=baselines,
                                              group_by=group_by, alpha=alpha, n_boot=max(n_boot, 200), seed=seed,
-                                             primary_group=primary_group)
+                                             primary_group=primary_group, primary_target=primary_target)
     if contrast_margin is not None and not (isinstance(contrast_margin, int | float) and
                                             math.isfinite(contrast_margin) and contrast_margin > 0):
         raise ValueError(f"contrast_margin must be a finite number > 0, got {contrast_margin!r}")

@@ -7,8 +7,9 @@ from collections import defaultdict
 
 from affdiv.experiments.runs.config import RunConfig, unused_settings
 
-# Config fields that never name a group: the grid's own axes.
-_NOT_GROUPS = {"method", "batch_size", "seed"}
+# Config fields that never name a group: the grid's own axes, the target ladder (each target is
+# analysed apart, ``analysis/critical_batch.py``), and a method's own network (part of the method).
+_NOT_GROUPS = {"method", "batch_size", "seed", "target", "targets", "model", "model_digest"}
 # How a method's step size is set: its rate (and the batch size it scales from) and momentum, or
 # their search under the tuned rule. A preset may give each method its own ([method.NAME]), and each
 # method is compared at its own step size; so such a setting that takes one value per method

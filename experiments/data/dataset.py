@@ -17,7 +17,8 @@
 
 Datasets: ``digits`` (scikit-learn's 8x8 digits, offline), ``fashion-mnist`` (IDX files from Debian's
 dataset-fashion-mnist or ``data_dir``), ``cifar10`` (the python-pickle tarball from ``data_dir``,
-md5-checked), ``synthetic`` (teacher-student with tunable input correlation). Nothing is cached.
+md5-checked), ``synthetic`` (teacher-student with tunable input correlation), ``npz`` (one's own
+arrays, option ``path``: :mod:`~affdiv.experiments.data.npz`). Nothing is cached.
 """
 
 from __future__ import annotations
@@ -35,11 +36,12 @@ import torch
 from affdiv.experiments.checks import check_fraction
 from affdiv.experiments.data.cifar10 import load_cifar10
 from affdiv.experiments.data.fashion_mnist import load_fashion_mnist
+from affdiv.experiments.data.npz import load_npz
 from affdiv.experiments.data.raw import RawData
 from affdiv.experiments.data.synthetic import DEFAULTS as SYNTHETIC_DEFAULTS
 from affdiv.experiments.data.synthetic import make_teacher_student
 
-DATASETS: tuple[str, ...] = ("digits", "fashion-mnist", "cifar10", "synthetic")
+DATASETS: tuple[str, ...] = ("digits", "fashion-mnist", "cifar10", "synthetic", "npz")
 STANDARDIZE_MODES: tuple[str, ...] = ("channel", "feature", "none")
 #: Options each dataset accepts besides ``standardize``, with their defaults.
 DATASET_OPTIONS: dict[str, dict[str, Any]] = {
@@ -47,9 +49,11 @@ DATASET_OPTIONS: dict[str, dict[str, Any]] = {
     "fashion-mnist": {},
     "cifar10": {"md5": None, "member_md5": None},
     "synthetic": dict(SYNTHETIC_DEFAULTS),
+    "npz": {"path": None},
 }
-#: Options that check the data rather than define it: left out of the fingerprint.
-_VERIFICATION_OPTIONS = frozenset({"md5", "member_md5"})
+#: Options that check or locate the data rather than define it: left out of the fingerprint (an
+#: npz file's identity is its arrays' bytes, wherever it lies).
+_VERIFICATION_OPTIONS = frozenset({"md5", "member_md5", "path"})
 _FINGERPRINT_FORMAT = "affdiv.experiments.data/1"
 _CHUNK_ELEMENTS = 1 << 21  # float64 working set of the variance pass: 16 MiB
 
@@ -181,6 +185,8 @@ def _raw(name: str, data_dir: str | Path | None, seed: int, options: dict[str, A
         return load_fashion_mnist(data_dir)
     if name == "cifar10":
         return load_cifar10(data_dir, md5=options["md5"], member_md5=options["member_md5"])
+    if name == "npz":
+        return load_npz(options["path"], data_dir)
     return make_teacher_student(seed, **{k: options[k] for k in SYNTHETIC_DEFAULTS})
 
 
@@ -196,9 +202,9 @@ def load_dataset(
     x ↦ (x − mean_train)/std_train, per channel by default.
 
     Args:
-        name: ``"digits"``, ``"fashion-mnist"``, ``"cifar10"`` or ``"synthetic"``.
+        name: ``"digits"``, ``"fashion-mnist"``, ``"cifar10"``, ``"synthetic"`` or ``"npz"``.
         data_dir: where ``fashion-mnist`` and ``cifar10`` are read from (default: each loader's
-            search path; ignored by the others).
+            search path), and a relative ``npz`` path; ignored by the others.
         seed: the split's seed (default 0); the same seed and fractions give the same split.
         val_fraction: share of the training pool that becomes the validation split (default 0.1;
             0 allowed: an empty one).

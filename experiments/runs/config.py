@@ -16,9 +16,13 @@ The learning rate for batch size B follows ``lr_rule`` (:func:`learning_rates`):
                (lr, momentum) pair: :func:`candidates`); the best on the validation split is kept
 
 The budget is ``length`` epochs, ``length`` steps, or (``budget = "target"``) steps until the
-validation accuracy reaches ``target``, checked every ``eval_every`` steps, at most ``length``
-(= max_steps) steps. Under the target budget a tuned grid must be spaced by at most x2, and a
-chosen lr on its edge extends it outward by x2 steps, at most ``grid_extensions`` times.
+validation accuracy reaches ``target``, read every ``eval_every`` steps or, with ``read_spacing``
+= r, at steps spaced by a fraction r of the steps so far (:mod:`~affdiv.experiments.runs.reads`),
+at most ``length`` (= max_steps) steps. ``targets`` adds a ladder: the run trains until the
+highest of ``target`` and ``targets`` is reached (``target`` is the primary one), and every
+candidate's curve is kept, so that steps to each target can be read from one set of runs. Under
+the target budget a tuned grid must be spaced by at most x2, and a chosen lr on its edge extends
+it outward by x2 steps, at most ``grid_extensions`` times.
 """
 
 from __future__ import annotations
@@ -94,9 +98,20 @@ class RunConfig:
     momentum_grid: tuple[float, ...] = ()
     grid_extensions: int = 3
     dtype: str = "float32"
+    targets: tuple[float, ...] = ()
+    read_spacing: float | None = None
+    model: str | None = None
+    model_digest: str | None = None
 
     def __post_init__(self):
-        check_choice("method", self.method, METHODS)
+        if self.model is None:
+            check_choice("method", self.method, METHODS)
+        else:
+            from affdiv.experiments.runs.factories import check_spec
+
+            check_spec(self.model)
+            if self.method in METHODS:
+                raise ValueError(f"method {self.method!r} is built in; a method with its own model needs another name")
         check_choice("activation", self.activation, ACTIVATIONS)
         check_choice("lr_rule", self.lr_rule, LR_RULES)
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
@@ -122,12 +137,30 @@ class RunConfig:
         extensions = self.grid_extensions
         if isinstance(extensions, bool) or not isinstance(extensions, int) or extensions < 0:
             raise ValueError(f"grid_extensions must be an integer >= 0, got {self.grid_extensions!r}")
+        object.__setattr__(self, "targets", tuple(self.targets))
         if self.budget == "target":
             self._check_target()
 
+    @property
+    def ladder(self) -> tuple[float, ...]:
+        """The targets a run of the target budget reads, increasing: ``target`` and ``targets``."""
+        return tuple(sorted({self.target, *self.targets}))
+
     def _check_target(self) -> None:
-        if isinstance(self.target, bool) or not isinstance(self.target, (int, float)) or not 0 < self.target <= 1:
+        def accuracy(value) -> bool:
+            return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value <= 1
+
+        if not accuracy(self.target):
             raise ValueError(f"budget 'target' needs a target validation accuracy in (0, 1], got {self.target!r}")
+        if not all(map(accuracy, self.targets)):
+            raise ValueError(f"targets must be validation accuracies in (0, 1], got {list(self.targets)!r}")
+        # One spelling per ladder (so one key): sorted, without the primary target.
+        object.__setattr__(self, "targets", tuple(sorted({float(t) for t in self.targets} - {float(self.target)})))
+        spacing = self.read_spacing
+        if spacing is not None and (isinstance(spacing, bool) or not isinstance(spacing, (int, float))
+                                    or not 0 < spacing <= 1):
+            raise ValueError(f"read_spacing must be None (a read every eval_every steps) or a fraction in (0, 1], "
+                             f"got {spacing!r}")
         if self.val_fraction == 0:
             raise ValueError("budget 'target' checks the validation accuracy: it needs val_fraction > 0, got 0")
         grid = sorted(self.lr_grid)
@@ -146,7 +179,7 @@ class RunConfig:
         for name, legacy in _ADDED.items():
             if name in unused or out[name] == legacy:
                 del out[name]
-        for name in ("lr_grid", "momentum_grid"):
+        for name in ("lr_grid", "momentum_grid", "targets"):
             if name in out:
                 out[name] = list(out[name])
         return out
@@ -163,7 +196,8 @@ class RunConfig:
 # Settings added after runs had been stored, with the value that trains as earlier versions did
 # (None: no such value; the setting is idle for every earlier run). ``to_dict`` leaves them out
 # where they are idle or at that value, so the key of every earlier config stays what it was.
-_ADDED = {"target": None, "eval_every": None, "momentum_grid": (), "grid_extensions": None, "dtype": "float32"}
+_ADDED = {"target": None, "eval_every": None, "momentum_grid": (), "grid_extensions": None, "dtype": "float32",
+          "targets": (), "read_spacing": None, "model": None, "model_digest": None}
 
 # Settings that cannot change a run's numbers, by the value of the setting that makes them idle.
 _UNUSED = {
@@ -173,8 +207,8 @@ _UNUSED = {
     ("lr_rule", "tuned"): ("base_lr", "ref_batch_size"),
     ("optimizer", "sgd"): ("momentum", "momentum_grid"),
     ("optimizer", "adam"): ("momentum", "momentum_grid"),
-    ("budget", "epochs"): ("target", "eval_every", "grid_extensions"),
-    ("budget", "steps"): ("target", "eval_every", "grid_extensions"),
+    ("budget", "epochs"): ("target", "eval_every", "grid_extensions", "targets", "read_spacing"),
+    ("budget", "steps"): ("target", "eval_every", "grid_extensions", "targets", "read_spacing"),
 }
 
 
@@ -190,12 +224,18 @@ def unused_settings(settings: Mapping) -> set[str]:
     The grids unless ``lr_rule`` is tuned; ``ref_batch_size`` under the constant and tuned rules;
     ``base_lr`` under tuned; ``momentum`` and ``momentum_grid`` unless the optimizer is momentum
     SGD, and ``momentum`` when a ``momentum_grid`` is tuned; ``target``, ``eval_every`` and
-    ``grid_extensions`` unless the budget is ``target`` (the last also unless tuned). A record
+    ``grid_extensions`` unless the budget is ``target`` (the last also unless tuned), and so are
+    ``targets`` and ``read_spacing``; ``eval_every`` when ``read_spacing`` spaces the reads;
+    ``depth``, ``width`` and ``activation`` when a ``model`` factory builds the network. A record
     without ``lr_rule``, ``optimizer`` or ``budget`` is taken to use every setting those would idle.
     """
     unused = {name for key in ("lr_rule", "optimizer", "budget") for name in _UNUSED.get((key, settings.get(key)), ())}
     if "momentum_grid" not in unused and settings.get("momentum_grid"):
         unused.add("momentum")
+    if "read_spacing" not in unused and settings.get("read_spacing") is not None:
+        unused.add("eval_every")
+    if settings.get("model") is not None:
+        unused.update(("depth", "width", "activation"))  # the factory builds the whole network
     return unused
 
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from affdiv.experiments.runs.config import RunConfig, candidates, canonical_json, config_hash
-from affdiv.experiments.runs.models import build_model
+from affdiv.experiments.runs.models import build_network
 from affdiv.experiments.runs.stacked import eval_chunk, layer_outputs
 
 #: Default memory budget of one ensemble (each worker trains one at a time).
@@ -72,8 +72,7 @@ def member_bytes(config: RunConfig, input_shape: Sequence[int], num_classes: int
     sample.
     """
     with torch.random.fork_rng(devices=[]):  # (building initialises: leave the global generator alone)
-        model = build_model(config.method, input_shape=tuple(input_shape), num_classes=num_classes,
-                            depth=config.depth, width=config.width, activation=config.activation)
+        model = build_network(config, tuple(input_shape), num_classes)
     outputs = layer_outputs(model, input_shape)
     params = sum(p.numel() for p in model.parameters())
     sample = math.prod(input_shape)

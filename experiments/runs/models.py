@@ -142,3 +142,15 @@ def build_model(
         layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten()]
     layers.append(nn.Linear(width, num_classes))
     return nn.Sequential(*layers)
+
+
+def build_network(config, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """The network of a run's ``config`` (a :class:`~affdiv.experiments.runs.config.RunConfig`):
+    its ``model`` factory's (:mod:`~affdiv.experiments.runs.factories`) for a method of one's
+    own, else :func:`build_model`'s for its method, depth, width and activation."""
+    if config.model is not None:
+        from affdiv.experiments.runs.factories import build
+
+        return build(config.model, config.model_digest, tuple(input_shape), num_classes)
+    return build_model(config.method, input_shape=tuple(input_shape), num_classes=num_classes,
+                       depth=config.depth, width=config.width, activation=config.activation)

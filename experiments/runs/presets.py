@@ -16,7 +16,9 @@ override them (one report each):
                    probe_every = N         the divergence meter (``--probe-every``)
                  Like those options, measurements are not part of a run's key (config hash).
     [method.NAME] optional: run settings for the runs of method NAME only (e.g. a learning-rate
-                 grid for a layer whose learning rates are larger); a name with "+" is quoted:
+                 grid for a layer whose learning rates are larger), or ``model = "SPEC"``: a
+                 method of one's own, its network built by a factory
+                 (:mod:`~affdiv.experiments.runs.factories`); a name with "+" is quoted:
                  [method."conv+batchnorm"]. Not grid axes, not ``method``, ``seed``, ``batch_size``
                  or ``data_seed``. Precedence: [run] < [method.NAME] < [study.run] < ``--set``.
                  The analysis compares the method with the others only if the table sets just
@@ -56,10 +58,18 @@ SEED = "seed"
 #: ``measurement(every=N)``).
 MEASURE = {"noise_scale_every": ("--noise-scale-every", noise_scale),
            "probe_every": ("--probe-every", divergence_measurement)}
-#: Settings a [method.NAME] table may not set: a run's identity and its replication.
-_SAME_FOR_EVERY_METHOD = ("method", "seed", "batch_size", "data_seed")
+#: Settings a [method.NAME] table may not set: a run's identity and its replication, and what the
+#: harness records itself.
+_SAME_FOR_EVERY_METHOD = ("method", "seed", "batch_size", "data_seed", "model_digest")
+
 #: The keys of a preset's [sweep] table.
 SWEEP = ("ensemble_memory",)
+
+
+def _kind(method: str) -> tuple[str, str]:
+    """What ``--methods`` matches a study by: a built-in method's architecture; a method of one's
+    own (a [method.NAME] model) is a kind of its own."""
+    return ("built-in", architecture(method)) if method in METHODS else ("own", method)
 
 
 def check_every(setting: str, value) -> None:
@@ -103,8 +113,10 @@ class Preset:
         run: dict | None = None,
     ) -> list[Study]:
         """The studies of this preset after command-line overrides (see module docstring)."""
+        own = {m for m, table in self.raw.get("method", {}).items() if "model" in table}
         for method in methods or ():
-            check_choice("method", method, METHODS)
+            if method not in own:
+                check_choice("method", method, (*METHODS, *sorted(own)))
         for size in batch_sizes or ():
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(f"batch sizes must be integers >= 1, got {size!r}")
@@ -117,8 +129,8 @@ class Preset:
             if batch_sizes:
                 grid["batch_size"] = list(batch_sizes)
             if methods:
-                kinds = {architecture(m) for m in grid.get("method", [])}
-                grid["method"] = [m for m in methods if architecture(m) in kinds]
+                kinds = {_kind(m) for m in grid.get("method", [])}
+                grid["method"] = [m for m in methods if _kind(m) in kinds]
                 if not grid["method"]:
                     continue  # none of the requested methods belongs to this study
             for key, value in (run or {}).items():
@@ -148,6 +160,8 @@ class Preset:
         configs = []
         for method in grid.get("method", [base.get("method")]):
             settings = {k: v for k, v in tables.get(method, {}).items() if k not in keep}
+            if "model" in settings:
+                settings["model_digest"] = self._model_digest(method, settings["model"])
             try:
                 configs += expand_grid({**base, **settings}, {**grid, "method": [method]} if "method" in grid else grid)
             except (TypeError, ValueError) as error:
@@ -155,6 +169,16 @@ class Preset:
                     raise
                 raise ValueError(f"preset {self.name!r} [method.{method}]: {error}") from None
         return sorted(configs, key=run_order)
+
+    def _model_digest(self, method: str, spec) -> str:
+        """The SHA-256 of method's factory source: the factory imported now, so that a wrong spec
+        or a module that fails to import is a one-line error before any run."""
+        from affdiv.experiments.runs.factories import resolve
+
+        try:
+            return resolve(spec)[1]
+        except Exception as error:  # the user's module may raise anything on import
+            raise ValueError(f"preset {self.name!r} [method.{method}]: {type(error).__name__}: {error}") from None
 
 
 def load_preset(name_or_path: str) -> Preset:

@@ -45,6 +45,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from affdiv.experiments.records import is_sqlite, write_csv
+from affdiv.experiments.runs import reads
 from affdiv.experiments.runs.config import canonical_json, config_hash
 
 APPLICATION_ID = 0x41464456  # "AFDV"
@@ -58,8 +59,8 @@ _COLUMNS = (
     ("data_fingerprint", "TEXT", 1, 0),
     ("finished_utc", "TEXT", 1, 0),
 )
-# Added later, nullable: stores without it are read as they are, and a writer adds it.
-_MEASUREMENTS = ("measurements", "TEXT", 0, 0)
+# Added later, nullable: stores without them are read as they are, and a writer adds them.
+_ADDED_COLUMNS = ("measurements", "candidates")
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
     config_hash      TEXT PRIMARY KEY,
@@ -69,7 +70,8 @@ CREATE TABLE IF NOT EXISTS runs (
     seconds          REAL NOT NULL,
     data_fingerprint TEXT NOT NULL,
     finished_utc     TEXT NOT NULL,
-    measurements     TEXT
+    measurements     TEXT,
+    candidates       TEXT
 )
 """
 
@@ -159,8 +161,9 @@ def identify(path: str | Path) -> str:
     finally:
         db.close()
     expected = tuple((name, kind, notnull, pk) for name, kind, notnull, pk in _COLUMNS)
-    if columns == (*expected, _MEASUREMENTS):
-        columns = expected
+    added = tuple((name, "TEXT", 0, 0) for name in _ADDED_COLUMNS)
+    if columns[:len(expected)] == expected and columns[len(expected):] == added[:len(columns) - len(expected)]:
+        columns = expected  # the nullable columns added later, as many as its version had
     if application_id == APPLICATION_ID:
         if columns != expected:
             raise ValueError(f"{path}: an affdiv results store without its runs table (damaged); tables {tables}")
@@ -204,17 +207,19 @@ class ResultStore:
                 self._db.execute("PRAGMA journal_mode=WAL")
                 self._db.execute("PRAGMA synchronous=FULL")
                 self._db.execute(_SCHEMA)
-                if not self._has_measurements():  # a store of an earlier version: add the column
-                    self._db.execute(f"ALTER TABLE runs ADD COLUMN {_MEASUREMENTS[0]} {_MEASUREMENTS[1]}")
+                for column in _ADDED_COLUMNS:  # a store of an earlier version: add the column
+                    if not self._has_column(column):
+                        self._db.execute(f"ALTER TABLE runs ADD COLUMN {column} TEXT")
                 self._db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
             if kind not in ("missing", "empty"):
                 self._check_integrity()
         except sqlite3.DatabaseError as error:
             raise ValueError(f"{self.path}: damaged SQLite file ({error})") from None
 
-    def _has_measurements(self) -> bool:
-        """Whether the runs table has the ``measurements`` column (stores of earlier versions lack it)."""
-        return any(row[1] == _MEASUREMENTS[0] for row in self._query("PRAGMA table_info(runs)"))
+    def _has_column(self, name: str) -> bool:
+        """Whether the runs table has the column ``name`` (stores of earlier versions lack those
+        of ``_ADDED_COLUMNS``)."""
+        return any(row[1] == name for row in self._query("PRAGMA table_info(runs)"))
 
     def _check_integrity(self) -> None:
         problems = [" ".join(str(row[0]).split()) for row in self._db.execute("PRAGMA quick_check(3)")]
@@ -253,24 +258,36 @@ class ResultStore:
         """Read every row and check it (key, JSON, types; see the module docstring); returns the
         number of runs. Raises ValueError naming the file and the run."""
         self.measurements()
+        self.candidates()
         return len(self._rows(None))
 
-    def measurements(self, hashes: Iterable[str] | None = None) -> dict[str, list[dict]]:
-        """{config hash: the run's measurement dicts} of the runs (``hashes``: of these only) that
-        have measurements; {} for a store of an earlier version (no ``measurements`` column)."""
-        if (self.read_only and self._empty) or not self._has_measurements():
+    def _lists(self, column: str, hashes: Iterable[str] | None) -> dict[str, list[dict]]:
+        """{config hash: the run's list of dicts in the nullable ``column``} of the runs
+        (``hashes``: of these only) that have one; {} for a store without that column."""
+        if (self.read_only and self._empty) or not self._has_column(column):
             return {}
-        rows = self._query("SELECT config_hash, measurements FROM runs WHERE measurements IS NOT NULL")
+        rows = self._query(f"SELECT config_hash, {column} FROM runs WHERE {column} IS NOT NULL")
         wanted = None if hashes is None else set(hashes)
         out = {}
         for key, text in sorted(rows):
             if wanted is not None and key not in wanted:
                 continue
-            values = self._json(text, key, "measurements")
+            values = self._json(text, key, column)
             if not isinstance(values, list) or not all(isinstance(v, dict) for v in values):
-                raise ValueError(f"{self.path}: run {key}: malformed measurements (damaged store)")
+                raise ValueError(f"{self.path}: run {key}: malformed {column} (damaged store)")
             out[key] = values
         return out
+
+    def measurements(self, hashes: Iterable[str] | None = None) -> dict[str, list[dict]]:
+        """{config hash: the run's measurement dicts} of the runs (``hashes``: of these only) that
+        have measurements; {} for a store of an earlier version (no ``measurements`` column)."""
+        return self._lists("measurements", hashes)
+
+    def candidates(self, hashes: Iterable[str] | None = None) -> dict[str, list[dict]]:
+        """{config hash: every candidate of the run} (``{"lr", "momentum", "diverged", "curve"}``,
+        :attr:`~affdiv.experiments.runs.training.RunResult.candidates`) of the target-budget runs
+        that kept them; {} for a store of an earlier version."""
+        return self._lists("candidates", hashes)
 
     def finished(self) -> set[str]:
         """The config hashes of every run in the store."""
@@ -317,11 +334,13 @@ class ResultStore:
         seconds: float,
         data_fingerprint: str,
         measurements: list[dict] | None = None,
+        candidates: list[dict] | None = None,
     ) -> str:
         """Commit one finished run in one transaction; returns its config hash.
 
         ``measurements``: the run's measurement dicts (``RunResult.measurements``), kept as JSON
-        (non-finite numbers as null); None or [] stores null.
+        (non-finite numbers as null); None or [] stores null. ``candidates``: likewise, every
+        candidate's lr and curve (``RunResult.candidates``).
 
         A run already present (same hash) is left as it is: a finished run is never overwritten.
         A run whose data fingerprint differs from that of the stored runs with the same data
@@ -340,12 +359,13 @@ class ResultStore:
             float(seconds),
             data_fingerprint,
             _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-            canonical_json(_finite_json(list(measurements))) if measurements else None,
+            *(canonical_json(_finite_json(list(values))) if values else None for values in (measurements, candidates)),
         )
         with self._db:  # BEGIN ... COMMIT (rolled back on error)
             self._db.execute("BEGIN IMMEDIATE")
             self._db.execute("INSERT OR IGNORE INTO runs (config_hash, config, metrics, curves, seconds, "
-                             "data_fingerprint, finished_utc, measurements) VALUES (?, ?, ?, ?, ?, ?, ?, ?)", row)
+                             "data_fingerprint, finished_utc, measurements, candidates) "
+                             "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
         self.fingerprints().setdefault(data, data_fingerprint)
         return key
 
@@ -414,13 +434,16 @@ class ResultStore:
         """One flat dict per run: its config, its metrics, ``metric`` copied to key "metric", and for
         a run with measurements the columns of
         :func:`~affdiv.experiments.runs.divergence_measurement.record_columns` (at its batch size)
-        and :func:`~affdiv.experiments.runs.noise_scale.record_columns`.
+        and :func:`~affdiv.experiments.runs.noise_scale.record_columns`. With ``metric``
+        ``steps_to_target``, a run of a target ladder (``targets``) gives one dict per target
+        instead, read from its candidates' curves (:func:`ladder_records`).
 
-        Sorted by (method, batch_size, seed, config hash); timing is left out, so the records
-        of a sweep do not depend on when or in what order its runs finished.
+        Sorted by (method, batch_size, seed, target, config hash); timing is left out, so the
+        records of a sweep do not depend on when or in what order its runs finished.
         """
         out = []
         measured = self.measurements(hashes)
+        kept = self.candidates(hashes) if metric == "steps_to_target" else {}
         if measured:
             from affdiv.experiments.runs import divergence_measurement, noise_scale
         for key, config, metrics, _curves, _seconds, fingerprint in self._rows(hashes):
@@ -431,7 +454,13 @@ class ResultStore:
             if key in measured:  # each measurement's columns (none when the run has no such measurements)
                 record.update(divergence_measurement.record_columns(measured[key], batch_size=record["batch_size"]))
                 record.update(noise_scale.record_columns(measured[key]))
-            out.append(record)
+            if config.get("targets") and metric == "steps_to_target":
+                if key not in kept:
+                    raise ValueError(f"{self.path}: run {key} reads targets {config['targets']} but kept no "
+                                     "candidates' curves (damaged store)")
+                out += ladder_records(record, kept[key])
+            else:
+                out.append(record)
         return sorted(out, key=_record_order)
 
     def budgets(self) -> set[str]:
@@ -464,6 +493,27 @@ class ResultStore:
         return write_csv(path, self.records(hashes, metric=metric))
 
 
+def ladder_records(record: Mapping, candidates: list[dict]) -> list[dict]:
+    """One record per target of a ladder run (``record``: its config and metrics, flat), from its
+    candidates' curves (:func:`~affdiv.experiments.runs.reads.best_at_targets`): ``target``,
+    ``steps_to_target`` (and ``metric``), ``censored``, ``diverged``, ``lr``, ``lr_at_grid_edge``
+    at that target; ``primary_target`` is the run's ``target``. The other columns are the run's."""
+    from affdiv.experiments.runs.config import RunConfig
+
+    config = RunConfig.from_dict({k: record[k] for k in RunConfig.__dataclass_fields__ if k in record})
+    best = reads.best_at_targets(candidates, config.ladder, max_steps=int(record["max_steps"]),
+                                 interpolate=config.read_spacing is not None, tuned=config.lr_rule == "tuned")
+    out = []
+    for target, chosen in best.items():
+        row = {**record, **{k: v for k, v in chosen.items() if k != "momentum"}, "target": target,
+               "primary_target": config.target, "metric": chosen["steps_to_target"]}
+        if "tuned_momentum" in record:
+            row["tuned_momentum"] = chosen["momentum"]
+        out.append(row)
+    return out
+
+
 def _record_order(record: dict) -> tuple:
-    return (str(record["method"]), int(record["batch_size"]), int(record["seed"]), record.get("config_hash", ""))
+    return (str(record["method"]), int(record["batch_size"]), int(record["seed"]), float(record.get("target") or 0),
+            record.get("config_hash", ""))
 

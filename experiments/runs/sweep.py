@@ -172,6 +172,8 @@ def _run_unit(unit: Sequence[RunConfig], stack: bool, measurements: Sequence[Mea
                   "data_fingerprint": result.data_fingerprint}
         if result.measurements:
             fields["measurements"] = result.measurements
+        if result.candidates:
+            fields["candidates"] = result.candidates
         out.append((config, fields))
     return out
 

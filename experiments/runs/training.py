@@ -78,10 +78,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from affdiv.experiments.runs import reads
 from affdiv.experiments.runs.config import RunConfig, candidates
 from affdiv.experiments.runs.grouping import ensemble_key
-from affdiv.experiments.runs.models import build_model
+from affdiv.experiments.runs.models import build_network
 from affdiv.experiments.runs.optimizers import make_optimizer
+from affdiv.experiments.runs.reads import read_steps
 from affdiv.experiments.runs.stacked import StackedEnsemble, stack_failure
 
 _EVAL_CHUNK = 4096
@@ -91,13 +93,15 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RunResult:
-    """A finished run: final metrics, one curve point per check, seconds taken, measurements."""
+    """A finished run: final metrics, one curve point per read, seconds taken, measurements, and
+    (target budget) every candidate's curve."""
 
     metrics: dict
     curves: list[dict]
     seconds: float
     data_fingerprint: str
     measurements: list[dict] = field(default_factory=list)
+    candidates: list[dict] = field(default_factory=list)  # target budget: every candidate's lr and curve
 
 
 def _takes_config(fn) -> bool:
@@ -161,17 +165,10 @@ def max_steps(config: RunConfig, n_train: int) -> int:
 
 
 def build_member(config: RunConfig, data, seed: int) -> torch.nn.Module:
-    """The network of ``config`` for ``data``, initialised under ``torch.manual_seed(seed)``, on
-    the config's device and dtype, in train mode."""
+    """The network of ``config`` for ``data`` (a built-in method's, or its ``model`` factory's),
+    initialised under ``torch.manual_seed(seed)``, on the config's device and dtype, in train mode."""
     torch.manual_seed(seed)
-    model = build_model(
-        config.method,
-        input_shape=tuple(data.input_shape),
-        num_classes=data.num_classes,
-        depth=config.depth,
-        width=config.width,
-        activation=config.activation,
-    ).to(config.device)
+    model = build_network(config, tuple(data.input_shape), data.num_classes).to(config.device)
     if config.dtype != "float32":
         model = model.to(getattr(torch, config.dtype))
     return model.train()
@@ -231,24 +228,35 @@ class Candidate:
     curves: list[dict] = field(default_factory=list)
     measurements: list[dict] = field(default_factory=list)
     diverged: bool = False
-    reached: int | None = None  # steps to target: the first check at which val accuracy >= target
+    reached: dict[float, int] = field(default_factory=dict)  # target -> the read at which it was first reached
     model: torch.nn.Module | None = None  # the final model, once it stopped
 
     def check(self, epoch: int, step: int, train_loss: float, val: dict) -> None:
-        """Record a check: its curve point, divergence, and whether it reached the target."""
+        """Record a read: its curve point, divergence, and the targets it reached."""
         self.curves.append({"epoch": epoch, "step": step, "train_loss": train_loss,
                             "val_loss": val["loss"], "val_metric": val["accuracy"]})
         self.diverged = not all(math.isfinite(v) for v in (train_loss, val["loss"]) if v is not None)
-        target = self.run.config.target if self.run.config.budget == "target" else None
-        if target is not None and not self.diverged and val["accuracy"] >= target:
-            self.reached = step
+        if self.diverged:
+            return
+        for target in self.run.ladder:
+            if target not in self.reached and val["accuracy"] >= target:
+                self.reached[target] = step
+                first = self.run.first_reached
+                first[target] = min(first.get(target, step), step)
 
-    def rank(self) -> tuple:
-        """Larger is better (see the module docstring)."""
-        last = self.curves[-1]
-        val = (0.0, 0.0) if self.diverged or last["val_loss"] is None else (last["val_metric"], -last["val_loss"])
-        return (not self.diverged, self.reached is not None, -(self.reached or 0), *val, -self.lr,
-                -(self.momentum or 0.0))
+    def done(self, step: int) -> bool:
+        """Whether it stops at this read: diverged, out of steps, or, for every target it has not
+        reached, another candidate of its run already has (at this read or before: none of the
+        rest could reach it in fewer steps)."""
+        if self.diverged or step >= self.max_steps:
+            return True
+        first = self.run.first_reached
+        return bool(self.run.ladder) and all(t in self.reached or first.get(t, step + 1) <= step
+                                              for t in self.run.ladder)
+
+    def stored(self) -> dict:
+        """What the store keeps of it: lr, momentum, whether it diverged, its curve."""
+        return {"lr": self.lr, "momentum": self.momentum, "diverged": int(self.diverged), "curve": self.curves}
 
 
 class _Run:
@@ -258,40 +266,55 @@ class _Run:
         self.config, self.data = config, data
         self.per_epoch = steps_per_epoch(config, len(data.train.y))
         self.max_steps = max_steps(config, len(data.train.y))
+        self.ladder = config.ladder if config.budget == "target" else ()
+        self.interpolate = config.read_spacing is not None
+        self.reads = set(read_steps(self.max_steps, eval_every=config.eval_every, read_spacing=config.read_spacing)) \
+            if config.budget == "target" else set()
+        self.first_reached: dict[float, int] = {}  # target -> the first read at which a candidate reached it
         self.candidates = [Candidate(self, lr, mu, self.max_steps) for lr, mu in candidates(config)]
         self.extensions = 0
         self.at_init: dict[str, Mapping] = {}  # step-0 measurements by name, shared by its candidates
 
-    def best(self) -> Candidate:
-        return max(self.candidates, key=Candidate.rank)
+    def best(self, target: float | None = None) -> Candidate:
+        """The best candidate at ``target`` (default: the primary one; none outside the target
+        budget), by :func:`~affdiv.experiments.runs.reads.rank`."""
+        stored = [c.stored() for c in self.candidates]
+        if self.config.budget != "target":
+            return max(self.candidates, key=lambda c: reads.rank(c.stored(), None))
+        index, _steps = reads.choose(stored, self.config.target if target is None else target,
+                                     interpolate=self.interpolate)
+        return self.candidates[index]
 
     def lrs(self) -> list[float]:
         return sorted({c.lr for c in self.candidates})
 
     def extend(self) -> list[Candidate]:
-        """New candidates one ×2 step beyond the edge the best lr sits on (target budget, tuned,
-        extensions left), stopping at the best step count so far; else none."""
+        """New candidates one ×2 step beyond each edge that the best lr at some target sits on
+        (target budget, tuned, extensions left); else none. They train until beaten at every
+        target (:meth:`Candidate.done`)."""
         config = self.config
         if config.budget != "target" or config.lr_rule != "tuned" or self.extensions >= config.grid_extensions:
             return []
-        best, lrs = self.best(), self.lrs()
-        new = [lr for lr, edge in ((lrs[-1] * 2, lrs[-1]), (lrs[0] / 2, lrs[0])) if best.lr == edge]
+        chosen, lrs = {self.best(t).lr for t in self.ladder}, self.lrs()
+        new = [lr for lr, edge in ((lrs[-1] * 2, lrs[-1]), (lrs[0] / 2, lrs[0])) if edge in chosen]
         if not new:
             return []
         self.extensions += 1
         momenta = list(dict.fromkeys(mu for _lr, mu in candidates(config)))
-        fresh = [Candidate(self, lr, mu, best.reached or self.max_steps) for lr in new for mu in momenta]
+        fresh = [Candidate(self, lr, mu, self.max_steps) for lr in new for mu in momenta]
         self.candidates += fresh
         return fresh
 
     def result(self, tensors: _Tensors) -> RunResult:
-        """The kept candidate's metrics and curves, its test split evaluated once (seconds: 0)."""
+        """The primary target's chosen candidate's metrics and curves, its test split evaluated
+        once, on the model at its last read (seconds: 0); every candidate's curve under the target
+        budget."""
         config, best = self.config, self.best()
         if best.diverged:
             test = {"loss": float("nan"), "accuracy": 1.0 / self.data.num_classes}
         else:
             test = evaluate(best.model, *tensors(self.data, "test"))
-        last, lrs = best.curves[-1], self.lrs()
+        last = best.curves[-1]
         metrics = {
             "test_accuracy": test["accuracy"],
             "test_loss": test["loss"],
@@ -301,16 +324,22 @@ class _Run:
             "diverged": int(best.diverged),
             "lr": best.lr,
             # A tuned LR on the edge of the lrs tried may not be the optimum.
-            "lr_at_grid_edge": int(config.lr_rule == "tuned" and best.lr in (lrs[0], lrs[-1])),
+            "lr_at_grid_edge": int(config.lr_rule == "tuned" and best.lr in (self.lrs()[0], self.lrs()[-1])),
             "steps": last["step"],
             "epochs": last["epoch"],
         }
         if config.optimizer == "momentum" and config.lr_rule == "tuned" and config.momentum_grid:
             metrics["tuned_momentum"] = best.momentum
+        stored = []
         if config.budget == "target":
-            metrics.update(steps_to_target=best.reached, censored=int(best.reached is None and not best.diverged),
-                           max_steps=self.max_steps, target=config.target)
-        return RunResult(metrics, best.curves, 0.0, str(self.data.fingerprint), best.measurements)
+            stored = [c.stored() for c in self.candidates]
+            primary = reads.best_at_targets(stored, [config.target], max_steps=self.max_steps,
+                                            interpolate=self.interpolate, tuned=config.lr_rule == "tuned")
+            metrics.update(diverged=primary[config.target]["diverged"], target=config.target,
+                           **{k: primary[config.target][k] for k in ("steps_to_target", "censored", "max_steps")})
+            if not self.interpolate and metrics["steps_to_target"] is not None:
+                metrics["steps_to_target"] = int(metrics["steps_to_target"])  # a read's step, as ever
+        return RunResult(metrics, best.curves, 0.0, str(self.data.fingerprint), best.measurements, stored)
 
 
 class _Tensors:
@@ -330,9 +359,9 @@ class _Tensors:
         return self._made[key][1:]
 
 
-def _is_check(config: RunConfig, step: int, epoch_end: bool, last: int) -> bool:
-    if config.budget == "target":
-        return step % config.eval_every == 0 or step == last
+def _is_check(run: _Run, step: int, epoch_end: bool, last: int) -> bool:
+    if run.config.budget == "target":
+        return step in run.reads
     return epoch_end or step == last
 
 
@@ -377,15 +406,13 @@ def _lockstep(cands: list[Candidate], engine_type, tensors: _Tensors, measuremen
             loss_sum += engine.step(orders[:, i * batch : (i + 1) * batch])
             step, since = step + 1, since + 1
             measure(step)
-            if not _is_check(config, step, i == run.per_epoch - 1, last):
+            if not _is_check(run, step, i == run.per_epoch - 1, last):
                 continue
             sums = loss_sum.tolist()  # one device sync per check
             val = engine.evaluate() if has_val else [{"loss": None, "accuracy": None}] * len(cands)
             for cand, total, point in zip(cands, sums, val):
                 cand.check(epoch, step, total / since, point)
-            stopped = {id(c.run) for c in cands if c.reached == step}
-            going = [k for k, c in enumerate(cands)
-                     if not c.diverged and step < c.max_steps and id(c.run) not in stopped]
+            going = [k for k, c in enumerate(cands) if not c.done(step)]
             if len(going) < len(cands):
                 for k in set(range(len(cands))) - set(going):
                     cands[k].model = engine.model(k)

@@ -185,8 +185,9 @@ def test_analyse_a_minimal_csv(tmp_path):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["falsify", "--preset", "smok"], "unknown preset 'smok'; expected one of: fashion, fashion-cnn, "
-                                            "fashion-steps, fashion-target, paper, smoke"),
+        (["falsify", "--preset", "smok"], "unknown preset 'smok'; expected one of: cnn-ladder, fashion, "
+                                            "fashion-cnn, fashion-ladder, fashion-steps, fashion-target, paper, "
+                                            "smoke"),
         (["falsify", "--preset", "smoke", "--methods", "bn"], "unknown method 'bn'; expected one of: affine"),
         (["falsify", "--preset", "smoke", "--batch-sizes", "0"], "batch sizes must be integers >= 1, got 0"),
         (["falsify", "--preset", "smoke", "--batch-sizes", "100000", "--methods", "affine", "--seeds", "1"],

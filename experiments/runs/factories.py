@@ -1,0 +1,91 @@
+"""Networks of one's own in a study: a method whose model is built by a factory function.
+
+A preset's ``[method.NAME] model = "SPEC"`` names the factory, called as
+
+    function(input_shape: tuple[int, ...], num_classes: int) -> torch.nn.Module
+
+with ``input_shape`` a sample's shape (e.g. (1, 28, 28)) and the number of classes; the module
+returns logits (N, num_classes) and is initialised by the call (the harness seeds torch before
+it, so each seed gives its own init). SPEC is ``package.module:function`` (importable; a module in
+the working directory is found without setting PYTHONPATH) or ``path/to/file.py:function`` (a
+relative path from the working directory).
+
+The factory's source file enters each run's key through ``model_digest`` (its SHA-256), set when
+a preset's runs are planned: an edited factory makes new runs, never a store that mixes two
+versions of one network, and a worker refuses a file that changed after the plan.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+
+def _split(spec: str) -> tuple[str, str]:
+    where, sep, name = str(spec).rpartition(":")
+    if not sep or not where or not name.isidentifier():
+        raise ValueError(f"model must be 'package.module:function' or 'path/to/file.py:function', got {spec!r}")
+    return where, name
+
+
+def check_spec(spec: str) -> None:
+    """Refuse a factory spec of the wrong form (without importing anything)."""
+    _split(spec)
+
+
+def _module(where: str):
+    if where.endswith(".py"):
+        path = Path(where)
+        if not path.is_file():
+            raise FileNotFoundError(f"model {where}: no such file")
+        name = "affdiv_factory_" + hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
+        if name not in sys.modules:
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[name]
+                raise
+        return sys.modules[name]
+    if "" not in sys.path and str(Path.cwd()) not in sys.path:
+        sys.path.append(str(Path.cwd()))  # a module beside the caller, as `python -m` would find it
+    try:
+        return importlib.import_module(where)
+    except ModuleNotFoundError as error:
+        raise ValueError(f"model {where}: cannot import it ({error})") from None
+
+
+def resolve(spec: str) -> tuple[Callable, str]:
+    """(the factory, the SHA-256 of its source file); a one-line error for a spec that does not
+    name a callable."""
+    where, name = _split(spec)
+    module = _module(where)
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise ValueError(f"model {spec}: {where} has no function {name!r}")
+    source = inspect.getsourcefile(module)
+    if source is None:
+        raise ValueError(f"model {spec}: its module has no source file to fingerprint")
+    return factory, hashlib.sha256(Path(source).read_bytes()).hexdigest()
+
+
+def build(spec: str, digest: str | None, input_shape: tuple[int, ...], num_classes: int):
+    """The factory's network for ``input_shape`` and ``num_classes``, after checking that its
+    source is still the one the runs were planned with (``digest``; None: not checked)."""
+    import torch
+
+    factory, found = resolve(spec)
+    if digest is not None and found != digest:
+        raise ValueError(f"model {spec}: its source changed since the runs were planned (SHA-256 {found[:12]}, "
+                         f"planned {digest[:12]}); plan them again")
+    model = factory(tuple(input_shape), int(num_classes))
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model {spec}: returned {type(model).__name__}, expected a torch.nn.Module")
+    return model

@@ -1,0 +1,114 @@
+"""When a run reads its validation accuracy, where it crosses each target, and which learning
+rate reaches each target first. Torch-free: training and the store's readers share it.
+
+Reads. A run of the ``target`` budget evaluates the validation split at *reads*. With
+``read_spacing`` = None they fall every ``eval_every`` steps (and at max_steps). With
+``read_spacing`` = r they are spaced geometrically,
+
+    s_1 = 1,    s_{k+1} = s_k + max(1, floor(r s_k)),    and max_steps,
+
+so every gap is at most r times the step it starts from: every step while r s < 1, then a fixed
+fraction of the steps so far, with about log(max_steps) / log(1 + r) reads in all (r = 0.05: 155
+reads up to 8000 steps, against 800 at a read every 10 steps). A crossing that the reads see
+between s_{k-1} and s_k is located to within the gap, r s_{k-1}. Validation accuracy is not
+monotone, though: a brief excursion above the target between two reads goes unseen, so the first
+crossing the reads see can come later than the first at a read every step. Against a read at
+every step the mean error is small (on digits, 27 crossings: -0.05% of S on average, at most 10%
+on one run; the tests hold the mean under 2%).
+
+Crossings. A candidate *reaches* target t at the first read k whose accuracy a_k >= t. With
+geometric reads its steps to t are interpolated linearly between the read before and that read,
+
+    S_t = s_{k-1} + (t - a_{k-1}) / (a_k - a_{k-1}) (s_k - s_{k-1}),
+
+which lies in (s_{k-1}, s_k]. A crossing at the first read, or under reads every
+``eval_every`` steps, is the read's step itself, as earlier versions recorded it.
+
+Best at each target. A run's candidates (its learning rates) each stop once, for every target
+they have not reached, another candidate already has (at a read at or before theirs): none of
+them could reach it in fewer steps, because every candidate is read at the same steps. So for
+each target the fewest steps over the candidates that reached it is the exact minimum over all
+of them, and :func:`best_at_targets` reads it from the stored curves.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+
+
+def read_steps(max_steps: int, *, eval_every: int, read_spacing: float | None) -> Iterator[int]:
+    """The steps at which a run of at most ``max_steps`` steps reads its validation accuracy, in
+    increasing order, max_steps last (see the module docstring)."""
+    step = 0
+    while step < max_steps:
+        if read_spacing is None:
+            step = min(max_steps, step + eval_every)
+        else:
+            step = min(max_steps, step + max(1, math.floor(read_spacing * step)))
+        yield step
+
+
+def crossing(curve: Sequence[Mapping], target: float, *, interpolate: bool) -> tuple[float, int] | None:
+    """(steps to ``target``, the read at which it was reached) for a curve of reads (``step``,
+    ``val_metric``), or None if no read reached it (see the module docstring)."""
+    previous = None
+    for point in curve:
+        if not all(_finite(point.get(key)) for key in ("train_loss", "val_loss", "val_metric")):
+            return None  # diverged: a non-finite read (stored as null) is a curve's last
+        accuracy = point["val_metric"]
+        if accuracy >= target:
+            step = point["step"]
+            if not interpolate or previous is None:
+                return float(step), step
+            s0, a0 = previous
+            return s0 + (target - a0) / (accuracy - a0) * (step - s0), step
+        previous = (point["step"], accuracy)
+    return None
+
+
+def _finite(value) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
+
+
+def rank(candidate: Mapping, steps: float | None) -> tuple:
+    """Larger is better: reached (``steps`` to the target, None if not), else not diverged; fewer
+    steps; then (ties, and every budget without a target) the last read's accuracy and loss, the
+    smaller lr and momentum. A candidate that diverged after reaching a target keeps its steps
+    there."""
+    last = candidate["curve"][-1] if candidate["curve"] else {}
+    diverged = bool(candidate.get("diverged"))
+    val = (0.0, 0.0) if diverged or last.get("val_loss") is None else (last["val_metric"], -last["val_loss"])
+    return (steps is not None or not diverged, steps is not None, -(steps or 0.0), *val, -candidate["lr"],
+            -(candidate.get("momentum") or 0.0))
+
+
+def choose(candidates: Sequence[Mapping], target: float, *, interpolate: bool) -> tuple[int, float | None]:
+    """(index of the best candidate at ``target`` by :func:`rank`, its steps to it or None)."""
+    steps = [crossing(c["curve"], target, interpolate=interpolate) for c in candidates]
+    best = max(range(len(candidates)), key=lambda k: rank(candidates[k], steps[k] and steps[k][0]))
+    return best, steps[best] and steps[best][0]
+
+
+def best_at_targets(candidates: Sequence[Mapping], targets: Sequence[float], *, max_steps: int,
+                    interpolate: bool, tuned: bool) -> dict[float, dict]:
+    """Per target, the run's result there from its candidates' stored curves: ``steps_to_target``
+    (None if censored), ``censored``, ``diverged`` (the chosen candidate diverged), ``lr``,
+    ``momentum`` and ``lr_at_grid_edge`` (``tuned`` and the chosen lr is the smallest or largest
+    tried: it may not be the optimum).
+
+    ``candidates``: ``{"lr", "momentum", "diverged", "curve": [{"step", "val_metric", ...}]}``."""
+    if not candidates:
+        raise ValueError("a run's results along its targets need its candidates' curves; got none")
+    lrs = sorted({c["lr"] for c in candidates})
+    out = {}
+    for target in targets:
+        index, steps = choose(candidates, target, interpolate=interpolate)
+        best = candidates[index]
+        diverged = steps is None and bool(best.get("diverged"))
+        out[target] = {"steps_to_target": steps, "censored": int(steps is None and not diverged),
+                       "diverged": int(diverged),
+                       "lr": best["lr"], "momentum": best.get("momentum"),
+                       "lr_at_grid_edge": int(tuned and best["lr"] in (lrs[0], lrs[-1])),
+                       "max_steps": max_steps}
+    return out

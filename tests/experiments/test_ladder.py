@@ -1,0 +1,224 @@
+"""The target ladder: geometric reads and interpolated crossings, every candidate's curve kept,
+the best learning rate at each target read from one set of runs, per-target records in the
+store, and the analysis along the ladder on planted records."""
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from affdiv.experiments.analysis.critical_batch import (
+    RATIO_MARGIN,
+    analyse_target,
+    simulate_target_records,
+)
+from affdiv.experiments.runs import reads
+from affdiv.experiments.runs.config import RunConfig, config_hash
+from affdiv.experiments.runs.store import ResultStore
+from affdiv.experiments.runs.training import train_run
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LADDER = (0.8, 0.85, 0.9)
+
+
+def _ladder(**changes) -> RunConfig:
+    base = dict(dataset="digits", method="affine", batch_size=32, seed=0, depth=1, width=16, budget="target",
+                target=0.9, targets=(0.8, 0.85), read_spacing=0.05, length=400, lr_rule="tuned",
+                lr_grid=(0.05, 0.1, 0.2, 0.4), grid_extensions=0)
+    return RunConfig(**{**base, **changes})
+
+
+# ------------------------------------------------------------------------------------ reads
+@settings(max_examples=60, deadline=None)
+@given(max_steps=st.integers(1, 20000), spacing=st.floats(0.001, 1.0))
+def test_geometric_reads_bracket_every_step_within_the_spacing(max_steps, spacing):
+    steps = list(reads.read_steps(max_steps, eval_every=10, read_spacing=spacing))
+    assert steps[-1] == max_steps and steps == sorted(set(steps)) and steps[0] == 1
+    # Every crossing S in (s_{k-1}, s_k] is within the gap, which is at most spacing * s_{k-1} (or 1 step).
+    for before, after in zip(steps, steps[1:]):
+        assert after - before <= max(1, spacing * before)
+    # About log(max_steps)/log(1 + spacing) reads, plus one per step while spacing * s < 1.
+    assert len(steps) <= 1 / spacing + math.log(max_steps) / math.log1p(spacing) + 2
+
+
+def test_reads_every_eval_every_steps_are_the_old_checks():
+    assert list(reads.read_steps(23, eval_every=5, read_spacing=None)) == [5, 10, 15, 20, 23]
+
+
+@given(a0=st.floats(0.0, 0.89), a1=st.floats(0.9, 1.0), s0=st.integers(1, 1000), gap=st.integers(1, 100))
+def test_an_interpolated_crossing_lies_between_its_reads(a0, a1, s0, gap):
+    curve = [{"step": s0, "train_loss": 1.0, "val_loss": 1.0, "val_metric": a0},
+             {"step": s0 + gap, "train_loss": 1.0, "val_loss": 1.0, "val_metric": a1}]
+    steps, read = reads.crossing(curve, 0.9, interpolate=True)
+    assert read == s0 + gap and s0 < steps <= s0 + gap
+    # Linear in accuracy: the closed form of the module docstring.
+    assert steps == pytest.approx(s0 + (0.9 - a0) / (a1 - a0) * gap, rel=1e-12)
+    assert reads.crossing(curve, 0.9, interpolate=False) == (s0 + gap, s0 + gap)
+
+
+def test_a_read_after_divergence_is_never_a_crossing():
+    curve = [{"step": 1, "train_loss": 1.0, "val_loss": 1.0, "val_metric": 0.5},
+             {"step": 2, "train_loss": None, "val_loss": None, "val_metric": 0.95}]
+    assert reads.crossing(curve, 0.9, interpolate=True) is None
+
+
+# -------------------------------------------------------------------------------- training
+def _alone(config: RunConfig, target: float, digits) -> dict:
+    """The run retrained with ``target`` as its only target."""
+    return train_run(dataclasses.replace(config, target=target, targets=()), digits).metrics
+
+
+def test_the_stored_candidates_give_each_target_what_retraining_for_it_alone_gives(digits):
+    config = _ladder()
+    result = train_run(config, digits)
+    assert len(result.candidates) == 4 and {c["lr"] for c in result.candidates} == set(config.lr_grid)
+    best = reads.best_at_targets(result.candidates, LADDER, max_steps=400, interpolate=True, tuned=True)
+    # The run's own metrics are its primary target's.
+    assert result.metrics["steps_to_target"] == best[0.9]["steps_to_target"] and result.metrics["lr"] == best[0.9]["lr"]
+    for target in LADDER:
+        alone = _alone(config, target, digits)
+        assert alone["censored"] == 0 == best[target]["censored"]
+        assert (best[target]["lr"], best[target]["steps_to_target"]) == (alone["lr"], alone["steps_to_target"])
+    # Each candidate stopped at the first read at which, for every target it had not reached,
+    # another candidate already had: the highest target's first crossing bounds every curve.
+    first = min(reads.crossing(c["curve"], 0.9, interpolate=True)[1] for c in result.candidates
+                if reads.crossing(c["curve"], 0.9, interpolate=True))
+    assert max(c["curve"][-1]["step"] for c in result.candidates) == first
+
+
+def test_a_grid_extension_for_one_target_is_seen_at_every_target(digits):
+    # A grid too small for every target: the best lr sits on the upper edge, so the grid grows
+    # upward; what the extended candidates reach enters every target's choice.
+    config = _ladder(lr_grid=(0.0125, 0.025), grid_extensions=2)
+    result = train_run(config, digits)
+    lrs = sorted({c["lr"] for c in result.candidates})
+    assert lrs == [0.0125, 0.025, 0.05, 0.1]
+    best = reads.best_at_targets(result.candidates, LADDER, max_steps=400, interpolate=True, tuned=True)
+    for target in LADDER:
+        alone = _alone(config, target, digits)
+        # Never worse than the target alone: its candidates are among the ladder's.
+        assert best[target]["steps_to_target"] <= alone["steps_to_target"]
+
+
+def test_geometric_reads_estimate_steps_to_target_without_bias(digits):
+    # Against a read at every step (eval_every = 1, no interpolation: the exact first step at
+    # which the validation accuracy reaches the target), over 3 seeds x 3 batch sizes x 3 targets.
+    errors = []
+    for seed in range(3):
+        for batch_size in (8, 32, 128):
+            base = dict(seed=seed, batch_size=batch_size, lr_rule="constant", base_lr=0.2, length=1500)
+            geometric = train_run(_ladder(**base), digits)
+            every = train_run(_ladder(**base, read_spacing=None, eval_every=1), digits)
+            for target in LADDER:
+                exact = reads.crossing(every.candidates[0]["curve"], target, interpolate=False)
+                estimate = reads.crossing(geometric.candidates[0]["curve"], target, interpolate=True)
+                assert exact and estimate
+                errors.append((estimate[0] - exact[0]) / exact[0])
+    # Accuracy is not monotone: sparse reads can miss a brief excursion above the target, so
+    # single runs may err by more than the spacing (late); on average the error is small.
+    bias = float(np.mean(errors))
+    assert abs(bias) < 0.02, f"bias {bias:.4f} of S; errors {np.round(errors, 3).tolist()}"
+
+
+# ----------------------------------------------------------------------------------- store
+def test_a_ladder_run_gives_one_record_per_target(tmp_path, digits):
+    config = _ladder()
+    result = train_run(config, digits)
+    with ResultStore(tmp_path / "r.sqlite") as store:
+        store.put(config.to_dict(), metrics=result.metrics, curves=result.curves, seconds=1.0,
+                  data_fingerprint=result.data_fingerprint, candidates=result.candidates)
+    with ResultStore(tmp_path / "r.sqlite", read_only=True) as store:
+        records = store.records(metric="steps_to_target")
+        runs = store.records(metric="test_accuracy")
+        assert store.candidates() == {config_hash(config.to_dict()): result.candidates}
+    assert [r["target"] for r in records] == list(LADDER) and len(runs) == 1
+    best = reads.best_at_targets(result.candidates, LADDER, max_steps=400, interpolate=True, tuned=True)
+    for record in records:
+        chosen = best[record["target"]]
+        assert record["metric"] == record["steps_to_target"] == chosen["steps_to_target"]
+        assert (record["lr"], record["primary_target"], record["max_steps"]) == (chosen["lr"], 0.9, 400)
+    primary = next(r for r in records if r["target"] == 0.9)
+    assert primary["steps_to_target"] == result.metrics["steps_to_target"]
+
+
+def test_ladder_settings_are_checked_and_spelled_once():
+    assert _ladder(targets=(0.85, 0.8, 0.9)).to_dict() == _ladder().to_dict()
+    assert _ladder().ladder == LADDER
+    with pytest.raises(ValueError, match=r"targets must be validation accuracies in \(0, 1\], got \[0.8, 1.2\]"):
+        _ladder(targets=(0.8, 1.2))
+    with pytest.raises(ValueError, match=r"read_spacing must be None .* got 0"):
+        _ladder(read_spacing=0)
+    # Idle outside the target budget; eval_every idle when the reads are geometric.
+    assert "targets" not in _ladder(budget="epochs", length=2).to_dict()
+    assert "eval_every" not in _ladder().to_dict()
+
+
+# -------------------------------------------------------------------------------- analysis
+def _planted(ratios: dict[str, float], seeds: int = 10, sigma: float = 0.04) -> list[dict]:
+    """Records along a ladder whose baselines' B_crit grows with the target (x2 from 0.78 to
+    0.84), the corrected methods at fixed ratios of it."""
+    rng = np.random.default_rng(7)
+    records = []
+    for i, target in enumerate((0.78, 0.80, 0.82, 0.84)):
+        reference = 40.0 * 2 ** (i / 3)
+        curves = {"base": (300.0 * (1 + i / 4), reference),
+                  **{m: (300.0 * (1 + i / 4), reference * r) for m, r in ratios.items()}}
+        for row in simulate_target_records(curves, batch_sizes=[8, 16, 32, 64, 128, 256, 512, 1024],
+                                           seeds=range(seeds), sigma=sigma, seed_sd=0.05, rng=rng):
+            records.append({**row, "target": target})
+    return records
+
+
+def test_planted_ratios_are_recovered_and_classified_along_the_ladder():
+    analysis = analyse_target(_planted({"small": 0.81, "half": 0.5}), corrected=["small", "half"],
+                              baselines=["base"], n_boot=0)
+    summary = analysis.to_dict()
+    assert summary["primary_target"] == 0.84 and set(summary["by_target"]) == {"0.78", "0.8", "0.82", "0.84"}
+    for key, content in summary["by_target"].items():
+        assert content["critical_batch"]["base"]["ci_low"] < 40.0 * 2 ** ((float(key) - 0.78) / 0.06) \
+            < content["critical_batch"]["base"]["ci_high"]
+        for method, planted, kind in (("small", 0.81, "smaller_within_margin"), ("half", 0.5, "smaller")):
+            pair = content["ratios"][method]["base"]
+            assert pair["ci_low"] < planted < pair["ci_high"], (key, method, pair)
+            assert pair["class"] == kind, (key, method, pair)
+    assert summary["ratios"] == summary["by_target"]["0.84"]["ratios"]
+    assert summary["prediction"]["verdict"] == "supported"
+    # The ratios do not move along the ladder: the trend's interval holds 0 and is narrow.
+    for method in ("small", "half"):
+        trend = summary["trends"][method]["base"]
+        assert trend["status"] == "ok" and trend["ci_low"] < 0 < trend["ci_high"]
+    assert "_replicates" not in str(summary)
+
+
+def test_a_ratio_that_moves_along_the_ladder_has_a_trend():
+    rng = np.random.default_rng(3)
+    records = []
+    for i, target in enumerate((0.78, 0.80, 0.82, 0.84)):
+        ratio = 1.0 * 0.8 ** i  # 1 -> 0.51: -log(0.8) per 0.02 of target
+        curves = {"base": (300.0, 60.0), "c": (300.0, 60.0 * ratio)}
+        records += [{**r, "target": target} for r in simulate_target_records(
+            curves, batch_sizes=[8, 16, 32, 64, 128, 256, 512, 1024], seeds=range(8), sigma=0.04, seed_sd=0.0,
+            rng=rng)]
+    trend = analyse_target(records, corrected=["c"], baselines=["base"], n_boot=0).to_dict()["trends"]["c"]["base"]
+    planted = math.log(0.8) / 2  # per 0.01 of target
+    assert trend["ci_low"] < planted < trend["ci_high"] and trend["ci_high"] < 0 and trend["p"] < 0.05
+
+
+def test_equivalence_no_longer_hides_a_real_reduction():
+    # A planted 0.81 with tight data: shown below 1 AND inside the band -> "smaller_within_margin",
+    # where the equivalence-first rule said "equivalent" (a contradiction).
+    analysis = analyse_target(_planted({"small": 0.81}, seeds=16, sigma=0.02), corrected=["small"],
+                              baselines=["base"], n_boot=0, primary_target=0.8)
+    pair = analysis.to_dict()["ratios"]["small"]["base"]
+    assert RATIO_MARGIN < pair["ci_low_one_sided"] and pair["ci_high_one_sided"] < 1
+    assert pair["class"] == "smaller_within_margin" and analysis.to_dict()["primary_target"] == 0.8
+
+
+def test_a_primary_target_not_in_the_records_is_refused():
+    with pytest.raises(ValueError, match=r"primary_target 0.9 is not among the records' targets"):
+        analyse_target(_planted({"c": 0.5}, seeds=4), corrected=["c"], baselines=["base"], n_boot=0,
+                       primary_target=0.9)
