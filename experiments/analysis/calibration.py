@@ -17,8 +17,11 @@ Two levels:
   - Steps to target (:func:`target_layout`, :func:`target_calibration`): every method's steps
     follow the fitted curve S_min (1 + B_crit/B) with its fitted run noise and seed shift, censored
     at the study's max_steps; the baselines share one reference B_crit (the geometric mean of the
-    fitted ones) and the corrected layers get ``ratio`` times it. Ratio 1: "supported" is a false
-    positive and the pair test's rejection rate is its size; ratios 0.5 and 0.25: power.
+    fitted ones) and the corrected layers get ``ratio`` times it. Planted ratios 1, 0.9, 0.81,
+    0.707 (about the equivalence margin 2^-1/2) and 0.5, and each pair's measured ratio; at each, the rate of
+    every pair outcome class (smaller, smaller within the margin, equivalent, larger, unclear).
+    Ratio 1: "supported" is a false positive and the pair test's rejection rate is its size; below
+    1: power (at the measured ratio: the power the study had against what it found).
 
 * **Test level** (the slope tests, now descriptive; :func:`calibrate`): rejection rates of the
   slope tests on sweeps with a planted linear slope, as before.
@@ -254,6 +257,10 @@ class VerdictCalibration:
     seed: int
     layout: dict
     scenarios: dict = field(default_factory=dict)  # {name: VerdictCalibration.to_dict()} (e.g. shared shocks)
+    # Steps to target: {pair: {class: rates}}, the rate of each of RATIO_CLASSES at each planted ratio.
+    classes: dict = field(default_factory=dict)
+    # Steps to target: {pair: {"ratio": the pair's measured ratio, "power": rate of p < alpha there}}.
+    measured: dict = field(default_factory=dict)
 
     def mc_se(self, rate: float) -> float:
         return float(math.sqrt(rate * (1 - rate) / self.n_sims))
@@ -269,7 +276,9 @@ class VerdictCalibration:
                 "methods": {k: list(v) for k, v in self.methods.items()},
                 "pairs": {k: list(v) for k, v in self.pairs.items()}, "pair_event": self.pair_event,
                 "n_sims": self.n_sims, "alpha": self.alpha, "seed": self.seed, "layout": self.layout,
-                "scenarios": self.scenarios}
+                "scenarios": self.scenarios, "classes": {p: {k: list(v) for k, v in c.items()}
+                                                         for p, c in self.classes.items()},
+                "measured": self.measured}
 
 
 def _rates(counts: list[dict], n: int) -> dict[str, tuple[float, ...]]:
@@ -385,6 +394,20 @@ def target_layout(analysis) -> TargetLayout:
                          for m, r in fitted.items()}, reference)
 
 
+def _simulate_steps(layout: TargetLayout, ratio: float, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Steps of one simulated study, {method: (seeds, batch sizes) array} (see
+    :func:`simulate_target_study`); values above max_steps are censored by the caller."""
+    b = np.asarray(layout.batch_sizes, dtype=np.float64)
+    out = {}
+    for method, model in layout.methods.items():
+        b_crit = layout.reference_b_crit * (ratio if model.role == "corrected" else 1.0)
+        log_median = math.log(model.s_min) + np.log1p(b_crit / b)
+        shift = rng.normal(0.0, model.seed_sd, size=(layout.n_seeds, 1))
+        steps = np.ceil(np.exp(log_median + shift + rng.normal(0.0, model.noise_sd, size=(layout.n_seeds, b.size))))
+        out[method] = np.maximum(steps, 1.0)
+    return out
+
+
 def simulate_target_study(layout: TargetLayout, ratio: float, rng: np.random.Generator) -> list[dict]:
     """Records of one simulated steps-to-target study: corrected methods at ``ratio`` x the reference
     B_crit, baselines at the reference; log-normal run noise and seed shifts; censored at max_steps.
@@ -393,15 +416,10 @@ def simulate_target_study(layout: TargetLayout, ratio: float, rng: np.random.Gen
     from affdiv.experiments.analysis.critical_batch import TARGET_METRIC
 
     records = []
-    b = np.asarray(layout.batch_sizes, dtype=np.float64)
-    for method, model in layout.methods.items():
-        b_crit = layout.reference_b_crit * (ratio if model.role == "corrected" else 1.0)
-        log_median = math.log(model.s_min) + np.log1p(b_crit / b)
-        shift = rng.normal(0.0, model.seed_sd, size=(layout.n_seeds, 1))
-        steps = np.ceil(np.exp(log_median + shift + rng.normal(0.0, model.noise_sd, size=(layout.n_seeds, b.size))))
+    for method, steps in _simulate_steps(layout, ratio, rng).items():
         for s in range(layout.n_seeds):
             for j, batch_size in enumerate(layout.batch_sizes):
-                value = max(1, int(steps[s, j]))
+                value = int(steps[s, j])
                 reached = value <= layout.max_steps
                 records.append({"method": method, "batch_size": batch_size, "seed": s, "max_steps": layout.max_steps,
                                 TARGET_METRIC: float(value) if reached else None, "censored": int(not reached),
@@ -409,63 +427,119 @@ def simulate_target_study(layout: TargetLayout, ratio: float, rng: np.random.Gen
     return records
 
 
-def target_calibration(layout: TargetLayout, ratios: Sequence[float] = (1.0, 0.5, 0.25), *, n_sims: int = 200,
+#: Measured ratios outside this range are not planted (a pair that far off needs no calibration there).
+MEASURED_RANGE = (0.05, 2.0)
+#: The planted ratios of :func:`target_calibration` by default: no effect, then across the decision
+#: region (about the equivalence margin 2^-1/2 = 0.7071 among them), to a halving.
+TARGET_RATIOS = (1.0, 0.9, 0.81, 0.707, 0.5)
+
+
+def target_calibration(layout: TargetLayout, ratios: Sequence[float] = TARGET_RATIOS, *, n_sims: int = 200,
                        alpha: float = 0.05, seed: int = 0,
                        progress: Callable[[int, int], None] | None = None) -> VerdictCalibration:
-    """Verdict rates of the steps-to-target rule at each planted B_crit ratio (no bootstrap: the rule
-    does not use it). The curves of all simulated studies (and their leave-one-seed-out refits) are
-    fitted in one vectorised call per method; the verdicts then come from the same
-    :func:`~affdiv.experiments.analysis.critical_batch.analyse_group` as a real study's."""
-    from affdiv.experiments.analysis.critical_batch import TARGET_METRIC, analyse_group, fit_curves
+    """Rates of the steps-to-target rule's outcomes at each planted B_crit ratio: the joint verdict,
+    each corrected layer's 'supported', each pair's one-sided test (p < alpha) and each pair's
+    class (every one of ``RATIO_CLASSES``: ``classes[pair][class][i]`` at ``ratios[i]``).
+
+    The curves of all simulated studies (and their leave-one-seed-out refits) are fitted in one
+    vectorised call per method; each study is then decided by the rule's own functions (the
+    method's status, the paired jackknife ratio test and its class, the corrected layer's and the
+    joint verdict: what :func:`~affdiv.experiments.analysis.critical_batch.analyse_group` decides
+    with, less its descriptive summaries; no bootstrap: the rule does not use it). A study at
+    ratio r depends only on (seed, r), so the rates at a ratio do not depend on the others run."""
+    from affdiv.experiments.analysis.critical_batch import RATIO_CLASSES, fit_curves
 
     if n_sims < 1:
         raise ValueError(f"n_sims must be >= 1, got {n_sims}")
+    ratios = tuple(float(r) for r in ratios)
+    if not ratios or not all(math.isfinite(r) and r > 0 for r in ratios):
+        raise ValueError(f"planted ratios must be finite and > 0, got {list(ratios)}")
     corrected = [m for m, t in layout.methods.items() if t.role == "corrected"]
     baselines = [m for m, t in layout.methods.items() if t.role == "baseline"]
-    g = layout.n_seeds
+    g, n_batch = layout.n_seeds, len(layout.batch_sizes)
     pattern = np.vstack([np.ones((1, g)), 1.0 - np.eye(g)])  # the data, then leave one seed out
-    ratios = tuple(float(r) for r in ratios)
+    # The runs of a method in the order the analysis sorts them: by batch size, then seed.
+    batch = np.repeat(np.asarray(layout.batch_sizes, dtype=np.float64), g)
+    seed_index = np.tile(np.arange(g), n_batch)
+    weights = np.tile(pattern[:, seed_index], (n_sims, 1))
     joint, methods, pairs = [], [], []
+    classes = {f"{c} vs {b}": {k: [] for k in RATIO_CLASSES} for c in corrected for b in baselines}
     for i, ratio in enumerate(ratios):
         rng = np.random.default_rng([seed, int(np.float64(ratio).view(np.uint64)), 4])
-        studies = [simulate_target_study(layout, ratio, rng) for _ in range(n_sims)]
-        fits = {}
+        steps = [_simulate_steps(layout, ratio, rng) for _ in range(n_sims)]
+        fits, data = {}, {}
         for method in layout.methods:
-            runs = [sorted((r for r in study if r["method"] == method), key=lambda r: (r["batch_size"], r["seed"]))
-                    for study in studies]
-            batch = np.array([r["batch_size"] for r in runs[0]], dtype=np.float64)
-            seed_index = np.array([r["seed"] for r in runs[0]])
-            log_steps = np.repeat(np.array([[r["log_steps"] for r in rs] for rs in runs]), g + 1, axis=0)
-            censored = np.repeat(np.array([[bool(r["censored"]) for r in rs] for rs in runs]), g + 1, axis=0)
-            weights = np.tile(pattern[:, seed_index], (n_sims, 1))
-            fits[method] = fit_curves(batch, log_steps, censored, weights)
+            values = np.stack([study[method].T.ravel() for study in steps])  # (n_sims, runs)
+            censored = values > layout.max_steps
+            log_steps = np.log(np.where(censored, layout.max_steps, values))
+            data[method] = (log_steps, censored)
+            fits[method] = fit_curves(batch, np.repeat(log_steps, g + 1, axis=0),
+                                      np.repeat(censored, g + 1, axis=0), weights)
         j_count, m_count, p_count = dict.fromkeys(JOINT_VERDICTS, 0), {}, {}
-        for k, study in enumerate(studies):
+        c_count = {pair: dict.fromkeys(RATIO_CLASSES, 0) for pair in classes}
+        for k in range(n_sims):
             rows = slice(k * (g + 1), (k + 1) * (g + 1))
-
-            def fitter(method, _data, weights, rows=rows, fits=fits):
-                if weights.shape != pattern.shape:
-                    raise AssertionError("the calibration's fits assume the jackknife rows only")
-                f = fits[method]
-                return type(f)(f.log_b_crit[rows], f.log_s_min[rows], f.sigma[rows], f.at_edge[rows], f.valid[rows])
-
-            result = analyse_group(study, metric=TARGET_METRIC, corrected=corrected, baselines=baselines,
-                                   alpha=alpha, n_boot=0, seed=0, fitter=fitter)
-            j_count[result["prediction"]["verdict"]] += 1
+            result = _decide_study({m: (batch, log_steps[k], censored[k], seed_index)
+                                    for m, (log_steps, censored) in data.items()},
+                                   {m: _rows(f, rows) for m, f in fits.items()}, corrected, baselines, g, alpha)
+            j_count[result["joint"]] += 1
             for m in corrected:
-                m_count[m] = m_count.get(m, 0) + (result["critical_batch"][m]["verdict"] == "supported")
-            for c, against in result["ratios"].items():
-                for b, pair in against.items():
-                    p_count[f"{c} vs {b}"] = p_count.get(f"{c} vs {b}", 0) + (pair.get("p", 1.0) < alpha)
+                m_count[m] = m_count.get(m, 0) + (result["methods"][m] == "supported")
+            for pair, outcome in result["pairs"].items():
+                p_count[pair] = p_count.get(pair, 0) + (outcome.get("p", 1.0) < alpha)
+                c_count[pair][outcome["class"]] += 1
         joint.append(j_count)
         methods.append(m_count)
         pairs.append(p_count)
+        for pair, counts in c_count.items():
+            for kind, count in counts.items():
+                classes[pair][kind].append(count / n_sims)
         if progress is not None:
             progress(i + 1, len(ratios))
     return VerdictCalibration("steps_to_target", "planted ratio B_crit(corrected) / B_crit(baseline)", ratios, 1.0,
                               _rates(joint, n_sims), _rates(methods, n_sims), _rates(pairs, n_sims),
                               "the one-sided test of ratio < 1 rejects (p < alpha)", n_sims, alpha, seed,
-                              layout.describe())
+                              layout.describe(),
+                              classes={p: {k: tuple(v) for k, v in c.items()} for p, c in classes.items()})
+
+
+def _rows(fit, rows: slice):
+    """The rows of a :class:`~affdiv.experiments.analysis.critical_batch.CurveFit` of one study."""
+    return type(fit)(fit.log_b_crit[rows], fit.log_s_min[rows], fit.sigma[rows], fit.at_edge[rows], fit.valid[rows])
+
+
+def _decide_study(runs: Mapping[str, tuple], fits: Mapping, corrected: Sequence[str], baselines: Sequence[str],
+                  n_seeds: int, alpha: float) -> dict:
+    """The verdicts of one simulated study (no flags: simulated runs neither diverge nor sit on an LR
+    grid's edge) from its runs {method: (batch, log_steps, censored, seed_index)} and its fits
+    (row 0 the data, rows 1..G leave one seed out), by the rule's functions in
+    :mod:`~affdiv.experiments.analysis.critical_batch`: {"joint", "methods": {corrected: verdict},
+    "pairs": {"c vs b": the ratio test's result}}."""
+    from affdiv.experiments.analysis.critical_batch import (
+        UNCLEAR,
+        MethodData,
+        _corrected_verdict,
+        _joint,
+        _method_status,
+        _ratio,
+    )
+
+    status, resolved = {}, {}
+    for method, (batch, log_steps, censored, seed_index) in runs.items():
+        data = MethodData(batch, log_steps, censored, seed_index, tuple(range(n_seeds)))
+        status[method] = _method_status(data, n_seeds)
+        fit = fits[method]
+        # As the analysis: resolved when every leave-one-seed-out refit is valid and no fit sits on the edge.
+        resolved[method] = status[method] == "ok" and bool(fit.valid[1:].all()) and not bool(fit.at_edge.any())
+    every = set(range(n_seeds))
+    statuses = {m: {"status": s} for m, s in status.items()}
+    pairs, verdicts = {}, {}
+    for c in corrected:
+        against = {b: _ratio(fits[c], fits[b], every, every, n_seeds, alpha, 0) if resolved[c] and resolved[b]
+                   else {"class": UNCLEAR, "status": "no ratio: a B_crit is unresolved"} for b in baselines}
+        verdicts[c] = _corrected_verdict(c, against, statuses, alpha)[0]
+        pairs.update({f"{c} vs {b}": outcome for b, outcome in against.items()})
+    return {"joint": _joint(list(verdicts.values())), "methods": verdicts, "pairs": pairs}
 
 
 # ------------------------------------------------------------------------------- dispatch
@@ -475,11 +549,20 @@ def calibrate_for(analysis, *, n_sims: int = 200, seed: int = 0,
 
     Fixed budget: planted extra falls of 0, 1, 2 and 3 contrast margins, without shared shocks, and
     the same with shocks of the median run noise (what a data split shared by every seed adds) as a
-    second scenario. Steps to target: ratios 1, 0.5 and 0.25.
+    second scenario. Steps to target: the ratios of :data:`TARGET_RATIOS` and, as further planted
+    points, each pair's measured ratio at the primary target (where estimated and within
+    [``MEASURED_RANGE``]); ``measured`` gives each pair the power of its test at its own ratio.
     """
     if getattr(analysis, "design", "fixed budget") == "steps_to_target":
-        return target_calibration(target_layout(analysis), n_sims=n_sims, alpha=analysis.settings["alpha"],
-                                  seed=seed, progress=progress)
+        measured = {f"{c} vs {b}": pair["ratio"] for c, against in analysis.primary["ratios"].items()
+                    for b, pair in against.items()
+                    if pair.get("status") == "ok" and MEASURED_RANGE[0] <= pair["ratio"] <= MEASURED_RANGE[1]}
+        ratios = sorted({*TARGET_RATIOS, *measured.values()}, reverse=True)
+        result = target_calibration(target_layout(analysis), ratios, n_sims=n_sims, alpha=analysis.settings["alpha"],
+                                    seed=seed, progress=progress)
+        return VerdictCalibration(**{**result.__dict__, "measured": {
+            pair: {"ratio": ratio, "power": result.pairs[pair][result.effects.index(ratio)]}
+            for pair, ratio in measured.items()}})
     layout = fixed_budget_layout(analysis)
     alpha = analysis.settings["alpha"]
     effects = [k * layout.margin for k in (0.0, 1.0, 2.0, 3.0)]

@@ -10,6 +10,10 @@
   (censored ones at max_steps), the fitted S(B) = S_min (1 + B_crit/B) and B_crit marked.
 * :func:`examples_vs_steps` — examples E = B S against steps S: the trade-off curve
   (S/S_min - 1)(E/E_min - 1) = 1 per method with the measured batch sizes.
+* :func:`bcrit_vs_target` — along a target ladder: B_crit per method with its CI against the
+  target (log y), the primary target marked.
+* :func:`ratio_vs_target` — along a target ladder: each ratio B_crit(corrected)/B_crit(baseline)
+  with its CI against the target, the equivalence band shaded, 1 and the primary target marked.
 * :func:`training_curves` — mean over seeds per epoch: one row per curve metric (train loss,
   validation metric), one panel per method, one line per batch size.
 * :func:`calibration_curves` — verdict rates of the decision rule against the planted effect, with α.
@@ -31,6 +35,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from affdiv.atomic import atomic_write
+from affdiv.experiments.analysis.critical_batch import RATIO_MARGIN
 
 _DPI = 120
 MAX_WIDTH_PX = 1800
@@ -356,3 +361,90 @@ def _build_examples_vs_steps(analysis) -> Figure:
         analysis, draw, xscale={}, xlabel="optimizer steps to the target S",
         ylabel="training examples to the target E = B·S",
         title="the steps–examples trade-off\nS_min and E_min are the asymptotes")
+
+
+def _ladder(analysis) -> list[tuple[float, Mapping]]:
+    """(target, the primary group's analysis there) along the ladder, in increasing target."""
+    return sorted((float(key), groups[analysis.primary_group]) for key, groups in analysis.by_target.items()
+                  if key and analysis.primary_group in groups)
+
+
+def _dodge(i: int, n: int, ladder: Sequence[tuple[float, Mapping]]) -> float:
+    """The x offset of the i-th of n series, so that their intervals at one target do not overlap:
+    within a fifth of the smallest gap between targets."""
+    targets = [t for t, _ in ladder]
+    gap = min(np.diff(targets)) if len(targets) > 1 else 0.01
+    return (i - (n - 1) / 2) * 0.2 * gap / max(n - 1, 1)
+
+
+def _build_ladder_figure(analysis, series, *, ylabel: str, title: str, band: tuple[float, float] | None) -> Figure:
+    """One panel against the target: ``series`` [(label, [(target, estimate, low, high, resolved)])]
+    as points with their CIs (open markers: unresolved, no CI), told apart by marker and line style
+    as well as colour; log y; the primary target dotted; ``band`` shaded (with a line at 1)."""
+    ladder = _ladder(analysis)
+    figure = Figure(figsize=(6.5, 4.4), layout="constrained")
+    ax = figure.subplots()
+    if band is not None:
+        ax.axhspan(*band, color="0.9", label=f"equivalence band [{band[0]:.3g}, {band[1]:.3g}]")
+        ax.axhline(1.0, color="0.3", lw=0.8, label="ratio 1 (no difference)")
+    for i, (label, points) in enumerate(series):
+        style = _style(i)
+        dx = _dodge(i, len(series), ladder)
+        xs = [t + dx for t, *_ in points]
+        ax.plot(xs, [p[1] for p in points], lw=1, ms=5, label=label, **style)
+        for x, (_, estimate, low, high, resolved) in zip(xs, points):
+            if resolved and low is not None and high is not None:
+                ax.errorbar(x, estimate, yerr=[[estimate - low], [high - estimate]], fmt="none",
+                            color=style["color"], capsize=3, lw=1)
+            else:
+                ax.plot(x, estimate, marker=style["marker"], mfc="white", color=style["color"], ms=7, ls="none")
+    primary = analysis.primary_target
+    if primary is not None:
+        ax.axvline(primary, color="k", ls=":", lw=1, label=f"primary target {primary:g} (decides the verdict)")
+    ax.set_yscale("log")
+    ax.set_xticks([t for t, _ in ladder], [f"{t:g}" for t, _ in ladder])
+    ax.set_xlabel("target validation accuracy (steps are counted to reach it)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{title}, {_group_title(analysis, analysis.primary_group)}\n"
+                 f"{1 - analysis.settings['alpha']:.0%} CI (jackknife); open markers: unresolved, a bound", fontsize=9)
+    ax.legend(fontsize=7)
+    return figure
+
+
+def bcrit_vs_target(analysis, path) -> Path:
+    """B_crit per method with its CI against the target of a ladder (log y), the primary target marked."""
+    return _save(_build_bcrit_vs_target(analysis), path)
+
+
+def _build_bcrit_vs_target(analysis) -> Figure:
+    ladder = _ladder(analysis)
+    methods = list(dict.fromkeys(m for _, content in ladder for m in content["critical_batch"]))
+    series = []
+    for method in methods:
+        points = [(t, r["b_crit"], r.get("ci_low"), r.get("ci_high"), bool(r.get("resolved")))
+                  for t, content in ladder if (r := content["critical_batch"].get(method)) and r.get("b_crit")]
+        if points:
+            role = next(c["critical_batch"][method]["role"] for _, c in ladder if method in c["critical_batch"])
+            series.append((f"{method} ({role})", points))
+    return _build_ladder_figure(analysis, series, ylabel="critical batch size B_crit (examples per step)",
+                                title="B_crit along the target ladder", band=None)
+
+
+def ratio_vs_target(analysis, path) -> Path:
+    """Each ratio B_crit(corrected)/B_crit(baseline) with its CI against the target of a ladder, the
+    equivalence band [RATIO_MARGIN, 1/RATIO_MARGIN] shaded, a line at 1, the primary target marked."""
+    return _save(_build_ratio_vs_target(analysis), path)
+
+
+def _build_ratio_vs_target(analysis) -> Figure:
+    ladder = _ladder(analysis)
+    pairs = list(dict.fromkeys((c, b) for _, content in ladder for c, against in content["ratios"].items()
+                               for b in against))
+    series = []
+    for c, b in pairs:
+        points = [(t, r["ratio"], r.get("ci_low"), r.get("ci_high"), True) for t, content in ladder
+                  if (r := content["ratios"].get(c, {}).get(b, {})).get("status") == "ok"]
+        if points:
+            series.append((f"{c} / {b}", points))
+    return _build_ladder_figure(analysis, series, ylabel="ratio B_crit(corrected) / B_crit(baseline)",
+                                title="B_crit ratios along the target ladder", band=(RATIO_MARGIN, 1 / RATIO_MARGIN))

@@ -42,14 +42,23 @@
   "censored", "sigma", "noise_sd", "seed_sd", "resolved", "search_range", "boot_ci_low",
   "boot_ci_high", "cells", "status", "verdict", "reason", ...}}, "ratios": {corrected:
   {baseline: {"ratio", "ci_low", "ci_high", "ci_low_one_sided", "ci_high_one_sided", "p", "t",
-  "df", "class", "boot_ci_low", "boot_ci_high"}}}, "prediction": {"verdict", "reason"}}``.
+  "df", "class", "boot_ci_low", "boot_ci_high"}}}, "prediction": {"verdict", "reason"}}``;
+  along a target ladder (records with a ``target`` column) all of these are the primary target's,
+  and ``primary_target``, ``settings.targets`` (every target the records answer), ``by_target``
+  ({target: {"critical_batch", "ratios", "prediction"}} of the primary group) and ``trends``
+  ({corrected: {baseline: {"status", "targets", "per", "log_slope", "ci_low", "ci_high",
+  "factor", "factor_ci_low", "factor_ci_high", "p", ...}}}) are added. Its ``calibration`` adds
+  ``classes`` ({pair: {class: rate at each planted ratio}}) and ``measured`` ({pair: {"ratio",
+  "power"}}: the power of the pair's test at its own measured ratio).
 
   Non-finite numbers are written as null.
 * ``summary.tex`` — a booktabs table of the verdicts that fits a one-column page.
 * ``records.csv`` — the analysed records (``affdiv analyse --input records.csv`` reproduces the numbers).
 * figures: fixed budget ``metric_vs_batch.png``, ``contrast_forest.png`` (the tests that decided),
-  ``slope_forest.png`` (descriptive); steps to target ``steps_vs_batch.png``, ``examples_vs_steps.png``;
-  when given ``training_curves.png`` and ``calibration.png``.
+  ``slope_forest.png`` (descriptive); steps to target ``steps_vs_batch.png``, ``examples_vs_steps.png``
+  and, along a ladder of more than one target, ``bcrit_vs_target.png`` and ``ratio_vs_target.png``
+  (with a section "Along the target ladder": ratios, B_crit and trends per target, and how the runs
+  read their steps); when given ``training_curves.png`` and ``calibration.png``.
 
 Every file is written to a temporary name and renamed, so a killed process leaves no half-written file.
 """
@@ -64,6 +73,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from affdiv.atomic import atomic_write
+from affdiv.experiments.analysis.critical_batch import target_key
 from affdiv.experiments.records import write_csv
 from affdiv.experiments.report import figures
 from affdiv.reporting import (
@@ -250,6 +260,100 @@ def _target_group_blocks(name: str, content: Mapping, summary: Mapping) -> list:
     return blocks
 
 
+def reads_sentence(records: Sequence[Mapping]) -> str:
+    """How the runs of ``records`` read their steps to a target, in words: geometric reads with
+    interpolated crossings (``read_spacing``), or a read every ``eval_every`` steps."""
+    def values(column: str, cast, rows) -> list:
+        return sorted({cast(float(r[column])) for r in rows if r.get(column) not in (None, "")})
+
+    spacings = values("read_spacing", float, records)
+    every = values("eval_every", int, [r for r in records if r.get("read_spacing") in (None, "")])
+    parts = []
+    if spacings:
+        parts.append(f"geometric reads, spacing r = {', '.join(f'{r:g}' for r in spacings)}: the validation "
+                     "accuracy is read at steps s_{k+1} = s_k + max(1, floor(r s_k)), so each gap is at most r times "
+                     "the steps so far, and a crossing between two reads is interpolated linearly between them")
+    if every:
+        parts.append(f"a read every {', '.join(map(str, every))} steps: a run's steps to a target are those of the "
+                     "first read at or past the crossing")
+    if not parts:
+        return "The records do not say how the runs read their steps (no read_spacing or eval_every column)."
+    return "How steps are read: " + "; ".join(parts) + "."
+
+
+def _ladder_blocks(summary: Mapping, reads: str) -> list:
+    """The ratios, B_crit and the ratios' trends along the target ladder (primary group)."""
+    settings = summary["settings"]
+    targets, primary = settings["targets"], summary["primary_target"]
+    by_target = summary["by_target"]
+    level = f"{1 - settings['alpha']:.0%}"
+    keys = {t: target_key(t) for t in targets}
+    header = [f"{t:g} (primary)" if t == primary else f"{t:g}" for t in targets]
+
+    def at(t: float) -> Mapping:
+        return by_target.get(keys[t], {})
+
+    pairs = list(dict.fromkeys((c, b) for t in targets for c, against in at(t).get("ratios", {}).items()
+                               for b in against))
+    ratio_rows = []
+    for c, b in pairs:
+        cells = []
+        for t in targets:
+            r = at(t).get("ratios", {}).get(c, {}).get(b)
+            if r is None:
+                cells.append("—")
+            elif r.get("status", "ok") != "ok":
+                cells.append(f"— {r.get('class', '')} ({r['status'].split(':')[0]})")
+            else:
+                cells.append(f"{r['ratio']:.3g} {_interval(r.get('ci_low'), r.get('ci_high'))} {r['class']}")
+        ratio_rows.append([f"{c} vs {b}", *cells])
+    methods = list(dict.fromkeys(m for t in targets for m in at(t).get("critical_batch", {})))
+    b_rows = []
+    for m in methods:
+        cells, role = [], "—"
+        for t in targets:
+            r = at(t).get("critical_batch", {}).get(m)
+            role = r["role"] if r else role
+            if r is None:
+                cells.append("—")
+            elif r["status"] != "ok":
+                cells.append("— (no fit)")
+            elif not r.get("resolved"):
+                cells.append(f"{r['b_crit']:.3g} (a bound: unresolved)")
+            else:
+                cells.append(f"{r['b_crit']:.3g} {_interval(r.get('ci_low'), r.get('ci_high'))}")
+        b_rows.append([m, role, *cells])
+    trend_rows = []
+    for c, against in summary.get("trends", {}).items():
+        for b, tr in against.items():
+            if tr.get("status") != "ok":
+                trend_rows.append([f"{c} vs {b}", "—", "—", "—", "—", tr.get("status", "")])
+                continue
+            trend_rows.append([f"{c} vs {b}", ", ".join(f"{t:g}" for t in tr["targets"]),
+                               f"{tr['factor']:.3g}", _interval(tr["factor_ci_low"], tr["factor_ci_high"]),
+                               _p(tr["p"]), "ok"])
+    step = next((tr["per"] for against in summary.get("trends", {}).values() for tr in against.values()
+                 if "per" in tr), 0.01)
+    blocks = [("h", 2, "Along the target ladder"),
+              ("p", f"The runs read targets {', '.join(f'{t:g}' for t in targets)} (the targets this store can "
+                    f"answer: `affdiv analyse --primary-target T` decides at any of them). The verdict above is at "
+                    f"the primary target {primary:g}; the other targets show how the result depends on the "
+                    f"target. Group {summary['primary_group']}. {reads}"),
+              ("p", f"Ratios B_crit(corrected) / B_crit(baseline) per target: ratio [{level} CI] and the pair's "
+                    "class under the rule (smaller, smaller_within_margin, equivalent, larger, unclear)."),
+              ("table", ["pair", *header], ratio_rows, ["pair"]),
+              ("p", f"B_crit per method and target [{level} CI] (leave-one-seed-out jackknife)."),
+              ("table", ["method", "role", *header], b_rows, ["method"])]
+    if trend_rows:
+        blocks += [("p", f"Trend of each log ratio along the ladder: the least-squares slope of log r on the target, "
+                         f"as the factor by which r changes per +{step:g} of target ({level} CI from the "
+                         "leave-one-seed-out jackknife, the same seed left out at every target; p two-sided, H0: "
+                         "no trend). Descriptive: not part of the rule."),
+                   ("table", ["pair", "targets", f"ratio factor per +{step:g}", f"{level} CI", "p (no trend)",
+                              "status"], trend_rows, ["pair"])]
+    return blocks
+
+
 def _calibration_blocks(calibration: Mapping) -> list:
     n, alpha = calibration["n_sims"], calibration["alpha"]
     effects, null = calibration["effects"], calibration["null_effect"]
@@ -269,7 +373,7 @@ def _calibration_blocks(calibration: Mapping) -> list:
               f"its rate must stay at or below α = {alpha:g}; 'contradicted' there is the right answer, not an error. "
               "At the other rows the prediction is true: 'supported' is the power, 'contradicted' a false "
               f"contradiction. Monte-Carlo s.e. of a rate r: √(r(1−r)/{n}) (0.015 at r = 0.05)."),
-        ("table", ["effect", *[f"joint {v}" for v in verdicts],
+        ("table", ["planted ratio" if target else "effect", *[f"joint {v}" for v in verdicts],
                    *[f"{m} supported" for m in calibration["methods"]]], rows),
     ]
     if calibration["pairs"]:
@@ -277,9 +381,31 @@ def _calibration_blocks(calibration: Mapping) -> list:
         rows = [[_number(e), *[f"{calibration['pairs'][p][i]:.3f}" for p in pairs]] for i, e in enumerate(effects)]
         blocks += [("p", f"Each pair's own test ({calibration['pair_event']}): at {_number(null)} its rate is "
                          "the test's size (α up to Monte-Carlo error); elsewhere its power. A rejection is "
-                         "not yet a verdict: the equivalence check comes first, and a corrected layer needs every "
-                         "pair."),
-                   ("table", ["effect", *pairs], rows)]
+                         "not yet a verdict: a corrected layer needs every pair."
+                         + ("" if target else " The equivalence check comes first.")),
+                   ("table", ["planted ratio" if target else "effect", *pairs], rows)]
+    classes = calibration.get("classes") or {}
+    measured = calibration.get("measured") or {}
+    if classes:
+        kinds = list(next(iter(classes.values())))
+        rows = [[pair, _number(e, ".4g") + (" (measured)" if measured.get(pair, {}).get("ratio") == e else ""),
+                 *[f"{classes[pair][k][i]:.3f}" for k in kinds],
+                 f"{calibration['pairs'][pair][i]:.3f}" if pair in calibration["pairs"] else "—"]
+                for pair in classes for i, e in enumerate(effects)]
+        blocks += [("p", "The rate of every outcome of each pair at each planted ratio (each row sums to 1). At "
+                         f"ratio {_number(null)} 'smaller' of either kind is a false positive (at most α up to "
+                         "Monte-Carlo error); below 1 'smaller' of either kind is the power, 'equivalent' and "
+                         "'larger' are errors where the planted ratio lies outside the band, and 'equivalent' is "
+                         "right where it lies inside."),
+                   ("table", ["pair", "planted ratio", *kinds, "p < α"], rows, ["pair"])]
+    if measured:
+        rows = [[pair, _number(m["ratio"], ".4g"), f"{m['power']:.3f}",
+                 f"{(m['power'] * (1 - m['power']) / n) ** 0.5:.3f}"] for pair, m in measured.items()]
+        blocks += [("p", "Power at the measured ratio: each pair's ratio at the primary target, planted in this "
+                         "layout; the rate at which the pair's test rejects there (p < α) is the power the study "
+                         "had against an effect of the size it found (descriptive: a measured effect is not the "
+                         "truth)."),
+                   ("table", ["pair", "measured ratio", "power (p < α)", "Monte-Carlo s.e."], rows, ["pair"])]
     for name, scenario in (calibration.get("scenarios") or {}).items():
         verdicts = [v for v in ("supported", "contradicted", "mixed", "inconclusive") if v in scenario["joint"]]
         rows = [[_number(e), *[f"{scenario['joint'][v][i]:.3f}" for v in verdicts],
@@ -292,7 +418,7 @@ def _calibration_blocks(calibration: Mapping) -> list:
     return blocks
 
 
-def _document(summary: Mapping, files: Mapping[str, str]) -> list:
+def _document(summary: Mapping, files: Mapping[str, str], reads: str = "") -> list:
     s = summary["settings"]
     target = _design(summary) == "steps_to_target"
     if target:
@@ -316,6 +442,8 @@ def _document(summary: Mapping, files: Mapping[str, str]) -> list:
     group_blocks = _target_group_blocks if target else _fixed_group_blocks
     for name, content in summary["groups"].items():
         blocks += group_blocks(name, content, summary)
+    if target and len(s.get("targets") or []) > 1:
+        blocks += _ladder_blocks(summary, reads)
     blocks.append(("h", 2, "Figures"))
     captions = {
         "steps_vs_batch": "Steps to target against batch size (log–log): runs (censored ones as open triangles at "
@@ -326,6 +454,10 @@ def _document(summary: Mapping, files: Mapping[str, str]) -> list:
         "contrast_forest": "The tests that decide: Δ per method and DiD per corrected layer and baseline, with "
                            "their CIs; shaded: ± the contrast margin.",
         "slope_forest": "Descriptive slopes per doubling of the batch size (shaded: ± the slope margin).",
+        "bcrit_vs_target": "B_crit per method against the target (95% CI; open markers: unresolved, a bound); "
+                           "dotted: the primary target.",
+        "ratio_vs_target": "Ratios B_crit(corrected)/B_crit(baseline) against the target (95% CI); shaded: the "
+                           "equivalence band; dotted: the primary target.",
         "training_curves": "Training curves of the primary group.",
     }
     for name, caption in captions.items():
@@ -403,10 +535,13 @@ def latex_table(summary: Mapping) -> str:
         rows = []
         for group, content in summary["groups"].items():
             for method, r in content["critical_batch"].items():
+                pairs = content["ratios"].get(method, {})
                 rows.append([group, method, r["role"], r.get("b_crit"),
-                             _interval(r.get("ci_low"), r.get("ci_high")), str(r["censored"]), r["verdict"]])
+                             _interval(r.get("ci_low"), r.get("ci_high")), str(r["censored"]),
+                             "; ".join(f"{b}: {p.get('class', '—')}" for b, p in pairs.items()) or "—",
+                             r["verdict"]])
         columns = [Column("Group"), Column("Method", "X"), Column("Role"), Column(Latex(r"$B_\mathrm{crit}$"), "r"),
-                   Column(level), Column("Censored", "r"), Column("Verdict")]
+                   Column(level), Column("Censored", "r"), Column("Ratio class vs baseline", "X"), Column("Verdict")]
     else:
         rows = []
         for group, content in summary["groups"].items():
@@ -420,25 +555,43 @@ def latex_table(summary: Mapping) -> str:
     return _latex_table(columns, rows, notes=notes, head=head)
 
 
+def _deciding_tests(summary: Mapping, content: Mapping) -> list[tuple[str, Mapping, list]]:
+    """(method, its result, [(test, estimate, CI, class)]) of a group: the tests that decided each
+    verdict. Fixed budget: a corrected layer's DiD against each baseline, else Δ; steps to target:
+    a corrected layer's B_crit ratio against each baseline, else B_crit."""
+    out = []
+    if _design(summary) == "steps_to_target":
+        for method, r in content["critical_batch"].items():
+            pairs = content["ratios"].get(method, {}) if r["role"] == "corrected" else {}
+            tests = [(f"ratio vs {b}", _number(p.get("ratio")), _interval(p.get("ci_low"), p.get("ci_high")),
+                      p.get("class", "—")) for b, p in pairs.items()]
+            out.append((method, r, tests or [("B_crit", _number(r.get("b_crit")),
+                                              _interval(r.get("ci_low"), r.get("ci_high")), "—")]))
+        return out
+    for method, r in content["methods"].items():
+        dids = r.get("did", {}) if r["role"] == "corrected" else {}
+        tests = [(f"DiD vs {b}", _signed(d.get("estimate")), _interval(d.get("ci_low"), d.get("ci_high")),
+                  d.get("class", "—")) for b, d in dids.items()]
+        c = r.get("contrast", {})
+        out.append((method, r, tests or [("Δ", _signed(c.get("estimate")), _interval(c.get("ci_low"), c.get("ci_high")),
+                                          r.get("contrast_class", "—"))]))
+    return out
+
+
 def verdict_table(summary: Mapping) -> str:
     """A compact plain-text table of the verdicts (for the terminal, e.g. after ``affdiv falsify``):
-    group, method, role, verdict and the estimate of the test that decided it, with its CI; then the
-    joint verdict. Fixed budget: a baseline's Δ, a corrected layer's DiD against each baseline;
-    steps to target: B_crit."""
+    group, method, role, verdict and the test that decided it, its estimate with its CI and its
+    class; then the joint verdict. Fixed budget: a baseline's Δ, a corrected layer's DiD against
+    each baseline; steps to target: a baseline's B_crit, a corrected layer's B_crit ratio against
+    each baseline with the pair's class (smaller, smaller_within_margin, equivalent, larger,
+    unclear)."""
     level = f"{1 - summary['settings']['alpha']:.0%} CI"
-    rows = [["group", "method", "role", "verdict", "deciding test", "estimate", level]]
+    rows = [["group", "method", "role", "verdict", "deciding test", "estimate", level, "class"]]
     for group, content in summary["groups"].items():
-        if _design(summary) == "steps_to_target":
-            for method, r in content["critical_batch"].items():
-                rows.append([group, method, r["role"], r["verdict"], "B_crit", _number(r.get("b_crit")),
-                             _interval(r.get("ci_low"), r.get("ci_high"))])
-            continue
-        for method, r in content["methods"].items():
-            tests = [(f"DiD vs {b}", d) for b, d in r.get("did", {}).items()] if r["role"] == "corrected" else []
-            tests = tests or [("Δ", r.get("contrast", {}))]
-            for k, (name, e) in enumerate(tests):
+        for method, r, tests in _deciding_tests(summary, content):
+            for k, test in enumerate(tests):
                 first = [group, method, r["role"], r["verdict"]] if k == 0 else ["", "", "", ""]
-                rows.append(first + [name, _signed(e.get("estimate")), _interval(e.get("ci_low"), e.get("ci_high"))])
+                rows.append(first + list(test))
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -457,6 +610,9 @@ def write_report(out_dir, analysis, *, records: Sequence[Mapping], curves: Seque
     if target:
         paths["steps_vs_batch"] = figures.steps_vs_batch(analysis, out_dir / "steps_vs_batch.png")
         paths["examples_vs_steps"] = figures.examples_vs_steps(analysis, out_dir / "examples_vs_steps.png")
+        if len(analysis.settings.get("targets") or []) > 1:
+            paths["bcrit_vs_target"] = figures.bcrit_vs_target(analysis, out_dir / "bcrit_vs_target.png")
+            paths["ratio_vs_target"] = figures.ratio_vs_target(analysis, out_dir / "ratio_vs_target.png")
     else:
         paths["metric_vs_batch"] = figures.metric_vs_batch(analysis, out_dir / "metric_vs_batch.png")
         paths["contrast_forest"] = figures.contrast_forest(analysis, out_dir / "contrast_forest.png")
@@ -474,7 +630,7 @@ def write_report(out_dir, analysis, *, records: Sequence[Mapping], curves: Seque
         summary["calibration"] = calibration.to_dict()
     summary["files"] = {**files, "report_md": "report.md", "report_html": "report.html",
                         "summary_json": "summary.json", "summary_tex": "summary.tex"}
-    blocks = _document(summary, files)
+    blocks = _document(summary, files, reads_sentence(records) if target else "")
     paths["summary_json"] = atomic_write(out_dir / "summary.json",
                                           json.dumps(summary, indent=2, allow_nan=False, default=str) + "\n")
     paths["summary_tex"] = atomic_write(out_dir / "summary.tex", latex_table(summary))

@@ -21,8 +21,8 @@ validation accuracy reaches ``target``, read every ``eval_every`` steps or, with
 at most ``length`` (= max_steps) steps. ``targets`` adds a ladder: the run trains until the
 highest of ``target`` and ``targets`` is reached (``target`` is the primary one), and every
 candidate's curve is kept, so that steps to each target can be read from one set of runs. Under
-the target budget a tuned grid must be spaced by at most x2, and a chosen lr on its edge extends
-it outward by x2 steps, at most ``grid_extensions`` times.
+the target budget a tuned grid must be spaced by at most x2, and a chosen lr on its edge (at any
+target) extends it outward by x2 steps, at most ``grid_extensions`` times.
 """
 
 from __future__ import annotations

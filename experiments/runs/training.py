@@ -10,24 +10,32 @@ batches, its last partial batch dropped. The budget (``budget``, ``length``):
     steps    length optimizer steps
     target   steps until the validation accuracy reaches ``target``, at most length (= max_steps)
 
-*Checks* evaluate the validation split: at the end of every epoch (and of the last, partial one
-of a ``steps`` budget), or every ``eval_every`` steps and at max_steps under ``target``. Each
-check adds a curve point {"epoch" (the epoch it falls in, from 1), "step", "train_loss" (mean
-over the steps since the previous check), "val_loss", "val_metric" (accuracy)}. Under the target
-budget, ``steps_to_target`` is the step of the first check with val accuracy >= target; a run
-that never gets there within max_steps is *censored*.
+*Checks* (reads) evaluate the validation split: at the end of every epoch (and of the last,
+partial one of a ``steps`` budget), or under ``target`` at the reads of ``eval_every`` or
+``read_spacing`` (:mod:`~affdiv.experiments.runs.reads`). Each check adds a curve point {"epoch"
+(the epoch it falls in, from 1), "step", "train_loss" (mean over the steps since the previous
+check), "val_loss", "val_metric" (accuracy)}. Under the target budget, ``steps_to_target`` is the
+step of the first read with val accuracy >= target (interpolated between reads under
+``read_spacing``); a run that never gets there within max_steps is *censored*.
 
 *Candidates*: a run trains one model per (lr, momentum) of :func:`~affdiv.experiments.runs.
 config.candidates` (one for a scaling rule; the grid for ``tuned``), all from the same init
 (``torch.manual_seed(seed)`` before building) with the same shuffles, in lockstep. The kept one
-ranks highest by (not diverged; reached the target; fewer steps to it; validation accuracy, then
-−loss at its last check; smaller lr; smaller momentum), and only then is the test split
-evaluated, once. Under the target budget, once a candidate reaches the target at a check no
-other can reach it in fewer steps, so all of the run's candidates stop at that check; and when
-the kept lr is the smallest or largest tried, the grid grows by one ×2 step that way (for every
-momentum), the new candidates stopping at the best step count so far, at most
-``grid_extensions`` times. ``lr_at_grid_edge`` = 1 marks a tuned run whose kept lr still sits
-on an edge of the lrs tried: it may not be the optimum.
+ranks highest by :func:`~affdiv.experiments.runs.reads.rank` (reached the target, else not
+diverged; fewer steps to it; validation accuracy, then −loss at its last read; smaller lr; smaller
+momentum), at the primary target under the target budget, and only then is the test split
+evaluated, once. Under the target budget the run reads every target of its ladder
+(``config.ladder``: ``target`` and ``targets``), at the reads of
+:func:`~affdiv.experiments.runs.reads.read_steps`; a candidate stops once, for every target it has
+not reached, another candidate of its run already has (no candidate could reach it in fewer steps:
+all are read at the same steps), so with one target all of a run's candidates stop at the first
+read that reaches it. When the best lr at some target is the smallest or largest tried, the grid
+grows by one ×2 step that way (for every momentum), at most ``grid_extensions`` times; the new
+candidates stop by the same rule, measured against every candidate before them.
+``lr_at_grid_edge`` = 1 marks a tuned run whose kept lr still sits on an edge of the lrs tried: it
+may not be the optimum. Every candidate's curve is kept (``RunResult.candidates``), so the best lr
+and steps at each target are read from the store (:func:`~affdiv.experiments.runs.reads.
+best_at_targets`).
 
 A candidate whose training or validation loss becomes non-finite is *diverged* at that check and
 stops: a result, not an error. A diverged run's test accuracy is recorded as chance,
@@ -278,11 +286,10 @@ class _Run:
     def best(self, target: float | None = None) -> Candidate:
         """The best candidate at ``target`` (default: the primary one; none outside the target
         budget), by :func:`~affdiv.experiments.runs.reads.rank`."""
-        stored = [c.stored() for c in self.candidates]
         if self.config.budget != "target":
             return max(self.candidates, key=lambda c: reads.rank(c.stored(), None))
-        index, _steps = reads.choose(stored, self.config.target if target is None else target,
-                                     interpolate=self.interpolate)
+        index, _steps = reads.choose([c.stored() for c in self.candidates],
+                                     self.config.target if target is None else target, interpolate=self.interpolate)
         return self.candidates[index]
 
     def lrs(self) -> list[float]:
@@ -314,7 +321,7 @@ class _Run:
             test = {"loss": float("nan"), "accuracy": 1.0 / self.data.num_classes}
         else:
             test = evaluate(best.model, *tensors(self.data, "test"))
-        last = best.curves[-1]
+        last, lrs = best.curves[-1], self.lrs()
         metrics = {
             "test_accuracy": test["accuracy"],
             "test_loss": test["loss"],
@@ -324,7 +331,7 @@ class _Run:
             "diverged": int(best.diverged),
             "lr": best.lr,
             # A tuned LR on the edge of the lrs tried may not be the optimum.
-            "lr_at_grid_edge": int(config.lr_rule == "tuned" and best.lr in (self.lrs()[0], self.lrs()[-1])),
+            "lr_at_grid_edge": int(config.lr_rule == "tuned" and best.lr in (lrs[0], lrs[-1])),
             "steps": last["step"],
             "epochs": last["epoch"],
         }

@@ -6,18 +6,29 @@ import pytest
 from scipy.stats import binomtest
 
 from affdiv.experiments.analysis.calibration import (
+    TARGET_RATIOS,
     Layout,
     MethodModel,
     StudyLayout,
+    TargetLayout,
+    TargetMethod,
     calibrate,
     calibrate_for,
     fixed_budget_layout,
     simulate_records,
     simulate_study,
     simulate_table,
+    simulate_target_study,
+    target_calibration,
     target_layout,
 )
-from affdiv.experiments.analysis.critical_batch import analyse_target, simulate_target_records
+from affdiv.experiments.analysis.critical_batch import (
+    RATIO_CLASSES,
+    TARGET_METRIC,
+    analyse_group,
+    analyse_target,
+    simulate_target_records,
+)
 from affdiv.experiments.analysis.decision import analyse
 
 ALPHA = 0.05
@@ -119,9 +130,86 @@ def test_target_verdict_calibration_in_the_studys_layout():
     fits = analysis.primary["critical_batch"]
     assert layout.methods["affine_like"].s_min == pytest.approx(fits["affine_like"]["s_min"])
     calibration = calibrate_for(analysis, n_sims=30)
-    assert calibration.design == "steps_to_target" and calibration.effects == (1.0, 0.5, 0.25)
-    assert calibration.joint["supported"][0] <= 0.15 and calibration.joint["supported"][2] > 0.8
-    assert set(calibration.pairs) == {"affine_like vs affine", "affine_like vs batchnorm"}
+    ratios = analysis.primary["ratios"]["affine_like"]
+    measured = {f"affine_like vs {b}": ratios[b]["ratio"] for b in ("affine", "batchnorm")}
+    assert calibration.design == "steps_to_target"
+    # The planted ratios: the default ones and each pair's measured one, from no effect downwards.
+    assert calibration.effects == tuple(sorted({*TARGET_RATIOS, *measured.values()}, reverse=True))
+    assert calibration.joint["supported"][0] <= 0.15 and calibration.rate("supported", 0.5) > 0.6
+    assert set(calibration.pairs) == set(calibration.classes) == set(measured)
+    # Each pair's power at its own measured ratio: the rate of its test at that planted point.
+    for pair, ratio in measured.items():
+        assert calibration.measured[pair] == {"ratio": ratio,
+                                              "power": calibration.pairs[pair][calibration.effects.index(ratio)]}
+    summary = calibration.to_dict()
+    assert {"effects", "joint", "methods", "pairs", "pair_event", "n_sims", "layout"} <= set(summary)
+    assert summary["measured"] == calibration.measured and set(summary["classes"]) == set(measured)
+
+
+LADDER_LAYOUT = TargetLayout((16, 64, 256, 1024), 6, 20000, {
+    "affine_like": TargetMethod("corrected", 200.0, 128.0, 0.15, 0.05),
+    "affine": TargetMethod("baseline", 150.0, 128.0, 0.15, 0.05),
+    "batchnorm": TargetMethod("baseline", 100.0, 128.0, 0.2, 0.0)}, 128.0)
+
+
+def test_the_rate_of_every_pair_outcome_at_each_planted_ratio():
+    # 600 studies per ratio: Monte-Carlo s.e. of a rate near 0.05 is sqrt(0.05 · 0.95 / 600) = 0.0089.
+    n = 600
+    calibration = target_calibration(LADDER_LAYOUT, (1.0, 0.707, 0.5), n_sims=n, alpha=ALPHA, seed=5)
+    for pair, classes in calibration.classes.items():
+        assert set(classes) == set(RATIO_CLASSES)
+        totals = np.sum([rates for rates in classes.values()], axis=0)
+        np.testing.assert_allclose(totals, 1.0, rtol=1e-12)  # one class per pair and study, at every ratio
+        # Under the rule the test comes first: a pair is smaller (either kind) exactly when p < alpha.
+        np.testing.assert_allclose(np.add(classes["smaller"], classes["smaller_within_margin"]),
+                                   calibration.pairs[pair], rtol=1e-12)
+        # Planted ratio 1: calling the pair smaller is a false positive; its rate is at most alpha
+        # (exact one-sided binomial test at 1e-3; the run is seeded, so not flaky).
+        hits = round((classes["smaller"][0] + classes["smaller_within_margin"][0]) * n)
+        assert binomtest(hits, n, ALPHA, alternative="greater").pvalue > 1e-3, (pair, hits / n)
+        # ... and a real halving is almost never called equivalent or larger.
+        assert classes["equivalent"][2] + classes["larger"][2] < 0.03, pair
+        print(pair, {k: [round(v, 3) for v in rates] for k, rates in classes.items()})
+
+
+def test_precise_studies_tell_a_small_effect_from_one_beyond_the_margin():
+    # Nearly noise-free runs: a planted 0.9 lies inside the band [2^-1/2, 2^1/2] and is shown smaller
+    # within the margin; a planted 0.5 lies beyond it and is shown smaller.
+    layout = TargetLayout(LADDER_LAYOUT.batch_sizes, 4, 20000,
+                          {m: TargetMethod(t.role, t.s_min, t.b_crit, 0.01) for m, t in LADDER_LAYOUT.methods.items()},
+                          128.0)
+    calibration = target_calibration(layout, (0.9, 0.5), n_sims=40, alpha=ALPHA)
+    for pair, classes in calibration.classes.items():
+        assert classes["smaller_within_margin"][0] > 0.9 and classes["smaller"][1] > 0.9, (pair, classes)
+
+
+def test_the_calibration_decides_each_study_as_the_analysis_does():
+    # Runs censored at small batch sizes and a B_crit near the top of the batch sizes (some fits end on
+    # the search range's edge): each simulated study's outcomes from the calibration's shortcut must
+    # be those of analyse_group on the same study's records (the same stream: (seed, ratio)).
+    layout = TargetLayout((16, 64, 256), 4, 3000, {
+        "affine_like": TargetMethod("corrected", 100.0, 400.0, 0.3, 0.1),
+        "affine": TargetMethod("baseline", 100.0, 400.0, 0.3, 0.1),
+        "batchnorm": TargetMethod("baseline", 80.0, 400.0, 0.4, 0.0)}, 400.0)
+    n, seed = 60, 2
+    for ratio in (1.0, 0.3):
+        calibration = target_calibration(layout, (ratio,), n_sims=n, alpha=ALPHA, seed=seed)
+        rng = np.random.default_rng([seed, int(np.float64(ratio).view(np.uint64)), 4])
+        joint, classes, censored = {}, {}, 0
+        for _ in range(n):
+            study = simulate_target_study(layout, ratio, rng)
+            censored += any(r["censored"] for r in study)
+            result = analyse_group(study, metric=TARGET_METRIC, corrected=["affine_like"],
+                                   baselines=["affine", "batchnorm"], alpha=ALPHA, n_boot=0, seed=0)
+            joint[result["prediction"]["verdict"]] = joint.get(result["prediction"]["verdict"], 0) + 1
+            for b, pair in result["ratios"]["affine_like"].items():
+                classes.setdefault(f"affine_like vs {b}", {}).setdefault(pair["class"], 0)
+                classes[f"affine_like vs {b}"][pair["class"]] += 1
+        assert censored > 0
+        assert {v: round(r[0] * n) for v, r in calibration.joint.items() if r[0]} == joint, ratio
+        assert {p: {k: round(r[0] * n) for k, r in c.items() if r[0]} for p, c in calibration.classes.items()} == \
+            classes, ratio
+    assert any(c["unclear"][0] > 0 for c in calibration.classes.values())  # the unresolved path was taken
 
 
 def test_layouts_without_a_corrected_method_are_refused():

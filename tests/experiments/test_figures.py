@@ -15,11 +15,11 @@ from matplotlib.lines import Line2D
 
 from affdiv.experiments import probe
 from affdiv.experiments.analysis.calibration import calibrate_for
-from affdiv.experiments.analysis.critical_batch import analyse_target, simulate_target_records
+from affdiv.experiments.analysis.critical_batch import RATIO_MARGIN, analyse_target, simulate_target_records
 from affdiv.experiments.data.dataset import load_dataset
 from affdiv.experiments.report import figures
 from affdiv.experiments.report.writer import write_report
-from tests.experiments.test_report import PROVENANCE, study  # noqa: F401  (the small report's fixture)
+from tests.experiments.test_report import PROVENANCE, ladder, study  # noqa: F401  (the small reports' fixtures)
 
 # column and key names that must never stand on an axis in place of words
 RAW_NAMES = ("test_accuracy", "batch_size", "val_metric", "train_loss", "lr_rule", "steps_to_target",
@@ -127,6 +127,39 @@ def test_every_figure_of_a_small_steps_to_target_report(captured, tmp_path):
         assert TUNED in _title(captured[name]), name
     curve_axes = captured["training_curves.png"].axes
     assert curve_axes[0].get_xlabel() == "optimizer step" and curve_axes[0].xaxis.get_major_locator()._integer
+
+
+def test_the_figures_along_a_target_ladder(ladder, captured, tmp_path):  # noqa: F811
+    records, analysis, calibration = ladder
+    paths = write_report(tmp_path, analysis, records=records, provenance=PROVENANCE, calibration=calibration)
+    assert {"bcrit_vs_target.png", "ratio_vs_target.png"} <= set(captured)
+    _check_every_saved_figure(captured, paths.values())
+    targets = analysis.settings["targets"]
+    for name, expected in (("bcrit_vs_target.png", 3), ("ratio_vs_target.png", 2)):  # methods; pairs
+        ax = captured[name].axes[0]
+        assert ax.get_yscale() == "log" and TUNED in ax.get_title()
+        assert [float(t.get_text()) for t in ax.get_xticklabels()] == targets
+        series = [line for line in ax.get_lines() if len(line.get_xdata()) == len(targets)]
+        assert len(series) == expected, name
+        # Told apart by marker and by line style, not only by colour.
+        assert len({line.get_marker() for line in series}) == len({line.get_linestyle() for line in series}) == \
+            expected, name
+        for line in series:  # near their targets (dodged apart by less than a fifth of the gap)
+            assert np.allclose(line.get_xdata(), targets, atol=0.2 * 0.05), name
+        # Each point with its interval: one error bar per target and series.
+        bars = [c for c in ax.containers if isinstance(c, ErrorbarContainer)]
+        assert len(bars) == expected * len(targets), name
+        primary = [line for line in ax.get_lines() if list(line.get_xdata()) == [0.9, 0.9]]
+        assert primary and "primary target 0.9" in primary[0].get_label(), name
+    ax = captured["ratio_vs_target.png"].axes[0]
+    (band,) = [p for p in ax.patches if p.get_label().startswith("equivalence band")]
+    low, high = band.get_path().transformed(band.get_patch_transform()).get_extents().intervaly
+    assert (low, high) == pytest.approx((RATIO_MARGIN, 1 / RATIO_MARGIN), rel=1e-12)
+    assert any(list(line.get_ydata()) == [1.0, 1.0] for line in ax.get_lines())
+    by_pair = {line.get_label(): line for line in ax.get_lines() if len(line.get_xdata()) == len(targets)}
+    for c, b in (("affine_like", "affine"), ("affine_like", "batchnorm")):  # each ratio at its target
+        expected = [analysis.by_target[repr(t)]["tuned"]["ratios"][c][b]["ratio"] for t in targets]
+        np.testing.assert_allclose(by_pair[f"{c} / {b}"].get_ydata(), expected, rtol=1e-12)
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import torch
 
 from affdiv.cli import main
 from affdiv.experiments.data.dataset import load_dataset
+from affdiv.experiments.pipeline import REPORT_FILES
 from affdiv.experiments.runs.config import RunConfig, config_hash
 from affdiv.experiments.runs.factories import resolve
 from affdiv.experiments.runs.models import build_network
@@ -78,6 +79,8 @@ def test_a_preset_with_a_factory_and_an_npz_dataset_runs_end_to_end(own, capsys)
                  "--workers", "1"])
     assert code == 0, capsys.readouterr().err
     summary = json.loads((own / "out" / "summary.json").read_text())
+    written = {p.name for p in (own / "out").iterdir()} - {"results.sqlite", "results.sqlite-wal", "results.sqlite-shm"}
+    assert {"bcrit_vs_target.png", "ratio_vs_target.png"} <= written <= set(REPORT_FILES)
     # The provenance names no path of this machine: the results folder is ".", the store beside it.
     assert str(own) not in json.dumps(summary["provenance"]) and summary["provenance"]["results_db"] == "results.sqlite"
     assert set(summary["by_target"]) == {"0.5", "0.7"} and summary["primary_target"] == 0.7

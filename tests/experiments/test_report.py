@@ -11,15 +11,16 @@ from affdiv.experiments.analysis.calibration import (
     Layout,
     MethodModel,
     StudyLayout,
+    calibrate_for,
     simulate_records,
     simulate_study,
     verdict_calibration,
 )
-from affdiv.experiments.analysis.critical_batch import analyse_target, simulate_target_records
+from affdiv.experiments.analysis.critical_batch import RATIO_CLASSES, analyse_target, simulate_target_records
 from affdiv.experiments.analysis.decision import analyse
 from affdiv.experiments.records import read_csv
 from affdiv.experiments.report import figures
-from affdiv.experiments.report.writer import latex_table, write_report
+from affdiv.experiments.report.writer import latex_table, reads_sentence, verdict_table, write_report
 
 PNG = b"\x89PNG\r\n\x1a\n"
 PROVENANCE = {"command": "affdiv analyse --input x.csv", "seeds": [0, 1, 2, 3, 4], "config_hash": "abc",
@@ -176,13 +177,104 @@ def test_steps_to_target_report(tmp_path):
     text = paths["report_md"].read_text()
     assert text.index("## Read this first") < text.index("## Decision rule") < text.index("## Verdict")
     assert "B_simple (last)" in text and "| affine_like | affine | smaller |" in text
+    # One target (no target column): no ladder section, no ladder figures.
+    assert "Along the target ladder" not in text and not {"bcrit_vs_target", "ratio_vs_target"} & set(paths)
     tex = paths["summary_tex"].read_text()
-    assert r"$B_\mathrm{crit}$" in tex and r"affine\_like" in tex
+    assert r"$B_\mathrm{crit}$" in tex and r"affine\_like" in tex and "affine: smaller" in tex
+
+
+LADDER = (0.8, 0.85, 0.9)
+
+
+@pytest.fixture(scope="module")
+def ladder():
+    """A study read at three targets (0.9 the primary one): the corrected layer's B_crit a quarter of
+    the baselines' at every target, S_min rising with the target; geometric reads."""
+    rng = np.random.default_rng(4)
+    records = []
+    for k, target in enumerate(LADDER):
+        rows = simulate_target_records({"affine_like": (100 * 1.5 ** k, 100), "affine": (80 * 1.5 ** k, 400),
+                                        "batchnorm": (60 * 1.5 ** k, 400)}, batch_sizes=(16, 64, 256, 1024),
+                                       seeds=range(5), sigma=0.1, max_steps=20000, rng=rng)
+        records += [{**r, "target": target, "primary_target": 0.9, "read_spacing": 0.05, "lr_rule": "tuned"}
+                    for r in rows]
+    analysis = analyse_target(records, n_boot=0, group_by="lr_rule")
+    return records, analysis, calibrate_for(analysis, n_sims=20)
+
+
+@pytest.fixture(scope="module")
+def ladder_written(ladder, tmp_path_factory):
+    records, analysis, calibration = ladder
+    out = tmp_path_factory.mktemp("ladder")
+    return write_report(out, analysis, records=records, provenance=PROVENANCE, calibration=calibration)
+
+
+def test_a_ladder_report_shows_every_target(ladder, ladder_written):
+    paths = ladder_written
+    assert {"bcrit_vs_target", "ratio_vs_target"} <= set(paths)
+    summary = json.loads(paths["summary_json"].read_text())
+    assert summary["settings"]["targets"] == list(LADDER) and summary["primary_target"] == 0.9
+    text = paths["report_md"].read_text()
+    section = text[text.index("## Along the target ladder"):text.index("## Figures")]
+    assert text.index("## Group lr_rule = tuned") < text.index("## Along the target ladder")
+    assert "| pair | 0.8 | 0.85 | 0.9 (primary) |" in section  # the primary target marked
+    assert "targets 0.8, 0.85, 0.9" in section and "--primary-target" in section
+    assert "geometric reads, spacing r = 0.05" in section and "interpolated" in section
+    for c, b in (("affine_like", "affine"), ("affine_like", "batchnorm")):
+        cells = []
+        for t in LADDER:
+            r = summary["by_target"][repr(t)]["ratios"][c][b]
+            assert r["class"] == "smaller"  # a planted ratio of 1/4 at every target
+            cells.append(f"{r['ratio']:.3g} [{r['ci_low']:.3g}, {r['ci_high']:.3g}] smaller")
+        assert f"| {c} vs {b} | " + " | ".join(cells) + " |" in section
+        tr = summary["trends"][c][b]
+        assert tr["status"] == "ok" and tr["factor_ci_low"] < 1 < tr["factor_ci_high"]  # no planted trend
+        assert f"| {c} vs {b} | 0.8, 0.85, 0.9 | {tr['factor']:.3g} | [{tr['factor_ci_low']:.3g}, " in section
+    fits = [summary["by_target"][repr(t)]["critical_batch"]["affine"] for t in LADDER]
+    assert "| affine | baseline | " + " | ".join(f"{r['b_crit']:.3g} [{r['ci_low']:.3g}, {r['ci_high']:.3g}]"
+                                                 for r in fits) + " |" in section
+    for name in ("bcrit_vs_target.png", "ratio_vs_target.png"):
+        assert f"]({name})" in text and paths[name.removesuffix(".png")].read_bytes().startswith(PNG)
+    html = paths["report_html"].read_text()
+    assert "<h2>Along the target ladder</h2>" in html and len(re.findall(r'src="data:image/png', html)) == 5
+
+
+def test_a_ladder_report_gives_every_outcome_rate_and_the_power_at_the_measured_ratio(ladder, ladder_written):
+    calibration = ladder[2]
+    text = ladder_written["report_md"].read_text()
+    section = text[text.index("## Calibration"):text.index("## Provenance")]
+    assert "| pair | planted ratio | " + " | ".join(RATIO_CLASSES) + " | p < α |" in section
+    for pair, classes in calibration.classes.items():
+        for i, ratio in enumerate(calibration.effects):
+            mark = " (measured)" if calibration.measured[pair]["ratio"] == ratio else ""
+            row = f"| {pair} | {ratio:.4g}{mark} | " + " | ".join(f"{classes[k][i]:.3f}" for k in RATIO_CLASSES)
+            assert row in section, row
+    assert set(calibration.measured) == {"affine_like vs affine", "affine_like vs batchnorm"}
+    for pair, m in calibration.measured.items():
+        assert f"| {pair} | {m['ratio']:.4g} | {m['power']:.3f} |" in section
+        assert f"| {pair} | {m['ratio']:.4g} (measured) | " in section
+
+
+def test_the_verdict_and_latex_tables_name_each_pair_class(ladder):
+    summary = ladder[1].to_dict(PROVENANCE)
+    lines = verdict_table(summary).splitlines()
+    pairs = summary["ratios"]["affine_like"]
+    for b, pair in pairs.items():
+        row = next(line for line in lines if f"ratio vs {b}" in line)
+        assert row.rstrip().endswith(pair["class"]) and f"{pair['ratio']:.3g}" in row
+    assert next(line for line in lines if line.split()[:2] == ["tuned", "affine"]).split()[4] == "B_crit"
+    tex = latex_table(summary)
+    assert "Ratio class vs baseline" in tex and "affine: smaller; batchnorm: smaller" in tex
+
+
+def test_how_steps_are_read_comes_from_the_records():
+    assert "a read every 10 steps" in reads_sentence([{"eval_every": 10, "read_spacing": ""}])
+    assert "spacing r = 0.1" in reads_sentence([{"eval_every": "10", "read_spacing": "0.1"}])
+    assert "a read every" not in reads_sentence([{"eval_every": 10, "read_spacing": 0.1}])  # idle eval_every
+    assert "do not say" in reads_sentence([{"method": "affine"}])
 
 
 def test_verdict_table_names_the_deciding_test_of_every_method(study):
-    from affdiv.experiments.report.writer import verdict_table
-
     summary = study[2].to_dict(PROVENANCE)
     table = verdict_table(summary)
     lines = table.splitlines()
@@ -194,5 +286,5 @@ def test_verdict_table_names_the_deciding_test_of_every_method(study):
             assert r["verdict"] in row
             if r["role"] == "corrected":
                 assert "DiD vs " in row
-    assert "DiD vs batchnorm" in table and "[" in table and "95% CI" in lines[0]
+    assert "DiD vs batchnorm" in table and "[" in table and "95% CI" in lines[0] and lines[0].endswith("class")
     assert lines[-1] == f"Joint verdict of the prediction (group tuned): {summary['prediction']['verdict']}"

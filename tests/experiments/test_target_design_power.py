@@ -29,8 +29,9 @@ def test_a_bad_layout_is_refused_in_one_line(text):
 
 def test_the_rates_come_from_the_summary_layout(tmp_path):
     # Nearly noise-free runs with a B_crit well inside the batch sizes: the pair test rejects at ratio
-    # 0.25 and 0.5 in every study, and at ratio 1 the interval sits inside the equivalence band, so
-    # the joint verdict is "contradicted" in every study (its pair test still rejects at about alpha).
+    # 0.25 and 0.5 in every study; at ratio 1 the interval sits inside the equivalence band, so the
+    # joint verdict is "contradicted" unless the pair test rejects (at about alpha; the test comes
+    # first: then the pair is smaller within the margin and the verdict "supported").
     model = {"role": None, "s_min": 100.0, "b_crit": 64.0, "noise_sd": 1e-3, "seed_sd": 0.0}
     summary = {"calibration": {"layout": {"batch_sizes": [8, 16], "n_seeds": 4, "max_steps": 100000,
                                           "reference_b_crit": 64.0,
@@ -47,7 +48,8 @@ def test_the_rates_come_from_the_summary_layout(tmp_path):
     rates = written["rows"][0]
     assert rates["batch_sizes"] == [8, 16, 32, 64, 128, 256, 512, 1024]
     assert rates["pairs"]["c vs b"][1:] == [1.0, 1.0]
-    assert rates["joint"]["supported"] == [0.0, 1.0, 1.0] and rates["joint"]["contradicted"] == [1.0, 0.0, 0.0]
+    size = rates["pairs"]["c vs b"][0]
+    assert rates["joint"]["supported"] == [size, 1.0, 1.0] and rates["joint"]["contradicted"] == [1 - size, 0.0, 0.0]
 
 
 def test_a_layout_reads_back_from_its_description():
