@@ -1,11 +1,12 @@
 """Runs per hour of stacked (vmapped) training against one model at a time, measured in one run.
 
     python benchmarks/stacked_training.py [--threads 2] [--rounds 3] [--seconds 1.5] [--json PATH]
-                                          [--arms mlp cnn] [--batch-sizes B ...] [--members K ...]
+                                          [--arms mlp cnn vit ...] [--batch-sizes B ...] [--members K ...]
 
 A *cell* is a batch size of a Fashion-MNIST study with 8 seeds × 6 learning rates = 48 models:
 the MLP arm (784-256-256-256-10, tanh) at B = 16, 64, 256, 1024 and a CNN arm (3 blocks of 32
-channels, relu) at B = 16, 128. Both variants are the harness's own engines
+channels, relu) at B = 16, 128; on request (``--arms``) an arm per vit method (width 32, depth 1,
+gelu: 16 patch tokens, 4 heads) at B = 16, 64, 256. Both variants are the harness's own engines
 (``training.OneAtATime``, ``stacked.StackedEnsemble``) taking SGD steps on real batches (each
 model its own shuffle), so a model-step costs what it costs in a sweep; whole runs differ only
 by their evaluations (a few per run). The stacked ensemble holds as many of the cell's models as
@@ -38,7 +39,7 @@ import time
 import torch
 
 from affdiv.experiments.data.dataset import load_dataset
-from affdiv.experiments.runs.config import RunConfig
+from affdiv.experiments.runs.config import VIT_METHODS, RunConfig
 from affdiv.experiments.runs.grouping import DEFAULT_ENSEMBLE_MEMORY, member_bytes
 from affdiv.experiments.runs.stacked import StackedEnsemble
 from affdiv.experiments.runs.sweep import keep_freed_memory
@@ -51,7 +52,9 @@ LRS = (0.0125, 0.025, 0.05, 0.1, 0.2, 0.4)
 ARMS = {
     "mlp": (dict(method="affine", depth=3, width=256, activation="tanh"), (16, 64, 256, 1024)),
     "cnn": (dict(method="conv", depth=3, width=32, activation="relu"), (16, 128)),
+    **{method: (dict(method=method, depth=1, width=32, activation="gelu"), (16, 64, 256)) for method in VIT_METHODS},
 }
+DEFAULT_ARMS = ("mlp", "cnn")
 TARGETS = {16: 5.0, 64: 5.0, 128: 2.0, 256: 2.0, 1024: 1.0}  # issue 13's; other batch sizes: never slower
 
 
@@ -141,7 +144,8 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per cell (default 3)")
     parser.add_argument("--seconds", type=float, default=1.5, help="about how long one measurement runs")
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), choices=list(ARMS),
+                        help=f"default: {' '.join(DEFAULT_ARMS)}")
     parser.add_argument("--batch-sizes", nargs="+", type=int, help="of each arm (default: the arm's, listed above)")
     parser.add_argument("--members", nargs="+", type=int,
                         help="stacked ensemble sizes to time, a row each (default: as many as fit the default "
@@ -157,7 +161,8 @@ def main(argv=None) -> int:
     started = time.monotonic()
     data = load_dataset("fashion-mnist")
     rows = []
-    print(f"{'arm':4} {'B':>5} {'K':>3} {'alone ms':>9} {'stacked ms':>10} {'speed-up':>9} {'target':>7} "
+    name_width = max(len(arm) for arm in args.arms)
+    print(f"{'arm':{name_width}} {'B':>5} {'K':>3} {'alone ms':>9} {'stacked ms':>10} {'speed-up':>9} {'target':>7} "
           f"{'rounds':>22} {'GEMM GFLOP/s':>12} {'stacked/floor':>13}")
     for arm in args.arms:
         for batch, members in itertools.product(args.batch_sizes or ARMS[arm][1], args.members or [None]):
@@ -165,7 +170,7 @@ def main(argv=None) -> int:
             rows.append(row)
             spread = " ".join(f"{r:.2f}" for r in row["speedup_rounds"])
             target = "—" if row["target"] is None else f"{row['target']:.1f}x"
-            print(f"{arm:4} {batch:5d} {row['stacked_models']:3d} {row['alone_ms_per_model_step']:9.3f} "
+            print(f"{arm:{name_width}} {batch:5d} {row['stacked_models']:3d} {row['alone_ms_per_model_step']:9.3f} "
                   f"{row['stacked_ms_per_model_step']:10.3f} {row['speedup']:8.2f}x {target:>7} "
                   f"{spread:>22} {row['gemm_gflops_per_s']:12.1f} {row['stacked_over_floor']:13.2f}", flush=True)
     if args.json:

@@ -39,7 +39,8 @@ one line per layer kind, told apart by marker and line style) and diagonal_vs_no
 sample's diagonal scale against ‖x‖, plain layers open markers, corrected ones filled).
 
 Models (--model, comma-separated): the built-ins of affdiv.experiments.runs.zoo (layer-<member>,
-mlp-<method>, cnn-<method>, resnet[-conv|-patchnorm], transformer[-affine_like][-qknorm]), 'all'
+mlp-<method>, cnn-<method>, vit[-<variant>], resnet[-conv|-patchnorm],
+transformer[-affine_like][-qknorm]), 'all'
 (every built-in), or a model of your own as path/to/file.py:factory or package.module:factory (a
 module in the current directory is found without PYTHONPATH). The factory is called as
 

@@ -40,7 +40,10 @@ from affdiv.experiments.checks import check_choice, check_fraction
 #: The hidden layers' kinds by architecture (what each one is: ``runs/models.py``).
 MLP_METHODS = ("affine", "batchnorm", "layernorm", "rmsnorm", "norm_l2", "affine_like")
 CNN_METHODS = ("conv", "conv+batchnorm", "patchnorm")
-METHODS = (*MLP_METHODS, *CNN_METHODS)
+VIT_METHODS = ("vit", "vit-qknorm", "vit-affine_like", "vit-affine_like-qknorm", "vit-nonorm")
+METHODS = (*MLP_METHODS, *CNN_METHODS, *VIT_METHODS)
+#: The methods of each architecture, by its name.
+ARCHITECTURES = {"mlp": MLP_METHODS, "cnn": CNN_METHODS, "vit": VIT_METHODS}
 ACTIVATIONS = ("tanh", "relu", "gelu", "identity")
 LR_RULES = ("constant", "linear", "sqrt", "tuned")
 OPTIMIZERS = ("sgd", "momentum", "adam")
@@ -207,6 +210,12 @@ _UNUSED = {
     ("budget", "epochs"): ("target", "eval_every", "grid_extensions", "targets", "read_spacing"),
     ("budget", "steps"): ("target", "eval_every", "grid_extensions", "targets", "read_spacing"),
 }
+
+
+def architecture(method: str) -> str:
+    """The name (a key of ``ARCHITECTURES``) of the architecture ``method`` belongs to."""
+    check_choice("method", method, METHODS)
+    return next(name for name, methods in ARCHITECTURES.items() if method in methods)
 
 
 def unused_settings(settings: Mapping) -> set[str]:

@@ -33,7 +33,7 @@ override them (one report each):
     [[study]]    name = "...", and its own [study.run] / [study.grid] / [study.analysis]
 
 Command-line overrides replace grid axes (``seed``, ``batch_size``), restrict ``method`` to the
-named methods of the right kind (MLP or CNN) per study, and set run fields (``--set k=v``; when
+named methods of the right kind (MLP, CNN or ViT) per study, and set run fields (``--set k=v``; when
 k is a grid axis, v, or the list v, replaces the axis).
 """
 
@@ -47,7 +47,7 @@ from pathlib import Path
 
 from affdiv.experiments.checks import check_choice
 from affdiv.experiments.runs import divergence_measurement, noise_scale
-from affdiv.experiments.runs.config import CNN_METHODS, METHODS, MLP_METHODS, RunConfig, expand_grid, run_order
+from affdiv.experiments.runs.config import METHODS, RunConfig, architecture, expand_grid, run_order
 from affdiv.experiments.runs.grouping import parse_memory
 
 _SECTIONS = {"description", "caveats", "run", "grid", "analysis", "measure", "method", "sweep", "study"}
@@ -61,8 +61,15 @@ MEASURE = {"noise_scale_every": ("--noise-scale-every", noise_scale),
 #: Settings a [method.NAME] table may not set: a run's identity and its replication, and what the
 #: harness records itself.
 _SAME_FOR_EVERY_METHOD = ("method", "seed", "batch_size", "data_seed", "model_digest")
+
 #: The keys of a preset's [sweep] table.
 SWEEP = ("ensemble_memory",)
+
+
+def _kind(method: str) -> tuple[str, str]:
+    """What ``--methods`` matches a study by: a built-in method's architecture; a method of one's
+    own (a [method.NAME] model) is a kind of its own."""
+    return ("built-in", architecture(method)) if method in METHODS else ("own", method)
 
 
 def check_every(setting: str, value) -> None:
@@ -122,9 +129,8 @@ class Preset:
             if batch_sizes:
                 grid["batch_size"] = list(batch_sizes)
             if methods:
-                kinds = [MLP_METHODS if m in MLP_METHODS else CNN_METHODS if m in CNN_METHODS else (m,)
-                         for m in grid.get("method", [])]
-                grid["method"] = [m for m in methods if any(m in kind for kind in kinds)]
+                kinds = {_kind(m) for m in grid.get("method", [])}
+                grid["method"] = [m for m in methods if _kind(m) in kinds]
                 if not grid["method"]:
                     continue  # none of the requested methods belongs to this study
             for key, value in (run or {}).items():

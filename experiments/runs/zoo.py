@@ -10,6 +10,8 @@ Every built-in is a factory ``(input_shape, num_classes) -> nn.Module`` for imag
                          (depth 3, width 256, tanh: the fashion preset's networks)
     cnn-<method>         the harness's CNN for every method of ``config.CNN_METHODS``
                          (depth 3, width 32, relu: the paper preset's CNNs at half width)
+    vit, vit-<variant>   the harness's vision transformer for every method of ``config.VIT_METHODS``
+                         (depth 1, width 32, gelu: 16 patch tokens, 4 heads of 8; ``runs/models.py``)
     resnet               a small ResNet: 3x3 stem, two basic blocks (16 channels, then 32 at
                          stride 2 with a 1x1 projection), global average pool, linear read-out;
                          Conv2d -> BatchNorm2d everywhere (the standard block)
@@ -36,17 +38,18 @@ import inspect
 import math
 from collections.abc import Callable
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from affdiv.experiments.runs.config import CNN_METHODS, MLP_METHODS
+from affdiv.experiments.runs.config import CNN_METHODS, MLP_METHODS, VIT_METHODS
 from affdiv.experiments.runs.models import build_model
+from affdiv.experiments.runs.transformer import Patches, PositionEmbedding, TransformerBlock
 
 Factory = Callable[..., nn.Module]
 
 MLP_DEFAULTS = {"depth": 3, "width": 256, "activation": "tanh"}
 CNN_DEFAULTS = {"depth": 3, "width": 32, "activation": "relu"}
+VIT_DEFAULTS = {"depth": 1, "width": 32, "activation": "gelu"}
 MEMBERS = ("affine", "norm_l2", "norm_rms", "affine_like")
 
 
@@ -131,79 +134,16 @@ def _resnet(kind: str) -> Factory:
 # a small pre-norm transformer block on image rows as tokens
 
 
-class Tokens(nn.Module):
-    """(B, C, H, W) -> (B, H, C·W): each image row is one token."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x.permute(0, 2, 1, 3).reshape(x.shape[0], x.shape[2], -1)
-
-
-class PositionEmbedding(nn.Module):
-    """x + P, P a learned (T, d) table."""
-
-    def __init__(self, tokens: int, dim: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(tokens, dim) * 0.02)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x + self.weight
-
-
-def _projection(affine_like: bool) -> Callable[[int, int], nn.Module]:
-    if affine_like:
-        from affdiv.layers import AffineLike
-
-        return AffineLike
-    return nn.Linear
-
-
-class Attention(nn.Module):
-    """Multi-head self-attention written out (softmax(q kᵀ/√d_h) v), with separate q, k, v, o
-    projections so that each is measured; QK-norm: RMSNorm with a learned scale on each head's
-    queries and keys."""
-
-    def __init__(self, dim: int, heads: int, affine_like: bool, qk_norm: bool):
-        super().__init__()
-        proj = _projection(affine_like)
-        self.heads, self.head_dim = heads, dim // heads
-        self.q, self.k, self.v, self.o = (proj(dim, dim) for _ in range(4))
-        self.q_norm = nn.RMSNorm(self.head_dim) if qk_norm else None
-        self.k_norm = nn.RMSNorm(self.head_dim) if qk_norm else None
-
-    def _split(self, t: Tensor) -> Tensor:
-        return t.reshape(t.shape[0], t.shape[1], self.heads, self.head_dim).transpose(1, 2)
-
-    def forward(self, x: Tensor) -> Tensor:
-        q, k, v = self._split(self.q(x)), self._split(self.k(x)), self._split(self.v(x))
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)
-        y = torch.softmax(scores, dim=-1) @ v
-        return self.o(y.transpose(1, 2).reshape(x.shape))
-
-
-class TransformerBlock(nn.Module):
-    """Pre-norm: x + Attn(LN(x)), then x + MLP(LN(x))."""
-
-    def __init__(self, dim: int, heads: int, affine_like: bool, qk_norm: bool):
-        super().__init__()
-        proj = _projection(affine_like)
-        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attn = Attention(dim, heads, affine_like, qk_norm)
-        self.mlp = nn.Sequential(proj(dim, 2 * dim), nn.GELU(), proj(2 * dim, dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
-
-
 class TokenTransformer(nn.Module):
-    def __init__(self, tokens: int, features: int, num_classes: int, dim: int = 32, heads: int = 2,
+    """One pre-norm block on the image's rows as tokens (module docstring)."""
+
+    def __init__(self, input_shape: tuple[int, int, int], num_classes: int, dim: int = 32, heads: int = 2,
                  affine_like: bool = False, qk_norm: bool = False):
         super().__init__()
-        self.tokens = Tokens()
-        self.embed = nn.Linear(features, dim)
-        self.position = PositionEmbedding(tokens, dim)
+        channels, height, width = input_shape
+        self.tokens = Patches((1, width))
+        self.embed = nn.Linear(channels * width, dim)
+        self.position = PositionEmbedding(height, dim)
         self.block = TransformerBlock(dim, heads, affine_like, qk_norm)
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, num_classes)
@@ -216,8 +156,7 @@ class TokenTransformer(nn.Module):
 def _transformer(affine_like: bool, qk_norm: bool) -> Factory:
     def build(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
         _require_image("transformer", input_shape)
-        channels, height, width = input_shape
-        return TokenTransformer(height, channels * width, num_classes, affine_like=affine_like, qk_norm=qk_norm)
+        return TokenTransformer(tuple(input_shape), num_classes, affine_like=affine_like, qk_norm=qk_norm)
 
     return build
 
@@ -235,6 +174,7 @@ BUILTIN: dict[str, Factory] = {
     **{f"layer-{m}": _single_layer(m) for m in MEMBERS},
     **{f"mlp-{m}": _harness(m, MLP_DEFAULTS) for m in MLP_METHODS},
     **{f"cnn-{m}": _harness(m, CNN_DEFAULTS) for m in CNN_METHODS},
+    **{m: _harness(m, VIT_DEFAULTS) for m in VIT_METHODS},
     "resnet": _resnet("bn"),
     "resnet-conv": _resnet("conv"),
     "resnet-patchnorm": _resnet("patchnorm"),

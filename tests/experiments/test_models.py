@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from affdiv.experiments.runs.config import ACTIVATIONS, CNN_METHODS, METHODS, MLP_METHODS
+from affdiv.experiments.runs.config import ACTIVATIONS, CNN_METHODS, METHODS, MLP_METHODS, VIT_METHODS
 from affdiv.experiments.runs.models import ACTIVATION_MODULES, CNN_BLOCKS, MLP_BLOCKS, build_model
 
 # The layer each method puts in every hidden block (the one the theory is about).
@@ -76,7 +76,7 @@ def test_same_seed_same_initialisation():
 def test_unknown_method_lists_the_valid_ones():
     with pytest.raises(ValueError, match="unknown method 'dropout'.*affine.*batchnorm.*patchnorm"):
         build_model("dropout", input_shape=(4,), num_classes=2, depth=1, width=2, activation="tanh")
-    assert set(METHODS) == set(MLP_METHODS) | set(CNN_METHODS)
+    assert set(METHODS) == set(MLP_METHODS) | set(CNN_METHODS) | set(VIT_METHODS)
 
 
 def test_every_named_method_and_activation_has_its_module_and_no_other():

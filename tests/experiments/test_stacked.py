@@ -1,6 +1,7 @@
 """Stacked (vmapped) ensembles against one model at a time: the optimisers, every method, divergence,
 BatchNorm's statistics, steps to target, independence of the other members, the fallback, the plan."""
 
+import dataclasses
 import logging
 import math
 
@@ -9,7 +10,7 @@ import torch
 
 from affdiv.experiments.data.dataset import load_dataset
 from affdiv.experiments.runs import training
-from affdiv.experiments.runs.config import CNN_METHODS, METHODS, RunConfig, config_hash
+from affdiv.experiments.runs.config import METHODS, RunConfig, architecture, config_hash
 from affdiv.experiments.runs.grouping import ensemble_key, member_bytes, parse_memory, plan_ensembles
 from affdiv.experiments.runs.optimizers import StackedOptimizer, make_optimizer
 from affdiv.experiments.runs.stacked import stack_failure
@@ -68,7 +69,12 @@ def test_stacked_optimizers_are_torch_optim_bit_for_bit(optimizer, dtype):
 # cancellation Σ|terms|/|Σ terms| in each and the growth of a perturbation through T = 30 SGD
 # steps that do not expand distances (η‖H‖ < 2, the stable regime of every lr below but the
 # diverging one). Hence per tensor ‖Δθ‖∞ ≤ T·10·2γ_256·κ·‖θ‖∞ ≈ 1.7e-9·‖θ‖∞, the same for the
-# losses in the curves and metrics. Measured: 1e-16 to 5e-15. (At lrs that are finite but
+# losses in the curves and metrics. The ViT chains more sums per step, S ≈ 30 at depth 1
+# (forward: the patch embedding; in the block two LayerNorms, q/k/v, the scores, the softmax's
+# normaliser, A·V, o and the two MLP layers; the final norm, the token mean, the read-out; as many
+# backward, then the weights' and the loss's), and its weights' gradients sum over B·16 token
+# rows, so it runs T = 10 steps at batch 16 (n ≤ 256): T·S·2γ_256·κ is the same bound.
+# Measured: 1e-16 to 5e-15. (At lrs that are finite but
 # chaotic, e.g. BatchNorm at lr 1e4, rounding differences grow ×10 every few steps and no such
 # bound exists; a diverging lr of 1e308 instead overflows at once in both engines alike.)
 TOL = 30 * 10 * 5.7e-14 * 100
@@ -113,11 +119,16 @@ def _assert_close(eager, stacked):
                 assert (got[finite] - want[finite]).abs().max() <= TOL * scale, name
 
 
+# The sizes (and steps) per architecture at which TOL bounds the two engines' difference.
+_SIZES = {"mlp": dict(depth=2, width=16), "cnn": dict(depth=2, width=4),
+          "vit": dict(depth=1, width=16, batch_size=16, length=10)}
+
+
 def _configs(method, lr=0.1, **changes):
     """Two seeds at a good and a diverging lr, and a tuned run whose grid holds both kinds."""
-    base = dict(dataset="digits", method=method, batch_size=32, depth=2, width=4 if method in CNN_METHODS else 16,
-                activation="relu", budget="steps", length=30, dtype="float64")
-    base.update(changes)
+    base = dict(dataset="digits", method=method, batch_size=32, activation="relu", budget="steps", length=30,
+                dtype="float64")
+    base.update(_SIZES[architecture(method)], **changes)
     runs = [RunConfig(**base, seed=seed, base_lr=rate) for seed in (0, 1) for rate in (lr, DIVERGING)]
     return runs + [RunConfig(**base, seed=2, lr_rule="tuned", lr_grid=(lr / 2, lr * 2, DIVERGING))]
 
@@ -125,8 +136,10 @@ def _configs(method, lr=0.1, **changes):
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_trains_stacked_as_one_at_a_time(digits, method):
     configs = _configs(method)
-    eager = [train_run(c, digits, [FINAL_STATE]) for c in configs]
-    stacked = train_runs(configs, [digits] * len(configs), stacked=True, measurements=[FINAL_STATE])
+    final_state = dataclasses.replace(FINAL_STATE, every=configs[0].length)
+    eager = [train_run(c, digits, [final_state]) for c in configs]
+    stacked = train_runs(configs, [digits] * len(configs), stacked=True, measurements=[final_state])
+    assert eager[0].measurements[-1]["step"] == configs[0].length
     assert [r.metrics["diverged"] for r in eager] == [0, 1, 0, 1, 0]  # diverged members match too
     for one, many in zip(eager, stacked):
         _assert_close(one, many)

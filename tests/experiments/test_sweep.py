@@ -122,11 +122,18 @@ def test_the_cost_of_a_run_follows_its_budget_and_its_learning_rate_candidates()
 
 
 def test_packaged_presets_expand():
-    assert available_presets() == ["fashion", "fashion-cnn", "fashion-steps", "fashion-target", "paper", "smoke"]
+    assert available_presets() == ["cnn-ladder", "fashion", "fashion-cnn", "fashion-ladder", "fashion-steps",
+                                   "fashion-target", "paper", "smoke"]
     sizes = {name: [len(s.configs) for s in load_preset(name).studies()] for name in available_presets()}
     assert sizes["smoke"] == [4 * 4 * 8] and sizes["fashion"] == [6 * 4 * 8]
     assert sizes["fashion-target"] == [6 * 7 * 8] and sizes["fashion-steps"] == [6 * 4 * 8]
     assert sizes["fashion-cnn"] == [3 * 7 * 8]
+    assert sizes["fashion-ladder"] == [4 * 7 * 12] and sizes["cnn-ladder"] == [3 * 7 * 8]
+    # The ladder studies' seeds are used by no other study (fresh replications).
+    earlier = {c.seed for name in ("fashion", "fashion-target", "fashion-steps", "fashion-cnn")
+               for s in load_preset(name).studies() for c in s.configs}
+    for name in ("fashion-ladder", "cnn-ladder"):
+        assert not earlier & {c.seed for s in load_preset(name).studies() for c in s.configs}, name
     for name in available_presets():  # >= 8 seeds, each with its own data split (data_seed = "seed")
         configs = [c for s in load_preset(name).studies() for c in s.configs]
         assert len({c.seed for c in configs}) >= 8 and all(c.data_seed == c.seed for c in configs), name
@@ -147,6 +154,17 @@ def test_preset_overrides():
     assert [{c.method for c in s.configs} for s in paper] == [{"affine"}, {"affine"}, {"patchnorm"}]
 
 
+def test_method_overrides_keep_each_study_to_its_architecture(tmp_path):
+    preset = tmp_path / "arms.toml"
+    preset.write_text('[run]\ndataset = "digits"\n'
+                      '[[study]]\nname = "mlp"\ngrid = {method = ["affine", "affine_like"]}\n'
+                      '[[study]]\nname = "vit"\ngrid = {method = ["vit", "vit-qknorm"]}\n'
+                      '[grid]\nbatch_size = [8]\nseed = [0]\n')
+    studies = load_preset(str(preset)).studies(methods=["affine_like", "vit-qknorm", "patchnorm"])
+    assert {s.name: {c.method for c in s.configs} for s in studies} == {"mlp": {"affine_like"},
+                                                                        "vit": {"vit-qknorm"}}
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -162,8 +180,8 @@ def test_bad_overrides_are_refused(kwargs, message):
 
 
 def test_unknown_preset_lists_the_packaged_ones(tmp_path):
-    with pytest.raises(ValueError, match="unknown preset 'smok'; expected one of: fashion, fashion-cnn, "
-                                         "fashion-steps, fashion-target, paper, smoke"):
+    with pytest.raises(ValueError, match="unknown preset 'smok'; expected one of: cnn-ladder, fashion, fashion-cnn, "
+                                         "fashion-ladder, fashion-steps, fashion-target, paper, smoke"):
         load_preset("smok")
     bad = tmp_path / "bad.toml"
     bad.write_text("[runs]\nlength = 1\n")
