@@ -62,6 +62,24 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
+def _option_named(option: str, error: Exception) -> str:
+    """``error``'s message led by ``option`` (once: a message that names it already is kept)."""
+    message = str(error.args[0] if error.args else error)
+    return message if message.startswith(option) else f"{option} {message}"
+
+
+def code_versions(store: ResultStore, hashes: Sequence[str] | None = None) -> list[dict]:
+    """The code that trained the runs (``hashes``: of these only), as the store recorded it:
+    ``{"version", "git_commit", "git_dirty", "runs"}`` per distinct code, most runs first; the
+    runs stored without a record count under version None."""
+    counts: dict[tuple, int] = {}
+    for code in store.code_versions(hashes).values():
+        key = (None, None, None) if code is None else (code["version"], code["git_commit"], code["git_dirty"])
+        counts[key] = counts.get(key, 0) + 1
+    return [{"version": v, "git_commit": c, "git_dirty": d, "runs": n}
+            for (v, c, d), n in sorted(counts.items(), key=lambda item: (-item[1], str(item[0])))]
+
+
 def check_no_overwrite(inputs: Mapping[str, Path], out_dirs: Sequence[Path]) -> None:
     """Refuse a report folder whose files would replace an input (``{option: path}``): the report
     writes :data:`REPORT_FILES` into each of ``out_dirs``."""
@@ -270,7 +288,7 @@ def falsify(
     from affdiv.experiments.runs.config import METHODS, config_hash
     from affdiv.experiments.runs.grouping import DEFAULT_ENSEMBLE_MEMORY, parse_memory
     from affdiv.experiments.runs.presets import MEASURE, check_every, load_preset
-    from affdiv.experiments.runs.store import ResultStore, data_key, identify
+    from affdiv.experiments.runs.store import ResultStore, data_key, identify, raw_key
     from affdiv.experiments.runs.sweep import check_executor, dataset_for, run_sweep
     from affdiv.experiments.runs.training import steps_per_epoch
 
@@ -320,26 +338,29 @@ def falsify(
     try:
         existing = identify(db) in ("affdiv", "legacy")
     except (ValueError, IsADirectoryError) as error:
-        raise type(error)(f"--db {error}") from None
+        raise type(error)(_option_named("--db", error)) from None
     check_writable_file(db, "--db")
 
     # Bad batch sizes, bad data options and missing data files are reported before any training
     # starts; so is data that differs from the data of the runs the store already holds.
     fingerprints: dict[str, set[str]] = {}
     expected: dict[str, str] = {}
+    expected_raw: dict[str, str] = {}
     for config in configs.values():
         data = dataset_for(config, data_dir)
         fingerprints.setdefault(config.dataset, set()).add(str(data.fingerprint))
         expected[data_key(config.to_dict())] = str(data.fingerprint)
+        expected_raw[raw_key(config.to_dict())] = str(data.config["raw_sha256"])
         steps_per_epoch(config, len(data.train.y))
     if existing:
         try:
             with ResultStore(db, read_only=True) as store:
                 store.verify()
                 store.check_fingerprints(expected)
+                store.check_raw_data(expected_raw)
                 check_measurement_resume(store, list(configs), intervals, origin)
         except ValueError as error:
-            raise ValueError(f"--db {error}") from None
+            raise ValueError(_option_named("--db", error)) from None
 
     measurements = [MEASURE[key][1].measurement(every=every) for key, every in intervals.items() if every is not None]
     if executor == "dask" and scheduler is not None:  # reachable before any store exists
@@ -379,6 +400,7 @@ def falsify(
                 compute_time_s=round(store.seconds(hashes), 1),
                 runs_this_invocation=outcome.ran,
                 runs_resumed_from_db=outcome.skipped,
+                run_code=code_versions(store, hashes),
                 # how this invocation trained its runs (resumed runs may have trained otherwise)
                 this_invocation={"stack": stack, "ensemble_memory": ensemble_memory if stack else None},
                 **intervals,
@@ -458,6 +480,7 @@ def analyse_file(
                 if metric is None:
                     metric = default_metric(store.budgets(), database=True, where=f"--input {path}")
                 records, curves = store.records(metric=metric), store.curves()
+                run_code = code_versions(store)
         except (ValueError, IsADirectoryError) as error:
             message = str(error)
             raise ValueError(message if message.startswith("--input") else f"--input {message}") from None
@@ -479,7 +502,8 @@ def analyse_file(
         if unknown:
             raise ValueError(f"--{role}: unknown method(s) {unknown}; the methods in {path} are {present}")
     extra = {}
-    if database:  # the data the runs were trained on, as the store recorded it
+    if database:  # the data the runs were trained on, and the code that trained them, as the store recorded it
+        extra["run_code"] = run_code
         by_data: dict[str, set[str]] = {}
         for r in records:
             by_data.setdefault(data_key(r), set()).add(str(r.get("data_fingerprint")))

@@ -32,6 +32,19 @@ trained on the same data only if their data fingerprints are equal (the fingerpr
 raw data bytes with those settings). :meth:`ResultStore.put` refuses a run whose fingerprint
 differs from the one the store holds for the same data settings, and
 :meth:`ResultStore.check_fingerprints` tells before a sweep starts.
+
+One version of the raw data: a data fingerprint also hashes the split, so runs whose data seeds
+differ (``data_seed = "seed"``) never share one. The SHA-256 of the raw data itself (before any
+split) is kept per :func:`raw_key` in the ``raw_data`` table, from the first run that brings it;
+:meth:`ResultStore.put` refuses a run whose raw data hashes otherwise, and
+:meth:`ResultStore.check_raw_data` tells before a sweep starts. Runs stored before that table
+existed have no such record (the first run put after them sets it).
+
+The code behind each run: the ``run_code`` table keeps the affdiv version, git commit and
+dirty flag of the process that trained each run (:func:`affdiv.provenance.code_identity`);
+:meth:`ResultStore.code_versions` reads them (None for a run stored before that table existed).
+
+Both tables are created by a writer and read when present; a store without them is read as it is.
 """
 
 from __future__ import annotations
@@ -89,6 +102,27 @@ CREATE TABLE IF NOT EXISTS failures (
 
 #: The run settings that define the data a run trains on (the arguments of its dataset loader).
 DATA_SETTINGS = ("dataset", "data_seed", "val_fraction", "data_options")
+#: Datasets whose raw arrays are generated from the data seed (``experiments/data/synthetic.py``):
+#: for them the seed is part of what defines the raw data (:func:`raw_key`).
+GENERATED_FROM_SEED = ("synthetic",)
+
+# The SHA-256 of each raw dataset the store's runs trained on, by raw_key (one version per key).
+_RAW_DATA = """
+CREATE TABLE IF NOT EXISTS raw_data (
+    raw_key    TEXT PRIMARY KEY,
+    raw_sha256 TEXT NOT NULL,
+    first_utc  TEXT NOT NULL
+)
+"""
+# The code that trained each run: affdiv's version, git commit and dirty flag (null: not known).
+_RUN_CODE = """
+CREATE TABLE IF NOT EXISTS run_code (
+    config_hash TEXT PRIMARY KEY,
+    version     TEXT NOT NULL,
+    git_commit  TEXT,
+    git_dirty   INTEGER
+)
+"""
 
 
 def _finite_or_none(value):
@@ -110,6 +144,16 @@ def _finite_json(value):
 def data_key(config: Mapping) -> str:
     """The data settings of a run's config, as canonical JSON (runs with equal keys share data)."""
     return canonical_json({name: config.get(name) for name in DATA_SETTINGS})
+
+
+def raw_key(config: Mapping) -> str:
+    """What defines the raw data of a run (before any split or standardisation), as canonical JSON:
+    its dataset and data options, and its data seed when the dataset is generated from it
+    (:data:`GENERATED_FROM_SEED`). Runs with equal keys must train on raw data with the same hash."""
+    settings = {"dataset": config.get("dataset"), "data_options": config.get("data_options")}
+    if config.get("dataset") in GENERATED_FROM_SEED:
+        settings["data_seed"] = config.get("data_seed")
+    return canonical_json(settings)
 
 
 def _describe(key: str) -> str:
@@ -204,6 +248,8 @@ class ResultStore:
                 self._db.execute("PRAGMA journal_mode=WAL")
                 self._db.execute("PRAGMA synchronous=FULL")
                 self._db.execute(_SCHEMA)
+                self._db.execute(_RAW_DATA)
+                self._db.execute(_RUN_CODE)
                 if not self._has_measurements():  # a store of an earlier version: add the column
                     self._db.execute(f"ALTER TABLE runs ADD COLUMN {_MEASUREMENTS[0]} {_MEASUREMENTS[1]}")
                 self._db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
@@ -308,6 +354,37 @@ class ResultStore:
                     f"now gives {expected[key]}: the data files changed since those runs; restore them or use "
                     "another results database")
 
+    # ----------------------------------------------------------------- raw data and code versions
+    def _tables(self) -> set[str]:
+        return {row[0] for row in self._query("SELECT name FROM sqlite_master WHERE type = 'table'")}
+
+    def raw_data(self) -> dict[str, str]:
+        """{raw key (:func:`raw_key`): SHA-256 of the raw data} recorded by the store's runs ({} for
+        a store written before the record existed)."""
+        if "raw_data" not in self._tables():
+            return {}
+        return dict(self._query("SELECT raw_key, raw_sha256 FROM raw_data"))
+
+    def check_raw_data(self, expected: Mapping[str, str]) -> None:
+        """Refuse raw data that differs from the raw data of the runs in the store.
+
+        ``expected``: {raw key: SHA-256 of the raw data as it is now}. Raises ValueError naming the
+        dataset and both hashes for the first key whose recorded hash differs.
+        """
+        _refuse_other_raw_data(self.path, self.raw_data(), expected)
+
+    def code_versions(self, hashes: Iterable[str] | None = None) -> dict[str, dict | None]:
+        """{config hash: {"version", "git_commit", "git_dirty"} of the code that trained the run, or
+        None when the store did not record it (a run stored before the record existed)}."""
+        known = {}
+        if "run_code" in self._tables():
+            for key, version, commit, dirty in self._query("SELECT config_hash, version, git_commit, git_dirty "
+                                                           "FROM run_code"):
+                known[key] = {"version": version, "git_commit": commit,
+                              "git_dirty": None if dirty is None else bool(dirty)}
+        runs = self.finished() if hashes is None else set(hashes) & self.finished()
+        return {key: known.get(key) for key in sorted(runs)}
+
     def put(
         self,
         config: dict,
@@ -317,21 +394,31 @@ class ResultStore:
         seconds: float,
         data_fingerprint: str,
         measurements: list[dict] | None = None,
+        raw_sha256: str | None = None,
+        code: Mapping | None = None,
     ) -> str:
         """Commit one finished run in one transaction; returns its config hash.
 
         ``measurements``: the run's measurement dicts (``RunResult.measurements``), kept as JSON
-        (non-finite numbers as null); None or [] stores null.
+        (non-finite numbers as null); None or [] stores null. ``raw_sha256``: the SHA-256 of the
+        raw data the run trained on (``Dataset.config["raw_sha256"]``), checked against and added
+        to the ``raw_data`` table. ``code``: ``{"version", "git_commit", "git_dirty"}`` of the
+        process that trained the run (default: this process's,
+        :func:`affdiv.provenance.code_identity`).
 
         A run already present (same hash) is left as it is: a finished run is never overwritten.
         A run whose data fingerprint differs from that of the stored runs with the same data
-        settings is refused (ValueError), so one store never mixes two versions of a dataset.
+        settings, or whose raw data hashes otherwise than that of the stored runs with the same
+        :func:`raw_key`, is refused (ValueError), so one store never mixes two versions of a dataset.
         """
         if self.read_only:
             raise PermissionError(f"{self.path}: opened read-only")
+        from affdiv.provenance import code_identity
+
         key = config_hash(config)
         data = data_key(config)
         self.check_fingerprints({data: data_fingerprint})
+        code = dict(code or code_identity())
         row = (
             key,
             canonical_json(config),
@@ -344,8 +431,16 @@ class ResultStore:
         )
         with self._db:  # BEGIN ... COMMIT (rolled back on error)
             self._db.execute("BEGIN IMMEDIATE")
+            if raw_sha256 is not None:
+                raw = raw_key(config)
+                known = dict(self._db.execute("SELECT raw_key, raw_sha256 FROM raw_data WHERE raw_key = ?", (raw,)))
+                _refuse_other_raw_data(self.path, known, {raw: raw_sha256})
+                self._db.execute("INSERT OR IGNORE INTO raw_data VALUES (?, ?, ?)", (raw, raw_sha256, row[6]))
             self._db.execute("INSERT OR IGNORE INTO runs (config_hash, config, metrics, curves, seconds, "
                              "data_fingerprint, finished_utc, measurements) VALUES (?, ?, ?, ?, ?, ?, ?, ?)", row)
+            dirty = code.get("git_dirty")
+            self._db.execute("INSERT OR IGNORE INTO run_code VALUES (?, ?, ?, ?)",
+                             (key, str(code["version"]), code.get("git_commit"), None if dirty is None else int(dirty)))
         self.fingerprints().setdefault(data, data_fingerprint)
         return key
 
@@ -462,6 +557,17 @@ class ResultStore:
     ) -> Path:
         """Write ``records`` as CSV (method, batch_size, seed, metric, then the other columns sorted)."""
         return write_csv(path, self.records(hashes, metric=metric))
+
+
+def _refuse_other_raw_data(path: Path, known: Mapping[str, str], expected: Mapping[str, str]) -> None:
+    for key in sorted(expected):
+        if key in known and known[key] != expected[key]:
+            settings = json.loads(key)
+            seed = f", data_seed {settings['data_seed']}" if "data_seed" in settings else ""
+            raise ValueError(
+                f"{path} holds runs trained on dataset {settings['dataset']!r}{seed} whose raw data had SHA-256 "
+                f"{known[key][:16]}..., but the data now gives {expected[key][:16]}...: the data files changed "
+                "since those runs; restore them, or put runs on the new data in another results database")
 
 
 def _record_order(record: dict) -> tuple:

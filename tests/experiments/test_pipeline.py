@@ -222,6 +222,65 @@ def test_resuming_on_data_that_differs_in_one_byte_is_refused(quick, tmp_path, c
     assert sha256(db) == before  # nothing trained, nothing written
 
 
+def test_a_new_seed_on_changed_raw_data_is_refused(quick, tmp_path, capsys, monkeypatch):
+    # Each seed draws its own split (data_seed = "seed"), so the data fingerprints of seeds 0-1 and
+    # seed 2 differ anyway: only the raw data's hash, recorded by the store, tells the change.
+    from affdiv.experiments.runs import sweep
+
+    data = _fashion_copy(tmp_path / "fashion")
+    out = tmp_path / "out"
+    argv = ["falsify", *quick, "--batch-sizes", "256", "--set", "dataset='fashion-mnist'", "--set", "budget='steps'",
+            "--set", "length=1", "--set", "data_seed='seed'", "--data-dir", str(data), "--out", str(out)]
+    assert main([*argv, "--seed", "0", "--seeds", "2"]) == 0
+    db = out / "results.sqlite"
+    before = sha256(db)
+    labels = data / "train-labels-idx1-ubyte"
+    altered = bytearray(labels.read_bytes())
+    altered[8] = (altered[8] + 1) % 10  # the first training label
+    labels.write_bytes(bytes(altered))
+    monkeypatch.setattr(sweep, "_DATASETS", {})  # load the files again, as a new process would
+    refused(capsys, ["falsify", *argv[1:], "--seed", "2", "--seeds", "1"],
+            f"--db {db} holds runs trained on dataset 'fashion-mnist' whose raw data had SHA-256 ",
+            "the data files changed since those runs")
+    assert sha256(db) == before  # nothing trained, nothing written
+
+
+@pytest.mark.parametrize("older", ["UPDATE run_code SET version = '0.0.1', git_commit = NULL, git_dirty = NULL",
+                                   "DROP TABLE run_code"])
+def test_a_resumed_store_names_the_code_that_trained_its_runs(quick, quick_run, tmp_path, older):
+    from affdiv.provenance import code_identity
+
+    db = tmp_path / "old.sqlite"
+    shutil.copyfile(quick_run / "results.sqlite", db)
+    execute_sql(db, older)  # runs of another version, or of one that did not record it
+    assert main(["falsify", *quick, "--db", str(db), "--out", str(tmp_path / "out")]) == 0
+    provenance = json.loads((tmp_path / "out" / "summary.json").read_text())["provenance"]
+    assert provenance["runs_resumed_from_db"] == 4 and provenance["version"] == code_identity()["version"]
+    version, shown = ("0.0.1", "affdiv 0.0.1 (no git commit): 4 run(s)") if older.startswith("UPDATE") else \
+        (None, "not recorded (stored before affdiv recorded it): 4 run(s)")
+    assert provenance["run_code"] == [{"version": version, "git_commit": None, "git_dirty": None, "runs": 4}]
+    report = " ".join((tmp_path / "out" / "report.md").read_text().split())
+    assert f"The runs were trained by other code than the command that wrote this report ({shown})" in report
+
+
+def test_a_store_of_one_known_version_has_no_version_caveat(quick_run):
+    from affdiv.provenance import code_identity
+
+    provenance = json.loads((quick_run / "summary.json").read_text())["provenance"]
+    assert provenance["run_code"] == [{**code_identity(), "runs": 4}]
+    assert "The runs were trained by" not in (quick_run / "report.md").read_text()
+
+
+def test_a_store_of_several_versions_lists_them(quick_run, tmp_path):
+    db = tmp_path / "mixed.sqlite"
+    shutil.copyfile(quick_run / "results.sqlite", db)
+    execute_sql(db, "DELETE FROM run_code WHERE config_hash IN (SELECT config_hash FROM run_code LIMIT 1)")
+    assert main(["analyse", "--input", str(db), "--out", str(tmp_path / "out"), "--calibration-sims", "0"]) == 0
+    report = " ".join((tmp_path / "out" / "report.md").read_text().split())
+    assert "The runs were trained by 2 versions of affdiv (affdiv " in report
+    assert "; not recorded (stored before affdiv recorded it): 1 run(s))" in report
+
+
 # --------------------------------------------------------------------------------- analyse: inputs
 @pytest.mark.parametrize("margin, shown", [("inf", "inf"), ("nan", "nan"), ("-0.01", "-0.01"), ("0", "0.0")])
 def test_analyse_refuses_a_margin_that_is_not_finite_and_positive(tmp_path, capsys, margin, shown):
@@ -412,7 +471,8 @@ def test_analyse_reads_a_read_only_store_without_changing_it(quick_run, tmp_path
 def test_analyse_reads_a_store_written_before_the_application_id(quick_run, tmp_path):
     legacy = tmp_path / "old.sqlite"
     shutil.copyfile(quick_run / "results.sqlite", legacy)
-    execute_sql(legacy, "PRAGMA application_id = 0", "PRAGMA journal_mode = DELETE")
+    execute_sql(legacy, "PRAGMA application_id = 0", "PRAGMA journal_mode = DELETE", "DROP TABLE raw_data",
+                "DROP TABLE run_code")  # the runs table alone, as such a store has it
     before = sha256(legacy)
     assert main(["analyse", "--input", str(legacy), "--out", str(tmp_path / "out"), "--calibration-sims", "0"]) == 0
     assert sha256(legacy) == before and listing(tmp_path) == ["old.sqlite", "out"]  # no WAL switch, no mark
