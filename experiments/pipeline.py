@@ -156,11 +156,12 @@ def check_run_config(config: RunConfig) -> None:
 
 def analyse_and_report(out: Path, records: list[dict], curves, settings: Mapping, provenance: Mapping,
                        calibration_sims: int, progress=None) -> dict[str, Path]:
-    """``analyse`` by the groups of ``label_groups``, calibrate the tests in that layout, and
-    ``write_report``; returns the written paths. ``progress``: called with a line before each
-    long step (None: quiet)."""
+    """``analyse`` by the groups of ``label_groups`` (or by the column ``settings["group_by"]`` names,
+    when it names one), calibrate the tests in that layout, and ``write_report``; returns the
+    written paths. ``progress``: called with a line before each long step (None: quiet)."""
     _check_calibration_sims(calibration_sims)
-    group_by = label_groups(records)
+    settings = dict(settings)
+    group_by = settings.pop("group_by", None) or label_groups(records)
     if curves:
         label_curves(curves, records)
     analysis = analyse(records, group_by=group_by, progress=progress, **settings)
@@ -176,6 +177,40 @@ def analyse_and_report(out: Path, records: list[dict], curves, settings: Mapping
     return write_report(
         out, analysis, records=records, curves=curves, provenance=provenance, calibration=calibration
     )
+
+
+def check_study_analysis(configs: Sequence[RunConfig], settings: Mapping, *, where: str) -> None:
+    """Refuse the analysis settings of a study that only its runs' records could refuse, before the
+    runs train: a ``metric`` its runs do not record, a ``group_by`` that is no run setting or that
+    leaves two runs in one cell (group, method, batch size, seed), a ``primary_group`` that names
+    none of its groups. Raises ValueError naming ``where``, the setting, its value and the choices."""
+    from affdiv.experiments.runs.config import RunConfig
+    from affdiv.experiments.runs.training import metric_names
+
+    metric = settings.get("metric")
+    recorded = sorted(set.intersection(*(set(metric_names(c)) for c in configs)))
+    if metric is not None and metric not in recorded:
+        raise ValueError(f"{where}: metric {metric!r} is not recorded by the study's runs; they record "
+                         f"{', '.join(recorded)}")
+    records = [config.to_dict() for config in configs]
+    group_by = settings.get("group_by")
+    if group_by is not None and group_by not in RunConfig.__dataclass_fields__:
+        raise ValueError(f"{where}: group_by {group_by!r} is not a run setting; name one (e.g. 'lr_rule'), or leave "
+                         "group_by out to group by every setting that varies")
+    column = group_by or label_groups(records)
+    cells: dict[tuple, dict] = {}
+    for record in records:
+        cell = (str(record.get(column)), record["method"], record["batch_size"], record["seed"])
+        other = cells.setdefault(cell, record)
+        if other is not record:
+            differ = sorted(k for k in record if k != column and record[k] != other.get(k))
+            raise ValueError(f"{where}: group_by {column!r} puts two runs in one cell ({column}={cell[0]}, method "
+                             f"{cell[1]}, batch size {cell[2]}, seed {cell[3]}; they differ in {', '.join(differ)}); "
+                             "leave group_by out to group by every setting that varies")
+    groups = sorted({str(record.get(column)) for record in records})
+    primary = settings.get("primary_group")
+    if primary is not None and primary not in groups:
+        raise ValueError(f"{where}: primary_group {primary!r} is none of the study's groups {groups}")
 
 
 def _interval(measurements: Sequence[Mapping], name: str):
@@ -326,8 +361,9 @@ def falsify(
     for device in sorted({c.device for c in configs.values()}):
         _check_device(device)
     for study in studies:
-        check_settings(study.analysis, methods=METHODS, where=f"preset {preset_.name!r} [analysis] of study "
-                                                              f"{study.name!r}")
+        where = f"preset {preset_.name!r} [analysis] of study {study.name!r}"
+        check_settings(study.analysis, methods=METHODS, where=where)
+        check_study_analysis(study.configs, study.analysis, where=where)
 
     out = Path(out)
     db = Path(db) if db else out / "results.sqlite"

@@ -346,8 +346,9 @@ SETTINGS = ("metric", "higher_is_better", "corrected", "baselines", "group_by", 
 
 def check_settings(settings: Mapping, *, methods: Sequence[str] | None = None, where: str = "analysis") -> None:
     """Refuse analysis settings :func:`analyse` would refuse, before any work: unknown keys, alpha
-    outside (0, 0.5), a margin or contrast_margin that is not a finite number > 0, test_baselines
-    not a bool, n_boot < 100, a method both
+    outside (0, 0.5), a margin or contrast_margin that is not a finite number > 0,
+    higher_is_better, sensitivity or test_baselines not a bool, metric, group_by or primary_group
+    not a name, a seed that is not an integer >= 0, n_boot < 100, a method both
     corrected and baseline, and, when ``methods`` is given, names in ``corrected``/``baselines``
     that are not among them. Raises ValueError naming ``where``, the setting and the value."""
     unknown = sorted(set(settings) - set(SETTINGS))
@@ -361,9 +362,17 @@ def check_settings(settings: Mapping, *, methods: Sequence[str] | None = None, w
         if margin is not None and (isinstance(margin, bool) or not isinstance(margin, int | float)
                                    or not (math.isfinite(margin) and margin > 0)):
             raise ValueError(f"{where}: {key} must be a finite number > 0, got {margin!r}")
-    test_baselines = settings.get("test_baselines")
-    if test_baselines is not None and not isinstance(test_baselines, bool):
-        raise ValueError(f"{where}: test_baselines must be true or false, got {test_baselines!r}")
+    for key in ("higher_is_better", "sensitivity", "test_baselines"):
+        value = settings.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"{where}: {key} must be true or false (a TOML boolean, unquoted), got {value!r}")
+    for key in ("metric", "group_by", "primary_group"):
+        value = settings.get(key)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise ValueError(f"{where}: {key} must be a non-empty name (a string), got {value!r}")
+    seed = settings.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"{where}: seed (of the bootstrap) must be an integer >= 0, got {seed!r}")
     n_boot = settings.get("n_boot", 2000)
     if isinstance(n_boot, bool) or not isinstance(n_boot, int) or n_boot < 100:
         raise ValueError(f"{where}: n_boot must be an integer >= 100 for a percentile CI, got {n_boot!r}")

@@ -129,6 +129,46 @@ def test_falsify_refuses_bad_settings_before_creating_the_store(quick, tmp_path,
     assert not (out / "results.sqlite").exists()
 
 
+ANALYSIS_REFUSALS = [
+    ('group_by = ["lr_rule"]', "group_by must be a non-empty name (a string), got ['lr_rule']"),
+    ('group_by = "nosuch"', "group_by 'nosuch' is not a run setting"),
+    ('metric = "nosuch"', "metric 'nosuch' is not recorded by the study's runs; they record "),
+    ('metric = "steps_to_target"', "metric 'steps_to_target' is not recorded by the study's runs"),
+    ('primary_group = "nosuch"', "primary_group 'nosuch' is none of the study's groups ['constant']"),
+    ('higher_is_better = "no"', "higher_is_better must be true or false (a TOML boolean, unquoted), got 'no'"),
+    ('sensitivity = "true"', "sensitivity must be true or false (a TOML boolean, unquoted), got 'true'"),
+    ("seed = -1", "seed (of the bootstrap) must be an integer >= 0, got -1"),
+]
+
+
+@pytest.mark.parametrize("line, message", ANALYSIS_REFUSALS)
+def test_falsify_refuses_analysis_settings_before_the_first_run(tmp_path, capsys, line, message):
+    preset = tmp_path / "bad.toml"
+    preset.write_text(PRESET.replace('metric = "test_accuracy"', line))
+    out = tmp_path / "out"
+    refused(capsys, ["falsify", "--preset", str(preset), "--calibration-sims", "0", "--out", str(out)],
+            "preset 'bad' [analysis] of study 'bad': ", message)
+    assert not (out / "results.sqlite").exists()
+
+
+def test_a_group_by_that_leaves_two_runs_in_a_cell_is_refused_before_the_first_run(tmp_path, capsys):
+    preset = tmp_path / "widths.toml"
+    preset.write_text(PRESET.replace("seed = [0, 1]", "seed = [0, 1]\nwidth = [8, 16]")
+                      .replace('metric = "test_accuracy"', 'group_by = "lr_rule"'))
+    refused(capsys, ["falsify", "--preset", str(preset), "--calibration-sims", "0", "--out", str(tmp_path / "out")],
+            "group_by 'lr_rule' puts two runs in one cell (lr_rule=constant, method affine, batch size 16, seed 0; "
+            "they differ in width)")
+
+
+def test_a_preset_group_by_is_the_analysis_grouping(tmp_path):
+    preset = tmp_path / "grouped.toml"
+    preset.write_text(PRESET + 'group_by = "lr_rule"\n')
+    assert main(["falsify", "--preset", str(preset), "--calibration-sims", "0", "--workers", "1",
+                 "--out", str(tmp_path / "out")]) == 0
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["settings"]["group_by"] == "lr_rule" and list(summary["groups"]) == ["constant"]
+
+
 def test_falsify_refuses_cuda_without_cuda(quick, tmp_path, capsys, monkeypatch):
     import torch
 
