@@ -119,6 +119,8 @@ FALSIFY_REFUSALS = [
     (["--set", "base_lr='fast'"], "a run setting has the wrong type"),
     (["--calibration-sims", "-1"], "--calibration-sims must be an integer >= 0, got -1"),
     (["--workers", "0"], "--workers must be an integer >= 1, got 0"),
+    (["--set", 'activation="relu"\nwidth=3'], "--set takes one KEY=VALUE without a line break, got "
+                                              "'activation=\"relu\"\\nwidth=3'; give each setting its own --set"),
 ]
 
 
@@ -664,3 +666,24 @@ def test_a_model_factory_that_raises_is_a_one_line_error(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["affdiv probe: error: model 'json:loads': the factory failed: TypeError: "
                    "loads() missing 1 required positional argument: 's'"]
+
+
+# ------------------------------------------------------------------- refused commands leave nothing
+def test_refused_commands_leave_no_output_folder(quick, tmp_path, capsys):
+    long_csv = tmp_path / "long.csv"
+    long_csv.write_text("method,batch_size,seed,metric,note\naffine,16,0,0.5," + "x" * 131073 + "\n")
+    (tmp_path / "folder.sqlite").mkdir()
+    out = tmp_path / "new" / "out"  # two folders that do not exist yet
+    for argv, message in [
+        (["falsify", *quick, "--set", "data_options={nosuch=1}"], "unknown option(s) nosuch"),
+        (["falsify", *quick, "--db", str(tmp_path / "folder.sqlite")], "is a folder"),
+        (["analyse", "--input", str(planted_csv(tmp_path / "runs.csv")), "--corrected", "nosuch"],
+         "--corrected: unknown method(s) ['nosuch']"),
+        (["analyse", "--input", str(long_csv)], "field larger than field limit"),
+    ]:
+        refused(capsys, [*argv, "--out", str(out)], message)
+        assert not (tmp_path / "new").exists(), argv
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    refused(capsys, ["analyse", "--input", str(long_csv), "--out", str(existing / "out")], "field larger")
+    assert listing(existing) == []  # the folder that was there stays, the one made for the report goes
