@@ -67,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"affdiv {command}: error: {error}", file=sys.stderr)
         return 2
     except _BAD_INPUT as error:
-        message = error.args[0] if isinstance(error, ValueError) and error.args else error
+        # a ValueError's message is its first argument (UnicodeDecodeError's is the encoding: str() says it all)
+        plain = isinstance(error, ValueError) and not isinstance(error, UnicodeError) and error.args
+        message = error.args[0] if plain else error
         print(f"affdiv {command}: error: {message}", file=sys.stderr)
         return 2
 

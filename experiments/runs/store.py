@@ -206,8 +206,14 @@ def identify(path: str | Path) -> str:
     if columns == (*expected, _MEASUREMENTS):
         columns = expected
     if application_id == APPLICATION_ID:
-        if columns != expected:
+        if "runs" not in tables:
             raise ValueError(f"{path}: an affdiv results store without its runs table (damaged); tables {tables}")
+        if columns != expected:
+            found = [column[0] for column in columns]
+            raise ValueError(f"{path}: an affdiv results store whose runs table has columns {found}; this version of "
+                             f"affdiv reads {[column[0] for column in expected]} (and measurements): a store of "
+                             "another version of affdiv, or one changed outside it; open it with the version that "
+                             "wrote it")
         return "affdiv"
     if application_id == 0 and not tables:
         return "empty"
@@ -351,8 +357,8 @@ class ResultStore:
             if key in known and known[key] != expected[key]:
                 raise ValueError(
                     f"{self.path} holds runs on {_describe(key)} with data fingerprint {known[key]}, but the data "
-                    f"now gives {expected[key]}: the data files changed since those runs; restore them or use "
-                    "another results database")
+                    f"now gives {expected[key]}: the data files changed since those runs; restore them, or give "
+                    "runs on the new data their own --db")
 
     # ----------------------------------------------------------------- raw data and code versions
     def _tables(self) -> set[str]:
@@ -567,7 +573,7 @@ def _refuse_other_raw_data(path: Path, known: Mapping[str, str], expected: Mappi
             raise ValueError(
                 f"{path} holds runs trained on dataset {settings['dataset']!r}{seed} whose raw data had SHA-256 "
                 f"{known[key][:16]}..., but the data now gives {expected[key][:16]}...: the data files changed "
-                "since those runs; restore them, or put runs on the new data in another results database")
+                "since those runs; restore them, or give runs on the new data their own --db")
 
 
 def _record_order(record: dict) -> tuple:

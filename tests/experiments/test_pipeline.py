@@ -687,3 +687,22 @@ def test_refused_commands_leave_no_output_folder(quick, tmp_path, capsys):
     existing.mkdir()
     refused(capsys, ["analyse", "--input", str(long_csv), "--out", str(existing / "out")], "field larger")
     assert listing(existing) == []  # the folder that was there stays, the one made for the report goes
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "preset 'bad': run setting(s) ['dataset', 'method', 'batch_size', 'seed'] missing; every run needs"),
+    (b'description = "caf\xe9"\n', "bad.toml: not UTF-8 text (byte 0xe9 at offset 18); a TOML preset is UTF-8"),
+])
+def test_a_preset_without_runs_or_not_utf8_is_named(tmp_path, capsys, content, message):
+    preset = tmp_path / "bad.toml"
+    preset.write_bytes(content)
+    refused(capsys, ["falsify", "--preset", str(preset), "--out", str(tmp_path / "out")], message)
+
+
+def test_a_store_whose_runs_table_has_other_columns_is_not_called_damaged(quick_run, tmp_path, capsys):
+    db = tmp_path / "other.sqlite"
+    shutil.copyfile(quick_run / "results.sqlite", db)
+    execute_sql(db, "ALTER TABLE runs ADD COLUMN later TEXT")  # as a later version might
+    line = refused(capsys, ["analyse", "--input", str(db), "--out", str(tmp_path / "out")],
+                   "whose runs table has columns ['config_hash', ", "'later']", "a store of another version of affdiv")
+    assert "damaged" not in line
