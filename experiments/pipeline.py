@@ -481,8 +481,9 @@ def analyse_file(
 ) -> dict[str, Path]:
     """Test the batch-size prediction on existing results: a record CSV or a results store;
     returns the written paths. The metric, when None, is :func:`default_metric`'s:
-    ``steps_to_target`` for records of ``budget = "target"`` runs, else ``test_accuracy`` of a
-    store or the column ``metric`` of a CSV.
+    ``steps_to_target`` for records of ``budget = "target"`` runs (a CSV without a ``budget``
+    column: one with a ``steps_to_target`` column and no ``metric`` column), else
+    ``test_accuracy`` of a store or the column ``metric`` of a CSV.
 
     The input is only read: a store is opened read-only (its bytes, and the folder it is in, stay
     as they were), and a report folder whose files would replace the input is refused. The
@@ -526,7 +527,10 @@ def analyse_file(
         table = read_csv_rows(path, data)  # parsed once: the budgets choose the default metric
         if metric is None:
             header, rows = table
-            budgets = {str(row.get("budget") or "").strip() for row in rows} if "budget" in header else set()
+            if "budget" in header:
+                budgets = {str(row.get("budget") or "").strip() for row in rows}
+            else:  # told by its columns: steps to a target and no column "metric" make a CSV of target runs
+                budgets = {"target"} if _TARGET_METRIC in header and "metric" not in header else set()
             metric = default_metric(budgets, database=False, where=f"--input {path}")
         records, curves = read_csv(path, metric=metric, table=table), None
     settings["metric"] = metric

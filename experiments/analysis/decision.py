@@ -56,6 +56,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from affdiv.experiments.analysis import contrast, stats
+from affdiv.experiments.analysis.groups import default_primary_group
 from affdiv.experiments.records import validate_records
 from affdiv.reporting import json_ready
 
@@ -406,8 +407,9 @@ def analyse(records: Sequence[Mapping], *, metric: str = "metric", higher_is_bet
     group_by: the column whose values split the records into independent analyses (the LR rule);
     None, or a column that no record has, analyses everything as one group named "all".
     margin: equivalence margin per doubling of B in metric units (None: :func:`default_margin`).
-    primary_group: the group whose joint verdict is the study's (default: "tuned" if there is such a
-    group, else the first in sorted order); the others are sensitivity analyses.
+    primary_group: the group whose joint verdict is the study's (default:
+    :func:`~affdiv.experiments.analysis.groups.default_primary_group`: among the groups with the most
+    seeds, "tuned" if it is one, else the first in sorted order); the others are sensitivity analyses.
     contrast_margin: equivalence margin of the contrasts in metric units (None:
     :func:`~affdiv.experiments.analysis.contrast.default_contrast_margin`).
     test_baselines: whether the baselines' own contrast is tested (stage 2 of the joint verdict);
@@ -505,7 +507,8 @@ def analyse(records: Sequence[Mapping], *, metric: str = "metric", higher_is_bet
                for m in sorted(roles, key=lambda m: (order[roles[m]], m))}
 
     if primary_group is None:
-        primary_group = "tuned" if "tuned" in groups else next(iter(groups))
+        seeds = {g: {r["seed"] for rows_of_method in grouped[g].values() for r in rows_of_method} for g in groups}
+        primary_group = default_primary_group(seeds)
     elif primary_group not in groups:
         raise ValueError(f"primary_group {primary_group!r} is not among the groups {sorted(groups)}")
     settings = {"metric": metric, "higher_is_better": higher_is_better, "alpha": alpha, "margin": margin,

@@ -706,3 +706,32 @@ def test_a_store_whose_runs_table_has_other_columns_is_not_called_damaged(quick_
     line = refused(capsys, ["analyse", "--input", str(db), "--out", str(tmp_path / "out")],
                    "whose runs table has columns ['config_hash', ", "'later']", "a store of another version of affdiv")
     assert "damaged" not in line
+
+
+def test_a_target_csv_without_a_budget_column_is_told_by_its_columns(tmp_path):
+    path = target_csv(tmp_path / "target.csv")
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(line.rsplit(",", 1)[0] + ("," + ("censored" if i == 0 else "0" if line.split(",")[3]
+                                                                else "1"))
+                              for i, line in enumerate(lines)) + "\n")  # budget column out, censored in
+    assert "budget" not in path.read_text() and "censored" in path.read_text()
+    assert main(["analyse", "--input", str(path), "--out", str(tmp_path / "out"), "--calibration-sims", "0"]) == 0
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["design"] == "steps_to_target" and summary["provenance"]["metric"] == "steps_to_target"
+
+
+def test_a_group_with_fewer_seeds_does_not_decide_for_the_study(tmp_path):
+    # Two groups told apart by a width column (no lr_rule column): width 16 run with 5 seeds, width 8
+    # with 1. The first in sorted order ("width=16") is also the one with most seeds in one layout,
+    # so each layout is tried: the 5-seed group decides in both.
+    for few, many in ((8, 16), (16, 8)):
+        rows = [{"method": m, "batch_size": b, "seed": s, "width": w,
+                 "metric": 0.9 - (0.02 if m == "norm_l2" else 0.0) * (b.bit_length() - 1) + 0.003 * ((s * 7 + b) % 5)}
+                for w, seeds in ((few, 1), (many, 5)) for m in ("affine", "norm_l2") for b in (16, 32, 64, 128)
+                for s in range(seeds)]
+        path = planted_csv(tmp_path / f"groups{few}.csv", rows)
+        out = tmp_path / f"out{few}"
+        assert main(["analyse", "--input", str(path), "--out", str(out), "--calibration-sims", "0"]) == 0
+        summary = json.loads((out / "summary.json").read_text())
+        assert sorted(summary["groups"]) == sorted([f"width={few}", f"width={many}"])  # no "lr_rule=None"
+        assert summary["primary_group"] == f"width={many}"
