@@ -4,6 +4,7 @@ and checking up front that a result can be written at all."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import tempfile
 from pathlib import Path
@@ -108,6 +109,19 @@ def check_writable_folder(folder: str | Path, option: str) -> Path:
 
 
 def _check_folder(folder: Path, subject: str, what: str) -> Path:
+    for link in (folder, *folder.parents):  # a link that leads nowhere: name it, not its symptom
+        if link.is_symlink() and not link.exists():
+            try:
+                link.resolve(strict=True)
+            except RuntimeError:  # Python < 3.13 reports a loop so
+                reason = "a symbolic link that points back to itself (a loop)"
+            except OSError as error:
+                reason = ("a symbolic link that points back to itself (a loop)" if error.errno == errno.ELOOP
+                          else f"a symbolic link to {os.readlink(link)}, which does not exist")
+            else:
+                continue
+            named = what if link == folder else f"{link} (a parent of {what})"
+            raise NotADirectoryError(f"{subject}: {named} is {reason}; remove the link or point it at a folder")
     if folder.exists() and not folder.is_dir():
         raise NotADirectoryError(f"{subject}: exists and is not a folder" if what == "the folder"
                                  else f"{subject}: {what} is a file")

@@ -54,11 +54,11 @@ def _progress(started: float):
 
 
 def _same_file(a: Path, b: Path) -> bool:
-    if a.resolve() == b.resolve():
-        return True
     try:
+        if a.resolve() == b.resolve():
+            return True
         return a.exists() and b.exists() and os.path.samefile(a, b)
-    except OSError:
+    except (OSError, RuntimeError):  # a symbolic-link loop (RuntimeError before Python 3.13): not one file
         return False
 
 
@@ -406,7 +406,11 @@ def falsify(
             pass
     print(f"affdiv falsify: preset {preset_.name}: {len(configs)} runs -> {db}", file=sys.stderr)
     written = {}
-    with ResultStore(db) as store:
+    try:
+        writer = ResultStore(db)  # the writer's lock: a second sweep on this store stops here
+    except ValueError as error:
+        raise type(error)(_option_named("--db", error)) from None
+    with writer as store:
         outcome = run_sweep(list(configs.values()), store, data_dir=data_dir, workers=workers, stack=stack,
                             ensemble_memory=ensemble_memory, measurements=measurements, executor=executor,
                             scheduler=scheduler, retries=retries,

@@ -126,8 +126,9 @@ def measure(dataset, models: Sequence[str], batch_sizes: Sequence[int], *, seeds
     too_big = [b for b in batch_sizes if b > n_train]
     if too_big:
         raise ValueError(f"batch size {too_big[0]} exceeds the {n_train} training samples of {dataset.name}")
-    for name in models:  # every model must build on this data before any measurement starts
-        zoo.build(name, input_shape=tuple(dataset.input_shape), num_classes=dataset.num_classes)
+    for name in models:  # every model must build, and run forward, on this data before any measurement starts
+        model = zoo.build(name, input_shape=tuple(dataset.input_shape), num_classes=dataset.num_classes)
+        zoo.check_forward(name, model.to(torch_dtype).train(), split.x[:2].to(torch_dtype))
     scatter_batch = max([b for b in batch_sizes if b <= SAMPLES_MAX_BATCH] or [min(batch_sizes)])
     paired = {m for pair in SCATTER_PAIRS for m in pair[:2]} & set(models)
     scatter_models = paired or set(models[:4])

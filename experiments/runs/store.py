@@ -50,6 +50,7 @@ Both tables are created by a writer and read when present; a store without them 
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import json
 import math
 import sqlite3
@@ -99,6 +100,28 @@ CREATE TABLE IF NOT EXISTS failures (
     failed_utc  TEXT NOT NULL
 )
 """
+
+#: Seconds an SQLite call waits for a lock another process holds before the store says it is locked.
+BUSY_TIMEOUT = 10.0
+
+
+class StoreLocked(ValueError):
+    """Another process holds the store: a lock SQLite waited :data:`BUSY_TIMEOUT` s for, or the
+    writer's lock of another sweep."""
+
+
+def _database_error(path: Path, error: sqlite3.DatabaseError) -> Exception:
+    """The one-line error for an SQLite error on ``path``: locked (another process holds it), full
+    (an OSError ENOSPC) or damaged."""
+    text = str(error)
+    if "locked" in text or "busy" in text:
+        return StoreLocked(f"{path}: locked by another process for {BUSY_TIMEOUT:g} s (SQLite: {text}); the store is "
+                           "not damaged: let that process finish, then run the command again")
+    if "full" in text:
+        return OSError(errno.ENOSPC, f"no space left for the results store (SQLite: {text}); the runs committed "
+                                     "before are kept", str(path))
+    return ValueError(f"{path}: damaged SQLite file ({text})")
+
 
 #: The run settings that define the data a run trains on (the arguments of its dataset loader).
 DATA_SETTINGS = ("dataset", "data_seed", "val_fraction", "data_options")
@@ -199,7 +222,7 @@ def identify(path: str | Path) -> str:
         tables = sorted(row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'"))
         columns = tuple(tuple(row[1:4]) + (row[5],) for row in db.execute("PRAGMA table_info(runs)"))
     except sqlite3.DatabaseError as error:
-        raise ValueError(f"{path}: damaged SQLite file ({error})") from None
+        raise _database_error(path, error) from None
     finally:
         db.close()
     expected = tuple((name, kind, notnull, pk) for name, kind, notnull, pk in _COLUMNS)
@@ -223,8 +246,28 @@ def identify(path: str | Path) -> str:
                      f"tables {tables}); an affdiv store has application_id {APPLICATION_ID:#x} and a 'runs' table")
 
 
+def _writer_lock(path: Path):
+    """An open handle of ``path`` (created empty if missing) holding an exclusive ``flock``: the
+    lock of the one process that writes the store. Another process that asks for it is refused at
+    once (:class:`StoreLocked`), so two sweeps on one store never train the same runs. The kernel
+    releases it when the process ends, however it ends. Without ``fcntl`` (Windows): None, no lock."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    handle = open(path, "ab")  # noqa: SIM115  (held open for the store's lifetime; closed by _release)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()  # no SQLite connection of this store is open yet: closing drops no SQLite lock
+        raise StoreLocked(f"{path}: another process is writing this results store (a sweep on it is running); "
+                          "wait for it to finish, then run the command again (it resumes), or use another --db") \
+            from None
+    return handle
+
+
 def _connect_read_only(path: Path) -> sqlite3.Connection:
-    return sqlite3.connect(_uri(path, immutable=not _side_files(path)), uri=True, timeout=60.0,
+    return sqlite3.connect(_uri(path, immutable=not _side_files(path)), uri=True, timeout=BUSY_TIMEOUT,
                            isolation_level=None)
 
 
@@ -244,13 +287,15 @@ class ResultStore:
             raise FileNotFoundError(f"{self.path}: no such results database")
         self._known: dict[str, str] | None = None  # data key -> fingerprint, loaded on first use
         self._empty = kind in ("missing", "empty")
+        self._lock = None
         try:
             if read_only:
                 self._stamp = _stamp(self.path) if kind != "empty" else None
                 self._db = _connect_read_only(self.path)
             else:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                self._db = sqlite3.connect(self.path, timeout=60.0, isolation_level=None)
+                self._lock = _writer_lock(self.path)  # before SQLite opens it: one writer per store
+                self._db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT, isolation_level=None)
                 self._db.execute("PRAGMA journal_mode=WAL")
                 self._db.execute("PRAGMA synchronous=FULL")
                 self._db.execute(_SCHEMA)
@@ -262,7 +307,20 @@ class ResultStore:
             if kind not in ("missing", "empty"):
                 self._check_integrity()
         except sqlite3.DatabaseError as error:
-            raise ValueError(f"{self.path}: damaged SQLite file ({error})") from None
+            self._release()
+            raise _database_error(self.path, error) from None
+        except BaseException:
+            self._release()
+            raise
+
+    def _release(self) -> None:
+        """Close the connection (if open), then give up the writer's lock (after: closing a file
+        SQLite has open would drop SQLite's own locks)."""
+        if getattr(self, "_db", None) is not None:
+            self._db.close()
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
     def _has_measurements(self) -> bool:
         """Whether the runs table has the ``measurements`` column (stores of earlier versions lack it)."""
@@ -274,7 +332,7 @@ class ResultStore:
             raise ValueError(f"{self.path}: damaged SQLite file (quick_check: {'; '.join(problems)[:300]})")
 
     def close(self) -> None:
-        self._db.close()
+        self._release()
 
     def __enter__(self) -> ResultStore:
         return self
@@ -291,14 +349,12 @@ class ResultStore:
             rows = self._db.execute(sql, parameters).fetchall()
             if self.read_only and self._stamp is not None and _stamp(self.path) != self._stamp:
                 self._db.close()  # a writer changed it while we read: read through SQLite's locks
-                self._db = sqlite3.connect(_uri(self.path, immutable=False), uri=True, timeout=60.0,
+                self._db = sqlite3.connect(_uri(self.path, immutable=False), uri=True, timeout=BUSY_TIMEOUT,
                                            isolation_level=None)
                 self._stamp = None
                 rows = self._db.execute(sql, parameters).fetchall()
         except sqlite3.DatabaseError as error:
-            if "locked" in str(error):  # busy, not damaged
-                raise
-            raise ValueError(f"{self.path}: damaged SQLite file ({error})") from None
+            raise _database_error(self.path, error) from None
         return rows
 
     def verify(self) -> int:
@@ -435,6 +491,15 @@ class ResultStore:
             _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
             canonical_json(_finite_json(list(measurements))) if measurements else None,
         )
+        try:
+            self._commit_run(key, config, row, raw_sha256, code)
+        except sqlite3.DatabaseError as error:  # a full disk, a lock held too long: the transaction rolled back
+            raise _database_error(self.path, error) from None
+        self.fingerprints().setdefault(data, data_fingerprint)
+        return key
+
+    def _commit_run(self, key: str, config: dict, row: tuple, raw_sha256: str | None, code: Mapping) -> None:
+        """The transaction of :meth:`put`: the raw data's record, the run and its code, or none."""
         with self._db:  # BEGIN ... COMMIT (rolled back on error)
             self._db.execute("BEGIN IMMEDIATE")
             if raw_sha256 is not None:
@@ -447,8 +512,6 @@ class ResultStore:
             dirty = code.get("git_dirty")
             self._db.execute("INSERT OR IGNORE INTO run_code VALUES (?, ?, ?, ?)",
                              (key, str(code["version"]), code.get("git_commit"), None if dirty is None else int(dirty)))
-        self.fingerprints().setdefault(data, data_fingerprint)
-        return key
 
     def put_failure(self, config: dict, *, error: str, kind: str, attempts: int, detail: str = "") -> str:
         """Record that a run failed on its last attempt (``kind``: "worker died", "exception", ...;
@@ -462,10 +525,13 @@ class ResultStore:
         key = config_hash(config)
         row = (key, canonical_json(config), str(error), str(kind), int(attempts), str(detail),
                _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"))
-        with self._db:
-            self._db.execute("BEGIN IMMEDIATE")
-            self._db.execute(_FAILURES)
-            self._db.execute("INSERT OR REPLACE INTO failures VALUES (?, ?, ?, ?, ?, ?, ?)", row)
+        try:
+            with self._db:
+                self._db.execute("BEGIN IMMEDIATE")
+                self._db.execute(_FAILURES)
+                self._db.execute("INSERT OR REPLACE INTO failures VALUES (?, ?, ?, ?, ?, ?, ?)", row)
+        except sqlite3.DatabaseError as error:
+            raise _database_error(self.path, error) from None
         return key
 
     def failures(self, hashes: Iterable[str] | None = None) -> list[dict]:

@@ -282,3 +282,15 @@ def build(spec: str, *, input_shape: tuple[int, ...], num_classes: int) -> nn.Mo
     if not isinstance(model, nn.Module):
         raise ValueError(f"model {spec!r}: the factory returned a {type(model).__name__}, not a torch.nn.Module")
     return model
+
+
+def check_forward(spec: str, model: nn.Module, x: torch.Tensor) -> None:
+    """Run ``model`` once on the batch ``x`` (without gradients): whatever the user's forward raises
+    is bad input for the command, a ValueError naming the model, the batch's shape and the error."""
+    try:
+        with torch.no_grad():
+            model(x)
+    except Exception as error:  # noqa: BLE001  (the user's code)
+        reason = str(error).splitlines()[0] if str(error) else ""
+        raise ValueError(f"model {spec!r}: its forward failed on a batch of shape {tuple(x.shape)}: "
+                         f"{type(error).__name__}: {reason}") from None

@@ -735,3 +735,67 @@ def test_a_group_with_fewer_seeds_does_not_decide_for_the_study(tmp_path):
         summary = json.loads((out / "summary.json").read_text())
         assert sorted(summary["groups"]) == sorted([f"width={few}", f"width={many}"])  # no "lr_rule=None"
         assert summary["primary_group"] == f"width={many}"
+
+
+# --------------------------------------------------------- the machine: locks, a full disk, links, Ctrl-C
+def test_a_second_sweep_on_a_store_being_written_trains_nothing(quick, quick_run, tmp_path, capsys):
+    from affdiv.experiments.runs.store import ResultStore
+
+    db = tmp_path / "results.sqlite"
+    shutil.copyfile(quick_run / "results.sqlite", db)
+    execute_sql(db, "DELETE FROM runs WHERE config_hash IN (SELECT config_hash FROM runs LIMIT 2)")
+    with ResultStore(db) as first:  # a sweep of the same runs, writing
+        before = first.finished()
+        refused(capsys, ["falsify", *quick, "--out", str(tmp_path)],
+                f"--db {db}: another process is writing this results store", "or use another --db")
+        assert first.finished() == before and len(before) == 2  # the second sweep trained nothing
+
+
+def test_a_full_disk_under_the_report_is_one_line_and_leaves_no_folder(tmp_path, capsys, monkeypatch):
+    import errno
+
+    from affdiv import atomic
+
+    def full(_handle):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(atomic.os, "fsync", full)
+    out = tmp_path / "out"
+    refused(capsys, ["analyse", "--input", str(planted_csv(tmp_path / "runs.csv")), "--out", str(out),
+                     "--calibration-sims", "0"], "No space left on device (free some space, then run the same command")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("target, reason", [("loop", "a symbolic link that points back to itself (a loop)"),
+                                            ("elsewhere", "a symbolic link to ")])
+def test_an_out_folder_that_is_a_broken_link_is_named(tmp_path, capsys, target, reason):
+    link = tmp_path / "link"
+    link.symlink_to(link if target == "loop" else tmp_path / target)
+    refused(capsys, ["analyse", "--input", str(planted_csv(tmp_path / "runs.csv")), "--out", str(link)],
+            f"--out {link}: the folder is {reason}", "remove the link or point it at a folder")
+
+
+def test_ctrl_c_is_one_line(tmp_path, capsys, monkeypatch):
+    from affdiv.experiments import pipeline
+
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline, "analyse_file", interrupted)
+    out = tmp_path / "out"
+    assert main(["analyse", "--input", str(planted_csv(tmp_path / "runs.csv")), "--out", str(out)]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "affdiv analyse: interrupted (what was finished is kept: a results store resumes with the " \
+                          "same command)"
+    assert not out.exists()
+
+
+def test_a_model_whose_forward_raises_is_a_one_line_error(tmp_path, capsys, monkeypatch):
+    (tmp_path / "broken_model.py").write_text(
+        "import torch\n\n\nclass Broken(torch.nn.Linear):\n    def forward(self, x):\n"
+        "        raise RuntimeError('shapes do not match')\n\n\ndef make():\n    return Broken(64, 10)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    refused(capsys, ["probe", "--model", "broken_model:make", "--out", str(tmp_path / "p")],
+            "model 'broken_model:make': its forward failed on a batch of shape (2, 1, 8, 8): RuntimeError: shapes do "
+            "not match")
+    assert not (tmp_path / "p").exists()

@@ -430,3 +430,61 @@ def test_each_run_records_the_code_that_trained_it(tmp_path):
     execute.close()
     with ResultStore(path, read_only=True) as store:
         assert store.code_versions() == {first: None, second: None}
+
+
+# ------------------------------------------------------------- locks, a second writer, a full disk
+def _holding_an_exclusive_lock(path):
+    """A connection (as another program's) that holds an exclusive lock on the store at ``path``."""
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("PRAGMA locking_mode = EXCLUSIVE")
+    holder.execute("BEGIN EXCLUSIVE")
+    return holder
+
+
+def test_a_locked_store_is_called_locked_not_damaged(tmp_path, monkeypatch):
+    from affdiv.experiments.runs import store as store_module
+
+    monkeypatch.setattr(store_module, "BUSY_TIMEOUT", 0.2)
+    path = tmp_path / "r.sqlite"
+    with ResultStore(path) as store:
+        _put_run(store, DIGITS)
+    holder = _holding_an_exclusive_lock(path)
+    try:
+        for read_only in (True, False):
+            with pytest.raises(store_module.StoreLocked, match="locked by another process for 0.2 s .*the store is "
+                                                               "not damaged: let that process finish"):
+                ResultStore(path, read_only=read_only).finished()
+    finally:
+        holder.close()
+    with ResultStore(path, read_only=True) as store:
+        assert len(store.finished()) == 1
+
+
+def test_a_second_writer_is_refused_at_once_and_the_first_goes_on(tmp_path):
+    from affdiv.experiments.runs.store import StoreLocked
+
+    path = tmp_path / "r.sqlite"
+    with ResultStore(path) as first:
+        with pytest.raises(StoreLocked, match="another process is writing this results store"):
+            ResultStore(path)
+        _put_run(first, DIGITS)
+        with ResultStore(path, read_only=True) as reader:  # readers are never refused
+            assert len(reader.finished()) == 1
+    with ResultStore(path) as again:  # the lock went with the first writer
+        assert len(again.finished()) == 1
+
+
+def test_a_full_disk_is_an_oserror_and_keeps_the_committed_runs(tmp_path):
+    import errno
+
+    path = tmp_path / "r.sqlite"
+    with ResultStore(path) as store:
+        first = _put_run(store, DIGITS)
+        pages = store._db.execute("PRAGMA page_count").fetchone()[0]
+        store._db.execute(f"PRAGMA max_page_count = {pages}")  # SQLite's "database or disk is full" from here
+        with pytest.raises(OSError, match="no space left for the results store .*database or disk is full") as caught:
+            store.put({**DIGITS, "seed": 1}, metrics={"test_accuracy": 0.5}, curves=[{"x": "y" * 100_000}],
+                      seconds=1.0, data_fingerprint="0" * 64)
+        assert caught.value.errno == errno.ENOSPC and caught.value.filename == str(path)
+    with ResultStore(path, read_only=True) as store:
+        assert store.finished() == {first} and store.verify() == 1
