@@ -39,6 +39,8 @@ MAX_SEED = 2**64 - 1
 PROGRESS_FROM = 5000
 #: The metric of steps-to-target runs (``budget = "target"``), which ``analyse`` defaults to.
 _TARGET_METRIC = "steps_to_target"
+#: Analysis settings of the fixed-budget analysis that the steps-to-target analysis has no use for.
+_FIXED_BUDGET_ONLY = ("margin", "contrast_margin", "sensitivity", "test_baselines")
 
 
 def _check_calibration_sims(n: int) -> None:
@@ -179,6 +181,12 @@ def analyse_and_report(out: Path, records: list[dict], curves, settings: Mapping
     )
 
 
+def study_metric(configs: Sequence[RunConfig]) -> str:
+    """The metric a study is analysed by when its preset names none: steps to the target when every
+    run is of the ``target`` budget, else the test accuracy."""
+    return _TARGET_METRIC if all(c.budget == "target" for c in configs) else "test_accuracy"
+
+
 def check_study_analysis(configs: Sequence[RunConfig], settings: Mapping, *, where: str) -> None:
     """Refuse the analysis settings of a study that only its runs' records could refuse, before the
     runs train: a ``metric`` its runs do not record, a ``group_by`` that is no run setting or that
@@ -192,6 +200,12 @@ def check_study_analysis(configs: Sequence[RunConfig], settings: Mapping, *, whe
     if metric is not None and metric not in recorded:
         raise ValueError(f"{where}: metric {metric!r} is not recorded by the study's runs; they record "
                          f"{', '.join(recorded)}")
+    if (metric or study_metric(configs)) == _TARGET_METRIC:
+        idle = sorted(set(settings) & set(_FIXED_BUDGET_ONLY)) + (["higher_is_better"] if settings.get(
+            "higher_is_better") else [])
+        if idle:
+            raise ValueError(f"{where}: {', '.join(idle)} do(es) not apply to the steps-to-target analysis (fewer "
+                             "steps are better; no slopes, margins or bootstrap of slopes); remove it")
     records = [config.to_dict() for config in configs]
     group_by = settings.get("group_by")
     if group_by is not None and group_by not in RunConfig.__dataclass_fields__:
@@ -420,8 +434,7 @@ def falsify(
                   "leaves them out (the same command tries them again)", file=sys.stderr)
         for study in studies:
             # The metric follows the budget unless the preset names one: steps under "target".
-            budget_metric = "steps_to_target" if all(c.budget == "target" for c in study.configs) else "test_accuracy"
-            analysis_settings = {"metric": budget_metric, **study.analysis}
+            analysis_settings = {"metric": study_metric(study.configs), **study.analysis}
             metric = analysis_settings["metric"]
             hashes = sorted(config_hash(c.to_dict()) for c in study.configs)
             records = store.records(hashes, metric=metric)

@@ -799,3 +799,15 @@ def test_a_model_whose_forward_raises_is_a_one_line_error(tmp_path, capsys, monk
             "model 'broken_model:make': its forward failed on a batch of shape (2, 1, 8, 8): RuntimeError: shapes do "
             "not match")
     assert not (tmp_path / "p").exists()
+
+
+@pytest.mark.parametrize("line, named", [("sensitivity = true", "sensitivity"), ("margin = 0.01", "margin"),
+                                         ("higher_is_better = true", "higher_is_better")])
+def test_fixed_budget_settings_of_a_target_study_are_refused_not_ignored(tmp_path, capsys, line, named):
+    preset = tmp_path / "target.toml"
+    preset.write_text(PRESET.replace('budget = "epochs"', 'budget = "target"\ntarget = 0.5')
+                      .replace('metric = "test_accuracy"', line))
+    out = tmp_path / "out"
+    refused(capsys, ["falsify", "--preset", str(preset), "--calibration-sims", "0", "--out", str(out)],
+            f"[analysis] of study 'target': {named} do(es) not apply to the steps-to-target analysis")
+    assert not out.exists()
