@@ -259,7 +259,7 @@ def _writer_lock(path: Path):
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        handle.close()  # no SQLite connection of this store is open yet: closing drops no SQLite lock
+        handle.close()  # before this store opens SQLite: no lock of its connection is dropped
         raise StoreLocked(f"{path}: another process is writing this results store (a sweep on it is running); "
                           "wait for it to finish, then run the command again (it resumes), or use another --db") \
             from None
