@@ -334,6 +334,11 @@ def falsify(
     Returns:
         ``{study name: {file kind: path}}`` of the written reports.
     """
+    if executor == "dask" and scheduler is not None:
+        # First, before the heavy imports: a scheduler that does not answer is told within its deadline.
+        from affdiv.experiments.runs.dask_executor import check_scheduler
+
+        check_scheduler(scheduler)
     from affdiv.experiments.runs.config import METHODS, config_hash
     from affdiv.experiments.runs.grouping import DEFAULT_ENSEMBLE_MEMORY, parse_memory
     from affdiv.experiments.runs.presets import MEASURE, check_every, load_preset
@@ -413,11 +418,6 @@ def falsify(
             raise ValueError(_option_named("--db", error)) from None
 
     measurements = [MEASURE[key][1].measurement(every=every) for key, every in intervals.items() if every is not None]
-    if executor == "dask" and scheduler is not None:  # reachable before any store exists
-        from affdiv.experiments.runs.dask_executor import connect
-
-        with connect(scheduler):
-            pass
     print(f"affdiv falsify: preset {preset_.name}: {len(configs)} runs -> {db}", file=sys.stderr)
     written = {}
     try:
