@@ -211,7 +211,7 @@ def test_falsify_refuses_a_foreign_database_and_leaves_it_alone(quick, tmp_path,
     before = sha256(db)
     refused(capsys, ["falsify", *quick, "--out", str(tmp_path / "out"), "--db", str(db)],
             f"--db {db}: not an affdiv results store", "tables ['orders']")
-    assert sha256(db) == before and listing(tmp_path) == ["out", "shop.sqlite"]
+    assert sha256(db) == before and listing(tmp_path) == ["shop.sqlite"]  # no empty --out left
 
 
 # --------------------------------------------------------------- falsify: resume on altered data
@@ -526,7 +526,7 @@ def test_analyse_refuses_a_foreign_database_and_leaves_it_alone(tmp_path, capsys
     before = sha256(db)
     refused(capsys, ["analyse", "--input", str(db), "--out", str(tmp_path / "out")],
             f"--input {db}: not an affdiv results store (SQLite application_id 0x0, tables ['orders'])")
-    assert sha256(db) == before and listing(tmp_path) == ["out", "shop.sqlite"]
+    assert sha256(db) == before and listing(tmp_path) == ["shop.sqlite"]  # no empty --out left
     connection = sqlite3.connect(db)
     assert connection.execute("PRAGMA journal_mode").fetchone() == ("delete",)  # no WAL switch
     assert [r[0] for r in connection.execute("SELECT name FROM sqlite_master")] == ["orders"]  # no runs table
