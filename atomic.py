@@ -4,6 +4,7 @@ and checking up front that a result can be written at all."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import tempfile
 from pathlib import Path
@@ -58,6 +59,41 @@ def atomic_write(path: str | Path, data: str | bytes) -> Path:
     return path
 
 
+def _first_missing(folder: Path) -> Path | None:
+    """The outermost of ``folder`` and its parents that does not exist (None: ``folder`` exists)."""
+    missing = None
+    for candidate in (folder, *folder.parents):
+        if candidate.exists() or candidate.is_symlink():
+            break
+        missing = candidate
+    return missing
+
+
+def _remove_if_empty(folder: Path) -> None:
+    """Remove ``folder`` and the folders in it, if no file (nor link) is in any of them."""
+    if folder.is_symlink() or not folder.is_dir():
+        return
+    for child in folder.iterdir():
+        _remove_if_empty(child)
+    with contextlib.suppress(OSError):  # not empty: something was written in it
+        folder.rmdir()
+
+
+@contextlib.contextmanager
+def cleanup_on_error(*folders: str | Path):
+    """Within the block, output ``folders`` may be created (by :func:`check_writable_folder`, a
+    report); if the block raises, those it created that hold no file are removed again, so that a
+    refused command leaves no empty folder behind. A folder that existed before, or that holds a
+    file (a results store, a report), stays."""
+    created = {missing for folder in folders if (missing := _first_missing(Path(folder))) is not None}
+    try:
+        yield
+    except BaseException:
+        for folder in sorted(created, key=lambda f: len(f.parts), reverse=True):
+            _remove_if_empty(folder)
+        raise
+
+
 def _reason(error: OSError) -> str:
     return error.strerror or type(error).__name__
 
@@ -73,6 +109,19 @@ def check_writable_folder(folder: str | Path, option: str) -> Path:
 
 
 def _check_folder(folder: Path, subject: str, what: str) -> Path:
+    for link in (folder, *folder.parents):  # a link that leads nowhere: name it, not its symptom
+        if link.is_symlink() and not link.exists():
+            try:
+                link.resolve(strict=True)
+            except RuntimeError:  # Python < 3.13 reports a loop so
+                reason = "a symbolic link that points back to itself (a loop)"
+            except OSError as error:
+                reason = ("a symbolic link that points back to itself (a loop)" if error.errno == errno.ELOOP
+                          else f"a symbolic link to {os.readlink(link)}, which does not exist")
+            else:
+                continue
+            named = what if link == folder else f"{link} (a parent of {what})"
+            raise NotADirectoryError(f"{subject}: {named} is {reason}; remove the link or point it at a folder")
     if folder.exists() and not folder.is_dir():
         raise NotADirectoryError(f"{subject}: exists and is not a folder" if what == "the folder"
                                  else f"{subject}: {what} is a file")

@@ -12,12 +12,16 @@ Exit status, the same for every command: 0 success; 1 a check or test failed (th
 which); 2 bad input — an argparse usage error, a missing optional dependency group
 (:class:`affdiv._extras.MissingExtra`, naming the extra to install), or a ``ValueError`` or missing,
 unreadable or unwritable file raised by the command, printed as one line
-``affdiv CMD: error: ...`` without a traceback. Anything else is a bug and keeps its traceback.
+``affdiv CMD: error: ...`` without a traceback; so is an OSError the machine raises (a full disk, a
+read-only file system, a symbolic-link loop: ``_MACHINE``), with what to do. Ctrl-C prints one
+line and exits with 130. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import importlib
 import importlib.util
 import sys
 from pathlib import Path
@@ -38,6 +42,18 @@ COMMANDS = {
 # Errors that mean "the input is bad", not "the program is wrong".
 _BAD_INPUT = (ValueError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError,
               PermissionError)
+# What the machine refuses (an OSError with one of these errno values), with what to do about it.
+_MACHINE = {errno.ENOSPC: "free some space, then run the same command again",
+            errno.EDQUOT: "free some space within the quota, then run the same command again",
+            errno.EROFS: "choose a writable location",
+            errno.ELOOP: "a symbolic link in the path points back to itself; fix or remove it",
+            errno.ENAMETOOLONG: "choose a shorter path"}
+
+
+def _machine_error(error: OSError) -> str:
+    """One line for an OSError of :data:`_MACHINE`: the file, the system's reason and the fix."""
+    where = f"{error.filename}: " if error.filename else ""
+    return f"{where}{error.strerror or error} ({_MACHINE[error.errno]})"
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -93,9 +109,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"affdiv {command}: error: {error}", file=sys.stderr)
         return 2
     except _BAD_INPUT as error:
-        message = error.args[0] if isinstance(error, ValueError) and error.args else error
+        # a ValueError's message is its first argument (UnicodeDecodeError's is the encoding: str() says it all)
+        plain = isinstance(error, ValueError) and not isinstance(error, UnicodeError) and error.args
+        message = error.args[0] if plain else error
         print(f"affdiv {command}: error: {message}", file=sys.stderr)
         return 2
+    except OSError as error:
+        if error.errno not in _MACHINE:
+            raise
+        print(f"affdiv {command}: error: {_machine_error(error)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"\naffdiv {command}: interrupted (what was finished is kept: a results store resumes with the same "
+              "command)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ result folder moved or committed elsewhere still reads the same.
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import importlib
 import os
 import platform
@@ -70,6 +71,14 @@ def source_state() -> dict:
     if getattr(_build_info, "GIT_COMMIT", None) is None:
         return {"git_commit": None, "git_dirty": None, "git_source": None}
     return {"git_commit": _build_info.GIT_COMMIT, "git_dirty": _build_info.GIT_DIRTY, "git_source": "build"}
+
+
+@functools.cache
+def code_identity() -> dict:
+    """``{"version", "git_commit", "git_dirty"}`` of the code running in this process (read once
+    per process): what a results store records with each run it keeps."""
+    state = source_state()
+    return {"version": __version__, "git_commit": state["git_commit"], "git_dirty": state["git_dirty"]}
 
 
 def git_commit() -> str | None:

@@ -175,12 +175,16 @@ def _add_calibration_option(parser) -> None:
 
 
 def parse_settings(pairs: list[str]) -> dict:
-    """``--set KEY=VALUE`` pairs as a dict; VALUE is read as TOML, a bare word as a string."""
+    """``--set KEY=VALUE`` pairs as a dict; VALUE is read as one TOML value, a bare word as a
+    string. A pair with a line break is refused: its second line would be another setting."""
     settings = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise ValueError(f"--set expects KEY=VALUE, got {pair!r}")
+        if "\n" in pair or "\r" in pair:
+            raise ValueError(f"--set takes one KEY=VALUE without a line break, got {pair!r}; give each setting its "
+                             "own --set")
         try:
             settings[key] = tomllib.loads(f"v = {value}")["v"]
         except tomllib.TOMLDecodeError:
@@ -210,18 +214,20 @@ def _print_paths(paths: dict, prefix: str = "") -> None:
 
 
 def falsify_command(args) -> int:
+    from affdiv.atomic import cleanup_on_error
     from affdiv.experiments.pipeline import falsify
 
     settings = parse_settings(args.set)
     if args.device:
         settings["device"] = args.device
-    written = falsify(
-        args.preset, args.out, data_dir=args.data_dir, workers=args.workers, db=args.db, seeds=_seed_list(args),
-        batch_sizes=args.batch_sizes, methods=args.methods, settings=settings,
-        calibration_sims=args.calibration_sims, stack=args.stack == "on", ensemble_memory=args.ensemble_memory,
-        probe_every=args.probe_every, noise_scale_every=args.noise_scale_every, executor=args.executor,
-        scheduler=args.scheduler, retries=args.retries,
-    )
+    with cleanup_on_error(args.out, *([args.db.parent] if args.db else [])):  # a refused sweep leaves no folder
+        written = falsify(
+            args.preset, args.out, data_dir=args.data_dir, workers=args.workers, db=args.db, seeds=_seed_list(args),
+            batch_sizes=args.batch_sizes, methods=args.methods, settings=settings,
+            calibration_sims=args.calibration_sims, stack=args.stack == "on", ensemble_memory=args.ensemble_memory,
+            probe_every=args.probe_every, noise_scale_every=args.noise_scale_every, executor=args.executor,
+            scheduler=args.scheduler, retries=args.retries,
+        )
     from affdiv.experiments.report.writer import verdict_table
 
     for name, paths in written.items():
@@ -232,22 +238,28 @@ def falsify_command(args) -> int:
 
 
 def analyse_command(args) -> int:
+    from affdiv.atomic import cleanup_on_error
     from affdiv.experiments.pipeline import analyse_file
 
-    _print_paths(analyse_file(
-        args.input, args.out, metric=args.metric, higher_is_better=not args.lower_is_better,
-        corrected=args.corrected, baselines=args.baselines, margin=args.margin,
-        contrast_margin=args.contrast_margin, alpha=args.alpha, calibration_sims=args.calibration_sims,
-        primary_target=args.primary_target,
-    ))
+    with cleanup_on_error(args.out):
+        written = analyse_file(
+            args.input, args.out, metric=args.metric, higher_is_better=not args.lower_is_better,
+            corrected=args.corrected, baselines=args.baselines, margin=args.margin,
+            contrast_margin=args.contrast_margin, alpha=args.alpha, calibration_sims=args.calibration_sims,
+            primary_target=args.primary_target,
+        )
+    _print_paths(written)
     return 0
 
 
 def probe_command(args) -> int:
+    from affdiv.atomic import cleanup_on_error
     from affdiv.experiments.probe import probe
 
-    _print_paths(probe(args.out, models=args.model, data=args.data, data_dir=args.data_dir,
-                       batch_sizes=args.batch_sizes, seeds=args.seeds, seed=args.seed, batches=args.batches,
-                       scope=args.scope, lr=args.lr, dtype=args.dtype, per_sample=not args.no_per_sample,
-                       masked_limit=args.masked_limit, loss=args.loss))
+    with cleanup_on_error(args.out):
+        written = probe(args.out, models=args.model, data=args.data, data_dir=args.data_dir,
+                        batch_sizes=args.batch_sizes, seeds=args.seeds, seed=args.seed, batches=args.batches,
+                        scope=args.scope, lr=args.lr, dtype=args.dtype, per_sample=not args.no_per_sample,
+                        masked_limit=args.masked_limit, loss=args.loss)
+    _print_paths(written)
     return 0

@@ -39,6 +39,8 @@ MAX_SEED = 2**64 - 1
 PROGRESS_FROM = 5000
 #: The metric of steps-to-target runs (``budget = "target"``), which ``analyse`` defaults to.
 _TARGET_METRIC = "steps_to_target"
+#: Analysis settings of the fixed-budget analysis that the steps-to-target analysis has no use for.
+_FIXED_BUDGET_ONLY = ("margin", "contrast_margin", "sensitivity", "test_baselines")
 
 
 def _check_calibration_sims(n: int) -> None:
@@ -54,12 +56,30 @@ def _progress(started: float):
 
 
 def _same_file(a: Path, b: Path) -> bool:
-    if a.resolve() == b.resolve():
-        return True
     try:
+        if a.resolve() == b.resolve():
+            return True
         return a.exists() and b.exists() and os.path.samefile(a, b)
-    except OSError:
+    except (OSError, RuntimeError):  # a symbolic-link loop (RuntimeError before Python 3.13): not one file
         return False
+
+
+def _option_named(option: str, error: Exception) -> str:
+    """``error``'s message led by ``option`` (once: a message that names it already is kept)."""
+    message = str(error.args[0] if error.args else error)
+    return message if message.startswith(option) else f"{option} {message}"
+
+
+def code_versions(store: ResultStore, hashes: Sequence[str] | None = None) -> list[dict]:
+    """The code that trained the runs (``hashes``: of these only), as the store recorded it:
+    ``{"version", "git_commit", "git_dirty", "runs"}`` per distinct code, most runs first; the
+    runs stored without a record count under version None."""
+    counts: dict[tuple, int] = {}
+    for code in store.code_versions(hashes).values():
+        key = (None, None, None) if code is None else (code["version"], code["git_commit"], code["git_dirty"])
+        counts[key] = counts.get(key, 0) + 1
+    return [{"version": v, "git_commit": c, "git_dirty": d, "runs": n}
+            for (v, c, d), n in sorted(counts.items(), key=lambda item: (-item[1], str(item[0])))]
 
 
 def check_no_overwrite(inputs: Mapping[str, Path], out_dirs: Sequence[Path]) -> None:
@@ -138,11 +158,12 @@ def check_run_config(config: RunConfig) -> None:
 
 def analyse_and_report(out: Path, records: list[dict], curves, settings: Mapping, provenance: Mapping,
                        calibration_sims: int, progress=None) -> dict[str, Path]:
-    """``analyse`` by the groups of ``label_groups``, calibrate the tests in that layout, and
-    ``write_report``; returns the written paths. ``progress``: called with a line before each
-    long step (None: quiet)."""
+    """``analyse`` by the groups of ``label_groups`` (or by the column ``settings["group_by"]`` names,
+    when it names one), calibrate the tests in that layout, and ``write_report``; returns the
+    written paths. ``progress``: called with a line before each long step (None: quiet)."""
     _check_calibration_sims(calibration_sims)
-    group_by = label_groups(records)
+    settings = dict(settings)
+    group_by = settings.pop("group_by", None) or label_groups(records)
     if curves:
         label_curves(curves, records)
     analysis = analyse(records, group_by=group_by, progress=progress, **settings)
@@ -158,6 +179,52 @@ def analyse_and_report(out: Path, records: list[dict], curves, settings: Mapping
     return write_report(
         out, analysis, records=records, curves=curves, provenance=provenance, calibration=calibration
     )
+
+
+def study_metric(configs: Sequence[RunConfig]) -> str:
+    """The metric a study is analysed by when its preset names none: steps to the target when every
+    run is of the ``target`` budget, else the test accuracy."""
+    return _TARGET_METRIC if all(c.budget == "target" for c in configs) else "test_accuracy"
+
+
+def check_study_analysis(configs: Sequence[RunConfig], settings: Mapping, *, where: str) -> None:
+    """Refuse the analysis settings of a study that only its runs' records could refuse, before the
+    runs train: a ``metric`` its runs do not record, a ``group_by`` that is no run setting or that
+    leaves two runs in one cell (group, method, batch size, seed), a ``primary_group`` that names
+    none of its groups. Raises ValueError naming ``where``, the setting, its value and the choices."""
+    from affdiv.experiments.runs.config import RunConfig
+    from affdiv.experiments.runs.training import metric_names
+
+    metric = settings.get("metric")
+    recorded = sorted(set.intersection(*(set(metric_names(c)) for c in configs)))
+    if metric is not None and metric not in recorded:
+        raise ValueError(f"{where}: metric {metric!r} is not recorded by the study's runs; they record "
+                         f"{', '.join(recorded)}")
+    if (metric or study_metric(configs)) == _TARGET_METRIC:
+        idle = sorted(set(settings) & set(_FIXED_BUDGET_ONLY)) + (["higher_is_better"] if settings.get(
+            "higher_is_better") else [])
+        if idle:
+            raise ValueError(f"{where}: {', '.join(idle)} do(es) not apply to the steps-to-target analysis (fewer "
+                             "steps are better; no slopes, margins or bootstrap of slopes); remove it")
+    records = [config.to_dict() for config in configs]
+    group_by = settings.get("group_by")
+    if group_by is not None and group_by not in RunConfig.__dataclass_fields__:
+        raise ValueError(f"{where}: group_by {group_by!r} is not a run setting; name one (e.g. 'lr_rule'), or leave "
+                         "group_by out to group by every setting that varies")
+    column = group_by or label_groups(records)
+    cells: dict[tuple, dict] = {}
+    for record in records:
+        cell = (str(record.get(column)), record["method"], record["batch_size"], record["seed"])
+        other = cells.setdefault(cell, record)
+        if other is not record:
+            differ = sorted(k for k in record if k != column and record[k] != other.get(k))
+            raise ValueError(f"{where}: group_by {column!r} puts two runs in one cell ({column}={cell[0]}, method "
+                             f"{cell[1]}, batch size {cell[2]}, seed {cell[3]}; they differ in {', '.join(differ)}); "
+                             "leave group_by out to group by every setting that varies")
+    groups = sorted({str(record.get(column)) for record in records})
+    primary = settings.get("primary_group")
+    if primary is not None and primary not in groups:
+        raise ValueError(f"{where}: primary_group {primary!r} is none of the study's groups {groups}")
 
 
 def _interval(measurements: Sequence[Mapping], name: str):
@@ -267,10 +334,15 @@ def falsify(
     Returns:
         ``{study name: {file kind: path}}`` of the written reports.
     """
+    if executor == "dask" and scheduler is not None:
+        # First, before the heavy imports: a scheduler that does not answer is told within its deadline.
+        from affdiv.experiments.runs.dask_executor import check_scheduler
+
+        check_scheduler(scheduler)
     from affdiv.experiments.runs.config import METHODS, config_hash
     from affdiv.experiments.runs.grouping import DEFAULT_ENSEMBLE_MEMORY, parse_memory
     from affdiv.experiments.runs.presets import MEASURE, check_every, load_preset
-    from affdiv.experiments.runs.store import ResultStore, data_key, identify
+    from affdiv.experiments.runs.store import ResultStore, data_key, identify, raw_key
     from affdiv.experiments.runs.sweep import check_executor, dataset_for, run_sweep
     from affdiv.experiments.runs.training import steps_per_epoch
 
@@ -308,8 +380,9 @@ def falsify(
     for device in sorted({c.device for c in configs.values()}):
         _check_device(device)
     for study in studies:
-        check_settings(study.analysis, methods=sorted({*METHODS, *(c.method for c in study.configs)}),
-                       where=f"preset {preset_.name!r} [analysis] of study {study.name!r}")
+        where = f"preset {preset_.name!r} [analysis] of study {study.name!r}"
+        check_settings(study.analysis, methods=sorted({*METHODS, *(c.method for c in study.configs)}), where=where)
+        check_study_analysis(study.configs, study.analysis, where=where)
 
     out = Path(out)
     db = Path(db) if db else out / "results.sqlite"
@@ -320,36 +393,38 @@ def falsify(
     try:
         existing = identify(db) in ("affdiv", "legacy")
     except (ValueError, IsADirectoryError) as error:
-        raise type(error)(f"--db {error}") from None
+        raise type(error)(_option_named("--db", error)) from None
     check_writable_file(db, "--db")
 
     # Bad batch sizes, bad data options and missing data files are reported before any training
     # starts; so is data that differs from the data of the runs the store already holds.
     fingerprints: dict[str, set[str]] = {}
     expected: dict[str, str] = {}
+    expected_raw: dict[str, str] = {}
     for config in configs.values():
         data = dataset_for(config, data_dir)
         fingerprints.setdefault(config.dataset, set()).add(str(data.fingerprint))
         expected[data_key(config.to_dict())] = str(data.fingerprint)
+        expected_raw[raw_key(config.to_dict())] = str(data.config["raw_sha256"])
         steps_per_epoch(config, len(data.train.y))
     if existing:
         try:
             with ResultStore(db, read_only=True) as store:
                 store.verify()
                 store.check_fingerprints(expected)
+                store.check_raw_data(expected_raw)
                 check_measurement_resume(store, list(configs), intervals, origin)
         except ValueError as error:
-            raise ValueError(f"--db {error}") from None
+            raise ValueError(_option_named("--db", error)) from None
 
     measurements = [MEASURE[key][1].measurement(every=every) for key, every in intervals.items() if every is not None]
-    if executor == "dask" and scheduler is not None:  # reachable before any store exists
-        from affdiv.experiments.runs.dask_executor import connect
-
-        with connect(scheduler):
-            pass
     print(f"affdiv falsify: preset {preset_.name}: {len(configs)} runs -> {db}", file=sys.stderr)
     written = {}
-    with ResultStore(db) as store:
+    try:
+        writer = ResultStore(db)  # the writer's lock: a second sweep on this store stops here
+    except ValueError as error:
+        raise type(error)(_option_named("--db", error)) from None
+    with writer as store:
         outcome = run_sweep(list(configs.values()), store, data_dir=data_dir, workers=workers, stack=stack,
                             ensemble_memory=ensemble_memory, measurements=measurements, executor=executor,
                             scheduler=scheduler, retries=retries,
@@ -359,8 +434,7 @@ def falsify(
                   "leaves them out (the same command tries them again)", file=sys.stderr)
         for study in studies:
             # The metric follows the budget unless the preset names one: steps under "target".
-            budget_metric = "steps_to_target" if all(c.budget == "target" for c in study.configs) else "test_accuracy"
-            analysis_settings = {"metric": budget_metric, **study.analysis}
+            analysis_settings = {"metric": study_metric(study.configs), **study.analysis}
             metric = analysis_settings["metric"]
             hashes = sorted(config_hash(c.to_dict()) for c in study.configs)
             records = store.records(hashes, metric=metric)
@@ -381,6 +455,7 @@ def falsify(
                 compute_time_s=round(store.seconds(hashes), 1),
                 runs_this_invocation=outcome.ran,
                 runs_resumed_from_db=outcome.skipped,
+                run_code=code_versions(store, hashes),
                 # how this invocation trained its runs (resumed runs may have trained otherwise)
                 this_invocation={"stack": stack, "ensemble_memory": ensemble_memory if stack else None},
                 **intervals,
@@ -425,8 +500,9 @@ def analyse_file(
 ) -> dict[str, Path]:
     """Test the batch-size prediction on existing results: a record CSV or a results store;
     returns the written paths. The metric, when None, is :func:`default_metric`'s:
-    ``steps_to_target`` for records of ``budget = "target"`` runs, else ``test_accuracy`` of a
-    store or the column ``metric`` of a CSV.
+    ``steps_to_target`` for records of ``budget = "target"`` runs (a CSV without a ``budget``
+    column: one with a ``steps_to_target`` column and no ``metric`` column), else
+    ``test_accuracy`` of a store or the column ``metric`` of a CSV.
 
     The input is only read: a store is opened read-only (its bytes, and the folder it is in, stay
     as they were), and a report folder whose files would replace the input is refused. The
@@ -463,6 +539,7 @@ def analyse_file(
                 if metric is None:
                     metric = default_metric(store.budgets(), database=True, where=f"--input {path}")
                 records, curves = store.records(metric=metric), store.curves()
+                run_code = code_versions(store)
         except (ValueError, IsADirectoryError) as error:
             message = str(error)
             raise ValueError(message if message.startswith("--input") else f"--input {message}") from None
@@ -472,7 +549,10 @@ def analyse_file(
         table = read_csv_rows(path, data)  # parsed once: the budgets choose the default metric
         if metric is None:
             header, rows = table
-            budgets = {str(row.get("budget") or "").strip() for row in rows} if "budget" in header else set()
+            if "budget" in header:
+                budgets = {str(row.get("budget") or "").strip() for row in rows}
+            else:  # told by its columns: steps to a target and no column "metric" make a CSV of target runs
+                budgets = {"target"} if _TARGET_METRIC in header and "metric" not in header else set()
             metric = default_metric(budgets, database=False, where=f"--input {path}")
         records, curves = read_csv(path, metric=metric, table=table), None
     settings["metric"] = metric
@@ -484,7 +564,8 @@ def analyse_file(
         if unknown:
             raise ValueError(f"--{role}: unknown method(s) {unknown}; the methods in {path} are {present}")
     extra = {}
-    if database:  # the data the runs were trained on, as the store recorded it
+    if database:  # the data the runs were trained on, and the code that trained them, as the store recorded it
+        extra["run_code"] = run_code
         by_data: dict[str, set[str]] = {}
         for r in records:
             by_data.setdefault(data_key(r), set()).add(str(r.get("data_fingerprint")))

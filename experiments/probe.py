@@ -212,13 +212,19 @@ def per_sample_loss(name: str, dataset):
 
 
 def check_output(spec: str, model, dataset, loss: str, dtype) -> None:
-    """One forward on two training samples: the output has the shape ``loss`` needs (a ValueError
-    naming the expected and the actual shape otherwise)."""
+    """One forward on two training samples, before any measurement: it runs (else a ValueError naming
+    the model, the batch's shape and the error) and its output has the shape ``loss`` needs (else a
+    ValueError naming the expected and the actual shape)."""
     import torch
 
     x = dataset.train.x[:2].to(dtype)
-    with torch.no_grad():
-        out = model(x)
+    try:
+        with torch.no_grad():
+            out = model(x)
+    except Exception as error:  # noqa: BLE001  (the user's code: whatever its forward raises is bad input)
+        reason = str(error).splitlines()[0] if str(error) else ""
+        raise ValueError(f"model {spec!r}: its forward failed on a batch of shape {tuple(x.shape)}: "
+                         f"{type(error).__name__}: {reason}") from None
     k = dataset.num_classes
     if not isinstance(out, torch.Tensor):
         raise ValueError(f"model {spec!r} must return one tensor, got {type(out).__name__}")

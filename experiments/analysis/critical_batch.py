@@ -50,6 +50,7 @@ import numpy as np
 from scipy import special
 
 from affdiv.experiments.analysis import stats
+from affdiv.experiments.analysis.groups import default_primary_group
 from affdiv.reporting import json_ready
 
 TARGET_METRIC = "steps_to_target"
@@ -749,7 +750,7 @@ def analyse_target(records: Sequence[Mapping], *, metric: str = TARGET_METRIC,
                 content["prediction"]["reason"] = "inconclusive: " + "; ".join(problems[name])
     groups = by_target[target_key(primary_target)]
     if primary_group is None:
-        primary_group = "tuned" if "tuned" in groups else next(iter(groups))
+        primary_group = default_primary_group({g: {r["seed"] for r in grouped[g]} for g in groups})
     elif primary_group not in groups:
         raise ValueError(f"primary_group {primary_group!r} is not among the groups {sorted(groups)}")
     trends = {}

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from affdiv.experiments.analysis import contrast, stats
+from affdiv.experiments.analysis.groups import default_primary_group
 from affdiv.experiments.records import validate_records
 from affdiv.reporting import json_ready
 
@@ -346,8 +347,9 @@ SETTINGS = ("metric", "higher_is_better", "corrected", "baselines", "group_by", 
 
 def check_settings(settings: Mapping, *, methods: Sequence[str] | None = None, where: str = "analysis") -> None:
     """Refuse analysis settings :func:`analyse` would refuse, before any work: unknown keys, alpha
-    outside (0, 0.5), a margin or contrast_margin that is not a finite number > 0, test_baselines
-    not a bool, n_boot < 100, a method both
+    outside (0, 0.5), a margin or contrast_margin that is not a finite number > 0,
+    higher_is_better, sensitivity or test_baselines not a bool, metric, group_by or primary_group
+    not a name, a seed that is not an integer >= 0, n_boot < 100, a method both
     corrected and baseline, and, when ``methods`` is given, names in ``corrected``/``baselines``
     that are not among them. Raises ValueError naming ``where``, the setting and the value."""
     unknown = sorted(set(settings) - set(SETTINGS))
@@ -365,9 +367,17 @@ def check_settings(settings: Mapping, *, methods: Sequence[str] | None = None, w
     if primary_target is not None and (isinstance(primary_target, bool) or not isinstance(primary_target, int | float)
                                        or not 0 < primary_target <= 1):
         raise ValueError(f"{where}: primary_target must be a validation accuracy in (0, 1], got {primary_target!r}")
-    test_baselines = settings.get("test_baselines")
-    if test_baselines is not None and not isinstance(test_baselines, bool):
-        raise ValueError(f"{where}: test_baselines must be true or false, got {test_baselines!r}")
+    for key in ("higher_is_better", "sensitivity", "test_baselines"):
+        value = settings.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"{where}: {key} must be true or false (a TOML boolean, unquoted), got {value!r}")
+    for key in ("metric", "group_by", "primary_group"):
+        value = settings.get(key)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise ValueError(f"{where}: {key} must be a non-empty name (a string), got {value!r}")
+    seed = settings.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"{where}: seed (of the bootstrap) must be an integer >= 0, got {seed!r}")
     n_boot = settings.get("n_boot", 2000)
     if isinstance(n_boot, bool) or not isinstance(n_boot, int) or n_boot < 100:
         raise ValueError(f"{where}: n_boot must be an integer >= 100 for a percentile CI, got {n_boot!r}")
@@ -402,8 +412,9 @@ def analyse(records: Sequence[Mapping], *, metric: str = "metric", higher_is_bet
     group_by: the column whose values split the records into independent analyses (the LR rule);
     None, or a column that no record has, analyses everything as one group named "all".
     margin: equivalence margin per doubling of B in metric units (None: :func:`default_margin`).
-    primary_group: the group whose joint verdict is the study's (default: "tuned" if there is such a
-    group, else the first in sorted order); the others are sensitivity analyses.
+    primary_group: the group whose joint verdict is the study's (default:
+    :func:`~affdiv.experiments.analysis.groups.default_primary_group`: among the groups with the most
+    seeds, "tuned" if it is one, else the first in sorted order); the others are sensitivity analyses.
     contrast_margin: equivalence margin of the contrasts in metric units (None:
     :func:`~affdiv.experiments.analysis.contrast.default_contrast_margin`).
     test_baselines: whether the baselines' own contrast is tested (stage 2 of the joint verdict);
@@ -502,7 +513,8 @@ def analyse(records: Sequence[Mapping], *, metric: str = "metric", higher_is_bet
                for m in sorted(roles, key=lambda m: (order[roles[m]], m))}
 
     if primary_group is None:
-        primary_group = "tuned" if "tuned" in groups else next(iter(groups))
+        seeds = {g: {r["seed"] for rows_of_method in grouped[g].values() for r in rows_of_method} for g in groups}
+        primary_group = default_primary_group(seeds)
     elif primary_group not in groups:
         raise ValueError(f"primary_group {primary_group!r} is not among the groups {sorted(groups)}")
     settings = {"metric": metric, "higher_is_better": higher_is_better, "alpha": alpha, "margin": margin,

@@ -4,6 +4,7 @@ and seed (and in how each method's step size is set, see ``_STEP_SIZE``)."""
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 
 from affdiv.experiments.runs.config import RunConfig, unused_settings
 
@@ -62,7 +63,8 @@ def label_groups(records: list[dict]) -> str:
     names = [fields[i] for i in sorted(varying)]
     if not names or names == ["lr_rule"]:
         return "lr_rule"
-    names = ["lr_rule", *[f for f in names if f != "lr_rule"]]
+    if any("lr_rule" in record for record in records):  # records of runs; a CSV may have no such column
+        names = ["lr_rule", *[f for f in names if f != "lr_rule"]]
     labels = {key: ", ".join(f"{f}={record.get(f)}" for f in names if f not in idle[key])
               for key, record in first.items()}
     for record, key in zip(records, settings):
@@ -82,3 +84,12 @@ def label_curves(curves: list[dict], records: list[dict]) -> None:
                 raise ValueError(f"curve point of run {point.get('config_hash')!r} has no record "
                                  "among the records analysed")
             point["group"] = labels[point["config_hash"]]
+
+
+def default_primary_group(seeds: Mapping[str, set]) -> str:
+    """The group whose verdict is the study's when none is named (``seeds``: {group: its seeds}):
+    among the groups with the most seeds, "tuned" if it is one, else the first in sorted order. A
+    group of fewer seeds (a CSV whose groups were run unequally) never decides for the study."""
+    most = max(len(found) for found in seeds.values())
+    candidates = sorted(group for group, found in seeds.items() if len(found) == most)
+    return "tuned" if "tuned" in candidates else candidates[0]

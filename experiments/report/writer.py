@@ -130,6 +130,15 @@ def _caveats(summary: Mapping) -> list:
         items.append(f"{len(failed)} run(s) failed on every attempt and are missing from the analysis (the same "
                      f"command tries them again): {shown}{' ...' if len(failed) > 10 else ''} (all of them: "
                      "failed_runs in the provenance).")
+    code = provenance.get("run_code") or []  # the code that trained the runs, as the store recorded it
+    if len(code) > 1:
+        items.append(f"The runs were trained by {len(code)} versions of affdiv ({'; '.join(map(_code, code))}). "
+                     "Numbers of different versions may differ: rerun the runs of the other versions to compare "
+                     "like with like.")
+    elif code and (code[0].get("version"), code[0].get("git_commit")) != (provenance.get("version"),
+                                                                          provenance.get("git_commit")):
+        items.append(f"The runs were trained by other code than the command that wrote this report "
+                     f"({_code(code[0])}); the version in the provenance is that command's.")
     settings = summary["settings"]
     if _design(summary) == "fixed budget" and not settings.get("test_baselines", True):
         items.append("Epoch budget: a larger batch size takes fewer optimizer steps, so every method can fall "
@@ -145,6 +154,17 @@ def _caveats(summary: Mapping) -> list:
         return []
     title = f"Read this first (preset {provenance['preset']})" if provenance.get("preset") else "Read this first"
     return [("h", 2, title), ("list", items)]
+
+
+def _code(entry: Mapping) -> str:
+    """One entry of the provenance's ``run_code``: ``affdiv 0.1.0 (commit 2fe6550...): 8 runs``."""
+    runs = f"{entry.get('runs')} run(s)"
+    if entry.get("version") is None:
+        return f"not recorded (stored before affdiv recorded it): {runs}"
+    commit = entry.get("git_commit")
+    where = f"commit {commit[:12]}{' with uncommitted changes' if entry.get('git_dirty') else ''}" if commit else \
+        "no git commit"
+    return f"affdiv {entry['version']} ({where}): {runs}"
 
 
 def _verdict_block(summary: Mapping) -> list:

@@ -190,6 +190,12 @@ class RunConfig:
         unknown = sorted(set(values) - names)
         if unknown:
             raise ValueError(f"unknown run setting(s) {unknown}; expected among: {sorted(names)}")
+        required = [f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        missing = [name for name in required if name not in values]
+        if missing:
+            raise ValueError(f"run setting(s) {missing} missing; every run needs {required} (a preset sets them in "
+                             "[run] or as [grid] axes)")
         return cls(**values)
 
 

@@ -52,6 +52,7 @@ lost, and only those.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import inspect
@@ -73,6 +74,7 @@ require("dask", "distributed", extra="dask", feature=FEATURE)
 
 import dask  # noqa: E402  (after the check that names the extra)
 import distributed  # noqa: E402
+import distributed.comm  # noqa: E402
 from distributed.diagnostics.plugin import WorkerPlugin  # noqa: E402
 from distributed.scheduler import KilledWorker  # noqa: E402
 
@@ -152,6 +154,7 @@ def connect(scheduler: str | None = None, *, workers: int = 2, retries: int = 2,
             client.close()
             cluster.close()
         return
+    check_scheduler(scheduler)
     try:
         client = distributed.Client(scheduler, timeout=CONNECT_TIMEOUT, set_as_default=False)
     except (OSError, TimeoutError, ValueError, TypeError) as error:
@@ -161,6 +164,36 @@ def connect(scheduler: str | None = None, *, workers: int = 2, retries: int = 2,
         yield client
     finally:
         client.close()
+
+
+def check_scheduler(address: str, timeout: float | None = None) -> None:
+    """Refuse ``address`` unless a Dask scheduler answers there within ``timeout`` seconds
+    (default :data:`CONNECT_TIMEOUT`), counted over the whole exchange: the connection, Dask's
+    handshake and an ``identity`` request. ``distributed.Client`` bounds only the connection, so
+    a listener that accepts and never answers (or an HTTP server) would hold it forever; this
+    check runs first. Raises ValueError naming the address and what went wrong."""
+    timeout = CONNECT_TIMEOUT if timeout is None else timeout
+
+    async def identity() -> object:
+        comm = await distributed.comm.connect(address, timeout=timeout)
+        try:
+            await comm.write({"op": "identity", "reply": True})
+            return await comm.read()
+        finally:
+            comm.abort()
+
+    try:
+        reply = asyncio.run(asyncio.wait_for(identity(), timeout))
+    except TimeoutError:
+        reason = f"no answer within {timeout:g} s"
+    except Exception as error:  # noqa: BLE001  (a refused connection, a bad address, bytes that are no Dask message)
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+    else:
+        if isinstance(reply, dict) and reply.get("type") == "Scheduler":
+            return
+        reason = f"it answered, but not as a Dask scheduler ({str(reply)[:80]!r})"
+    raise ValueError(f"--scheduler {address}: cannot connect to a Dask scheduler there ({reason}); check the address, "
+                     "or leave --scheduler out to start a local cluster")
 
 
 def _workers(client: distributed.Client) -> dict:

@@ -141,7 +141,12 @@ class Preset:
             split_per_seed = base.get("data_seed") == SEED
             if split_per_seed:
                 del base["data_seed"]
-            configs = self._expand(base, grid, keep=set(block.get("run", {})) | set(run or {}))
+            try:
+                configs = self._expand(base, grid, keep=set(block.get("run", {})) | set(run or {}))
+            except ValueError as error:
+                message = str(error)
+                raise ValueError(message if message.startswith("preset ") else f"preset {self.name!r}: {message}") \
+                    from None
             if split_per_seed:
                 configs = [dataclasses.replace(c, data_seed=c.seed) for c in configs]
             analysis = {**self.raw.get("analysis", {}), **block.get("analysis", {})}
@@ -187,7 +192,12 @@ def load_preset(name_or_path: str) -> Preset:
     if path.suffix == ".toml" or len(path.parts) > 1:  # a path, not a packaged name
         if not path.is_file():
             raise FileNotFoundError(f"--preset {path}: no such file")
-        text, name = path.read_text(), path.stem
+        data, name = path.read_bytes(), path.stem
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise ValueError(f"--preset {path}: not UTF-8 text (byte {data[error.start]:#04x} at offset "
+                             f"{error.start}); a TOML preset is UTF-8: save it as UTF-8") from None
     else:
         check_choice("preset", name_or_path, available_presets())
         text = (resources.files("affdiv.experiments.runs") / "presets" / f"{name_or_path}.toml").read_text()

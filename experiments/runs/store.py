@@ -32,11 +32,25 @@ trained on the same data only if their data fingerprints are equal (the fingerpr
 raw data bytes with those settings). :meth:`ResultStore.put` refuses a run whose fingerprint
 differs from the one the store holds for the same data settings, and
 :meth:`ResultStore.check_fingerprints` tells before a sweep starts.
+
+One version of the raw data: a data fingerprint also hashes the split, so runs whose data seeds
+differ (``data_seed = "seed"``) never share one. The SHA-256 of the raw data itself (before any
+split) is kept per :func:`raw_key` in the ``raw_data`` table, from the first run that brings it;
+:meth:`ResultStore.put` refuses a run whose raw data hashes otherwise, and
+:meth:`ResultStore.check_raw_data` tells before a sweep starts. Runs stored before that table
+existed have no such record (the first run put after them sets it).
+
+The code behind each run: the ``run_code`` table keeps the affdiv version, git commit and
+dirty flag of the process that trained each run (:func:`affdiv.provenance.code_identity`);
+:meth:`ResultStore.code_versions` reads them (None for a run stored before that table existed).
+
+Both tables are created by a writer and read when present; a store without them is read as it is.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import json
 import math
 import sqlite3
@@ -59,7 +73,8 @@ _COLUMNS = (
     ("data_fingerprint", "TEXT", 1, 0),
     ("finished_utc", "TEXT", 1, 0),
 )
-# Added later, nullable: stores without them are read as they are, and a writer adds them.
+# Added later, nullable: stores without them are read as they are, and a writer adds them
+# (candidates with the first run that has them, so a store without ladder runs keeps its schema).
 _ADDED_COLUMNS = ("measurements", "candidates")
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -89,8 +104,51 @@ CREATE TABLE IF NOT EXISTS failures (
 )
 """
 
+#: Seconds an SQLite call waits for a lock another process holds before the store says it is locked.
+BUSY_TIMEOUT = 10.0
+
+
+class StoreLocked(ValueError):
+    """Another process holds the store: a lock SQLite waited :data:`BUSY_TIMEOUT` s for, or the
+    writer's lock of another sweep."""
+
+
+def _database_error(path: Path, error: sqlite3.DatabaseError) -> Exception:
+    """The one-line error for an SQLite error on ``path``: locked (another process holds it), full
+    (an OSError ENOSPC) or damaged."""
+    text = str(error)
+    if "locked" in text or "busy" in text:
+        return StoreLocked(f"{path}: locked by another process for {BUSY_TIMEOUT:g} s (SQLite: {text}); the store is "
+                           "not damaged: let that process finish, then run the command again")
+    if "full" in text:
+        return OSError(errno.ENOSPC, f"no space left for the results store (SQLite: {text}); the runs committed "
+                                     "before are kept", str(path))
+    return ValueError(f"{path}: damaged SQLite file ({text})")
+
+
 #: The run settings that define the data a run trains on (the arguments of its dataset loader).
 DATA_SETTINGS = ("dataset", "data_seed", "val_fraction", "data_options")
+#: Datasets whose raw arrays are generated from the data seed (``experiments/data/synthetic.py``):
+#: for them the seed is part of what defines the raw data (:func:`raw_key`).
+GENERATED_FROM_SEED = ("synthetic",)
+
+# The SHA-256 of each raw dataset the store's runs trained on, by raw_key (one version per key).
+_RAW_DATA = """
+CREATE TABLE IF NOT EXISTS raw_data (
+    raw_key    TEXT PRIMARY KEY,
+    raw_sha256 TEXT NOT NULL,
+    first_utc  TEXT NOT NULL
+)
+"""
+# The code that trained each run: affdiv's version, git commit and dirty flag (null: not known).
+_RUN_CODE = """
+CREATE TABLE IF NOT EXISTS run_code (
+    config_hash TEXT PRIMARY KEY,
+    version     TEXT NOT NULL,
+    git_commit  TEXT,
+    git_dirty   INTEGER
+)
+"""
 
 
 def _finite_or_none(value):
@@ -112,6 +170,16 @@ def _finite_json(value):
 def data_key(config: Mapping) -> str:
     """The data settings of a run's config, as canonical JSON (runs with equal keys share data)."""
     return canonical_json({name: config.get(name) for name in DATA_SETTINGS})
+
+
+def raw_key(config: Mapping) -> str:
+    """What defines the raw data of a run (before any split or standardisation), as canonical JSON:
+    its dataset and data options, and its data seed when the dataset is generated from it
+    (:data:`GENERATED_FROM_SEED`). Runs with equal keys must train on raw data with the same hash."""
+    settings = {"dataset": config.get("dataset"), "data_options": config.get("data_options")}
+    if config.get("dataset") in GENERATED_FROM_SEED:
+        settings["data_seed"] = config.get("data_seed")
+    return canonical_json(settings)
 
 
 def _describe(key: str) -> str:
@@ -157,16 +225,22 @@ def identify(path: str | Path) -> str:
         tables = sorted(row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'"))
         columns = tuple(tuple(row[1:4]) + (row[5],) for row in db.execute("PRAGMA table_info(runs)"))
     except sqlite3.DatabaseError as error:
-        raise ValueError(f"{path}: damaged SQLite file ({error})") from None
+        raise _database_error(path, error) from None
     finally:
         db.close()
     expected = tuple((name, kind, notnull, pk) for name, kind, notnull, pk in _COLUMNS)
-    added = tuple((name, "TEXT", 0, 0) for name in _ADDED_COLUMNS)
-    if columns[:len(expected)] == expected and columns[len(expected):] == added[:len(columns) - len(expected)]:
-        columns = expected  # the nullable columns added later, as many as its version had
+    added = {(name, "TEXT", 0, 0) for name in _ADDED_COLUMNS}
+    if columns[:len(expected)] == expected and set(columns[len(expected):]) <= added:
+        columns = expected  # the nullable columns added later, those its version had
     if application_id == APPLICATION_ID:
-        if columns != expected:
+        if "runs" not in tables:
             raise ValueError(f"{path}: an affdiv results store without its runs table (damaged); tables {tables}")
+        if columns != expected:
+            found = [column[0] for column in columns]
+            raise ValueError(f"{path}: an affdiv results store whose runs table has columns {found}; this version of "
+                             f"affdiv reads {[column[0] for column in expected]} (and {', '.join(_ADDED_COLUMNS)}): a "
+                             "store of another version of affdiv, or one changed outside it; open it with the version that "
+                             "wrote it")
         return "affdiv"
     if application_id == 0 and not tables:
         return "empty"
@@ -176,8 +250,28 @@ def identify(path: str | Path) -> str:
                      f"tables {tables}); an affdiv store has application_id {APPLICATION_ID:#x} and a 'runs' table")
 
 
+def _writer_lock(path: Path):
+    """An open handle of ``path`` (created empty if missing) holding an exclusive ``flock``: the
+    lock of the one process that writes the store. Another process that asks for it is refused at
+    once (:class:`StoreLocked`), so two sweeps on one store never train the same runs. The kernel
+    releases it when the process ends, however it ends. Without ``fcntl`` (Windows): None, no lock."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    handle = open(path, "ab")  # noqa: SIM115  (held open for the store's lifetime; closed by _release)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()  # before this store opens SQLite: no lock of its connection is dropped
+        raise StoreLocked(f"{path}: another process is writing this results store (a sweep on it is running); "
+                          "wait for it to finish, then run the command again (it resumes), or use another --db") \
+            from None
+    return handle
+
+
 def _connect_read_only(path: Path) -> sqlite3.Connection:
-    return sqlite3.connect(_uri(path, immutable=not _side_files(path)), uri=True, timeout=60.0,
+    return sqlite3.connect(_uri(path, immutable=not _side_files(path)), uri=True, timeout=BUSY_TIMEOUT,
                            isolation_level=None)
 
 
@@ -197,28 +291,44 @@ class ResultStore:
             raise FileNotFoundError(f"{self.path}: no such results database")
         self._known: dict[str, str] | None = None  # data key -> fingerprint, loaded on first use
         self._empty = kind in ("missing", "empty")
+        self._lock = None
         try:
             if read_only:
                 self._stamp = _stamp(self.path) if kind != "empty" else None
                 self._db = _connect_read_only(self.path)
             else:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                self._db = sqlite3.connect(self.path, timeout=60.0, isolation_level=None)
+                self._lock = _writer_lock(self.path)  # before SQLite opens it: one writer per store
+                self._db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT, isolation_level=None)
                 self._db.execute("PRAGMA journal_mode=WAL")
                 self._db.execute("PRAGMA synchronous=FULL")
                 self._db.execute(_SCHEMA)
-                for column in _ADDED_COLUMNS:  # a store of an earlier version: add the column
-                    if not self._has_column(column):
-                        self._db.execute(f"ALTER TABLE runs ADD COLUMN {column} TEXT")
+                self._db.execute(_RAW_DATA)
+                self._db.execute(_RUN_CODE)
+                if not self._has_column("measurements"):  # a store of an earlier version: add the column
+                    self._db.execute("ALTER TABLE runs ADD COLUMN measurements TEXT")
                 self._db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
             if kind not in ("missing", "empty"):
                 self._check_integrity()
         except sqlite3.DatabaseError as error:
-            raise ValueError(f"{self.path}: damaged SQLite file ({error})") from None
+            self._release()
+            raise _database_error(self.path, error) from None
+        except BaseException:
+            self._release()
+            raise
+
+    def _release(self) -> None:
+        """Close the connection (if open), then give up the writer's lock (after: closing a file
+        SQLite has open would drop SQLite's own locks)."""
+        if getattr(self, "_db", None) is not None:
+            self._db.close()
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
     def _has_column(self, name: str) -> bool:
-        """Whether the runs table has the column ``name`` (stores of earlier versions lack those
-        of ``_ADDED_COLUMNS``)."""
+        """Whether the runs table has the column ``name`` (stores of earlier versions lack the
+        nullable ones added later)."""
         return any(row[1] == name for row in self._query("PRAGMA table_info(runs)"))
 
     def _check_integrity(self) -> None:
@@ -227,7 +337,7 @@ class ResultStore:
             raise ValueError(f"{self.path}: damaged SQLite file (quick_check: {'; '.join(problems)[:300]})")
 
     def close(self) -> None:
-        self._db.close()
+        self._release()
 
     def __enter__(self) -> ResultStore:
         return self
@@ -244,14 +354,12 @@ class ResultStore:
             rows = self._db.execute(sql, parameters).fetchall()
             if self.read_only and self._stamp is not None and _stamp(self.path) != self._stamp:
                 self._db.close()  # a writer changed it while we read: read through SQLite's locks
-                self._db = sqlite3.connect(_uri(self.path, immutable=False), uri=True, timeout=60.0,
+                self._db = sqlite3.connect(_uri(self.path, immutable=False), uri=True, timeout=BUSY_TIMEOUT,
                                            isolation_level=None)
                 self._stamp = None
                 rows = self._db.execute(sql, parameters).fetchall()
         except sqlite3.DatabaseError as error:
-            if "locked" in str(error):  # busy, not damaged
-                raise
-            raise ValueError(f"{self.path}: damaged SQLite file ({error})") from None
+            raise _database_error(self.path, error) from None
         return rows
 
     def verify(self) -> int:
@@ -322,8 +430,39 @@ class ResultStore:
             if key in known and known[key] != expected[key]:
                 raise ValueError(
                     f"{self.path} holds runs on {_describe(key)} with data fingerprint {known[key]}, but the data "
-                    f"now gives {expected[key]}: the data files changed since those runs; restore them or use "
-                    "another results database")
+                    f"now gives {expected[key]}: the data files changed since those runs; restore them, or give "
+                    "runs on the new data their own --db")
+
+    # ----------------------------------------------------------------- raw data and code versions
+    def _tables(self) -> set[str]:
+        return {row[0] for row in self._query("SELECT name FROM sqlite_master WHERE type = 'table'")}
+
+    def raw_data(self) -> dict[str, str]:
+        """{raw key (:func:`raw_key`): SHA-256 of the raw data} recorded by the store's runs ({} for
+        a store written before the record existed)."""
+        if "raw_data" not in self._tables():
+            return {}
+        return dict(self._query("SELECT raw_key, raw_sha256 FROM raw_data"))
+
+    def check_raw_data(self, expected: Mapping[str, str]) -> None:
+        """Refuse raw data that differs from the raw data of the runs in the store.
+
+        ``expected``: {raw key: SHA-256 of the raw data as it is now}. Raises ValueError naming the
+        dataset and both hashes for the first key whose recorded hash differs.
+        """
+        _refuse_other_raw_data(self.path, self.raw_data(), expected)
+
+    def code_versions(self, hashes: Iterable[str] | None = None) -> dict[str, dict | None]:
+        """{config hash: {"version", "git_commit", "git_dirty"} of the code that trained the run, or
+        None when the store did not record it (a run stored before the record existed)}."""
+        known = {}
+        if "run_code" in self._tables():
+            for key, version, commit, dirty in self._query("SELECT config_hash, version, git_commit, git_dirty "
+                                                           "FROM run_code"):
+                known[key] = {"version": version, "git_commit": commit,
+                              "git_dirty": None if dirty is None else bool(dirty)}
+        runs = self.finished() if hashes is None else set(hashes) & self.finished()
+        return {key: known.get(key) for key in sorted(runs)}
 
     def put(
         self,
@@ -335,22 +474,33 @@ class ResultStore:
         data_fingerprint: str,
         measurements: list[dict] | None = None,
         candidates: list[dict] | None = None,
+        raw_sha256: str | None = None,
+        code: Mapping | None = None,
     ) -> str:
         """Commit one finished run in one transaction; returns its config hash.
 
         ``measurements``: the run's measurement dicts (``RunResult.measurements``), kept as JSON
         (non-finite numbers as null); None or [] stores null. ``candidates``: likewise, every
-        candidate's lr and curve (``RunResult.candidates``).
+        candidate's lr and curve (``RunResult.candidates``); the first run with candidates adds
+        their column to a store of an earlier version. ``raw_sha256``: the SHA-256 of the
+        raw data the run trained on (``Dataset.config["raw_sha256"]``), checked against and added
+        to the ``raw_data`` table. ``code``: ``{"version", "git_commit", "git_dirty"}`` of the
+        process that trained the run (default: this process's,
+        :func:`affdiv.provenance.code_identity`).
 
         A run already present (same hash) is left as it is: a finished run is never overwritten.
         A run whose data fingerprint differs from that of the stored runs with the same data
-        settings is refused (ValueError), so one store never mixes two versions of a dataset.
+        settings, or whose raw data hashes otherwise than that of the stored runs with the same
+        :func:`raw_key`, is refused (ValueError), so one store never mixes two versions of a dataset.
         """
         if self.read_only:
             raise PermissionError(f"{self.path}: opened read-only")
+        from affdiv.provenance import code_identity
+
         key = config_hash(config)
         data = data_key(config)
         self.check_fingerprints({data: data_fingerprint})
+        code = dict(code or code_identity())
         row = (
             key,
             canonical_json(config),
@@ -361,13 +511,33 @@ class ResultStore:
             _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
             *(canonical_json(_finite_json(list(values))) if values else None for values in (measurements, candidates)),
         )
-        with self._db:  # BEGIN ... COMMIT (rolled back on error)
-            self._db.execute("BEGIN IMMEDIATE")
-            self._db.execute("INSERT OR IGNORE INTO runs (config_hash, config, metrics, curves, seconds, "
-                             "data_fingerprint, finished_utc, measurements, candidates) "
-                             "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
+        try:
+            self._commit_run(key, config, row, raw_sha256, code)
+        except sqlite3.DatabaseError as error:  # a full disk, a lock held too long: the transaction rolled back
+            raise _database_error(self.path, error) from None
         self.fingerprints().setdefault(data, data_fingerprint)
         return key
+
+    def _commit_run(self, key: str, config: dict, row: tuple, raw_sha256: str | None, code: Mapping) -> None:
+        """The transaction of :meth:`put`: the raw data's record, the run and its code, or none."""
+        with self._db:  # BEGIN ... COMMIT (rolled back on error)
+            self._db.execute("BEGIN IMMEDIATE")
+            if raw_sha256 is not None:
+                raw = raw_key(config)
+                known = dict(self._db.execute("SELECT raw_key, raw_sha256 FROM raw_data WHERE raw_key = ?", (raw,)))
+                _refuse_other_raw_data(self.path, known, {raw: raw_sha256})
+                self._db.execute("INSERT OR IGNORE INTO raw_data VALUES (?, ?, ?)", (raw, raw_sha256, row[6]))
+            columns = ["config_hash", "config", "metrics", "curves", "seconds", "data_fingerprint", "finished_utc",
+                       "measurements"]
+            if row[8] is not None:  # a run with candidates: the column is added to a store of an earlier version
+                if not self._has_column("candidates"):
+                    self._db.execute("ALTER TABLE runs ADD COLUMN candidates TEXT")
+                columns.append("candidates")
+            self._db.execute(f"INSERT OR IGNORE INTO runs ({', '.join(columns)}) "
+                             f"VALUES ({', '.join('?' * len(columns))})", row[:len(columns)])
+            dirty = code.get("git_dirty")
+            self._db.execute("INSERT OR IGNORE INTO run_code VALUES (?, ?, ?, ?)",
+                             (key, str(code["version"]), code.get("git_commit"), None if dirty is None else int(dirty)))
 
     def put_failure(self, config: dict, *, error: str, kind: str, attempts: int, detail: str = "") -> str:
         """Record that a run failed on its last attempt (``kind``: "worker died", "exception", ...;
@@ -381,10 +551,13 @@ class ResultStore:
         key = config_hash(config)
         row = (key, canonical_json(config), str(error), str(kind), int(attempts), str(detail),
                _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"))
-        with self._db:
-            self._db.execute("BEGIN IMMEDIATE")
-            self._db.execute(_FAILURES)
-            self._db.execute("INSERT OR REPLACE INTO failures VALUES (?, ?, ?, ?, ?, ?, ?)", row)
+        try:
+            with self._db:
+                self._db.execute("BEGIN IMMEDIATE")
+                self._db.execute(_FAILURES)
+                self._db.execute("INSERT OR REPLACE INTO failures VALUES (?, ?, ?, ?, ?, ?, ?)", row)
+        except sqlite3.DatabaseError as error:
+            raise _database_error(self.path, error) from None
         return key
 
     def failures(self, hashes: Iterable[str] | None = None) -> list[dict]:
@@ -491,6 +664,17 @@ class ResultStore:
     ) -> Path:
         """Write ``records`` as CSV (method, batch_size, seed, metric, then the other columns sorted)."""
         return write_csv(path, self.records(hashes, metric=metric))
+
+
+def _refuse_other_raw_data(path: Path, known: Mapping[str, str], expected: Mapping[str, str]) -> None:
+    for key in sorted(expected):
+        if key in known and known[key] != expected[key]:
+            settings = json.loads(key)
+            seed = f", data_seed {settings['data_seed']}" if "data_seed" in settings else ""
+            raise ValueError(
+                f"{path} holds runs trained on dataset {settings['dataset']!r}{seed} whose raw data had SHA-256 "
+                f"{known[key][:16]}..., but the data now gives {expected[key][:16]}...: the data files changed "
+                "since those runs; restore them, or give runs on the new data their own --db")
 
 
 def ladder_records(record: Mapping, candidates: list[dict]) -> list[dict]:

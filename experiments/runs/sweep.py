@@ -162,14 +162,19 @@ _SET_UP = object()  # _run_unit's default data folder: the one _init_worker set 
 
 def _run_unit(unit: Sequence[RunConfig], stack: bool, measurements: Sequence[Measurement],
               data_dir: str | None | object = _SET_UP) -> list[tuple]:
-    """Train one unit (runs of one ensemble key); returns (config, store fields) per run. ``data_dir``
-    travels with a Dask task (a worker may serve several sweeps); pool workers use their own."""
+    """Train one unit (runs of one ensemble key); returns (config, store fields) per run, with the
+    raw data's hash and the code identity of the process that trained it. ``data_dir`` travels with
+    a Dask task (a worker may serve several sweeps); pool workers use their own."""
+    from affdiv.provenance import code_identity
+
     folder = _DATA_DIR if data_dir is _SET_UP else data_dir
-    results = train_group(unit, [dataset_for(c, folder) for c in unit], stack=stack, measurements=measurements)
+    datasets = [dataset_for(c, folder) for c in unit]
+    results = train_group(unit, datasets, stack=stack, measurements=measurements)
     out = []
-    for config, result in zip(unit, results):
+    for config, data, result in zip(unit, datasets, results):
         fields = {"metrics": result.metrics, "curves": result.curves, "seconds": result.seconds,
-                  "data_fingerprint": result.data_fingerprint}
+                  "data_fingerprint": result.data_fingerprint, "raw_sha256": data.config.get("raw_sha256"),
+                  "code": code_identity()}
         if result.measurements:
             fields["measurements"] = result.measurements
         if result.candidates:

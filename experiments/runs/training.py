@@ -95,8 +95,19 @@ from affdiv.experiments.runs.reads import read_steps
 from affdiv.experiments.runs.stacked import StackedEnsemble, stack_failure
 
 _EVAL_CHUNK = 4096
+#: The metrics every run records (``RunResult.metrics``), and those runs of the ``target`` budget add.
+METRICS = ("test_accuracy", "test_loss", "val_accuracy", "val_loss", "train_loss", "diverged", "lr",
+           "lr_at_grid_edge", "steps", "epochs")
+TARGET_METRICS = ("steps_to_target", "censored", "max_steps", "target")
 
 log = logging.getLogger(__name__)
+
+
+def metric_names(config: RunConfig) -> tuple[str, ...]:
+    """The metrics a run of ``config`` records: what a preset's ``[analysis] metric`` may name."""
+    tuned_momentum = config.optimizer == "momentum" and config.lr_rule == "tuned" and bool(config.momentum_grid)
+    return (*METRICS, *(("tuned_momentum",) if tuned_momentum else ()),
+            *(TARGET_METRICS if config.budget == "target" else ()))
 
 
 @dataclass
@@ -335,7 +346,7 @@ class _Run:
             "steps": last["step"],
             "epochs": last["epoch"],
         }
-        if config.optimizer == "momentum" and config.lr_rule == "tuned" and config.momentum_grid:
+        if "tuned_momentum" in metric_names(config):
             metrics["tuned_momentum"] = best.momentum
         stored = []
         if config.budget == "target":

@@ -345,3 +345,78 @@ def test_an_unreachable_scheduler_is_refused_before_the_store_exists(tmp_path, c
     assert main(argv) == 2
     assert "--scheduler tcp://127.0.0.1:9: cannot connect to a Dask scheduler there" in capsys.readouterr().err
     assert not (tmp_path / "results.sqlite").exists()
+
+
+@pytest.fixture
+def listener():
+    """A TCP listener on the loopback interface that accepts every connection and answers each with
+    ``reply`` (None: never a byte), holding it open; yields ``start(reply) -> address``."""
+    import socket
+    import threading
+
+    sockets = []
+
+    def start(reply: bytes | None) -> str:
+        server = socket.create_server(("127.0.0.1", 0))
+        sockets.append(server)
+
+        def serve() -> None:
+            while True:
+                try:
+                    connection, _ = server.accept()
+                except OSError:  # closed at teardown
+                    return
+                sockets.append(connection)
+                if reply is not None:
+                    connection.sendall(reply)
+
+        threading.Thread(target=serve, daemon=True).start()
+        return f"tcp://127.0.0.1:{server.getsockname()[1]}"
+
+    yield start
+    for item in sockets:
+        item.close()
+
+
+# A listener that says nothing; an HTTP server's answer; eight bytes that read as a frame count of
+# 3.5e18 (which distributed would try to allocate).
+SILENT, HTTP, HUGE_FRAME = None, b"HTTP/1.0 400 Bad Request\r\nContent-Length: 0\r\n\r\n", b"\xff" * 64
+
+
+@pytest.mark.parametrize(("reply", "reason"), [(SILENT, "no answer within 1 s"), (HTTP, ""), (HUGE_FRAME, "")])
+def test_a_listener_that_is_no_scheduler_is_refused_within_the_timeout(tmp_path, capsys, monkeypatch, listener,
+                                                                       reply, reason):
+    from affdiv.experiments.runs import dask_executor
+
+    monkeypatch.setattr(dask_executor, "CONNECT_TIMEOUT", 1.0)
+    address = listener(reply)
+    started = time.monotonic()
+    argv = ["falsify", *GRID, "--out", str(tmp_path / "out"), "--executor", "dask", "--scheduler", address]
+    assert main(argv) == 2
+    assert time.monotonic() - started < 20  # the 1 s deadline plus building the sweep; no hang
+    err = capsys.readouterr().err
+    line = next(line for line in err.splitlines() if "error:" in line)
+    assert f"--scheduler {address}: cannot connect to a Dask scheduler there ({reason}" in line
+    assert "Traceback" not in err
+    assert not (tmp_path / "out" / "results.sqlite").exists()
+
+
+def test_a_scheduler_that_is_no_address_is_refused_and_the_process_exits_at_once(tmp_path):
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "affdiv", "falsify", *GRID, "--out", str(tmp_path / "out"),
+                           "--executor", "dask", "--scheduler", "not a url"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].startswith("affdiv falsify: error: --scheduler not a url: cannot "
+                                                           "connect to a Dask scheduler there")
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr
+    assert time.monotonic() - started < 30  # no wait for a client's threads at exit
+
+
+def test_a_real_scheduler_passes_the_check():
+    from distributed import LocalCluster
+
+    from affdiv.experiments.runs.dask_executor import check_scheduler
+
+    with LocalCluster(n_workers=0, host="127.0.0.1", dashboard_address=None) as scheduler_only:
+        check_scheduler(scheduler_only.scheduler_address, timeout=10)

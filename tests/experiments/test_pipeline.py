@@ -119,6 +119,8 @@ FALSIFY_REFUSALS = [
     (["--set", "base_lr='fast'"], "a run setting has the wrong type"),
     (["--calibration-sims", "-1"], "--calibration-sims must be an integer >= 0, got -1"),
     (["--workers", "0"], "--workers must be an integer >= 1, got 0"),
+    (["--set", 'activation="relu"\nwidth=3'], "--set takes one KEY=VALUE without a line break, got "
+                                              "'activation=\"relu\"\\nwidth=3'; give each setting its own --set"),
 ]
 
 
@@ -127,6 +129,46 @@ def test_falsify_refuses_bad_settings_before_creating_the_store(quick, tmp_path,
     out = tmp_path / "out"
     refused(capsys, ["falsify", *quick, *extra, "--out", str(out)], message)
     assert not (out / "results.sqlite").exists()
+
+
+ANALYSIS_REFUSALS = [
+    ('group_by = ["lr_rule"]', "group_by must be a non-empty name (a string), got ['lr_rule']"),
+    ('group_by = "nosuch"', "group_by 'nosuch' is not a run setting"),
+    ('metric = "nosuch"', "metric 'nosuch' is not recorded by the study's runs; they record "),
+    ('metric = "steps_to_target"', "metric 'steps_to_target' is not recorded by the study's runs"),
+    ('primary_group = "nosuch"', "primary_group 'nosuch' is none of the study's groups ['constant']"),
+    ('higher_is_better = "no"', "higher_is_better must be true or false (a TOML boolean, unquoted), got 'no'"),
+    ('sensitivity = "true"', "sensitivity must be true or false (a TOML boolean, unquoted), got 'true'"),
+    ("seed = -1", "seed (of the bootstrap) must be an integer >= 0, got -1"),
+]
+
+
+@pytest.mark.parametrize("line, message", ANALYSIS_REFUSALS)
+def test_falsify_refuses_analysis_settings_before_the_first_run(tmp_path, capsys, line, message):
+    preset = tmp_path / "bad.toml"
+    preset.write_text(PRESET.replace('metric = "test_accuracy"', line))
+    out = tmp_path / "out"
+    refused(capsys, ["falsify", "--preset", str(preset), "--calibration-sims", "0", "--out", str(out)],
+            "preset 'bad' [analysis] of study 'bad': ", message)
+    assert not (out / "results.sqlite").exists()
+
+
+def test_a_group_by_that_leaves_two_runs_in_a_cell_is_refused_before_the_first_run(tmp_path, capsys):
+    preset = tmp_path / "widths.toml"
+    preset.write_text(PRESET.replace("seed = [0, 1]", "seed = [0, 1]\nwidth = [8, 16]")
+                      .replace('metric = "test_accuracy"', 'group_by = "lr_rule"'))
+    refused(capsys, ["falsify", "--preset", str(preset), "--calibration-sims", "0", "--out", str(tmp_path / "out")],
+            "group_by 'lr_rule' puts two runs in one cell (lr_rule=constant, method affine, batch size 16, seed 0; "
+            "they differ in width)")
+
+
+def test_a_preset_group_by_is_the_analysis_grouping(tmp_path):
+    preset = tmp_path / "grouped.toml"
+    preset.write_text(PRESET + 'group_by = "lr_rule"\n')
+    assert main(["falsify", "--preset", str(preset), "--calibration-sims", "0", "--workers", "1",
+                 "--out", str(tmp_path / "out")]) == 0
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["settings"]["group_by"] == "lr_rule" and list(summary["groups"]) == ["constant"]
 
 
 def test_falsify_refuses_cuda_without_cuda(quick, tmp_path, capsys, monkeypatch):
@@ -169,7 +211,7 @@ def test_falsify_refuses_a_foreign_database_and_leaves_it_alone(quick, tmp_path,
     before = sha256(db)
     refused(capsys, ["falsify", *quick, "--out", str(tmp_path / "out"), "--db", str(db)],
             f"--db {db}: not an affdiv results store", "tables ['orders']")
-    assert sha256(db) == before and listing(tmp_path) == ["out", "shop.sqlite"]
+    assert sha256(db) == before and listing(tmp_path) == ["shop.sqlite"]  # no empty --out left
 
 
 # --------------------------------------------------------------- falsify: resume on altered data
@@ -220,6 +262,65 @@ def test_resuming_on_data_that_differs_in_one_byte_is_refused(quick, tmp_path, c
     now = line.rsplit("the data now gives ", 1)[1].split(":")[0]
     assert len(now) == 64 and now != stored[0]
     assert sha256(db) == before  # nothing trained, nothing written
+
+
+def test_a_new_seed_on_changed_raw_data_is_refused(quick, tmp_path, capsys, monkeypatch):
+    # Each seed draws its own split (data_seed = "seed"), so the data fingerprints of seeds 0-1 and
+    # seed 2 differ anyway: only the raw data's hash, recorded by the store, tells the change.
+    from affdiv.experiments.runs import sweep
+
+    data = _fashion_copy(tmp_path / "fashion")
+    out = tmp_path / "out"
+    argv = ["falsify", *quick, "--batch-sizes", "256", "--set", "dataset='fashion-mnist'", "--set", "budget='steps'",
+            "--set", "length=1", "--set", "data_seed='seed'", "--data-dir", str(data), "--out", str(out)]
+    assert main([*argv, "--seed", "0", "--seeds", "2"]) == 0
+    db = out / "results.sqlite"
+    before = sha256(db)
+    labels = data / "train-labels-idx1-ubyte"
+    altered = bytearray(labels.read_bytes())
+    altered[8] = (altered[8] + 1) % 10  # the first training label
+    labels.write_bytes(bytes(altered))
+    monkeypatch.setattr(sweep, "_DATASETS", {})  # load the files again, as a new process would
+    refused(capsys, ["falsify", *argv[1:], "--seed", "2", "--seeds", "1"],
+            f"--db {db} holds runs trained on dataset 'fashion-mnist' whose raw data had SHA-256 ",
+            "the data files changed since those runs")
+    assert sha256(db) == before  # nothing trained, nothing written
+
+
+@pytest.mark.parametrize("older", ["UPDATE run_code SET version = '0.0.1', git_commit = NULL, git_dirty = NULL",
+                                   "DROP TABLE run_code"])
+def test_a_resumed_store_names_the_code_that_trained_its_runs(quick, quick_run, tmp_path, older):
+    from affdiv.provenance import code_identity
+
+    db = tmp_path / "old.sqlite"
+    shutil.copyfile(quick_run / "results.sqlite", db)
+    execute_sql(db, older)  # runs of another version, or of one that did not record it
+    assert main(["falsify", *quick, "--db", str(db), "--out", str(tmp_path / "out")]) == 0
+    provenance = json.loads((tmp_path / "out" / "summary.json").read_text())["provenance"]
+    assert provenance["runs_resumed_from_db"] == 4 and provenance["version"] == code_identity()["version"]
+    version, shown = ("0.0.1", "affdiv 0.0.1 (no git commit): 4 run(s)") if older.startswith("UPDATE") else \
+        (None, "not recorded (stored before affdiv recorded it): 4 run(s)")
+    assert provenance["run_code"] == [{"version": version, "git_commit": None, "git_dirty": None, "runs": 4}]
+    report = " ".join((tmp_path / "out" / "report.md").read_text().split())
+    assert f"The runs were trained by other code than the command that wrote this report ({shown})" in report
+
+
+def test_a_store_of_one_known_version_has_no_version_caveat(quick_run):
+    from affdiv.provenance import code_identity
+
+    provenance = json.loads((quick_run / "summary.json").read_text())["provenance"]
+    assert provenance["run_code"] == [{**code_identity(), "runs": 4}]
+    assert "The runs were trained by" not in (quick_run / "report.md").read_text()
+
+
+def test_a_store_of_several_versions_lists_them(quick_run, tmp_path):
+    db = tmp_path / "mixed.sqlite"
+    shutil.copyfile(quick_run / "results.sqlite", db)
+    execute_sql(db, "DELETE FROM run_code WHERE config_hash IN (SELECT config_hash FROM run_code LIMIT 1)")
+    assert main(["analyse", "--input", str(db), "--out", str(tmp_path / "out"), "--calibration-sims", "0"]) == 0
+    report = " ".join((tmp_path / "out" / "report.md").read_text().split())
+    assert "The runs were trained by 2 versions of affdiv (affdiv " in report
+    assert "; not recorded (stored before affdiv recorded it): 1 run(s))" in report
 
 
 # --------------------------------------------------------------------------------- analyse: inputs
@@ -412,7 +513,8 @@ def test_analyse_reads_a_read_only_store_without_changing_it(quick_run, tmp_path
 def test_analyse_reads_a_store_written_before_the_application_id(quick_run, tmp_path):
     legacy = tmp_path / "old.sqlite"
     shutil.copyfile(quick_run / "results.sqlite", legacy)
-    execute_sql(legacy, "PRAGMA application_id = 0", "PRAGMA journal_mode = DELETE")
+    execute_sql(legacy, "PRAGMA application_id = 0", "PRAGMA journal_mode = DELETE", "DROP TABLE raw_data",
+                "DROP TABLE run_code")  # the runs table alone, as such a store has it
     before = sha256(legacy)
     assert main(["analyse", "--input", str(legacy), "--out", str(tmp_path / "out"), "--calibration-sims", "0"]) == 0
     assert sha256(legacy) == before and listing(tmp_path) == ["old.sqlite", "out"]  # no WAL switch, no mark
@@ -424,7 +526,7 @@ def test_analyse_refuses_a_foreign_database_and_leaves_it_alone(tmp_path, capsys
     before = sha256(db)
     refused(capsys, ["analyse", "--input", str(db), "--out", str(tmp_path / "out")],
             f"--input {db}: not an affdiv results store (SQLite application_id 0x0, tables ['orders'])")
-    assert sha256(db) == before and listing(tmp_path) == ["out", "shop.sqlite"]
+    assert sha256(db) == before and listing(tmp_path) == ["shop.sqlite"]  # no empty --out left
     connection = sqlite3.connect(db)
     assert connection.execute("PRAGMA journal_mode").fetchone() == ("delete",)  # no WAL switch
     assert [r[0] for r in connection.execute("SELECT name FROM sqlite_master")] == ["orders"]  # no runs table
@@ -562,3 +664,148 @@ def test_a_model_factory_that_raises_is_a_one_line_error(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["affdiv probe: error: model 'json:loads': the factory failed: TypeError: "
                    "loads() missing 1 required positional argument: 's'"]
+
+
+# ------------------------------------------------------------------- refused commands leave nothing
+def test_refused_commands_leave_no_output_folder(quick, tmp_path, capsys):
+    long_csv = tmp_path / "long.csv"
+    long_csv.write_text("method,batch_size,seed,metric,note\naffine,16,0,0.5," + "x" * 131073 + "\n")
+    (tmp_path / "folder.sqlite").mkdir()
+    out = tmp_path / "new" / "out"  # two folders that do not exist yet
+    for argv, message in [
+        (["falsify", *quick, "--set", "data_options={nosuch=1}"], "unknown option(s) nosuch"),
+        (["falsify", *quick, "--db", str(tmp_path / "folder.sqlite")], "is a folder"),
+        (["analyse", "--input", str(planted_csv(tmp_path / "runs.csv")), "--corrected", "nosuch"],
+         "--corrected: unknown method(s) ['nosuch']"),
+        (["analyse", "--input", str(long_csv)], "field larger than field limit"),
+    ]:
+        refused(capsys, [*argv, "--out", str(out)], message)
+        assert not (tmp_path / "new").exists(), argv
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    refused(capsys, ["analyse", "--input", str(long_csv), "--out", str(existing / "out")], "field larger")
+    assert listing(existing) == []  # the folder that was there stays, the one made for the report goes
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "preset 'bad': run setting(s) ['dataset', 'method', 'batch_size', 'seed'] missing; every run needs"),
+    (b'description = "caf\xe9"\n', "bad.toml: not UTF-8 text (byte 0xe9 at offset 18); a TOML preset is UTF-8"),
+])
+def test_a_preset_without_runs_or_not_utf8_is_named(tmp_path, capsys, content, message):
+    preset = tmp_path / "bad.toml"
+    preset.write_bytes(content)
+    refused(capsys, ["falsify", "--preset", str(preset), "--out", str(tmp_path / "out")], message)
+
+
+def test_a_store_whose_runs_table_has_other_columns_is_not_called_damaged(quick_run, tmp_path, capsys):
+    db = tmp_path / "other.sqlite"
+    shutil.copyfile(quick_run / "results.sqlite", db)
+    execute_sql(db, "ALTER TABLE runs ADD COLUMN later TEXT")  # as a later version might
+    line = refused(capsys, ["analyse", "--input", str(db), "--out", str(tmp_path / "out")],
+                   "whose runs table has columns ['config_hash', ", "'later']", "a store of another version of affdiv")
+    assert "damaged" not in line
+
+
+def test_a_target_csv_without_a_budget_column_is_told_by_its_columns(tmp_path):
+    path = target_csv(tmp_path / "target.csv")
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(line.rsplit(",", 1)[0] + ("," + ("censored" if i == 0 else "0" if line.split(",")[3]
+                                                                else "1"))
+                              for i, line in enumerate(lines)) + "\n")  # budget column out, censored in
+    assert "budget" not in path.read_text() and "censored" in path.read_text()
+    assert main(["analyse", "--input", str(path), "--out", str(tmp_path / "out"), "--calibration-sims", "0"]) == 0
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["design"] == "steps_to_target" and summary["provenance"]["metric"] == "steps_to_target"
+
+
+def test_a_group_with_fewer_seeds_does_not_decide_for_the_study(tmp_path):
+    # Two groups told apart by a width column (no lr_rule column): width 16 run with 5 seeds, width 8
+    # with 1. The first in sorted order ("width=16") is also the one with most seeds in one layout,
+    # so each layout is tried: the 5-seed group decides in both.
+    for few, many in ((8, 16), (16, 8)):
+        rows = [{"method": m, "batch_size": b, "seed": s, "width": w,
+                 "metric": 0.9 - (0.02 if m == "norm_l2" else 0.0) * (b.bit_length() - 1) + 0.003 * ((s * 7 + b) % 5)}
+                for w, seeds in ((few, 1), (many, 5)) for m in ("affine", "norm_l2") for b in (16, 32, 64, 128)
+                for s in range(seeds)]
+        path = planted_csv(tmp_path / f"groups{few}.csv", rows)
+        out = tmp_path / f"out{few}"
+        assert main(["analyse", "--input", str(path), "--out", str(out), "--calibration-sims", "0"]) == 0
+        summary = json.loads((out / "summary.json").read_text())
+        assert sorted(summary["groups"]) == sorted([f"width={few}", f"width={many}"])  # no "lr_rule=None"
+        assert summary["primary_group"] == f"width={many}"
+
+
+# --------------------------------------------------------- the machine: locks, a full disk, links, Ctrl-C
+def test_a_second_sweep_on_a_store_being_written_trains_nothing(quick, quick_run, tmp_path, capsys):
+    from affdiv.experiments.runs.store import ResultStore
+
+    db = tmp_path / "results.sqlite"
+    shutil.copyfile(quick_run / "results.sqlite", db)
+    execute_sql(db, "DELETE FROM runs WHERE config_hash IN (SELECT config_hash FROM runs LIMIT 2)")
+    with ResultStore(db) as first:  # a sweep of the same runs, writing
+        before = first.finished()
+        refused(capsys, ["falsify", *quick, "--out", str(tmp_path)],
+                f"--db {db}: another process is writing this results store", "or use another --db")
+        assert first.finished() == before and len(before) == 2  # the second sweep trained nothing
+
+
+def test_a_full_disk_under_the_report_is_one_line_and_leaves_no_folder(tmp_path, capsys, monkeypatch):
+    import errno
+
+    from affdiv import atomic
+
+    def full(_handle):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(atomic.os, "fsync", full)
+    out = tmp_path / "out"
+    refused(capsys, ["analyse", "--input", str(planted_csv(tmp_path / "runs.csv")), "--out", str(out),
+                     "--calibration-sims", "0"], "No space left on device (free some space, then run the same command")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("target, reason", [("loop", "a symbolic link that points back to itself (a loop)"),
+                                            ("elsewhere", "a symbolic link to ")])
+def test_an_out_folder_that_is_a_broken_link_is_named(tmp_path, capsys, target, reason):
+    link = tmp_path / "link"
+    link.symlink_to(link if target == "loop" else tmp_path / target)
+    refused(capsys, ["analyse", "--input", str(planted_csv(tmp_path / "runs.csv")), "--out", str(link)],
+            f"--out {link}: the folder is {reason}", "remove the link or point it at a folder")
+
+
+def test_ctrl_c_is_one_line(tmp_path, capsys, monkeypatch):
+    from affdiv.experiments import pipeline
+
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline, "analyse_file", interrupted)
+    out = tmp_path / "out"
+    assert main(["analyse", "--input", str(planted_csv(tmp_path / "runs.csv")), "--out", str(out)]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "affdiv analyse: interrupted (what was finished is kept: a results store resumes with the " \
+                          "same command)"
+    assert not out.exists()
+
+
+def test_a_model_whose_forward_raises_is_a_one_line_error(tmp_path, capsys, monkeypatch):
+    (tmp_path / "broken_model.py").write_text(
+        "import torch\n\n\nclass Broken(torch.nn.Linear):\n    def forward(self, x):\n"
+        "        raise RuntimeError('shapes do not match')\n\n\ndef make():\n    return Broken(64, 10)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    refused(capsys, ["probe", "--model", "broken_model:make", "--out", str(tmp_path / "p")],
+            "model 'broken_model:make': its forward failed on a batch of shape (2, 1, 8, 8): RuntimeError: shapes do "
+            "not match")
+    assert not (tmp_path / "p").exists()
+
+
+@pytest.mark.parametrize("line, named", [("sensitivity = true", "sensitivity"), ("margin = 0.01", "margin"),
+                                         ("higher_is_better = true", "higher_is_better")])
+def test_fixed_budget_settings_of_a_target_study_are_refused_not_ignored(tmp_path, capsys, line, named):
+    preset = tmp_path / "target.toml"
+    preset.write_text(PRESET.replace('budget = "epochs"', 'budget = "target"\ntarget = 0.5')
+                      .replace('metric = "test_accuracy"', line))
+    out = tmp_path / "out"
+    refused(capsys, ["falsify", "--preset", str(preset), "--calibration-sims", "0", "--out", str(out)],
+            f"[analysis] of study 'target': {named} do(es) not apply to the steps-to-target analysis")
+    assert not out.exists()

@@ -365,8 +365,9 @@ def test_falsify_noise_scale_every_measures_and_refuses_to_mix_intervals(tmp_pat
     assert main(["falsify", *_options(quick), "--seeds", "1", "--out", str(out), "--noise-scale-every", "4"]) == 0
     for other, said in ((["--noise-scale-every", "6"], "resuming with --noise-scale-every 6"),
                         ([], "resuming without --noise-scale-every")):
-        refused(capsys, ["falsify", *_options(quick), "--out", str(out), *other],
-                "holds runs of this sweep measured with --noise-scale-every 4", said)
+        line = refused(capsys, ["falsify", *_options(quick), "--out", str(out), *other],
+                       "holds runs of this sweep measured with --noise-scale-every 4", said)
+        assert line.startswith(f"affdiv falsify: error: --db {out / 'results.sqlite'} holds runs")  # named once
     # the preset's [measure] table sets the same interval: it resumes the store; another is refused, naming it
     refused(capsys, ["falsify", *_options(quick, "measured"), "--out", str(out), "--noise-scale-every", "3"],
             "resuming with --noise-scale-every 3 would")

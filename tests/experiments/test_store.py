@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from affdiv.experiments.records import is_sqlite
 from affdiv.experiments.runs.config import canonical_json, config_hash
-from affdiv.experiments.runs.store import ResultStore
+from affdiv.experiments.runs.store import GENERATED_FROM_SEED, ResultStore, raw_key
 
 
 def test_config_hash_is_sha256_of_the_canonical_json():
@@ -372,3 +372,119 @@ def test_budgets_are_read_from_the_configs_alone(tmp_path):
             store.put(config, metrics={"test_accuracy": 0.5}, curves=[], seconds=1.0, data_fingerprint="a" * 64)
     with ResultStore(path, read_only=True) as store:
         assert store.budgets() == {"target", "epochs", ""}
+
+
+# ------------------------------------------------------------------- raw data and code versions
+DIGITS = {"method": "affine", "batch_size": 32, "seed": 0, "dataset": "digits", "data_seed": 0, "val_fraction": 0.1,
+          "data_options": {}}
+
+
+def _put_run(store, config, **extra):
+    return store.put(config, metrics={"test_accuracy": 0.5}, curves=[], seconds=1.0,
+                     data_fingerprint=f"{config['data_seed']}" * 64, **extra)
+
+
+def test_put_refuses_a_run_on_other_raw_data_whatever_its_split(tmp_path):
+    path = tmp_path / "r.sqlite"
+    with ResultStore(path) as store:
+        _put_run(store, DIGITS, raw_sha256="a" * 64)
+        _put_run(store, {**DIGITS, "seed": 1, "data_seed": 1}, raw_sha256="a" * 64)  # another split, same raw data
+        before = store.finished()
+        with pytest.raises(ValueError, match=f"holds runs trained on dataset 'digits' whose raw data had SHA-256 "
+                                             f"{'a' * 16}.*, but the data now gives {'b' * 16}.*the data files "
+                                             "changed"):
+            _put_run(store, {**DIGITS, "seed": 2, "data_seed": 2}, raw_sha256="b" * 64)
+        assert store.finished() == before
+    with ResultStore(path, read_only=True) as store:
+        assert store.raw_data() == {raw_key(DIGITS): "a" * 64}
+        store.check_raw_data({raw_key({**DIGITS, "data_seed": 5}): "a" * 64})
+        with pytest.raises(ValueError, match="b{16}"):
+            store.check_raw_data({raw_key({**DIGITS, "data_seed": 5}): "b" * 64})
+
+
+def test_the_raw_key_holds_the_data_seed_exactly_where_the_raw_data_depends_on_it():
+    from affdiv.experiments.data.dataset import DATASETS, load_dataset
+
+    small = {"synthetic": {"n_train": 64, "n_test": 32}}
+    for name in ("digits", "synthetic"):
+        options = small.get(name, {})
+        hashes = {load_dataset(name, seed=seed, **options).config["raw_sha256"] for seed in (0, 1)}
+        keys = {raw_key({**DIGITS, "dataset": name, "data_seed": seed, "data_options": options}) for seed in (0, 1)}
+        assert len(hashes) == len(keys), name  # the seed changes the raw data iff the key holds it
+    assert set(GENERATED_FROM_SEED) <= set(DATASETS)
+
+
+def test_each_run_records_the_code_that_trained_it(tmp_path):
+    from affdiv.provenance import code_identity
+
+    path = tmp_path / "r.sqlite"
+    old = {"version": "0.1.0", "git_commit": "c" * 40, "git_dirty": False}
+    with ResultStore(path) as store:
+        first = _put_run(store, DIGITS, code=old)
+        second = _put_run(store, {**DIGITS, "seed": 1})
+    with ResultStore(path, read_only=True) as store:
+        assert store.code_versions() == {first: old, second: code_identity()}
+    execute = sqlite3.connect(path)
+    execute.execute("DROP TABLE run_code")  # as a store written before runs recorded their code
+    execute.commit()
+    execute.close()
+    with ResultStore(path, read_only=True) as store:
+        assert store.code_versions() == {first: None, second: None}
+
+
+# ------------------------------------------------------------- locks, a second writer, a full disk
+def _holding_an_exclusive_lock(path):
+    """A connection (as another program's) that holds an exclusive lock on the store at ``path``."""
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("PRAGMA locking_mode = EXCLUSIVE")
+    holder.execute("BEGIN EXCLUSIVE")
+    return holder
+
+
+def test_a_locked_store_is_called_locked_not_damaged(tmp_path, monkeypatch):
+    from affdiv.experiments.runs import store as store_module
+
+    monkeypatch.setattr(store_module, "BUSY_TIMEOUT", 0.2)
+    path = tmp_path / "r.sqlite"
+    with ResultStore(path) as store:
+        _put_run(store, DIGITS)
+    holder = _holding_an_exclusive_lock(path)
+    try:
+        for read_only in (True, False):
+            with pytest.raises(store_module.StoreLocked, match="locked by another process for 0.2 s .*the store is "
+                                                               "not damaged: let that process finish"):
+                ResultStore(path, read_only=read_only).finished()
+    finally:
+        holder.close()
+    with ResultStore(path, read_only=True) as store:
+        assert len(store.finished()) == 1
+
+
+def test_a_second_writer_is_refused_at_once_and_the_first_goes_on(tmp_path):
+    from affdiv.experiments.runs.store import StoreLocked
+
+    path = tmp_path / "r.sqlite"
+    with ResultStore(path) as first:
+        with pytest.raises(StoreLocked, match="another process is writing this results store"):
+            ResultStore(path)
+        _put_run(first, DIGITS)
+        with ResultStore(path, read_only=True) as reader:  # readers are never refused
+            assert len(reader.finished()) == 1
+    with ResultStore(path) as again:  # the lock went with the first writer
+        assert len(again.finished()) == 1
+
+
+def test_a_full_disk_is_an_oserror_and_keeps_the_committed_runs(tmp_path):
+    import errno
+
+    path = tmp_path / "r.sqlite"
+    with ResultStore(path) as store:
+        first = _put_run(store, DIGITS)
+        pages = store._db.execute("PRAGMA page_count").fetchone()[0]
+        store._db.execute(f"PRAGMA max_page_count = {pages}")  # SQLite's "database or disk is full" from here
+        with pytest.raises(OSError, match="no space left for the results store .*database or disk is full") as caught:
+            store.put({**DIGITS, "seed": 1}, metrics={"test_accuracy": 0.5}, curves=[{"x": "y" * 100_000}],
+                      seconds=1.0, data_fingerprint="0" * 64)
+        assert caught.value.errno == errno.ENOSPC and caught.value.filename == str(path)
+    with ResultStore(path, read_only=True) as store:
+        assert store.finished() == {first} and store.verify() == 1

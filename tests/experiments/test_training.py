@@ -16,7 +16,7 @@ from affdiv.experiments.runs import training
 from affdiv.experiments.runs.config import MLP_METHODS, RunConfig, candidates, config_hash, learning_rates
 from affdiv.experiments.runs.models import build_model
 from affdiv.experiments.runs.optimizers import make_optimizer
-from affdiv.experiments.runs.training import Measurement, train_run
+from affdiv.experiments.runs.training import Measurement, metric_names, train_run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -344,3 +344,14 @@ def test_measurements_are_kept_with_the_run_and_change_nothing(digits):
     assert plain.measurements == []
     with pytest.raises(ValueError, match="every must be an integer >= 1, got 0"):
         Measurement("probe", 0, train_mode_forward)
+
+
+@pytest.mark.parametrize("changes", [
+    {"budget": "steps", "length": 3},
+    {"budget": "target", "target": 0.5, "eval_every": 2, "length": 4},
+    {"budget": "steps", "length": 2, "optimizer": "momentum", "lr_rule": "tuned", "lr_grid": (0.1, 0.2),
+     "momentum_grid": (0.5, 0.9)},
+])
+def test_metric_names_are_the_metrics_a_run_records(digits, changes):
+    config = _config(**changes)
+    assert sorted(train_run(config, digits).metrics) == sorted(metric_names(config))
