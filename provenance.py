@@ -14,9 +14,10 @@ The working directory is never consulted: run from a user's own project, a resul
 that project's commit.
 
 Paths: a record names no absolute path of the machine that wrote it. The command is written as
-``affdiv ARGS`` with every absolute path among its arguments relative to ``root`` (the result's
-output folder), and callers write the paths they record with :func:`relative_path`, so that a
-result folder moved or committed elsewhere still reads the same.
+``affdiv ARGS`` with every absolute path among its arguments relative to the working directory
+(as if typed there, like its relative ones), and callers write the paths they record relative to
+the result's folder (:func:`relative_path`), so that a result folder moved or committed elsewhere
+still reads the same.
 """
 
 from __future__ import annotations
@@ -98,29 +99,32 @@ def library_versions() -> dict[str, str | None]:
 
 def relative_path(path: str | os.PathLike, root: str | os.PathLike | None) -> str:
     """``path`` as a record writes it: relative to ``root`` when absolute (``os.path.relpath``:
-    "." for root itself, "../x" beside it); a relative path, or any path when ``root`` is None,
-    as given."""
+    "." for root itself, "../x" beside it); a relative path, any path when ``root`` is None, and
+    one that no relative path reaches (another drive) as given."""
     path = os.fspath(path)
     if root is None or not os.path.isabs(path):
         return path
-    return os.path.relpath(path, os.path.abspath(root))
+    try:
+        return os.path.relpath(path, os.path.abspath(root))
+    except ValueError:  # another drive (Windows): no relative path leads there
+        return path
 
 
 def command_line(argv: list[str], root: str | os.PathLike | None = None) -> str:
     """``argv`` as ``affdiv ARGS``: the program's own path dropped, absolute paths (also in
-    ``--option=PATH``) relative to ``root``."""
+    ``--option=PATH`` and ``--set KEY=PATH``) relative to ``root``."""
     def portable(token: str) -> str:
         option, sep, value = token.partition("=")
-        if sep and option.startswith("--"):
+        if sep and not os.path.isabs(token):  # --option=PATH, or a --set KEY=PATH value
             return f"{option}={relative_path(value, root)}"
         return relative_path(token, root)
 
     return " ".join(["affdiv", *(portable(token) for token in argv[1:])])
 
 
-def provenance(*, root: str | os.PathLike | None = None, **extra) -> dict:
-    """A JSON-ready provenance record; ``extra`` (seed, config hash, ...) is merged in. ``root``:
-    the folder the result is written to; absolute paths in the command are written relative to it.
+def provenance(**extra) -> dict:
+    """A JSON-ready provenance record; ``extra`` (seed, config hash, ...) is merged in; absolute
+    paths in the command are written relative to the working directory.
 
     Keys: package, version, git_commit, git_dirty, git_source (module docstring), libraries,
     command, platform, machine, processor, cpu_count, time_utc, then ``extra``."""
@@ -129,7 +133,7 @@ def provenance(*, root: str | os.PathLike | None = None, **extra) -> dict:
         "version": __version__,
         **source_state(),
         "libraries": library_versions(),
-        "command": command_line(sys.argv, root),
+        "command": command_line(sys.argv, os.getcwd()),
         "platform": platform.platform(),
         "machine": platform.machine(),
         "processor": platform.processor() or None,

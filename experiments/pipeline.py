@@ -440,7 +440,6 @@ def falsify(
             records = store.records(hashes, metric=metric)
             study_out = out if len(studies) == 1 else out / study.name
             record = provenance(
-                root=study_out,
                 preset=preset_.name,
                 preset_settings=preset_.raw,
                 study=study.name,
@@ -576,7 +575,7 @@ def analyse_file(
         extra["data_fingerprint"] = {dataset: sorted({str(r.get("data_fingerprint")) for r in records
                                                       if str(r.get("dataset")) == dataset})
                                      for dataset in sorted({str(r.get("dataset")) for r in records})}
-    record = provenance(root=out, input=relative_path(path.resolve(), out), input_sha256=digest, metric=metric, **extra)
+    record = provenance(input=relative_path(path.resolve(), out), input_sha256=digest, metric=metric, **extra)
     progress = _progress(started) if len(records) >= PROGRESS_FROM else None
     if progress is not None:
         progress(f"read {len(records)} records from {path}")

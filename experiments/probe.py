@@ -70,6 +70,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
+from affdiv.provenance import relative_path
+
 SCOPES = ("layer", "network")
 DTYPES = ("float64", "float32")
 LOSSES = ("cross_entropy", "mse")
@@ -131,6 +133,12 @@ def model_list(spec: str | Sequence[str]) -> list[str]:
     for name in out:
         zoo.resolve(importable(name))  # unknown names and failed imports fail here, before any work
     return list(dict.fromkeys(out))
+
+
+def _cwd_relative_spec(spec: str) -> str:
+    """A ``path/to/file.py:factory`` spec with its path relative to the working directory."""
+    where, colon, name = spec.rpartition(":")
+    return f"{relative_path(where, os.getcwd())}:{name}" if colon and where.endswith(".py") else spec
 
 
 def importable(spec: str) -> str:
@@ -550,7 +558,8 @@ def probe(out: str | Path, *, models: str | Sequence[str], data: str = "digits",
     under ``out``; returns the written paths. Bad input raises a one-line ValueError before any
     measurement (the data are loaded first, to check the batch sizes and the models against them)."""
     batch_sizes = parse_int_list(batch_sizes, "--batch-sizes")
-    names = model_list(models)
+    names = [_cwd_relative_spec(name) for name in model_list(models)]  # as recorded: no absolute path
+    data = relative_path(data, os.getcwd()) if str(data).endswith(".npz") else data
     if scope not in SCOPES:
         raise ValueError(f"--scope must be one of {', '.join(SCOPES)}, got {scope!r}")
     if dtype not in DTYPES:
@@ -591,7 +600,7 @@ def probe(out: str | Path, *, models: str | Sequence[str], data: str = "digits",
         "scope": scope, "lr": lr, "dtype": dtype, "per_sample": per_sample, "masked_limit": masked_limit,
         "loss": loss, "ci": CI_TEXT,
         "routes": routes,
-        "provenance": provenance(root=out, seed=seed, data_fingerprint=dataset.fingerprint,
+        "provenance": provenance(seed=seed, data_fingerprint=dataset.fingerprint,
                                  wall_time_s=round(time.perf_counter() - start, 2)),
     }
     out = Path(out)

@@ -80,11 +80,14 @@ def test_no_git_gives_no_commit_and_ignores_the_environment(monkeypatch):
 def test_the_command_names_no_absolute_path(tmp_path, monkeypatch):
     out = tmp_path / "reports" / "study"
     argv = ["/somewhere/bin/affdiv", "falsify", "--preset", "smoke", "--out", str(out), f"--db={tmp_path / 'r.sqlite'}",
-            "--data-dir", "data/fashion"]
-    assert provenance.command_line(argv, out) == ("affdiv falsify --preset smoke --out . --db=../../r.sqlite "
-                                                  "--data-dir data/fashion")
+            "--data-dir", "data/fashion", "--set", f"data_dir={tmp_path / 'data'}"]
+    # Absolute paths as if typed in the working directory, like the relative ones.
+    assert provenance.command_line(argv, tmp_path) == ("affdiv falsify --preset smoke --out reports/study "
+                                                       "--db=r.sqlite --data-dir data/fashion --set data_dir=data")
+    monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", argv)
-    record = provenance.provenance(root=out)
-    assert record["command"].startswith("affdiv falsify") and str(tmp_path) not in record["command"]
+    record = provenance.provenance()
+    assert record["command"].startswith("affdiv falsify --preset smoke --out reports/study")
+    assert str(tmp_path) not in record["command"]
     assert provenance.relative_path(tmp_path / "x.csv", out) == "../../x.csv"
     assert provenance.relative_path("rel/x.csv", out) == "rel/x.csv"

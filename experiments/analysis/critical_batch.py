@@ -33,9 +33,14 @@ jackknife t gave 95.5-95.8% and 4-6% (400 studies each; the tests assert it). Th
 bootstrap's percentile interval (all methods refitted on the same drawn seeds) is still reported
 as a sensitivity analysis (``boot_ci_low``, ``boot_ci_high``) when ``n_boot`` > 0.
 
-Steps are treated as observed exactly; the harness checks the target every ``eval_every`` steps,
-so a recorded S is the first check at or past the true crossing (an error below
-log(S/(S - eval_every)), negligible when eval_every is small against S).
+Steps are treated as observed exactly. Reads every ``eval_every`` steps record the first read at
+or past the crossing (an error below log(S/(S - eval_every)), small when eval_every is small
+against S); geometric reads (``read_spacing`` = r) interpolate the crossing between the read
+before and the read that reached it (the gap is below r S; :mod:`~affdiv.experiments.runs.reads`).
+
+Along a ladder (records with several values of ``target``) every target is analysed as above, the
+primary target deciding; the trend of each log ratio along the targets (:func:`trend`) is
+descriptive. The pair outcomes keep a small effect apart from none (:func:`_ratio`).
 """
 
 from __future__ import annotations
@@ -397,7 +402,7 @@ def _ratio(fc: CurveFit, fb: CurveFit, seeds_c: set, seeds_b: set, n_seeds: int,
     """The one-sided jackknife t test of log(B_crit(c)/B_crit(b)) < 0 and its classification: the
     test first (smaller, then whether the 1 - 2 alpha interval lies inside the band), then
     equivalence, then larger. ``_replicates``: the leave-one-seed-out log ratios by seed position
-    (for the trend along a ladder; not reported)."""
+    (for the trend along a ladder, keyed by seed by the caller; not reported)."""
     estimate = float(fc.log_b_crit[0] - fb.log_b_crit[0])
     present = sorted(seeds_c | seeds_b)
     jack = 1 + np.array(present)
@@ -487,11 +492,9 @@ def _joint(verdicts: Sequence[str]) -> str:
 
 
 def analyse_group(rows: Sequence[Mapping], *, metric: str, corrected: Sequence[str], baselines: Sequence[str],
-                  alpha: float, n_boot: int, seed: int, label: str = "", fitter=None) -> dict:
-    """Fits, ratios and verdicts of one group of typed rows (see :func:`check_target_records`).
-
-    ``fitter(method, data, weights)``, if given, replaces :func:`fit_curve` (the calibration passes
-    fits it computed for many simulated studies at once)."""
+                  alpha: float, n_boot: int, seed: int, label: str = "") -> dict:
+    """Fits, ratios and verdicts of one group of typed rows (see :func:`check_target_records`);
+    ``label`` seeds its bootstrap resamples (the same at every target: paired along a ladder)."""
     by_method = defaultdict(list)
     for row in rows:
         by_method[row["method"]].append(row)
@@ -521,7 +524,7 @@ def analyse_group(rows: Sequence[Mapping], *, metric: str, corrected: Sequence[s
         status = _method_status(data, n_seeds)
         result["status"] = status
         if status == "ok":
-            fit = fitter(method, data, weights) if fitter is not None else fit_curve(data, weights)
+            fit = fit_curve(data, weights)
             result.update(_method_summary(fit, data, alpha, n_boot))
             if result["resolved"]:
                 fits[method] = fit
@@ -537,7 +540,8 @@ def analyse_group(rows: Sequence[Mapping], *, metric: str, corrected: Sequence[s
                 ratios[c][b] = {"class": UNCLEAR, "status": "no ratio: " + "; ".join(
                     f"{m}: {methods[m].get('ci_status', methods[m]['status'])}" for m in missing)}
                 continue
-            ratios[c][b] = _ratio(fits[c], fits[b], seed_sets[c], seed_sets[b], g, alpha, n_boot)
+            ratios[c][b] = pair = _ratio(fits[c], fits[b], seed_sets[c], seed_sets[b], g, alpha, n_boot)
+            pair["_replicates"] = {seeds[i]: value for i, value in pair["_replicates"].items()}  # by seed
 
     for method, result in methods.items():
         if role[method] == "other":
@@ -743,7 +747,7 @@ def analyse_target(records: Sequence[Mapping], *, metric: str = TARGET_METRIC,
         problems[name] = _problems([r for g in grouped[target].values() for r in g])
         by_target[name] = {g: analyse_group(grouped[target][g], metric=metric, corrected=corrected,
                                             baselines=baselines, alpha=alpha, n_boot=n_boot, seed=seed,
-                                            label=g if target is None else f"{g} @ {name}")
+                                            label=g)
                            for g in sorted(grouped[target])}
         for content in by_target[name].values():
             if problems[name]:

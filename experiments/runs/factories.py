@@ -6,9 +6,10 @@ A preset's ``[method.NAME] model = "SPEC"`` names the factory, called as
 
 with ``input_shape`` a sample's shape (e.g. (1, 28, 28)) and the number of classes; the module
 returns logits (N, num_classes) and is initialised by the call (the harness seeds torch before
-it, so each seed gives its own init). SPEC is ``package.module:function`` (importable; a module in
-the working directory is found without setting PYTHONPATH) or ``path/to/file.py:function`` (a
-relative path from the working directory).
+it, so each seed gives its own init). SPEC is ``package.module:function`` (a module file of the
+working directory first, so a local ``code.py`` is not the standard library's ``code``; else
+importable, the working directory first on the import path) or ``path/to/file.py:function`` (a relative path from
+the working directory). On a Dask cluster the file must lie at the same path on every worker.
 
 The factory's source file enters each run's key through ``model_digest`` (its SHA-256), set when
 a preset's runs are planned: an edited factory makes new runs, never a store that mixes two
@@ -38,28 +39,47 @@ def check_spec(spec: str) -> None:
     _split(spec)
 
 
+def _file_module(path: Path):
+    """The module of file ``path`` as it is now: loaded under a name of its path and content, so an
+    edited file is loaded anew, never paired with a digest of other code."""
+    source = path.read_bytes()
+    name = "affdiv_factory_" + hashlib.sha256(str(path.resolve()).encode() + b"\0" + source).hexdigest()[:16]
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return sys.modules[name]
+
+
 def _module(where: str):
-    if where.endswith(".py"):
-        path = Path(where)
+    """The module ``where`` names: a file ``*.py``; a module file of the working directory
+    (``where.py``, found first, so that a local ``code.py`` is not the standard library's
+    ``code``); else an importable module (the working directory first on the import path, as
+    ``python -m`` has it), reloaded if its source changed since this process imported it."""
+    if where.endswith(".py") or Path(f"{where}.py").is_file():
+        path = Path(where if where.endswith(".py") else f"{where}.py")
         if not path.is_file():
             raise FileNotFoundError(f"model {where}: no such file")
-        name = "affdiv_factory_" + hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
-        if name not in sys.modules:
-            spec = importlib.util.spec_from_file_location(name, path)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module
-            try:
-                spec.loader.exec_module(module)
-            except BaseException:
-                del sys.modules[name]
-                raise
-        return sys.modules[name]
-    if "" not in sys.path and str(Path.cwd()) not in sys.path:
-        sys.path.append(str(Path.cwd()))  # a module beside the caller, as `python -m` would find it
+        return _file_module(path)
+    if str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
     try:
-        return importlib.import_module(where)
+        module = importlib.import_module(where)
     except ModuleNotFoundError as error:
         raise ValueError(f"model {where}: cannot import it ({error})") from None
+    source = inspect.getsourcefile(module)
+    if source is not None and _IMPORTED.setdefault(where, Path(source).read_bytes()) != Path(source).read_bytes():
+        module = importlib.reload(module)
+        _IMPORTED[where] = Path(source).read_bytes()
+    return module
+
+
+_IMPORTED: dict[str, bytes] = {}  # module name -> its source when this process imported it
 
 
 def resolve(spec: str) -> tuple[Callable, str]:

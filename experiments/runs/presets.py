@@ -142,7 +142,8 @@ class Preset:
             if split_per_seed:
                 del base["data_seed"]
             try:
-                configs = self._expand(base, grid, keep=set(block.get("run", {})) | set(run or {}))
+                keep = set(block.get("run", {})) | set(run or {})
+                configs = self._with_model_digests(self._expand(base, grid, keep=keep))
             except ValueError as error:
                 message = str(error)
                 raise ValueError(message if message.startswith("preset ") else f"preset {self.name!r}: {message}") \
@@ -165,8 +166,6 @@ class Preset:
         configs = []
         for method in grid.get("method", [base.get("method")]):
             settings = {k: v for k, v in tables.get(method, {}).items() if k not in keep}
-            if "model" in settings:
-                settings["model_digest"] = self._model_digest(method, settings["model"])
             try:
                 configs += expand_grid({**base, **settings}, {**grid, "method": [method]} if "method" in grid else grid)
             except (TypeError, ValueError) as error:
@@ -175,15 +174,19 @@ class Preset:
                 raise ValueError(f"preset {self.name!r} [method.{method}]: {error}") from None
         return sorted(configs, key=run_order)
 
-    def _model_digest(self, method: str, spec) -> str:
-        """The SHA-256 of method's factory source: the factory imported now, so that a wrong spec
-        or a module that fails to import is a one-line error before any run."""
+    def _with_model_digests(self, configs: list[RunConfig]) -> list[RunConfig]:
+        """``configs`` with the SHA-256 of each ``model`` factory's source as ``model_digest``, however
+        the model was set ([run], [method.NAME], ``--set``): the factory imported now, so that a wrong
+        spec or a module that fails to import is a one-line error before any run."""
         from affdiv.experiments.runs.factories import resolve
 
-        try:
-            return resolve(spec)[1]
-        except Exception as error:  # the user's module may raise anything on import
-            raise ValueError(f"preset {self.name!r} [method.{method}]: {type(error).__name__}: {error}") from None
+        digests = {}
+        for spec in sorted({c.model for c in configs if c.model is not None}):
+            try:
+                digests[spec] = resolve(spec)[1]
+            except Exception as error:  # the user's module may raise anything on import
+                raise ValueError(f"preset {self.name!r}: model {spec}: {type(error).__name__}: {error}") from None
+        return [dataclasses.replace(c, model_digest=digests[c.model]) if c.model is not None else c for c in configs]
 
 
 def load_preset(name_or_path: str) -> Preset:

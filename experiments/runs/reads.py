@@ -71,23 +71,26 @@ def _finite(value) -> bool:
     return isinstance(value, int | float) and math.isfinite(value)
 
 
-def rank(candidate: Mapping, steps: float | None) -> tuple:
-    """Larger is better: reached (``steps`` to the target, None if not), else not diverged; fewer
-    steps; then (ties, and every budget without a target) the last read's accuracy and loss, the
-    smaller lr and momentum. A candidate that diverged after reaching a target keeps its steps
-    there."""
-    last = candidate["curve"][-1] if candidate["curve"] else {}
-    diverged = bool(candidate.get("diverged"))
-    val = (0.0, 0.0) if diverged or last.get("val_loss") is None else (last["val_metric"], -last["val_loss"])
-    return (steps is not None or not diverged, steps is not None, -(steps or 0.0), *val, -candidate["lr"],
-            -(candidate.get("momentum") or 0.0))
+def rank(candidate: Mapping, reached: tuple[float, int] | None) -> tuple:
+    """Larger is better: reached the target (``reached``: its steps and the read that reached it,
+    from :func:`crossing`; None if not), else not diverged; fewer steps; then (ties, and every
+    budget without a target) the validation accuracy and loss at the read that reached the target
+    (else at the last read), the smaller lr and momentum. A candidate that diverged after reaching
+    a target keeps its steps there, and a candidate that trained on towards a higher target is
+    judged at this one as it was when it reached it."""
+    curve = candidate["curve"]
+    point = next(p for p in curve if p["step"] == reached[1]) if reached else curve[-1] if curve else {}
+    diverged = bool(candidate.get("diverged")) and reached is None
+    val = (0.0, 0.0) if diverged or point.get("val_loss") is None else (point["val_metric"], -point["val_loss"])
+    return (reached is not None or not diverged, reached is not None, -(reached[0] if reached else 0.0), *val,
+            -candidate["lr"], -(candidate.get("momentum") or 0.0))
 
 
 def choose(candidates: Sequence[Mapping], target: float, *, interpolate: bool) -> tuple[int, float | None]:
     """(index of the best candidate at ``target`` by :func:`rank`, its steps to it or None)."""
-    steps = [crossing(c["curve"], target, interpolate=interpolate) for c in candidates]
-    best = max(range(len(candidates)), key=lambda k: rank(candidates[k], steps[k] and steps[k][0]))
-    return best, steps[best] and steps[best][0]
+    reached = [crossing(c["curve"], target, interpolate=interpolate) for c in candidates]
+    best = max(range(len(candidates)), key=lambda k: rank(candidates[k], reached[k]))
+    return best, reached[best] and reached[best][0]
 
 
 def best_at_targets(candidates: Sequence[Mapping], targets: Sequence[float], *, max_steps: int,

@@ -239,8 +239,8 @@ def identify(path: str | Path) -> str:
             found = [column[0] for column in columns]
             raise ValueError(f"{path}: an affdiv results store whose runs table has columns {found}; this version of "
                              f"affdiv reads {[column[0] for column in expected]} (and {', '.join(_ADDED_COLUMNS)}): a "
-                             "store of another version of affdiv, or one changed outside it; open it with the version that "
-                             "wrote it")
+                             "store of another version of affdiv, or one changed outside it; open it with the version "
+                             "that wrote it")
         return "affdiv"
     if application_id == 0 and not tables:
         return "empty"

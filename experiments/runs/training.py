@@ -187,9 +187,9 @@ def build_member(config: RunConfig, data, seed: int) -> torch.nn.Module:
     """The network of ``config`` for ``data`` (a built-in method's, or its ``model`` factory's),
     initialised under ``torch.manual_seed(seed)``, on the config's device and dtype, in train mode."""
     torch.manual_seed(seed)
-    model = build_network(config, tuple(data.input_shape), data.num_classes).to(config.device)
-    if config.dtype != "float32":
-        model = model.to(getattr(torch, config.dtype))
+    # (the dtype always: a factory may build its network in another)
+    model = build_network(config, tuple(data.input_shape), data.num_classes).to(config.device,
+                                                                                  getattr(torch, config.dtype))
     return model.train()
 
 
@@ -249,6 +249,8 @@ class Candidate:
     diverged: bool = False
     reached: dict[float, int] = field(default_factory=dict)  # target -> the read at which it was first reached
     model: torch.nn.Module | None = None  # the final model, once it stopped
+    # A ladder above the primary target: the model as it was at the read that reached the primary one.
+    at_primary: torch.nn.Module | None = None
 
     def check(self, epoch: int, step: int, train_loss: float, val: dict) -> None:
         """Record a read: its curve point, divergence, and the targets it reached."""
@@ -286,6 +288,7 @@ class _Run:
         self.per_epoch = steps_per_epoch(config, len(data.train.y))
         self.max_steps = max_steps(config, len(data.train.y))
         self.ladder = config.ladder if config.budget == "target" else ()
+        self.beyond_primary = bool(self.ladder) and self.ladder[-1] > config.target
         self.interpolate = config.read_spacing is not None
         self.reads = set(read_steps(self.max_steps, eval_every=config.eval_every, read_spacing=config.read_spacing)) \
             if config.budget == "target" else set()
@@ -325,21 +328,26 @@ class _Run:
 
     def result(self, tensors: _Tensors) -> RunResult:
         """The primary target's chosen candidate's metrics and curves, its test split evaluated
-        once, on the model at its last read (seconds: 0); every candidate's curve under the target
-        budget."""
+        once (seconds: 0), every candidate's curve under the target budget. The metrics are those
+        of the model at its last read, or, when it trained on towards a higher target after
+        reaching the primary one, at the read that reached it (its model kept then)."""
         config, best = self.config, self.best()
-        if best.diverged:
+        model, last = best.model, best.curves[-1]
+        if best.at_primary is not None:
+            model = best.at_primary
+            last = next(p for p in best.curves if p["step"] == best.reached[config.target])
+        if model is best.model and best.diverged:
             test = {"loss": float("nan"), "accuracy": 1.0 / self.data.num_classes}
         else:
-            test = evaluate(best.model, *tensors(self.data, "test"))
-        last, lrs = best.curves[-1], self.lrs()
+            test = evaluate(model, *tensors(self.data, "test"))
+        lrs = self.lrs()
         metrics = {
             "test_accuracy": test["accuracy"],
             "test_loss": test["loss"],
             "val_accuracy": last["val_metric"],
             "val_loss": last["val_loss"],
             "train_loss": last["train_loss"],
-            "diverged": int(best.diverged),
+            "diverged": int(best.diverged and model is best.model),
             "lr": best.lr,
             # A tuned LR on the edge of the lrs tried may not be the optimum.
             "lr_at_grid_edge": int(config.lr_rule == "tuned" and best.lr in (lrs[0], lrs[-1])),
@@ -430,6 +438,9 @@ def _lockstep(cands: list[Candidate], engine_type, tensors: _Tensors, measuremen
             val = engine.evaluate() if has_val else [{"loss": None, "accuracy": None}] * len(cands)
             for cand, total, point in zip(cands, sums, val):
                 cand.check(epoch, step, total / since, point)
+            for k, cand in enumerate(cands):  # the primary target's result is the model there, not past it
+                if cand.run.beyond_primary and cand.reached.get(cand.run.config.target) == step:
+                    cand.at_primary = engine.copy(k)
             going = [k for k, c in enumerate(cands) if not c.done(step)]
             if len(going) < len(cands):
                 for k in set(range(len(cands))) - set(going):

@@ -90,6 +90,63 @@ def test_the_stored_candidates_give_each_target_what_retraining_for_it_alone_giv
     assert max(c["curve"][-1]["step"] for c in result.candidates) == first
 
 
+def test_ties_at_a_target_are_broken_as_a_run_for_that_target_alone_breaks_them(digits):
+    # Reads every 100 steps make equal steps common; the tie-break (validation accuracy, then loss)
+    # is read at the read that reached the target, not at the candidate's last read (which differs
+    # along a ladder, where candidates stop at different reads).
+    config = _ladder(seed=3, target=0.95, targets=(0.9, 0.93, 0.96), read_spacing=None, eval_every=100, length=2000,
+                     lr_grid=(0.025, 0.05, 0.1, 0.2))
+    result = train_run(config, digits)
+    best = reads.best_at_targets(result.candidates, config.ladder, max_steps=2000, interpolate=False, tuned=True)
+    ties = 0
+    for target in config.ladder:
+        alone = _alone(config, target, digits)
+        assert (best[target]["lr"], best[target]["steps_to_target"]) == (alone["lr"], alone["steps_to_target"])
+        steps = [reads.crossing(c["curve"], target, interpolate=False) for c in result.candidates]
+        ties += sum(1 for x in steps if x and x[0] == best[target]["steps_to_target"]) > 1
+    assert ties  # the case this test is about occurs
+
+
+BLOWS_UP = """
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self, shape, k):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, k))
+        self.calls = 0
+
+    def forward(self, x):
+        out = self.net(x)
+        if self.training:
+            self.calls += 1
+            if self.calls > 150:  # diverges after 150 training steps, whatever the learning rate
+                out = out * float("nan")
+        return out
+
+
+def factory(input_shape, num_classes):
+    return Net(input_shape, num_classes)
+"""
+
+
+def test_the_primary_targets_result_is_the_model_that_reached_it(digits, tmp_path, monkeypatch):
+    # Above the primary target the run trains on; a candidate that diverges there keeps, at the
+    # primary target, the model and numbers it had when it reached it.
+    (tmp_path / "blows.py").write_text(BLOWS_UP)
+    monkeypatch.chdir(tmp_path)
+    config = RunConfig(dataset="digits", method="mine", model="blows.py:factory", batch_size=32, seed=0,
+                       budget="target", target=0.8, targets=(0.97,), read_spacing=0.1, length=1500, lr_rule="tuned",
+                       lr_grid=(0.1, 0.2), grid_extensions=0)
+    result = train_run(config, digits)
+    m = result.metrics
+    assert all(c["diverged"] for c in result.candidates) and m["diverged"] == 0 and m["censored"] == 0
+    reached = reads.crossing(next(c for c in result.candidates if c["lr"] == m["lr"])["curve"], 0.8, interpolate=True)
+    assert m["steps_to_target"] == reached[0] and m["steps"] == reached[1] < 150
+    assert m["val_accuracy"] >= 0.8 and m["test_accuracy"] > 0.5 and math.isfinite(m["test_loss"])
+
+
 def test_a_grid_extension_for_one_target_is_seen_at_every_target(digits):
     # A grid too small for every target: the best lr sits on the upper edge, so the grid grows
     # upward; what the extended candidates reach enters every target's choice.
@@ -222,3 +279,15 @@ def test_a_primary_target_not_in_the_records_is_refused():
     with pytest.raises(ValueError, match=r"primary_target 0.9 is not among the records' targets"):
         analyse_target(_planted({"c": 0.5}, seeds=4), corrected=["c"], baselines=["base"], n_boot=0,
                        primary_target=0.9)
+
+
+def test_the_trend_pairs_targets_by_seed_not_by_position():
+    # Each target's records from other seeds: no seed to leave out at every target, so no trend.
+    records = []
+    for i, target in enumerate((0.78, 0.80, 0.82)):
+        curves = {"base": (300.0, 60.0), "c": (300.0, 30.0)}
+        records += [{**r, "target": target} for r in simulate_target_records(
+            curves, batch_sizes=[8, 16, 32, 64, 128, 256, 512, 1024], seeds=range(8 * i, 8 * i + 8), sigma=0.04,
+            seed_sd=0.05, rng=np.random.default_rng(i))]
+    trend = analyse_target(records, corrected=["c"], baselines=["base"], n_boot=0).to_dict()["trends"]["c"]["base"]
+    assert trend == {"status": "no trend: 0 seed(s) common to every target, needs >= 3"}

@@ -24,7 +24,7 @@ def tiny(input_shape, num_classes):
     size = 1
     for d in input_shape:
         size *= d
-    return nn.Sequential(nn.Flatten(), nn.Linear(size, 16), nn.Tanh(), nn.Linear(16, num_classes))
+    return nn.Sequential(nn.Flatten(), nn.Linear(size, 13), nn.Tanh(), nn.Linear(13, num_classes))
 
 
 def not_a_module(input_shape, num_classes):
@@ -90,12 +90,11 @@ def test_a_preset_with_a_factory_and_an_npz_dataset_runs_end_to_end(own, capsys)
     mine = [r for r in runs if r["method"] == "mine"]
     assert len(mine) == 9 and {r["model"] for r in mine} == {"nets.py:tiny"}
     assert {r["model_digest"] for r in mine} == {resolve("nets.py:tiny")[1]}
-    # The factory's network is what trained: the built-in MLP of width 16 has the same shapes
-    # but another init order is impossible to tell apart; the parameter count is the factory's.
+    # The stored runs build the factory's network (13 hidden units; the preset's width is 16).
     config = RunConfig.from_dict({k: mine[0][k] for k in RunConfig.__dataclass_fields__ if k in mine[0]})
     data = load_dataset("npz", path="digits.npz", seed=0)
     network = build_network(config, data.input_shape, data.num_classes)
-    assert sum(p.numel() for p in network.parameters()) == 64 * 16 + 16 + 16 * 10 + 10
+    assert sum(p.numel() for p in network.parameters()) == 64 * 13 + 13 + 13 * 10 + 10
     assert data.num_classes == 10 and data.input_shape == (1, 8, 8)
 
 
@@ -178,3 +177,35 @@ def test_npz_paths_and_identity(tmp_path):
     # The same arrays in another file are the same data: the path is not in the fingerprint.
     assert a.fingerprint == b.fingerprint and a.num_classes == 2
     torch.testing.assert_close(a.train.x, b.train.x)
+
+
+def test_a_model_set_anywhere_gets_its_digest_and_an_edit_is_built_anew(own):
+    # [run] or --set, not only [method.NAME]: the factory's source is in every such run's key.
+    preset = load_preset("mine.toml")
+    (config,) = {c.model_digest for s in preset.studies(methods=["affine"], run={"model": "nets.py:tiny",
+                                                                               "method": "other"})
+                 for c in s.configs}
+    assert config == resolve("nets.py:tiny")[1]
+    with pytest.raises(ValueError, match=r"model absent.py:tiny: FileNotFoundError"):
+        preset.studies(run={"model": "absent.py:tiny", "method": "other"})
+    # The same process builds the edited file's network under the edited file's digest.
+    (own / "nets.py").write_text(FACTORY.replace("13", "11"))
+    factory, digest = resolve("nets.py:tiny")
+    assert digest == resolve("nets.py:tiny")[1] != config
+    assert factory((1, 8, 8), 10)[1].out_features == 11
+
+
+def test_a_local_module_named_like_the_standard_library_is_the_local_one(own):
+    (own / "code.py").write_text(FACTORY)
+    assert resolve("code:tiny")[0]((1, 8, 8), 10)[1].out_features == 13
+
+
+def test_a_factory_network_takes_the_runs_dtype(own):
+    (own / "wide.py").write_text(FACTORY.replace("return nn.Sequential(", "return nn.Sequential(").replace(
+        "nn.Linear(13, num_classes))", "nn.Linear(13, num_classes)).double()"))
+    from affdiv.experiments.runs.training import build_member
+
+    data = load_dataset("npz", path="digits.npz", seed=0)
+    config = RunConfig(dataset="npz", data_options={"path": "digits.npz"}, method="mine", batch_size=8, seed=0,
+                       model="wide.py:tiny")
+    assert {p.dtype for p in build_member(config, data, 0).parameters()} == {torch.float32}

@@ -3,6 +3,7 @@
 import hashlib
 import json
 import math
+import os
 import sys
 import warnings
 
@@ -235,7 +236,7 @@ def test_an_npz_dataset_with_the_mse_loss(tmp_path, monkeypatch):
                      "mse", "--batch-sizes", "4,8", "--seeds", "2", "--batches", "1", "--out",
                      str(tmp_path / "out")]) == 0
     record = json.loads((tmp_path / "out" / "probe.json").read_text())
-    assert record["loss"] == "mse" and record["data"] == data
+    assert record["loss"] == "mse" and record["data"] == os.path.relpath(data)  # no absolute path recorded
     assert record["provenance"]["data_fingerprint"] == hashlib.sha256((tmp_path / "d.npz").read_bytes()).hexdigest()
     linear = next(r for r in record["rows"] if r["model"] == "layer-affine" and r["batch_size"] == 8)
     assert linear["diagonal_scale_mean"] > 1 and linear["diagonal_scale_mean_ci"][0] > 0  # ‖x‖² + 1
