@@ -161,22 +161,27 @@ def test_a_grid_extension_for_one_target_is_seen_at_every_target(digits):
         assert best[target]["steps_to_target"] <= alone["steps_to_target"]
 
 
-def test_geometric_reads_estimate_steps_to_target_without_bias(digits):
-    # Against a read at every step (eval_every = 1, no interpolation: the exact first step at
-    # which the validation accuracy reaches the target), over 3 seeds x 3 batch sizes x 3 targets.
+def test_geometric_reads_estimate_steps_to_target_without_bias():
+    # Against a read at every step (eval_every = 1, no interpolation: the first step at which the
+    # validation accuracy reaches the target), over 3 seeds x 3 batch sizes x 3 targets, in the
+    # geometric regime (S = 68-336 steps: reads 3-16 steps apart) on a 431-image validation split.
+    from affdiv.experiments.data.dataset import load_dataset
+
     errors = []
     for seed in range(3):
+        data = load_dataset("digits", seed=seed, val_fraction=0.3)
         for batch_size in (8, 32, 128):
-            base = dict(seed=seed, batch_size=batch_size, lr_rule="constant", base_lr=0.2, length=1500)
-            geometric = train_run(_ladder(**base), digits)
-            every = train_run(_ladder(**base, read_spacing=None, eval_every=1), digits)
+            base = dict(seed=seed, data_seed=seed, val_fraction=0.3, batch_size=batch_size, lr_rule="constant",
+                        base_lr=0.03, length=3000)
+            geometric = train_run(_ladder(**base), data)
+            every = train_run(_ladder(**base, read_spacing=None, eval_every=1), data)
             for target in LADDER:
                 exact = reads.crossing(every.candidates[0]["curve"], target, interpolate=False)
                 estimate = reads.crossing(geometric.candidates[0]["curve"], target, interpolate=True)
-                assert exact and estimate
+                assert exact and estimate and exact[0] >= 60  # reads there are >= 3 steps apart
                 errors.append((estimate[0] - exact[0]) / exact[0])
     # Accuracy is not monotone: sparse reads can miss a brief excursion above the target, so
-    # single runs may err by more than the spacing (late); on average the error is small.
+    # single runs may be read late by more than the spacing; on average the error is small.
     bias = float(np.mean(errors))
     assert abs(bias) < 0.02, f"bias {bias:.4f} of S; errors {np.round(errors, 3).tolist()}"
 
