@@ -78,6 +78,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from affdiv.experiments.runs.batched import BatchedEnsemble, batched_layers
 from affdiv.experiments.runs.config import RunConfig, candidates
 from affdiv.experiments.runs.grouping import ensemble_key
 from affdiv.experiments.runs.models import build_model
@@ -446,7 +447,7 @@ def train_runs(configs: Sequence[RunConfig], datasets: Sequence, *, stacked: boo
     tensors = _Tensors(configs[0])
     pending = [cand for run in runs for cand in run.candidates]
     while pending:
-        _lockstep(pending, StackedEnsemble if stacked else OneAtATime, tensors, measurements)
+        _lockstep(pending, _stacked if stacked else OneAtATime, tensors, measurements)
         pending = [cand for run in runs for cand in run.extend()]
     trained = time.perf_counter() - start
     model_steps = [sum(c.curves[-1]["step"] for c in run.candidates) for run in runs]
@@ -466,6 +467,17 @@ def train_run(config: RunConfig, data, measurements: Sequence[Measurement] = ())
 
 
 _STACKABLE: dict[tuple, str | None] = {}
+
+
+def stacked_engine(model: torch.nn.Module) -> type:
+    """The engine that trains models like ``model`` stacked: batched layers where every layer has
+    one (:func:`~affdiv.experiments.runs.batched.batched_layers`), else the vmapped ensemble."""
+    return BatchedEnsemble if batched_layers(model) is not None else StackedEnsemble
+
+
+def _stacked(models, *args):
+    """The stacked engine of :func:`stacked_engine` for ``models``."""
+    return stacked_engine(models[0])(models, *args)
 
 
 def train_group(configs: Sequence[RunConfig], datasets: Sequence, *, stack: bool = True,

@@ -12,7 +12,9 @@ from affdiv.experiments.runs import training
 from affdiv.experiments.runs.config import CNN_METHODS, METHODS, RunConfig, config_hash
 from affdiv.experiments.runs.grouping import ensemble_key, member_bytes, parse_memory, plan_ensembles
 from affdiv.experiments.runs.optimizers import StackedOptimizer, make_optimizer
-from affdiv.experiments.runs.stacked import stack_failure
+from affdiv.experiments.runs.batched import BatchedEnsemble, batched_layers
+from affdiv.experiments.runs.models import build_model
+from affdiv.experiments.runs.stacked import StackedEnsemble, stack_failure
 from affdiv.experiments.runs.training import Measurement, train_group, train_run, train_runs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -122,8 +124,17 @@ def _configs(method, lr=0.1, **changes):
     return runs + [RunConfig(**base, seed=2, lr_rule="tuned", lr_grid=(lr / 2, lr * 2, DIVERGING))]
 
 
+@pytest.fixture(params=["chosen", "vmap"])
+def engine(request, monkeypatch):
+    """The stacked engine: the one ``stacked_engine`` chooses (batched where it applies), or the
+    vmapped ensemble for every model (the fallback)."""
+    if request.param == "vmap":
+        monkeypatch.setattr(training, "stacked_engine", lambda model: StackedEnsemble)
+    return request.param
+
+
 @pytest.mark.parametrize("method", METHODS)
-def test_every_method_trains_stacked_as_one_at_a_time(digits, method):
+def test_every_method_trains_stacked_as_one_at_a_time(digits, method, engine):
     configs = _configs(method)
     eager = [train_run(c, digits, [FINAL_STATE]) for c in configs]
     stacked = train_runs(configs, [digits] * len(configs), stacked=True, measurements=[FINAL_STATE])
@@ -132,9 +143,9 @@ def test_every_method_trains_stacked_as_one_at_a_time(digits, method):
         _assert_close(one, many)
 
 
-@pytest.mark.parametrize("method", ["affine", "batchnorm"])
+@pytest.mark.parametrize("method", ["affine", "batchnorm", "conv+batchnorm"])
 @pytest.mark.parametrize("optimizer", ["momentum", "adam"])
-def test_momentum_and_adam_train_stacked_as_one_at_a_time(digits, method, optimizer):
+def test_momentum_and_adam_train_stacked_as_one_at_a_time(digits, method, optimizer, engine):
     configs = _configs(method, lr=0.01 if optimizer == "adam" else 0.05, optimizer=optimizer)
     eager = [train_run(c, digits, [FINAL_STATE]) for c in configs]
     stacked = train_runs(configs, [digits] * len(configs), stacked=True, measurements=[FINAL_STATE])
@@ -142,7 +153,7 @@ def test_momentum_and_adam_train_stacked_as_one_at_a_time(digits, method, optimi
         _assert_close(one, many)
 
 
-def test_steps_to_target_stacked_as_one_at_a_time(digits):
+def test_steps_to_target_stacked_as_one_at_a_time(digits, engine):
     base = dict(dataset="digits", method="batchnorm", batch_size=32, depth=1, width=16, budget="target", target=0.85,
                 eval_every=5, length=150, dtype="float64")
     configs = [RunConfig(**base, seed=seed, lr_rule="tuned", lr_grid=(0.025, 0.05)) for seed in (0, 1)]
@@ -172,7 +183,7 @@ def test_stacked_training_is_deterministic(digits):
     assert [repr((r.metrics, r.curves)) for r in first] == [repr((r.metrics, r.curves)) for r in second]
 
 
-def test_runs_on_different_data_splits_stack(digits):
+def test_runs_on_different_data_splits_stack(digits, engine):
     other = load_dataset("digits", seed=1)
     base = dict(dataset="digits", method="batchnorm", batch_size=64, depth=1, width=8, budget="steps", length=25,
                 dtype="float64")
@@ -183,6 +194,29 @@ def test_runs_on_different_data_splits_stack(digits):
     for one, many in zip(eager, stacked):
         _assert_close(one, many)
     assert stacked[1].data_fingerprint == str(other.fingerprint) != stacked[0].data_fingerprint
+
+
+# ----------------------------------------------------------------------------- engines
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_but_patchnorm_takes_the_batched_engine(method):
+    model = build_model(method, input_shape=(1, 8, 8), num_classes=10, depth=2, width=4, activation="gelu")
+    assert training.stacked_engine(model) is (StackedEnsemble if method == "patchnorm" else BatchedEnsemble)
+
+
+@pytest.mark.parametrize("model", [
+    torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3, stride=2), torch.nn.Flatten(), torch.nn.Linear(36, 3)),
+    torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 4), torch.nn.Sigmoid()),
+    torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 4), torch.nn.BatchNorm1d(4, momentum=None)),
+    torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.LayerNorm([2, 6, 6])),
+    torch.nn.Linear(64, 4),
+], ids=["strided-conv", "sigmoid", "cumulative-batchnorm", "layernorm-over-images", "not-sequential"])
+def test_other_models_fall_back_to_vmap(model):
+    assert batched_layers(model) is None and training.stacked_engine(model) is StackedEnsemble
+    with pytest.raises(ValueError, match="BatchedEnsemble takes an nn.Sequential of"):
+        BatchedEnsemble([model], "sgd", [0.1], [None], [(torch.zeros(1, 64), torch.zeros(1))] * 1,
+                        [(torch.zeros(1, 64), torch.zeros(1))])
 
 
 # ----------------------------------------------------------------------------- fallback
