@@ -8,19 +8,19 @@ A *cell* is a batch size of a Fashion-MNIST study with 8 seeds × 6 learning rat
 the MLP arm (784-256-256-256-10, tanh) and the CNN arm (3 blocks of 32 channels, relu), each at
 B = 16, 64, 256, 1024 by default (an arm is a name → RunConfig settings and batch sizes in
 ``ARMS``: another architecture is one more entry). The variants are the harness's own engines
-(``training.OneAtATime``; the stacked engine ``training.stacked_engine`` picks for the arm, named
-in the table; ``--vmap`` also times ``stacked.StackedEnsemble``, the vmapped fallback) taking
-SGD steps on real batches (each model its own shuffle), so a model-step costs what it costs in a
-sweep; whole runs differ only by their evaluations (a few per run). The stacked ensemble holds as many of the cell's models as
-fit the default ensemble memory (``grouping.member_bytes``), at most 48; one at a time is timed
-on 8 models (its cost per model-step does not depend on how many there are); its step is the
-bare loop (forward, ``zero_grad``, ``backward``, ``torch.optim`` step, the loss kept).
-``--members K ...`` times K stacked models instead, a row per K (how the gain grows with K). Each round times
-one measurement of each variant (a fixed number of steps, about ``--seconds`` long), rounds
-interleaved so that the machine's drifts hit both; the speed-up is the median over rounds of
+(``training.OneAtATime``; the stacked engine ``training.stacked_engine`` picks for the arm, named in
+the table; ``--vmap`` also times ``stacked.StackedEnsemble``, the vmapped fallback) taking SGD steps
+on real batches (each model its own shuffle), so a model-step costs what it costs in a sweep; whole
+runs differ only by their evaluations (a few per run). The stacked ensemble holds as many of the
+cell's models as fit the default ensemble memory (``grouping.member_bytes``), at most 48; one at a
+time is timed on 8 models (its cost per model-step does not depend on how many there are); its step
+is the bare loop (forward, ``zero_grad``, ``backward``, ``torch.optim`` step, the loss kept).
+``--members K ...`` times K stacked models instead, a row per K (how the gain grows with K). Each
+round times one measurement of each variant (a fixed number of steps, about ``--seconds`` long),
+rounds interleaved so that the machine's drifts hit all; the speed-up is the median over rounds of
 the paired ratio (one-at-a-time / stacked time per model-step) = the ratio of runs per hour.
-Speed-up targets: ≥ 5× at B ≤ 64, ≥ 2× at B = 128–256, ≥ 1× everywhere. The process keeps freed
-memory for reuse as the sweep's workers do (``sweep.keep_freed_memory``), for both variants.
+Speed-up targets: ≥ 5× at B ≤ 64, ≥ 2× at B = 128–256, ≥ 1× everywhere. The process keeps freed memory for
+reuse as the sweep's workers do (``sweep.keep_freed_memory``), for both variants.
 
 The floor: the arithmetic of a stacked step (K × the FLOPs of one model's step, counted by
 ``torch.utils.flop_counter`` on forward + backward), its matrix products at the machine's GEMM
@@ -29,6 +29,11 @@ machine's convolution rate (forward + both backward passes of the arm's widest c
 model at batch 256), both measured in the same run; printed as stacked time / floor time (1
 would be every FLOP at the rate of one large GEMM or convolution; above it: memory traffic,
 small-GEMM inefficiency, elementwise work and Python/dispatch overhead). Target: ≤ 1.5.
+
+Checks: ``--checks B ...`` also trains, stacked, one steps-to-target ensemble per batch size B as
+the fashion-ladder preset runs it (an affine MLP of width 128, one seed, its tuned grid with
+extensions, the ladder's targets, geometric reads) and prints the share of its training time
+spent in checks (``RunResult.check_seconds`` over ``seconds``). Target: ≤ 10%.
 """
 
 from __future__ import annotations
@@ -204,7 +209,7 @@ COLUMNS = (("arm", "4", "arm"), ("B", ">5", "batch_size"), ("engine", "16", "eng
 
 def format_row(row: dict) -> str:
     cells = []
-    for title, spec, key in COLUMNS:
+    for _title, spec, key in COLUMNS:
         value = row.get(key)
         width = spec.lstrip("<>").split(".")[0]
         cells.append(f"{'—':>{width}}" if value is None else format(value, spec))
@@ -217,23 +222,45 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join([header, *map(format_row, rows)])
 
 
+CHECK_SETTINGS = dict(dataset="fashion-mnist", method="affine", depth=3, width=128, activation="tanh",
+                      lr_rule="tuned", lr_grid=(0.05, 0.1, 0.2, 0.4, 0.8), grid_extensions=3, budget="target",
+                      target=0.84, targets=(0.78, 0.80, 0.82), read_spacing=0.05, length=12000, val_fraction=0.05,
+                      seed=8)
+CHECK_TARGET = 0.10
+
+
+def check_share(batch: int) -> dict:
+    """Seconds of one stacked steps-to-target run (``CHECK_SETTINGS`` at ``batch``) and of its checks."""
+    from affdiv.experiments.runs.sweep import dataset_for
+    from affdiv.experiments.runs.training import train_runs
+
+    config = RunConfig(batch_size=batch, **CHECK_SETTINGS)
+    result = train_runs([config], [dataset_for(config)], stacked=True)[0]
+    share = result.check_seconds / result.seconds
+    return {"batch_size": batch, "seconds": result.seconds, "check_seconds": result.check_seconds,
+            "reads": len(result.curves), "steps_to_target": result.metrics["steps_to_target"],
+            "check_share": share, "target": CHECK_TARGET, "met": share <= CHECK_TARGET}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per cell (default 3)")
     parser.add_argument("--seconds", type=float, default=1.5, help="about how long one measurement runs")
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--arms", nargs="*", default=list(ARMS), choices=list(ARMS), help="(none: checks only)")
     parser.add_argument("--batch-sizes", nargs="+", type=int, help="of each arm (default: the arm's, listed above)")
     parser.add_argument("--members", nargs="+", type=int,
                         help="stacked ensemble sizes to time, a row each (default: as many as fit the default "
                              "ensemble memory, at most 48)")
     parser.add_argument("--vmap", action="store_true", help="also time the vmapped engine (StackedEnsemble)")
+    parser.add_argument("--checks", nargs="*", type=int, default=[], metavar="B",
+                        help="also time a steps-to-target run at each batch size B, the share of it in checks")
     parser.add_argument("--json", help="write the rows and provenance here")
     args = parser.parse_args(argv)
     if not all(1 <= k <= CELL for k in args.members or []):
         parser.error(f"--members: each K must be in 1..{CELL} (a cell's models), got {args.members}")
-    if not all(b >= 1 for b in args.batch_sizes or []):
-        parser.error(f"--batch-sizes must be >= 1, got {args.batch_sizes}")
+    if not all(b >= 1 for b in [*(args.batch_sizes or []), *args.checks]):
+        parser.error(f"--batch-sizes and --checks must be >= 1, got {args.batch_sizes} and {args.checks}")
     if args.json:
         from affdiv.atomic import check_writable_file
 
@@ -248,10 +275,16 @@ def main(argv=None) -> int:
         for batch, members in itertools.product(args.batch_sizes or ARMS[arm][1], args.members or [None]):
             rows.append(measure(arm, batch, data, args.rounds, args.seconds, members, args.vmap))
             print(format_row(rows[-1]), flush=True)
+    checks = []
+    for batch in args.checks:
+        checks.append(check_share(batch))
+        c = checks[-1]
+        print(f"checks B={batch}: {c['check_seconds']:.1f} s of {c['seconds']:.1f} s in {c['reads']} reads = "
+              f"{100 * c['check_share']:.1f}% (target <= {100 * CHECK_TARGET:.0f}%)", flush=True)
     if args.json:
         from affdiv.atomic import atomic_write
 
-        record = {"rows": rows, "table": format_table(rows).splitlines(),
+        record = {"rows": rows, "checks": checks, "table": format_table(rows).splitlines(),
                   "provenance": provenance(threads=args.threads, rounds=args.rounds,
                                            wall_time_s=round(time.monotonic() - started, 1))}
         atomic_write(args.json, json.dumps(record, indent=2))

@@ -78,11 +78,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from affdiv.experiments.runs import reads
 from affdiv.experiments.runs.batched import BatchedEnsemble, batched_layers
 from affdiv.experiments.runs.config import RunConfig, candidates
 from affdiv.experiments.runs.grouping import ensemble_key
 from affdiv.experiments.runs.models import build_model
-from affdiv.experiments.runs import reads
 from affdiv.experiments.runs.optimizers import make_optimizer
 from affdiv.experiments.runs.reads import read_steps
 from affdiv.experiments.runs.stacked import StackedEnsemble, stack_failure
@@ -94,8 +94,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RunResult:
-    """A finished run: final metrics, one curve point per read, seconds taken, measurements, and
-    (target budget) every candidate's curve."""
+    """A finished run: final metrics, one curve point per read, seconds taken (of them
+    ``check_seconds`` in checks: its candidates' shares of the ensemble's evaluations of the
+    validation split), measurements, and (target budget) every candidate's curve."""
 
     metrics: dict
     curves: list[dict]
@@ -103,6 +104,7 @@ class RunResult:
     data_fingerprint: str
     measurements: list[dict] = field(default_factory=list)
     candidates: list[dict] = field(default_factory=list)  # target budget: every candidate's lr and curve
+    check_seconds: float = 0.0
 
 
 def _takes_config(fn) -> bool:
@@ -237,6 +239,7 @@ class Candidate:
     measurements: list[dict] = field(default_factory=list)
     diverged: bool = False
     reached: dict[float, int] = field(default_factory=dict)  # target -> the read at which it was first reached
+    check_seconds: float = 0.0  # its share of the checks' evaluations (each split evenly among the models)
     model: torch.nn.Module | None = None  # the final model, once it stopped
 
     def check(self, epoch: int, step: int, train_loss: float, val: dict) -> None:
@@ -417,7 +420,11 @@ def _lockstep(cands: list[Candidate], engine_type, tensors: _Tensors, measuremen
             if not _is_check(run, step, i == run.per_epoch - 1, last):
                 continue
             sums = loss_sum.tolist()  # one device sync per check
+            begin = time.perf_counter()
             val = engine.evaluate() if has_val else [{"loss": None, "accuracy": None}] * len(cands)
+            share = (time.perf_counter() - begin) / len(cands)
+            for cand in cands:
+                cand.check_seconds += share
             for cand, total, point in zip(cands, sums, val):
                 cand.check(epoch, step, total / since, point)
             going = [k for k, c in enumerate(cands) if not c.done(step)]
@@ -456,6 +463,7 @@ def train_runs(configs: Sequence[RunConfig], datasets: Sequence, *, stacked: boo
         begin = time.perf_counter()
         result = run.result(tensors)
         result.seconds = trained * steps / sum(model_steps) + time.perf_counter() - begin
+        result.check_seconds = sum(c.check_seconds for c in run.candidates)
         results.append(result)
     return results
 

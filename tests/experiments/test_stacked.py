@@ -1,19 +1,21 @@
 """Stacked (vmapped) ensembles against one model at a time: the optimisers, every method, divergence,
 BatchNorm's statistics, steps to target, independence of the other members, the fallback, the plan."""
 
+import copy
 import logging
 import math
+import time
 
 import pytest
 import torch
 
 from affdiv.experiments.data.dataset import load_dataset
 from affdiv.experiments.runs import training
+from affdiv.experiments.runs.batched import BatchedEnsemble, batched_layers
 from affdiv.experiments.runs.config import CNN_METHODS, METHODS, RunConfig, config_hash
 from affdiv.experiments.runs.grouping import ensemble_key, member_bytes, parse_memory, plan_ensembles
-from affdiv.experiments.runs.optimizers import StackedOptimizer, make_optimizer
-from affdiv.experiments.runs.batched import BatchedEnsemble, batched_layers
 from affdiv.experiments.runs.models import build_model
+from affdiv.experiments.runs.optimizers import StackedOptimizer, make_optimizer
 from affdiv.experiments.runs.stacked import StackedEnsemble, stack_failure
 from affdiv.experiments.runs.training import Measurement, train_group, train_run, train_runs
 
@@ -327,3 +329,47 @@ def test_falsify_takes_stack_and_ensemble_memory(tmp_path, capsys):
     assert not (tmp_path / "out" / "results.sqlite").exists()  # refused before any work
     with pytest.raises(SystemExit):
         main(["falsify", "--preset", "smoke", "--out", str(tmp_path / "out"), "--stack", "maybe"])
+
+
+# ----------------------------------------------------------------------------- checks' time
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_a_run_counts_its_seconds_in_checks(digits, monkeypatch, stacked):
+    # Every evaluation of the validation split is made to last 0.05 s more: a check of the ensemble's
+    # 3 models (one run, and a tuned run of 2) then takes at least 0.05 s, a third of it each model's.
+    waits = []
+    for engine_type in (training.OneAtATime, StackedEnsemble):
+        def slow(self, evaluate=engine_type.evaluate):
+            waits.append(len(self))
+            time.sleep(0.05)
+            return evaluate(self)
+        monkeypatch.setattr(engine_type, "evaluate", slow)
+    base = dict(dataset="digits", method="affine", batch_size=32, depth=1, width=8, budget="target", target=0.99,
+                eval_every=5, length=20, grid_extensions=0)
+    configs = [RunConfig(**base, seed=0), RunConfig(**base, seed=1, lr_rule="tuned", lr_grid=(0.05, 0.1))]
+    results = train_runs(configs, [digits] * 2, stacked=stacked)
+    assert [len(r.curves) for r in results] == [4, 4] and waits == [3] * 4
+    for result, models in zip(results, (1, 2)):
+        assert 0.05 * 4 * models / 3 <= result.check_seconds <= result.seconds, (result.check_seconds, result.seconds)
+    no_val = train_runs([RunConfig(**{**base, "budget": "steps", "val_fraction": 0.0}, seed=0)],
+                        [load_dataset("digits", val_fraction=0.0)], stacked=stacked)[0]
+    assert no_val.check_seconds < 0.05
+
+
+@pytest.mark.parametrize("activation", ["gelu", "tanh"])
+@pytest.mark.parametrize("method", [m for m in METHODS if m != "patchnorm"])
+def test_batched_logits_are_each_models_own(method, activation):
+    # float64, one forward: the same formulas summed in other orders, 2γ_n·κ with n ≤ 64 and κ ≤ 10²
+    # per layer, two hidden layers and the read-out: ≤ 3 · 1.5e-14 · 100 ≈ 5e-12 relative.
+    torch.manual_seed(0)
+    models = [build_model(method, input_shape=(1, 8, 8), num_classes=10, depth=2, width=4, activation=activation)
+              .double() for _ in range(3)]
+    x, y = torch.randn(3, 5, 1, 8, 8, dtype=torch.float64), torch.zeros(5, dtype=torch.long)
+    ensemble = BatchedEnsemble(models, "sgd", [0.1] * 3, [None] * 3, [(x[0], y)] * 3, [(x[0], y)] * 3)
+    for training_mode in (True, False):
+        got = ensemble._batched_logits(ensemble.params, {n: t.clone() for n, t in ensemble.buffers.items()}, x,
+                                       training_mode)
+        for k, model in enumerate(models):
+            want = copy.deepcopy(model).train(training_mode)(x[k]).detach()  # (a copy: BatchNorm's statistics)
+            assert torch.allclose(got[k], want, rtol=5e-12, atol=5e-12 * float(want.abs().max())), (k, training_mode)
