@@ -57,10 +57,12 @@ def _to_channels(x: Tensor, k: int) -> Tensor:
 
 
 def _linear(x: Tensor, p: Stacked, k: int, _training: bool = True) -> Tensor:
-    x = _to_rows(x, k)
+    """zᵀ = W xᵀ + b, computed in that orientation so that the weight's gradient, dzᵀ x, comes out
+    contiguous (the optimiser's update then runs over contiguous memory); z is a transposed view."""
+    xt = _to_rows(x, k).transpose(1, 2)
     if "bias" in p:
-        return torch.baddbmm(p["bias"].unsqueeze(1), x, p["weight"].transpose(1, 2))
-    return torch.bmm(x, p["weight"].transpose(1, 2))
+        return torch.baddbmm(p["bias"].unsqueeze(2), p["weight"], xt).transpose(1, 2)
+    return torch.bmm(p["weight"], xt).transpose(1, 2)
 
 
 def _affine_like(x: Tensor, p: Stacked, k: int, _training: bool) -> Tensor:
