@@ -23,12 +23,12 @@ Speed-up targets: ≥ 5× at B ≤ 64, ≥ 2× at B = 128–256, ≥ 1× everywh
 reuse as the sweep's workers do (``sweep.keep_freed_memory``), for both variants.
 
 The floor: the arithmetic of a stacked step (K × the FLOPs of one model's step, counted by
-``torch.utils.flop_counter`` on forward + backward), its matrix products at the machine's GEMM
-rate (a ``torch.mm`` of square matrices with the same FLOPs) and its convolutions at the
-machine's convolution rate (forward + both backward passes of the arm's widest convolution, one
-model at batch 256), both measured in the same run; printed as stacked time / floor time (1
-would be every FLOP at the rate of one large GEMM or convolution; above it: memory traffic,
-small-GEMM inefficiency, elementwise work and Python/dispatch overhead). Target: ≤ 1.5.
+``torch.utils.flop_counter`` on forward + backward), its matrix products at the machine's GEMM rate
+(a ``torch.mm`` of square matrices with the same FLOPs) and its convolutions at the machine's
+convolution rate (forward + both backward passes of the arm's widest convolution, one model at batch
+256, the faster of the two memory orders), both measured in the same run; printed as stacked time /
+floor time (1 would be every FLOP at the rate of one large GEMM or convolution; above it: memory
+traffic, small-GEMM inefficiency, elementwise work and Python/dispatch overhead). Target: ≤ 1.5.
 
 Checks: ``--checks B ...`` also trains, stacked, one steps-to-target ensemble per batch size B as
 the fashion-ladder preset runs it (an affine MLP of width 128, one seed, its tuned grid with
@@ -125,7 +125,8 @@ def gemm_rate(flops: int) -> float:
 
 def conv_rate(config, data) -> float | None:
     """FLOP/s of forward + input and weight gradients of the model's widest convolution (most
-    FLOPs per sample), one model at batch 256 (median of 3); None for a model without one."""
+    FLOPs per sample), one model at batch 256 (median of 3, the faster of NCHW and channels-last
+    memory order); None for a model without one."""
     from torch.utils.flop_counter import FlopCounterMode
 
     model = build_member(config, data, 0)
@@ -139,15 +140,18 @@ def conv_rate(config, data) -> float | None:
     if not shapes:
         return None
     conv, shape = max(shapes, key=lambda s: s[0].weight.numel() * s[1][1] * s[1][2])
-    x = torch.randn(256, *shape, requires_grad=True)
+    rates = []
+    for layout in (torch.contiguous_format, torch.channels_last):
+        x = torch.randn(256, *shape).contiguous(memory_format=layout).requires_grad_()
 
-    def step():
-        out = conv(x)
-        out.backward(torch.ones_like(out))  # (the gradients accumulate: the same work every call)
+        def step(x=x):
+            out = conv(x)
+            out.backward(torch.ones_like(out))  # (the gradients accumulate: the same work every call)
 
-    with FlopCounterMode(display=False) as counter:
-        step()
-    return counter.get_total_flops() / _median_seconds(step)
+        with FlopCounterMode(display=False) as counter:
+            step()
+        rates.append(counter.get_total_flops() / _median_seconds(step))
+    return max(rates)
 
 
 def measure(arm: str, batch: int, data, rounds: int, seconds: float, members: int | None = None,

@@ -170,8 +170,8 @@ def _layer(module: nn.Module) -> Layer | None:
 _MONOTONE = (nn.ReLU, nn.Tanh, nn.Identity)
 
 
-def batched_layers(model: nn.Module) -> list[tuple[str, Layer]] | None:
-    """(name, batched layer) for each layer of ``model``, an ``nn.Sequential`` of the layers above;
+def batched_layers(model: nn.Module) -> list[tuple[str, nn.Module, Layer]] | None:
+    """(name, module, batched layer) for each layer of ``model``, an ``nn.Sequential`` of the layers above;
     None for any other model. An activation followed by a max-pool (of :data:`_MONOTONE`) runs after
     it instead, on a quarter of the elements: the same numbers."""
     if type(model) is not nn.Sequential:
@@ -180,8 +180,28 @@ def batched_layers(model: nn.Module) -> list[tuple[str, Layer]] | None:
     for i in range(len(children) - 1):
         if type(children[i][1]) in _MONOTONE and type(children[i + 1][1]) is nn.MaxPool2d:
             children[i], children[i + 1] = children[i + 1], children[i]
-    layers = [(name, _layer(module)) for name, module in children]
-    return None if any(layer is None for _name, layer in layers) else layers
+    layers = [(name, module, _layer(module)) for name, module in children]
+    return None if any(layer is None for _name, _module, layer in layers) else layers
+
+
+def _shared_input(x: Tensor, module: nn.Module, p: Stacked, k: int) -> tuple[Tensor, bool] | None:
+    """``module`` on ``x`` (B, ...), one input for all K models: (output, whether it is still one
+    for all), or None where it has no such form (the input is then repeated per model). A linear
+    layer is one matrix product with the K stacked weights side by side, x [W_1; ...; W_K]ᵀ, and a
+    convolution one dense convolution with K·C_out output channels, the (B, K·C, H, W) layout of a
+    batched CNN; a flatten keeps the input shared."""
+    if type(module) is nn.Flatten:
+        return x.flatten(1), True
+    w = p.get("weight")
+    if type(module) is nn.Linear:
+        w = w.reshape(-1, w.shape[2])
+        z = torch.addmm(p["bias"].reshape(-1), x, w.t()) if "bias" in p else x @ w.t()
+        return z.view(x.shape[0], k, -1).transpose(0, 1), False
+    if type(module) is nn.Conv2d and module.groups == 1:
+        z = F.conv2d(x.contiguous(memory_format=torch.channels_last), w.reshape(-1, *w.shape[2:]),
+                     p["bias"].reshape(-1) if "bias" in p else None, module.stride, module.padding, module.dilation)
+        return z, False
+    return None
 
 
 class BatchedEnsemble(StackedEnsemble):
@@ -196,12 +216,20 @@ class BatchedEnsemble(StackedEnsemble):
         super().__init__(models, optimizer, lrs, momenta, train, val)
         self.layers = batched_layers(self.base)  # the parameter-less copy's modules: they hold settings only
 
-    def _batched_logits(self, params: Stacked, buffers: Stacked, x: Tensor, training: bool) -> Tensor:
-        """(K, B, classes) logits of the K models on their inputs ``x`` (K, B, ...)."""
-        k = x.shape[0]
-        for name, layer in self.layers:
+    def _batched_logits(self, params: Stacked, buffers: Stacked, x: Tensor, training: bool,
+                        models: int | None = None) -> Tensor:
+        """(K, B, classes) logits of the K models on their inputs ``x`` (K, B, ...), or, given
+        ``models`` = K, on one input ``x`` (B, ...) for all (see :func:`_shared_input`)."""
+        k, shared = (x.shape[0], False) if models is None else (models, True)
+        for name, module, layer in self.layers:
             prefix = name + "."
             state = {key[len(prefix):]: t for key, t in (*params.items(), *buffers.items()) if key.startswith(prefix)}
+            if shared:
+                done = _shared_input(x, module, state, k)
+                if done is not None:
+                    x, shared = done
+                    continue
+                x, shared = x.expand(k, *x.shape), False
             x = layer(x, state, k, training)
         return _to_rows(x, k)
 
@@ -217,7 +245,8 @@ class BatchedEnsemble(StackedEnsemble):
         return losses.detach()
 
     def _eval_logits(self, params: Stacked, buffers: Stacked, chunk: Tensor, k: int) -> Tensor:
-        return self._batched_logits(params, buffers, chunk.expand(k, *chunk.shape), False)
+        # (contiguous: the evaluation's argmax over classes is several times slower on a transposed view)
+        return self._batched_logits(params, buffers, chunk, False, models=k).contiguous()
 
 
 #: The layer types :func:`batched_layers` takes (some only in the settings it checks).

@@ -373,3 +373,9 @@ def test_batched_logits_are_each_models_own(method, activation):
         for k, model in enumerate(models):
             want = copy.deepcopy(model).train(training_mode)(x[k]).detach()  # (a copy: BatchNorm's statistics)
             assert torch.allclose(got[k], want, rtol=5e-12, atol=5e-12 * float(want.abs().max())), (k, training_mode)
+    # The evaluation's form: one chunk of samples for all the models (a shared first layer).
+    with torch.no_grad():
+        got = ensemble._eval_logits(ensemble.params, ensemble.buffers, x[1], 3)
+    for k, model in enumerate(models):
+        want = copy.deepcopy(model).eval()(x[1]).detach()
+        assert torch.allclose(got[k], want, rtol=5e-12, atol=5e-12 * float(want.abs().max())), k
