@@ -26,9 +26,10 @@ The floor: the arithmetic of a stacked step (K × the FLOPs of one model's step,
 ``torch.utils.flop_counter`` on forward + backward), its matrix products at the machine's GEMM rate
 (a ``torch.mm`` of square matrices with the same FLOPs) and its convolutions at the machine's
 convolution rate (forward + both backward passes of the arm's widest convolution, one model at batch
-256, the faster of the two memory orders), both measured in the same run; printed as stacked time /
-floor time (1 would be every FLOP at the rate of one large GEMM or convolution; above it: memory
-traffic, small-GEMM inefficiency, elementwise work and Python/dispatch overhead). Target: ≤ 1.5.
+256, the faster of the two memory orders), both measured in every round; printed as the median over
+rounds of stacked time / floor time (1 would be every FLOP at the rate of one large GEMM or
+convolution; above it: memory traffic, small-GEMM inefficiency, elementwise work and Python/dispatch
+overhead). Target: ≤ 1.5.
 
 Checks: ``--checks B ...`` also trains, stacked, one steps-to-target ensemble per batch size B as
 the fashion-ladder preset runs it (an affine MLP of width 128, one seed, its tuned grid with
@@ -116,17 +117,17 @@ def _median_seconds(fn, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
-def gemm_rate(flops: int) -> float:
-    """FLOP/s of a torch.mm of square float32 matrices with about ``flops`` FLOPs (median of 3)."""
+def gemm_timer(flops: int):
+    """(a torch.mm of square float32 matrices with about ``flops`` FLOPs, its FLOPs)."""
     n = max(16, round((max(flops, 1) / 2) ** (1 / 3)))
     a, b = torch.randn(n, n), torch.randn(n, n)
-    return 2 * n**3 / _median_seconds(lambda: torch.mm(a, b))
+    return (lambda: torch.mm(a, b)), 2 * n**3
 
 
-def conv_rate(config, data) -> float | None:
-    """FLOP/s of forward + input and weight gradients of the model's widest convolution (most
-    FLOPs per sample), one model at batch 256 (median of 3, the faster of NCHW and channels-last
-    memory order); None for a model without one."""
+def conv_timer(config, data):
+    """(forward + input and weight gradients of the model's widest convolution (most FLOPs per
+    sample), one model at batch 256, in the faster of NCHW and channels-last memory order; its
+    FLOPs), or None for a model without a convolution."""
     from torch.utils.flop_counter import FlopCounterMode
 
     model = build_member(config, data, 0)
@@ -140,7 +141,7 @@ def conv_rate(config, data) -> float | None:
     if not shapes:
         return None
     conv, shape = max(shapes, key=lambda s: s[0].weight.numel() * s[1][1] * s[1][2])
-    rates = []
+    steps = []
     for layout in (torch.contiguous_format, torch.channels_last):
         x = torch.randn(256, *shape).contiguous(memory_format=layout).requires_grad_()
 
@@ -148,10 +149,11 @@ def conv_rate(config, data) -> float | None:
             out = conv(x)
             out.backward(torch.ones_like(out))  # (the gradients accumulate: the same work every call)
 
-        with FlopCounterMode(display=False) as counter:
-            step()
-        rates.append(counter.get_total_flops() / _median_seconds(step))
-    return max(rates)
+        steps.append(step)
+    fastest = min(steps, key=_median_seconds)
+    with FlopCounterMode(display=False) as counter:
+        fastest()
+    return fastest, counter.get_total_flops()
 
 
 def measure(arm: str, batch: int, data, rounds: int, seconds: float, members: int | None = None,
@@ -171,16 +173,24 @@ def measure(arm: str, batch: int, data, rounds: int, seconds: float, members: in
     # Steps per measurement: about ``seconds`` of the slowest variant, from one warm-up step each.
     warm = {name: _time_steps(e, o, batch, 1, 0) for name, (e, o, _k) in engines.items()}
     steps = max(1, round(seconds / max(warm.values())))
+    flops = {kind: n * stacked_models for kind, n in _step_flops(config, data).items()}
+    timers = {"gemm": gemm_timer(flops["gemm"]), "conv": conv_timer(config, data) if flops["conv"] else None}
     per_model = {name: [] for name in engines}
+    rates = {kind: [] for kind, timer in timers.items() if timer}
     for r in range(rounds):
         for name, (engine, orders, k) in engines.items():
             per_model[name].append(_time_steps(engine, orders, batch, steps, 1 + r * steps) / (steps * k))
+        for kind in rates:  # the rates in every round too: the floor sees the machine's drifts
+            fn, done = timers[kind]
+            rates[kind].append(done / _median_seconds(fn))
     ratios = [a / s for a, s in zip(per_model["alone"], per_model["stacked"])]
-    flops = {kind: n * stacked_models for kind, n in _step_flops(config, data).items()}
-    gemm = gemm_rate(flops["gemm"])
-    conv = conv_rate(config, data) if flops["conv"] else None
-    floor = flops["gemm"] / gemm + (flops["conv"] / conv if flops["conv"] else 0.0)
+    floors = [sum(flops[kind] / rates[kind][r] for kind in rates) for r in range(rounds)]
+    floor = statistics.median(floors)
+    gemm = statistics.median(rates["gemm"])
+    conv = statistics.median(rates["conv"]) if "conv" in rates else None
     median = {name: statistics.median(times) for name, times in per_model.items()}
+    over_floor = {name: statistics.median(t * stacked_models / f for t, f in zip(times, floors))
+                  for name, times in per_model.items()}
     target = None if members else SPEEDUP_TARGETS.get(batch, 1.0)  # the targets are for the default ensembles
     row = {
         "arm": arm, "batch_size": batch, "engine": engines["stacked"][0].__class__.__name__,
@@ -192,8 +202,9 @@ def measure(arm: str, batch: int, data, rounds: int, seconds: float, members: in
         "stacked_step_gflop": (flops["gemm"] + flops["conv"]) / 1e9, "conv_gflop": flops["conv"] / 1e9,
         "gemm_gflops_per_s": gemm / 1e9, "conv_gflops_per_s": None if conv is None else conv / 1e9,
         "floor_ms_per_model_step": 1e3 * floor / stacked_models,
-        "stacked_over_floor": median["stacked"] * stacked_models / floor,
-        "alone_over_floor": median["alone"] * stacked_models / floor,
+        "stacked_over_floor": over_floor["stacked"], "stacked_over_floor_rounds": [
+            t * stacked_models / f for t, f in zip(per_model["stacked"], floors)],
+        "alone_over_floor": over_floor["alone"],
         "floor_target": FLOOR_TARGET,
     }
     row["floor_met"] = row["stacked_over_floor"] <= FLOOR_TARGET
