@@ -215,6 +215,7 @@ class BatchedEnsemble(StackedEnsemble):
             raise ValueError(f"BatchedEnsemble takes an nn.Sequential of {', '.join(LAYER_NAMES)}, got {models[0]}")
         super().__init__(models, optimizer, lrs, momenta, train, val)
         self.layers = batched_layers(self.base)  # the parameter-less copy's modules: they hold settings only
+        self._loss_sum = _loss_sums
 
     def _batched_logits(self, params: Stacked, buffers: Stacked, x: Tensor, training: bool,
                         models: int | None = None) -> Tensor:
@@ -244,9 +245,40 @@ class BatchedEnsemble(StackedEnsemble):
         self.optimizer.step(self.params, dict(zip(names, grads)))
         return losses.detach()
 
+    @torch.no_grad()
+    def evaluate(self) -> list[dict]:
+        """As :meth:`StackedEnsemble.evaluate` (the same chunks of each split), with all the
+        models in one pass per chunk where their validation splits differ but have one size: model
+        k's chunk is its own split's samples."""
+        segments = self._segments(self.val_splits)
+        sizes = {len(y) for _a, _b, (_x, y) in segments}
+        if len(segments) == 1 or len(sizes) > 1:
+            return super().evaluate()
+        n = sizes.pop()
+        if n == 0:
+            raise ValueError("evaluate needs at least one sample, got an empty split")
+        loss_sum = torch.zeros(len(self), dtype=torch.float64)
+        correct = torch.zeros(len(self), dtype=torch.long)
+        for start in range(0, n, self.eval_chunk):
+            xs = torch.cat([x[start : start + self.eval_chunk].expand(b - a, *x[start : start + self.eval_chunk].shape)
+                            for a, b, (x, _y) in segments])
+            ys = torch.cat([y[start : start + self.eval_chunk].expand(b - a, -1) for a, b, (_x, y) in segments])
+            logits = self._batched_logits(self.params, self.buffers, xs, False)
+            loss_sum += _loss_sums(logits, ys).double().cpu()
+            correct += (logits.argmax(dim=2) == ys).sum(1).cpu()
+        return [{"loss": float(s) / n, "accuracy": int(c) / n} for s, c in zip(loss_sum, correct)]
+
     def _eval_logits(self, params: Stacked, buffers: Stacked, chunk: Tensor, k: int) -> Tensor:
         # (contiguous: the evaluation's argmax over classes is several times slower on a transposed view)
         return self._batched_logits(params, buffers, chunk, False, models=k).contiguous()
+
+
+def _loss_sums(logits: Tensor, y: Tensor) -> Tensor:
+    """Per model (K), the summed cross-entropy of its logits (K, C, classes) against labels y,
+    (C,) shared or (K, C) its own."""
+    k, c, classes = logits.shape
+    losses = F.cross_entropy(logits.reshape(k * c, classes), y.expand(k, c).reshape(-1), reduction="none")
+    return losses.view(k, c).sum(1)
 
 
 #: The layer types :func:`batched_layers` takes (some only in the settings it checks).

@@ -108,10 +108,11 @@ class StackedEnsemble:
         return len(self.train_splits)
 
     def _segments(self, splits) -> list[tuple[int, int, tuple[Tensor, Tensor]]]:
-        """(start, stop, split) for each run of consecutive models on the same split."""
+        """(start, stop, split) for each run of consecutive models on the same split (the same
+        tensor objects; the (x, y) tuples themselves may be distinct)."""
         out: list = []
         for k, split in enumerate(splits):
-            if out and out[-1][2] is split:
+            if out and all(a is b for a, b in zip(out[-1][2], split)):
                 out[-1][1] = k + 1
             else:
                 out.append([k, k + 1, split])
