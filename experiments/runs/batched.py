@@ -1,13 +1,14 @@
 """K models of one plain architecture trained as one: batched layers over stacked weights.
 
-For an ``nn.Sequential`` of the layers in :data:`LAYERS` (every MLP method and the conv and
+For an ``nn.Sequential`` of the layers in :data:`LAYER_NAMES` (every MLP method and the conv and
 conv+batchnorm CNNs of :mod:`~affdiv.experiments.runs.models`), :class:`BatchedEnsemble` runs the
 K stacked models as one ordinary autograd graph, without ``torch.func``: the activations of an
-MLP are (K, B, F) and a linear layer is one batched product, z_k = x_k W_kᵀ + b_k
-(``baddbmm``); the activations of a CNN are (B, K·C, H, W), so a convolution is one grouped
-convolution (groups = K) and BatchNorm, pooling and the activations act per channel on that
-layout unchanged (the running statistics are the stacked buffers seen as K·C channels, updated
-in place as each model's would be). The step is
+MLP are (K, B, F) and a linear layer is one batched product, z_kᵀ = W_k x_kᵀ + b_k
+(``baddbmm``); the activations of a CNN are (B, K·C, H, W) in channels-last memory order, so a
+convolution is one grouped convolution (groups = K) and BatchNorm, pooling and the activations
+act per channel on that layout unchanged (the running statistics are the stacked buffers seen as
+K·C channels, updated in place as each model's would be); a nondecreasing activation followed by
+a max-pool runs after it (the same numbers, a quarter of the work). The step is
 
     (L_k)_k = CE(f(X_k; θ_k, β_k), Y_k),   (g_k)_k = ∂(Σ_k L_k)/∂θ
 
@@ -17,6 +18,10 @@ the formula it has alone, in batched kernels: its numbers equal those of the sam
 alone (or by the vmapped :class:`~affdiv.experiments.runs.stacked.StackedEnsemble`) up to the
 order of summation inside those kernels, within the bound the tests state for the vmapped
 engine. In float32 they may differ from the vmapped engine's at rounding level.
+
+Checks evaluate one chunk of validation samples for all the models on that split: the first
+linear layer is then one GEMM with the K weights side by side (a first convolution one dense
+convolution), and models on different splits of one size are evaluated in one pass per chunk.
 
 AffineLike and NormLike are written here with torch operations (their formulas,
 :mod:`affdiv.layers.functional`), not their fused kernels. Any other layer, or a layer setting
