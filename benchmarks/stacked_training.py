@@ -1,30 +1,41 @@
-"""Runs per hour of stacked (vmapped) training against one model at a time, measured in one run.
+"""The training roofline: stacked training against one model at a time and against the arithmetic floor.
 
     python benchmarks/stacked_training.py [--threads 2] [--rounds 3] [--seconds 1.5] [--json PATH]
                                           [--arms mlp cnn vit ...] [--batch-sizes B ...] [--members K ...]
+                                          [--vmap]
 
 A *cell* is a batch size of a Fashion-MNIST study with 8 seeds × 6 learning rates = 48 models:
-the MLP arm (784-256-256-256-10, tanh) at B = 16, 64, 256, 1024 and a CNN arm (3 blocks of 32
-channels, relu) at B = 16, 128; on request (``--arms``) an arm per vit method (width 32, depth 1,
-gelu: 16 patch tokens, 4 heads) at B = 16, 64, 256. Both variants are the harness's own engines
-(``training.OneAtATime``, ``stacked.StackedEnsemble``) taking SGD steps on real batches (each
-model its own shuffle), so a model-step costs what it costs in a sweep; whole runs differ only
-by their evaluations (a few per run). The stacked ensemble holds as many of the cell's models as
-fit the default ensemble memory (``grouping.member_bytes``), at most 48; one at a time is timed
-on 8 models (its cost per model-step does not depend on how many there are); its step is the
-bare loop (forward, ``zero_grad``, ``backward``, ``torch.optim`` step, the loss kept).
-``--members K ...`` times K stacked models instead, a row per K (how the gain grows with K). Each round times
-one measurement of each variant (a fixed number of steps, about ``--seconds`` long), rounds
-interleaved so that the machine's drifts hit both; the speed-up is the median over rounds of
+the MLP arm (784-256-256-256-10, tanh) and the CNN arm (3 blocks of 32 channels, relu), each at
+B = 16, 64, 256, 1024 by default, and on request (``--arms``) an arm per vit method (width 32,
+depth 1, gelu) at B = 16, 64, 256 (an arm is a name → RunConfig settings and batch sizes in
+``ARMS``: another architecture is one more entry). The variants are the harness's own engines
+(``training.OneAtATime``; the stacked engine ``training.stacked_engine`` picks for the arm, named in
+the table; ``--vmap`` also times ``stacked.StackedEnsemble``, the vmapped fallback) taking SGD steps
+on real batches (each model its own shuffle), so a model-step costs what it costs in a sweep; whole
+runs differ only by their evaluations (a few per run). The stacked ensemble holds as many of the
+cell's models as fit the default ensemble memory (``grouping.member_bytes``), at most 48; one at a
+time is timed on 8 models (its cost per model-step does not depend on how many there are); its step
+is the bare loop (forward, ``zero_grad``, ``backward``, ``torch.optim`` step, the loss kept).
+``--members K ...`` times K stacked models instead, a row per K (how the gain grows with K). Each
+round times one measurement of each variant (a fixed number of steps, about ``--seconds`` long),
+rounds interleaved so that the machine's drifts hit all; the speed-up is the median over rounds of
 the paired ratio (one-at-a-time / stacked time per model-step) = the ratio of runs per hour.
-Targets (issue 13): ≥ 5× at B ≤ 64, ≥ 2× at B = 256, ≥ 1× everywhere. The process keeps freed
-memory for reuse as the sweep's workers do (``sweep.keep_freed_memory``), for both variants.
+Speed-up targets: ≥ 5× at B ≤ 64, ≥ 2× at B = 128–256, ≥ 1× everywhere. The process keeps freed memory for
+reuse as the sweep's workers do (``sweep.keep_freed_memory``), for both variants.
 
 The floor: the arithmetic of a stacked step (K × the FLOPs of one model's step, counted by
-``torch.utils.flop_counter`` on forward + backward) at the machine's GEMM rate, measured in the
-same run by a ``torch.mm`` of square matrices with the same FLOPs; printed as stacked time /
-floor time (1 would be every FLOP at the rate of one large GEMM; above it: memory traffic,
-small-GEMM inefficiency, elementwise work and Python/dispatch overhead).
+``torch.utils.flop_counter`` on forward + backward), its matrix products at the machine's GEMM rate
+(a ``torch.mm`` of square matrices with the same FLOPs) and its convolutions at the machine's
+convolution rate (forward + both backward passes of the arm's widest convolution, one model at batch
+256, the faster of the two memory orders), both measured in every round; printed as the median over
+rounds of stacked time / floor time (1 would be every FLOP at the rate of one large GEMM or
+convolution; above it: memory traffic, small-GEMM inefficiency, elementwise work and Python/dispatch
+overhead). Target: ≤ 1.5.
+
+Checks: ``--checks B ...`` also trains, stacked, one steps-to-target ensemble per batch size B as
+the fashion-ladder preset runs it (an affine MLP of width 128, one seed, its tuned grid with
+extensions, the ladder's targets, geometric reads) and prints the share of its training time
+spent in checks (``RunResult.check_seconds`` over ``seconds``). Target: ≤ 10%.
 """
 
 from __future__ import annotations
@@ -37,25 +48,32 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
 from affdiv.experiments.data.dataset import load_dataset
 from affdiv.experiments.runs.config import VIT_METHODS, RunConfig
 from affdiv.experiments.runs.grouping import DEFAULT_ENSEMBLE_MEMORY, member_bytes
 from affdiv.experiments.runs.stacked import StackedEnsemble
 from affdiv.experiments.runs.sweep import keep_freed_memory
-from affdiv.experiments.runs.training import OneAtATime, build_member
+from affdiv.experiments.runs.training import OneAtATime, build_member, stacked_engine
 from affdiv.provenance import provenance
 
 CELL = 48  # 8 seeds × 6 learning rates
 ONE_AT_A_TIME_MODELS = 8
 LRS = (0.0125, 0.025, 0.05, 0.1, 0.2, 0.4)
+BATCH_SIZES = (16, 64, 256, 1024)
+#: arm -> (RunConfig settings, default batch sizes). A new architecture is one more entry here.
 ARMS = {
-    "mlp": (dict(method="affine", depth=3, width=256, activation="tanh"), (16, 64, 256, 1024)),
-    "cnn": (dict(method="conv", depth=3, width=32, activation="relu"), (16, 128)),
+    "mlp": (dict(method="affine", depth=3, width=256, activation="tanh"), BATCH_SIZES),
+    "cnn": (dict(method="conv", depth=3, width=32, activation="relu"), BATCH_SIZES),
+    # the transformer arm: an arm per vit method (16 patch tokens, 4 heads), on request
     **{method: (dict(method=method, depth=1, width=32, activation="gelu"), (16, 64, 256)) for method in VIT_METHODS},
 }
 DEFAULT_ARMS = ("mlp", "cnn")
-TARGETS = {16: 5.0, 64: 5.0, 128: 2.0, 256: 2.0, 1024: 1.0}  # issue 13's; other batch sizes: never slower
+SPEEDUP_TARGETS = {16: 5.0, 64: 5.0, 128: 2.0, 256: 2.0, 1024: 1.0}  # other batch sizes: never slower
+FLOOR_TARGET = 1.5
+#: The ops whose FLOPs count as convolutions (the rest are matrix products).
+CONV_OPS = ("convolution", "convolution_backward")
 
 
 def _engine(kind, config, data, models: int):
@@ -79,64 +97,168 @@ def _time_steps(engine, orders, batch: int, steps: int, start: int) -> float:
     return time.perf_counter() - begin
 
 
-def _step_flops(config, data) -> int:
-    """FLOPs of one SGD step (forward + backward) of one model at the config's batch size."""
+def _step_flops(config, data) -> dict[str, int]:
+    """FLOPs of one SGD step (forward + backward) of one model at the config's batch size:
+    {"gemm": matrix products, "conv": convolutions}."""
     from torch.utils.flop_counter import FlopCounterMode
 
     model = build_member(config, data, 0)
     x, y = data.train.x[: config.batch_size], data.train.y[: config.batch_size]
     with FlopCounterMode(display=False) as counter:
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-    return counter.get_total_flops()
+        F.cross_entropy(model(x), y).backward()
+    by_op = {str(op).split(".")[-1]: n for op, n in counter.get_flop_counts()["Global"].items()}
+    conv = sum(n for op, n in by_op.items() if op in CONV_OPS)
+    return {"gemm": counter.get_total_flops() - conv, "conv": conv}
 
 
-def _gemm_seconds(flops: int) -> float:
-    """Seconds of a torch.mm of square float32 matrices with ``flops`` FLOPs (median of 3)."""
-    n = max(16, round((flops / 2) ** (1 / 3)))
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.mm(a, b)
+def _median_seconds(fn, repeats: int = 3) -> float:
+    fn()
     times = []
-    for _ in range(3):
+    for _ in range(repeats):
         begin = time.perf_counter()
-        torch.mm(a, b)
+        fn()
         times.append(time.perf_counter() - begin)
-    return statistics.median(times) * flops / (2 * n**3)
+    return statistics.median(times)
 
 
-def measure(arm: str, batch: int, data, rounds: int, seconds: float, members: int | None = None) -> dict:
+def gemm_timer(flops: int):
+    """(a torch.mm of square float32 matrices with about ``flops`` FLOPs, its FLOPs)."""
+    n = max(16, round((max(flops, 1) / 2) ** (1 / 3)))
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    return (lambda: torch.mm(a, b)), 2 * n**3
+
+
+def conv_timer(config, data):
+    """(forward + input and weight gradients of the model's widest convolution (most FLOPs per
+    sample), one model at batch 256, in the faster of NCHW and channels-last memory order; its
+    FLOPs), or None for a model without a convolution."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = build_member(config, data, 0)
+    shapes: list = []
+    hooks = [m.register_forward_hook(lambda m, i, _o: shapes.append((m, i[0].shape[1:])))
+             for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    with torch.no_grad():
+        model(data.train.x[:1])
+    for hook in hooks:
+        hook.remove()
+    if not shapes:
+        return None
+    conv, shape = max(shapes, key=lambda s: s[0].weight.numel() * s[1][1] * s[1][2])
+    steps = []
+    for layout in (torch.contiguous_format, torch.channels_last):
+        x = torch.randn(256, *shape).contiguous(memory_format=layout).requires_grad_()
+
+        def step(x=x):
+            out = conv(x)
+            out.backward(torch.ones_like(out))  # (the gradients accumulate: the same work every call)
+
+        steps.append(step)
+    fastest = min(steps, key=_median_seconds)
+    with FlopCounterMode(display=False) as counter:
+        fastest()
+    return fastest, counter.get_total_flops()
+
+
+def measure(arm: str, batch: int, data, rounds: int, seconds: float, members: int | None = None,
+            vmap: bool = False) -> dict:
     """One row: ``members`` stacked models (default: as many as fit the default ensemble memory,
-    at most the cell's 48) against one at a time."""
+    at most the cell's 48) against one at a time (and the vmapped engine if ``vmap``)."""
     settings, _sizes = ARMS[arm]
     config = RunConfig(dataset="fashion-mnist", batch_size=batch, seed=0, **settings)
     fit = DEFAULT_ENSEMBLE_MEMORY // member_bytes(config, data.input_shape, data.num_classes)
     stacked_models = members or max(1, min(CELL, fit))
-    stacked, stacked_orders = _engine(StackedEnsemble, config, data, stacked_models)
-    alone, alone_orders = _engine(OneAtATime, config, data, ONE_AT_A_TIME_MODELS)
-    # Steps per measurement: about ``seconds`` of the slower variant, from one warm-up step each.
-    warm = {name: _time_steps(e, o, batch, 1, 0) for name, (e, o) in
-            {"stacked": (stacked, stacked_orders), "alone": (alone, alone_orders)}.items()}
+    probe = build_member(config, data, 0)
+    kinds = {"alone": (OneAtATime, ONE_AT_A_TIME_MODELS),
+             "stacked": (stacked_engine(probe), stacked_models)}
+    if vmap:
+        kinds["vmap"] = (StackedEnsemble, stacked_models)
+    engines = {name: (*_engine(kind, config, data, k), k) for name, (kind, k) in kinds.items()}
+    # Steps per measurement: about ``seconds`` of the slowest variant, from one warm-up step each.
+    warm = {name: _time_steps(e, o, batch, 1, 0) for name, (e, o, _k) in engines.items()}
     steps = max(1, round(seconds / max(warm.values())))
-    per_model = {"alone": [], "stacked": []}
+    flops = {kind: n * stacked_models for kind, n in _step_flops(config, data).items()}
+    timers = {"gemm": gemm_timer(flops["gemm"]), "conv": conv_timer(config, data) if flops["conv"] else None}
+    per_model = {name: [] for name in engines}
+    rates = {kind: [] for kind, timer in timers.items() if timer}
     for r in range(rounds):
-        start = 1 + r * steps
-        alone_seconds = _time_steps(alone, alone_orders, batch, steps, start)
-        stacked_seconds = _time_steps(stacked, stacked_orders, batch, steps, start)
-        per_model["alone"].append(alone_seconds / (steps * ONE_AT_A_TIME_MODELS))
-        per_model["stacked"].append(stacked_seconds / (steps * stacked_models))
+        for name, (engine, orders, k) in engines.items():
+            per_model[name].append(_time_steps(engine, orders, batch, steps, 1 + r * steps) / (steps * k))
+        for kind in rates:  # the rates in every round too: the floor sees the machine's drifts
+            fn, done = timers[kind]
+            rates[kind].append(done / _median_seconds(fn))
     ratios = [a / s for a, s in zip(per_model["alone"], per_model["stacked"])]
-    flops = _step_flops(config, data) * stacked_models
-    floor = _gemm_seconds(flops)
-    stacked_step = statistics.median(per_model["stacked"]) * stacked_models
-    target = None if members else TARGETS.get(batch, 1.0)  # issue 13's targets are for the default ensembles
-    return {
-        "arm": arm, "batch_size": batch, "stacked_models": stacked_models, "steps_per_round": steps, "rounds": rounds,
-        "alone_ms_per_model_step": 1e3 * statistics.median(per_model["alone"]),
-        "stacked_ms_per_model_step": 1e3 * statistics.median(per_model["stacked"]),
+    floors = [sum(flops[kind] / rates[kind][r] for kind in rates) for r in range(rounds)]
+    floor = statistics.median(floors)
+    gemm = statistics.median(rates["gemm"])
+    conv = statistics.median(rates["conv"]) if "conv" in rates else None
+    median = {name: statistics.median(times) for name, times in per_model.items()}
+    over_floor = {name: statistics.median(t * stacked_models / f for t, f in zip(times, floors))
+                  for name, times in per_model.items()}
+    target = None if members else SPEEDUP_TARGETS.get(batch, 1.0)  # the targets are for the default ensembles
+    row = {
+        "arm": arm, "batch_size": batch, "engine": engines["stacked"][0].__class__.__name__,
+        "stacked_models": stacked_models, "steps_per_round": steps, "rounds": rounds,
+        "alone_ms_per_model_step": 1e3 * median["alone"],
+        "stacked_ms_per_model_step": 1e3 * median["stacked"],
         "speedup": statistics.median(ratios), "speedup_rounds": ratios, "target": target,
         "met": None if target is None else statistics.median(ratios) >= target,
-        "stacked_step_gflop": flops / 1e9, "gemm_gflops_per_s": flops / floor / 1e9,
-        "stacked_over_floor": stacked_step / floor,
+        "stacked_step_gflop": (flops["gemm"] + flops["conv"]) / 1e9, "conv_gflop": flops["conv"] / 1e9,
+        "gemm_gflops_per_s": gemm / 1e9, "conv_gflops_per_s": None if conv is None else conv / 1e9,
+        "floor_ms_per_model_step": 1e3 * floor / stacked_models,
+        "stacked_over_floor": over_floor["stacked"], "stacked_over_floor_rounds": [
+            t * stacked_models / f for t, f in zip(per_model["stacked"], floors)],
+        "alone_over_floor": over_floor["alone"],
+        "floor_target": FLOOR_TARGET,
     }
+    row["floor_met"] = row["stacked_over_floor"] <= FLOOR_TARGET
+    if vmap:
+        row["vmap_ms_per_model_step"] = 1e3 * median["vmap"]
+        row["vmap_over_stacked"] = statistics.median(v / s for v, s in zip(per_model["vmap"], per_model["stacked"]))
+    return row
+
+
+COLUMNS = (("arm", "4", "arm"), ("B", ">5", "batch_size"), ("engine", "16", "engine"), ("K", ">3", "stacked_models"),
+           ("alone ms", ">9.3f", "alone_ms_per_model_step"), ("stacked ms", ">10.3f", "stacked_ms_per_model_step"),
+           ("floor ms", ">9.3f", "floor_ms_per_model_step"), ("speed-up", ">8.2f", "speedup"),
+           ("GEMM GF/s", ">9.1f", "gemm_gflops_per_s"), ("conv GF/s", ">9.1f", "conv_gflops_per_s"),
+           ("stacked/floor", ">13.2f", "stacked_over_floor"), ("alone/floor", ">11.2f", "alone_over_floor"),
+           ("vmap/stacked", ">12.2f", "vmap_over_stacked"))
+
+
+def format_row(row: dict) -> str:
+    cells = []
+    for _title, spec, key in COLUMNS:
+        value = row.get(key)
+        width = spec.lstrip("<>").split(".")[0]
+        cells.append(f"{'—':>{width}}" if value is None else format(value, spec))
+    return " ".join(cells)
+
+
+def format_table(rows: list[dict]) -> str:
+    """The rows as a fixed-width text table (— where a value does not apply)."""
+    header = " ".join(format(title, spec.split(".")[0].rstrip("df")) for title, spec, _key in COLUMNS)
+    return "\n".join([header, *map(format_row, rows)])
+
+
+CHECK_SETTINGS = dict(dataset="fashion-mnist", method="affine", depth=3, width=128, activation="tanh",
+                      lr_rule="tuned", lr_grid=(0.05, 0.1, 0.2, 0.4, 0.8), grid_extensions=3, budget="target",
+                      target=0.84, targets=(0.78, 0.80, 0.82), read_spacing=0.05, length=12000, val_fraction=0.05,
+                      seed=8)
+CHECK_TARGET = 0.10
+
+
+def check_share(batch: int) -> dict:
+    """Seconds of one stacked steps-to-target run (``CHECK_SETTINGS`` at ``batch``) and of its checks."""
+    from affdiv.experiments.runs.sweep import dataset_for
+    from affdiv.experiments.runs.training import train_runs
+
+    config = RunConfig(batch_size=batch, **CHECK_SETTINGS)
+    result = train_runs([config], [dataset_for(config)], stacked=True)[0]
+    share = result.check_seconds / result.seconds
+    return {"batch_size": batch, "seconds": result.seconds, "check_seconds": result.check_seconds,
+            "reads": len(result.curves), "steps_to_target": result.metrics["steps_to_target"],
+            "check_share": share, "target": CHECK_TARGET, "met": share <= CHECK_TARGET}
 
 
 def main(argv=None) -> int:
@@ -144,40 +266,47 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per cell (default 3)")
     parser.add_argument("--seconds", type=float, default=1.5, help="about how long one measurement runs")
-    parser.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), choices=list(ARMS),
-                        help=f"default: {' '.join(DEFAULT_ARMS)}")
+    parser.add_argument("--arms", nargs="*", default=list(DEFAULT_ARMS), choices=list(ARMS),
+                        help=f"default: {' '.join(DEFAULT_ARMS)}; the vit methods on request; none: checks only")
     parser.add_argument("--batch-sizes", nargs="+", type=int, help="of each arm (default: the arm's, listed above)")
     parser.add_argument("--members", nargs="+", type=int,
                         help="stacked ensemble sizes to time, a row each (default: as many as fit the default "
                              "ensemble memory, at most 48)")
+    parser.add_argument("--vmap", action="store_true", help="also time the vmapped engine (StackedEnsemble)")
+    parser.add_argument("--checks", nargs="*", type=int, default=[], metavar="B",
+                        help="also time a steps-to-target run at each batch size B, the share of it in checks")
     parser.add_argument("--json", help="write the rows and provenance here")
     args = parser.parse_args(argv)
     if not all(1 <= k <= CELL for k in args.members or []):
         parser.error(f"--members: each K must be in 1..{CELL} (a cell's models), got {args.members}")
-    if not all(b >= 1 for b in args.batch_sizes or []):
-        parser.error(f"--batch-sizes must be >= 1, got {args.batch_sizes}")
+    if not all(b >= 1 for b in [*(args.batch_sizes or []), *args.checks]):
+        parser.error(f"--batch-sizes and --checks must be >= 1, got {args.batch_sizes} and {args.checks}")
+    if args.json:
+        from affdiv.atomic import check_writable_file
+
+        check_writable_file(args.json, "--json")
     torch.set_num_threads(args.threads)
     keep_freed_memory()  # as the sweep's workers do
     started = time.monotonic()
     data = load_dataset("fashion-mnist")
     rows = []
-    name_width = max(len(arm) for arm in args.arms)
-    print(f"{'arm':{name_width}} {'B':>5} {'K':>3} {'alone ms':>9} {'stacked ms':>10} {'speed-up':>9} {'target':>7} "
-          f"{'rounds':>22} {'GEMM GFLOP/s':>12} {'stacked/floor':>13}")
+    print(format_table([]), flush=True)
     for arm in args.arms:
         for batch, members in itertools.product(args.batch_sizes or ARMS[arm][1], args.members or [None]):
-            row = measure(arm, batch, data, args.rounds, args.seconds, members)
-            rows.append(row)
-            spread = " ".join(f"{r:.2f}" for r in row["speedup_rounds"])
-            target = "—" if row["target"] is None else f"{row['target']:.1f}x"
-            print(f"{arm:{name_width}} {batch:5d} {row['stacked_models']:3d} {row['alone_ms_per_model_step']:9.3f} "
-                  f"{row['stacked_ms_per_model_step']:10.3f} {row['speedup']:8.2f}x {target:>7} "
-                  f"{spread:>22} {row['gemm_gflops_per_s']:12.1f} {row['stacked_over_floor']:13.2f}", flush=True)
+            rows.append(measure(arm, batch, data, args.rounds, args.seconds, members, args.vmap))
+            print(format_row(rows[-1]), flush=True)
+    checks = []
+    for batch in args.checks:
+        checks.append(check_share(batch))
+        c = checks[-1]
+        print(f"checks B={batch}: {c['check_seconds']:.1f} s of {c['seconds']:.1f} s in {c['reads']} reads = "
+              f"{100 * c['check_share']:.1f}% (target <= {100 * CHECK_TARGET:.0f}%)", flush=True)
     if args.json:
         from affdiv.atomic import atomic_write
 
-        record = {"rows": rows, "provenance": provenance(threads=args.threads, rounds=args.rounds,
-                                                         wall_time_s=round(time.monotonic() - started, 1))}
+        record = {"rows": rows, "checks": checks, "table": format_table(rows).splitlines(),
+                  "provenance": provenance(threads=args.threads, rounds=args.rounds,
+                                           wall_time_s=round(time.monotonic() - started, 1))}
         atomic_write(args.json, json.dumps(record, indent=2))
     return 0
 

@@ -10,7 +10,8 @@ a run tunes (lr, momentum) is one value per model. For model k, with gradient g 
                θ ← θ − (η_k / (1−β₁ᵗ)) · m / (√v / √(1−β₂ᵗ) + ε)      (β₁, β₂, ε = 0.9, 0.999, 1e-8)
 
 :class:`StackedOptimizer` runs these with the operations of torch.optim's single-tensor loops
-(torch's default on CPU), where a per-model value replaces the scalar: ``add_(g, alpha=−η)``
+(torch's default on CPU; here as ``torch._foreach_*`` calls over all the stacked tensors, which
+run the same per-tensor kernels in one call), where a per-model value replaces the scalar: ``add_(g, alpha=−η)``
 becomes ``addcmul_(g, −η_k)``, ``addcdiv_(m, d, value=−s)`` becomes ``addcdiv_(−s_k·m, d)``:
 per element the same roundings in the same order (torch's kernels compute value·t1 before the
 division). The test checks equality with torch.optim bit for bit on CPU.
@@ -72,19 +73,23 @@ class StackedOptimizer:
     def step(self, params: Mapping[str, Tensor], grads: Mapping[str, Tensor]) -> None:
         """θ ← update(θ, g) for every stacked parameter (see the module docstring)."""
         self.steps += 1
-        neg_lrs = [-lr for lr in self.lrs]
-        for name, param in params.items():
-            grad = grads[name]
-            if self.optimizer == "sgd":
-                param.addcmul_(grad, self._column("lr", neg_lrs, param))
-            elif self.optimizer == "momentum":
-                if name not in self.state:
-                    self.state[name] = grad.detach().clone()
-                else:
-                    self.state[name].mul_(self._column("momentum", self.momenta, param)).add_(grad)
-                param.addcmul_(self.state[name], self._column("lr", neg_lrs, param))
+        if self.optimizer == "adam":
+            for name, param in params.items():
+                self._adam(name, param, grads[name])
+            return
+        names = list(params)
+        tensors = [params[name] for name in names]
+        neg_lrs = [self._column("lr", [-lr for lr in self.lrs], t) for t in tensors]
+        step = [grads[name] for name in names]
+        if self.optimizer == "momentum":
+            if names[0] in self.state:
+                buffers = [self.state[name] for name in names]
+                torch._foreach_mul_(buffers, [self._column("momentum", self.momenta, t) for t in tensors])
+                torch._foreach_add_(buffers, step)
             else:
-                self._adam(name, param, grad)
+                self.state.update((name, g.detach().clone()) for name, g in zip(names, step))
+            step = [self.state[name] for name in names]
+        torch._foreach_addcmul_(tensors, step, neg_lrs)
 
     def _adam(self, name: str, param: Tensor, grad: Tensor) -> None:
         beta1, beta2 = ADAM_BETAS

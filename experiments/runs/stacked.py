@@ -1,5 +1,13 @@
 """K models of one architecture trained as one: stacked parameters, one vmapped step for all.
 
+This is the general stacked engine, the fallback: a model whose every layer has a batched form
+(every method but patchnorm) trains on :class:`~affdiv.experiments.runs.batched.BatchedEnsemble`
+instead, a subclass that replaces the vmapped step and forward by batched layers (one autograd
+graph, no ``torch.func``) and keeps everything else here. Both engines compute each model's own
+formulas; float64 numbers agree within the tests' bound, and float32 numbers of runs trained on the
+batched engine may differ from the vmapped engine's at rounding level (the kernels sum in other
+orders), as they may from one model trained alone.
+
 ``torch.func.stack_module_state`` stacks the K models' parameters and buffers along a new dim 0;
 one step of all of them is
 
@@ -100,25 +108,29 @@ class StackedEnsemble:
         return len(self.train_splits)
 
     def _segments(self, splits) -> list[tuple[int, int, tuple[Tensor, Tensor]]]:
-        """(start, stop, split) for each run of consecutive models on the same split."""
+        """(start, stop, split) for each run of consecutive models on the same split (the same
+        tensor objects; the (x, y) tuples themselves may be distinct)."""
         out: list = []
         for k, split in enumerate(splits):
-            if out and out[-1][2] is split:
+            if out and all(a is b for a, b in zip(out[-1][2], split)):
                 out[-1][1] = k + 1
             else:
                 out.append([k, k + 1, split])
         return [tuple(s) for s in out]
 
-    def step(self, batches: Tensor) -> Tensor:
-        """One optimiser step of every model on its batch (``batches`` (K, B) sample indices into
-        its training split); returns the K mean cross-entropies before the step (detached)."""
+    def _gather(self, batches: Tensor) -> tuple[Tensor, Tensor]:
+        """Each model's batch (inputs (K, B, ...), labels (K, B)) from its training split."""
         segments = self._segments(self.train_splits)
         if len(segments) == 1:
             x, y = segments[0][2]
-            xs, ys = x[batches], y[batches]
-        else:
-            xs = torch.cat([x[batches[a:b]] for a, b, (x, _y) in segments])
-            ys = torch.cat([y[batches[a:b]] for a, b, (_x, y) in segments])
+            return x[batches], y[batches]
+        return (torch.cat([x[batches[a:b]] for a, b, (x, _y) in segments]),
+                torch.cat([y[batches[a:b]] for a, b, (_x, y) in segments]))
+
+    def step(self, batches: Tensor) -> Tensor:
+        """One optimiser step of every model on its batch (``batches`` (K, B) sample indices into
+        its training split); returns the K mean cross-entropies before the step (detached)."""
+        xs, ys = self._gather(batches)
         grads, losses = self._grad(self.params, self.buffers, xs, ys)
         self.optimizer.step(self.params, grads)
         return losses.detach()
@@ -138,12 +150,17 @@ class StackedEnsemble:
             buffers = {name: t[a:b] for name, t in self.buffers.items()}
             for start in range(0, len(y), self.eval_chunk):
                 chunk, target = x[start : start + self.eval_chunk], y[start : start + self.eval_chunk]
-                logits = self._forward(params, buffers, chunk.expand(b - a, *chunk.shape))
+                logits = self._eval_logits(params, buffers, chunk, b - a)
                 loss_sum[a:b] += self._loss_sum(logits, target).double().cpu()
                 correct[a:b] += (logits.argmax(dim=2) == target).sum(1).cpu()
             sizes[a:b] = [len(y)] * (b - a)
         self.base.train()
         return [{"loss": float(s) / n, "accuracy": int(c) / n} for s, c, n in zip(loss_sum, correct, sizes)]
+
+    def _eval_logits(self, params, buffers, chunk: Tensor, k: int) -> Tensor:
+        """(k, C, classes) logits of the k models with stacked ``params``, ``buffers`` on one chunk
+        (C, ...) of samples, in eval mode."""
+        return self._forward(params, buffers, chunk.expand(k, *chunk.shape))
 
     def model(self, k: int) -> torch.nn.Module:
         """Model k as a plain module (a copy of its parameters and buffers now), in train mode."""

@@ -87,6 +87,7 @@ import torch
 import torch.nn.functional as F
 
 from affdiv.experiments.runs import reads
+from affdiv.experiments.runs.batched import BatchedEnsemble, batched_layers
 from affdiv.experiments.runs.config import RunConfig, candidates
 from affdiv.experiments.runs.grouping import ensemble_key
 from affdiv.experiments.runs.models import build_network
@@ -112,8 +113,9 @@ def metric_names(config: RunConfig) -> tuple[str, ...]:
 
 @dataclass
 class RunResult:
-    """A finished run: final metrics, one curve point per read, seconds taken, measurements, and
-    (target budget) every candidate's curve."""
+    """A finished run: final metrics, one curve point per read, seconds taken (of them
+    ``check_seconds`` in checks: its candidates' shares of the ensemble's evaluations of the
+    validation split), measurements, and (target budget) every candidate's curve."""
 
     metrics: dict
     curves: list[dict]
@@ -121,6 +123,7 @@ class RunResult:
     data_fingerprint: str
     measurements: list[dict] = field(default_factory=list)
     candidates: list[dict] = field(default_factory=list)  # target budget: every candidate's lr and curve
+    check_seconds: float = 0.0
 
 
 def _takes_config(fn) -> bool:
@@ -248,6 +251,7 @@ class Candidate:
     measurements: list[dict] = field(default_factory=list)
     diverged: bool = False
     reached: dict[float, int] = field(default_factory=dict)  # target -> the read at which it was first reached
+    check_seconds: float = 0.0  # its share of the checks' evaluations (each split evenly among the models)
     model: torch.nn.Module | None = None  # the final model, once it stopped
     # A ladder above the primary target: the model as it was at the read that reached the primary one.
     at_primary: torch.nn.Module | None = None
@@ -435,7 +439,11 @@ def _lockstep(cands: list[Candidate], engine_type, tensors: _Tensors, measuremen
             if not _is_check(run, step, i == run.per_epoch - 1, last):
                 continue
             sums = loss_sum.tolist()  # one device sync per check
+            begin = time.perf_counter()
             val = engine.evaluate() if has_val else [{"loss": None, "accuracy": None}] * len(cands)
+            share = (time.perf_counter() - begin) / len(cands)
+            for cand in cands:
+                cand.check_seconds += share
             for cand, total, point in zip(cands, sums, val):
                 cand.check(epoch, step, total / since, point)
             for k, cand in enumerate(cands):  # the primary target's result is the model there, not past it
@@ -468,7 +476,7 @@ def train_runs(configs: Sequence[RunConfig], datasets: Sequence, *, stacked: boo
     tensors = _Tensors(configs[0])
     pending = [cand for run in runs for cand in run.candidates]
     while pending:
-        _lockstep(pending, StackedEnsemble if stacked else OneAtATime, tensors, measurements)
+        _lockstep(pending, _stacked if stacked else OneAtATime, tensors, measurements)
         pending = [cand for run in runs for cand in run.extend()]
     trained = time.perf_counter() - start
     model_steps = [sum(c.curves[-1]["step"] for c in run.candidates) for run in runs]
@@ -477,6 +485,7 @@ def train_runs(configs: Sequence[RunConfig], datasets: Sequence, *, stacked: boo
         begin = time.perf_counter()
         result = run.result(tensors)
         result.seconds = trained * steps / sum(model_steps) + time.perf_counter() - begin
+        result.check_seconds = sum(c.check_seconds for c in run.candidates)
         results.append(result)
     return results
 
@@ -488,6 +497,17 @@ def train_run(config: RunConfig, data, measurements: Sequence[Measurement] = ())
 
 
 _STACKABLE: dict[tuple, str | None] = {}
+
+
+def stacked_engine(model: torch.nn.Module) -> type:
+    """The engine that trains models like ``model`` stacked: batched layers where every layer has
+    one (:func:`~affdiv.experiments.runs.batched.batched_layers`), else the vmapped ensemble."""
+    return BatchedEnsemble if batched_layers(model) is not None else StackedEnsemble
+
+
+def _stacked(models, *args):
+    """The stacked engine of :func:`stacked_engine` for ``models``."""
+    return stacked_engine(models[0])(models, *args)
 
 
 def train_group(configs: Sequence[RunConfig], datasets: Sequence, *, stack: bool = True,

@@ -1,19 +1,23 @@
 """Stacked (vmapped) ensembles against one model at a time: the optimisers, every method, divergence,
 BatchNorm's statistics, steps to target, independence of the other members, the fallback, the plan."""
 
+import copy
 import dataclasses
 import logging
 import math
+import time
 
 import pytest
 import torch
 
 from affdiv.experiments.data.dataset import load_dataset
 from affdiv.experiments.runs import training
+from affdiv.experiments.runs.batched import BatchedEnsemble, batched_layers
 from affdiv.experiments.runs.config import METHODS, RunConfig, architecture, config_hash
 from affdiv.experiments.runs.grouping import ensemble_key, member_bytes, parse_memory, plan_ensembles
+from affdiv.experiments.runs.models import build_model
 from affdiv.experiments.runs.optimizers import StackedOptimizer, make_optimizer
-from affdiv.experiments.runs.stacked import stack_failure
+from affdiv.experiments.runs.stacked import StackedEnsemble, stack_failure
 from affdiv.experiments.runs.training import Measurement, train_group, train_run, train_runs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -133,8 +137,17 @@ def _configs(method, lr=0.1, **changes):
     return runs + [RunConfig(**base, seed=2, lr_rule="tuned", lr_grid=(lr / 2, lr * 2, DIVERGING))]
 
 
+@pytest.fixture(params=["chosen", "vmap"])
+def engine(request, monkeypatch):
+    """The stacked engine: the one ``stacked_engine`` chooses (batched where it applies), or the
+    vmapped ensemble for every model (the fallback)."""
+    if request.param == "vmap":
+        monkeypatch.setattr(training, "stacked_engine", lambda model: StackedEnsemble)
+    return request.param
+
+
 @pytest.mark.parametrize("method", METHODS)
-def test_every_method_trains_stacked_as_one_at_a_time(digits, method):
+def test_every_method_trains_stacked_as_one_at_a_time(digits, method, engine):
     configs = _configs(method)
     final_state = dataclasses.replace(FINAL_STATE, every=configs[0].length)
     eager = [train_run(c, digits, [final_state]) for c in configs]
@@ -145,9 +158,9 @@ def test_every_method_trains_stacked_as_one_at_a_time(digits, method):
         _assert_close(one, many)
 
 
-@pytest.mark.parametrize("method", ["affine", "batchnorm"])
+@pytest.mark.parametrize("method", ["affine", "batchnorm", "conv+batchnorm"])
 @pytest.mark.parametrize("optimizer", ["momentum", "adam"])
-def test_momentum_and_adam_train_stacked_as_one_at_a_time(digits, method, optimizer):
+def test_momentum_and_adam_train_stacked_as_one_at_a_time(digits, method, optimizer, engine):
     configs = _configs(method, lr=0.01 if optimizer == "adam" else 0.05, optimizer=optimizer)
     eager = [train_run(c, digits, [FINAL_STATE]) for c in configs]
     stacked = train_runs(configs, [digits] * len(configs), stacked=True, measurements=[FINAL_STATE])
@@ -155,7 +168,7 @@ def test_momentum_and_adam_train_stacked_as_one_at_a_time(digits, method, optimi
         _assert_close(one, many)
 
 
-def test_steps_to_target_stacked_as_one_at_a_time(digits):
+def test_steps_to_target_stacked_as_one_at_a_time(digits, engine):
     base = dict(dataset="digits", method="batchnorm", batch_size=32, depth=1, width=16, budget="target", target=0.85,
                 eval_every=5, length=150, dtype="float64")
     configs = [RunConfig(**base, seed=seed, lr_rule="tuned", lr_grid=(0.025, 0.05)) for seed in (0, 1)]
@@ -185,7 +198,7 @@ def test_stacked_training_is_deterministic(digits):
     assert [repr((r.metrics, r.curves)) for r in first] == [repr((r.metrics, r.curves)) for r in second]
 
 
-def test_runs_on_different_data_splits_stack(digits):
+def test_runs_on_different_data_splits_stack(digits, engine):
     other = load_dataset("digits", seed=1)
     base = dict(dataset="digits", method="batchnorm", batch_size=64, depth=1, width=8, budget="steps", length=25,
                 dtype="float64")
@@ -196,6 +209,29 @@ def test_runs_on_different_data_splits_stack(digits):
     for one, many in zip(eager, stacked):
         _assert_close(one, many)
     assert stacked[1].data_fingerprint == str(other.fingerprint) != stacked[0].data_fingerprint
+
+
+# ----------------------------------------------------------------------------- engines
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_but_patchnorm_takes_the_batched_engine(method):
+    model = build_model(method, input_shape=(1, 8, 8), num_classes=10, depth=2, width=4, activation="gelu")
+    assert training.stacked_engine(model) is (StackedEnsemble if method == "patchnorm" else BatchedEnsemble)
+
+
+@pytest.mark.parametrize("model", [
+    torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3, stride=2), torch.nn.Flatten(), torch.nn.Linear(36, 3)),
+    torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 4), torch.nn.Sigmoid()),
+    torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 4), torch.nn.BatchNorm1d(4, momentum=None)),
+    torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.LayerNorm([2, 6, 6])),
+    torch.nn.Linear(64, 4),
+], ids=["strided-conv", "sigmoid", "cumulative-batchnorm", "layernorm-over-images", "not-sequential"])
+def test_other_models_fall_back_to_vmap(model):
+    assert batched_layers(model) is None and training.stacked_engine(model) is StackedEnsemble
+    with pytest.raises(ValueError, match="BatchedEnsemble takes an nn.Sequential of"):
+        BatchedEnsemble([model], "sgd", [0.1], [None], [(torch.zeros(1, 64), torch.zeros(1))] * 1,
+                        [(torch.zeros(1, 64), torch.zeros(1))])
 
 
 # ----------------------------------------------------------------------------- fallback
@@ -306,3 +342,53 @@ def test_falsify_takes_stack_and_ensemble_memory(tmp_path, capsys):
     assert not (tmp_path / "out" / "results.sqlite").exists()  # refused before any work
     with pytest.raises(SystemExit):
         main(["falsify", "--preset", "smoke", "--out", str(tmp_path / "out"), "--stack", "maybe"])
+
+
+# ----------------------------------------------------------------------------- checks' time
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_a_run_counts_its_seconds_in_checks(digits, monkeypatch, stacked):
+    # Every evaluation of the validation split is made to last 0.05 s more: a check of the ensemble's
+    # 3 models (one run, and a tuned run of 2) then takes at least 0.05 s, a third of it each model's.
+    waits = []
+    for engine_type in (training.OneAtATime, StackedEnsemble):
+        def slow(self, evaluate=engine_type.evaluate):
+            waits.append(len(self))
+            time.sleep(0.05)
+            return evaluate(self)
+        monkeypatch.setattr(engine_type, "evaluate", slow)
+    base = dict(dataset="digits", method="affine", batch_size=32, depth=1, width=8, budget="target", target=0.99,
+                eval_every=5, length=20, grid_extensions=0)
+    configs = [RunConfig(**base, seed=0), RunConfig(**base, seed=1, lr_rule="tuned", lr_grid=(0.05, 0.1))]
+    results = train_runs(configs, [digits] * 2, stacked=stacked)
+    assert [len(r.curves) for r in results] == [4, 4] and waits == [3] * 4
+    for result, models in zip(results, (1, 2)):
+        assert 0.05 * 4 * models / 3 <= result.check_seconds <= result.seconds, (result.check_seconds, result.seconds)
+    no_val = train_runs([RunConfig(**{**base, "budget": "steps", "val_fraction": 0.0}, seed=0)],
+                        [load_dataset("digits", val_fraction=0.0)], stacked=stacked)[0]
+    assert no_val.check_seconds < 0.05
+
+
+@pytest.mark.parametrize("activation", ["gelu", "tanh"])
+@pytest.mark.parametrize("method", [m for m in METHODS if m != "patchnorm"])
+def test_batched_logits_are_each_models_own(method, activation):
+    # float64, one forward: the same formulas summed in other orders, 2γ_n·κ with n ≤ 64 and κ ≤ 10²
+    # per layer, two hidden layers and the read-out: ≤ 3 · 1.5e-14 · 100 ≈ 5e-12 relative.
+    torch.manual_seed(0)
+    models = [build_model(method, input_shape=(1, 8, 8), num_classes=10, depth=2, width=4, activation=activation)
+              .double() for _ in range(3)]
+    x, y = torch.randn(3, 5, 1, 8, 8, dtype=torch.float64), torch.zeros(5, dtype=torch.long)
+    ensemble = BatchedEnsemble(models, "sgd", [0.1] * 3, [None] * 3, [(x[0], y)] * 3, [(x[0], y)] * 3)
+    for training_mode in (True, False):
+        got = ensemble._batched_logits(ensemble.params, {n: t.clone() for n, t in ensemble.buffers.items()}, x,
+                                       training_mode)
+        for k, model in enumerate(models):
+            want = copy.deepcopy(model).train(training_mode)(x[k]).detach()  # (a copy: BatchNorm's statistics)
+            assert torch.allclose(got[k], want, rtol=5e-12, atol=5e-12 * float(want.abs().max())), (k, training_mode)
+    # The evaluation's form: one chunk of samples for all the models (a shared first layer).
+    with torch.no_grad():
+        got = ensemble._eval_logits(ensemble.params, ensemble.buffers, x[1], 3)
+    for k, model in enumerate(models):
+        want = copy.deepcopy(model).eval()(x[1]).detach()
+        assert torch.allclose(got[k], want, rtol=5e-12, atol=5e-12 * float(want.abs().max())), k

@@ -1,0 +1,291 @@
+"""K models of one plain architecture trained as one: batched layers over stacked weights.
+
+For an ``nn.Sequential`` of the layers in :data:`LAYER_NAMES` (every MLP method and the conv and
+conv+batchnorm CNNs of :mod:`~affdiv.experiments.runs.models`), :class:`BatchedEnsemble` runs the
+K stacked models as one ordinary autograd graph, without ``torch.func``: the activations of an
+MLP are (K, B, F) and a linear layer is one batched product, z_kᵀ = W_k x_kᵀ + b_k
+(``baddbmm``); the activations of a CNN are (B, K·C, H, W) in channels-last memory order, so a
+convolution is one grouped convolution (groups = K) and BatchNorm, pooling and the activations
+act per channel on that layout unchanged (the running statistics are the stacked buffers seen as
+K·C channels, updated in place as each model's would be); a nondecreasing activation followed by
+a max-pool runs after it (the same numbers, a quarter of the work). The step is
+
+    (L_k)_k = CE(f(X_k; θ_k, β_k), Y_k),   (g_k)_k = ∂(Σ_k L_k)/∂θ
+
+(the models share no parameter, so the gradient of the sum is each model's own gradient; its
+seed is 1 for every L_k, exact), then the stacked optimiser's update. Each model's arithmetic is
+the formula it has alone, in batched kernels: its numbers equal those of the same model trained
+alone (or by the vmapped :class:`~affdiv.experiments.runs.stacked.StackedEnsemble`) up to the
+order of summation inside those kernels, within the bound the tests state for the vmapped
+engine. In float32 they may differ from the vmapped engine's at rounding level.
+
+Checks evaluate one chunk of validation samples for all the models on that split: the first
+linear layer is then one GEMM with the K weights side by side (a first convolution one dense
+convolution), and models on different splits of one size are evaluated in one pass per chunk.
+
+AffineLike and NormLike are written here with torch operations (their formulas,
+:mod:`affdiv.layers.functional`), not their fused kernels. Any other layer, or a layer setting
+not listed (a strided or dilated convolution, a normalisation over more than the last dimension),
+makes :func:`batched_layers` return None: such a model trains on the vmapped engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from affdiv.experiments.runs.stacked import StackedEnsemble
+
+Stacked = Mapping[str, Tensor]
+#: One layer, batched: (x, its stacked parameters and buffers by local name, K, training) -> output.
+Layer = Callable[[Tensor, Stacked, int, bool], Tensor]
+
+
+def _to_rows(x: Tensor, k: int) -> Tensor:
+    """Any activation as (K, B, F): from the input (K, B, ...), rows, or a CNN's (B, K·C, H, W)."""
+    if x.dim() == 4:
+        return x.reshape(x.shape[0], k, -1).transpose(0, 1)
+    return x if x.dim() == 3 else x.reshape(k, x.shape[1], -1)
+
+
+def _to_channels(x: Tensor, k: int) -> Tensor:
+    """The input (K, B, C, H, W) as (B, K·C, H, W) in channels-last memory order (which the
+    convolutions, BatchNorm and pooling keep: on CPU each is faster on it, max-pooling several
+    times); a CNN activation as it is."""
+    if x.dim() == 5:
+        x = x.transpose(0, 1).reshape(x.shape[1], k * x.shape[2], *x.shape[3:])
+        return x.contiguous(memory_format=torch.channels_last)
+    return x
+
+
+def _linear(x: Tensor, p: Stacked, k: int, _training: bool = True) -> Tensor:
+    """zᵀ = W xᵀ + b, computed in that orientation so that the weight's gradient, dzᵀ x, comes out
+    contiguous (the optimiser's update then runs over contiguous memory); z is a transposed view."""
+    xt = _to_rows(x, k).transpose(1, 2)
+    if "bias" in p:
+        return torch.baddbmm(p["bias"].unsqueeze(2), p["weight"], xt).transpose(1, 2)
+    return torch.bmm(p["weight"], xt).transpose(1, 2)
+
+
+def _affine_like(x: Tensor, p: Stacked, k: int, _training: bool) -> Tensor:
+    """z = (W x + b)/√(‖x‖² + 1)."""
+    x = _to_rows(x, k)
+    return _linear(x, p, k) / (x.square().sum(2, keepdim=True) + 1).sqrt()
+
+
+def _norm_like(module: nn.Module) -> Layer:
+    """z = W c x/max(‖x‖, ε) + b, c = 1 (l2) or √m (rms)."""
+    mode, eps = module.mode, module.eps
+
+    def layer(x: Tensor, p: Stacked, k: int, _training: bool) -> Tensor:
+        x = _to_rows(x, k)
+        scale = 1.0 if mode == "l2" else x.shape[2] ** 0.5
+        return _linear(scale * x / torch.linalg.vector_norm(x, dim=2, keepdim=True).clamp_min(eps), p, k)
+    return layer
+
+
+def _batch_norm(module: nn.modules.batchnorm._BatchNorm) -> Layer:
+    """BatchNorm on the stacked channels: (K, B, C) rows go to (B, K·C) and back."""
+    def layer(x: Tensor, p: Stacked, k: int, training: bool) -> Tensor:
+        rows = x.dim() == 3
+        if rows:
+            b, c = x.shape[1], x.shape[2]
+            x = x.transpose(0, 1).reshape(b, k * c)
+        else:
+            x = _to_channels(x, k)
+        if training:
+            p["num_batches_tracked"].add_(1)
+        out = F.batch_norm(x, p["running_mean"].view(-1), p["running_var"].view(-1), p["weight"].reshape(-1),
+                           p["bias"].reshape(-1), training, module.momentum, module.eps)
+        return out.view(b, k, c).transpose(0, 1) if rows else out
+    return layer
+
+
+def _layer_norm(module: nn.LayerNorm) -> Layer:
+    def layer(x: Tensor, p: Stacked, k: int, _training: bool) -> Tensor:
+        z = F.layer_norm(_to_rows(x, k), module.normalized_shape, eps=module.eps)
+        return torch.addcmul(p["bias"].unsqueeze(1), z, p["weight"].unsqueeze(1)) if "bias" in p else \
+            z * p["weight"].unsqueeze(1)
+    return layer
+
+
+def _rms_norm(module: nn.RMSNorm) -> Layer:
+    def layer(x: Tensor, p: Stacked, k: int, _training: bool) -> Tensor:
+        z = F.rms_norm(_to_rows(x, k), module.normalized_shape, eps=module.eps)
+        return z * p["weight"].unsqueeze(1) if "weight" in p else z
+    return layer
+
+
+def _conv2d(module: nn.Conv2d) -> Layer:
+    def layer(x: Tensor, p: Stacked, k: int, _training: bool) -> Tensor:
+        w = p["weight"]
+        bias = p["bias"].reshape(-1) if "bias" in p else None
+        return F.conv2d(_to_channels(x, k), w.reshape(-1, *w.shape[2:]), bias, module.stride, module.padding,
+                        module.dilation, module.groups * k)
+    return layer
+
+
+def _elementwise(module: nn.Module) -> Layer:
+    return lambda x, _p, _k, _training: module(x)
+
+
+def _pool(module: nn.Module) -> Layer:
+    return lambda x, _p, k, _training: module(_to_channels(x, k))
+
+
+def _flatten(x: Tensor, _p: Stacked, k: int, _training: bool) -> Tensor:
+    return _to_rows(x, k)
+
+
+def _layer(module: nn.Module) -> Layer | None:
+    """The batched form of ``module``, or None where there is none."""
+    from affdiv.layers import AffineLike, NormLike
+
+    kind = type(module)
+    if kind is nn.Linear:
+        return _linear
+    if kind is AffineLike:
+        return _affine_like
+    if kind is NormLike:
+        return _norm_like(module)
+    if kind in (nn.Tanh, nn.ReLU, nn.GELU, nn.Identity):
+        return _elementwise(module)
+    if kind is nn.Flatten and module.start_dim == 1 and module.end_dim == -1:
+        return _flatten
+    if kind in (nn.BatchNorm1d, nn.BatchNorm2d) and module.affine and module.track_running_stats \
+            and module.momentum is not None:
+        return _batch_norm(module)
+    if kind is nn.LayerNorm and len(module.normalized_shape) == 1:
+        return _layer_norm(module)
+    if kind is nn.RMSNorm and len(module.normalized_shape) == 1:
+        return _rms_norm(module)
+    if kind is nn.Conv2d and module.padding_mode == "zeros" and module.stride == (1, 1) \
+            and module.dilation == (1, 1) and not isinstance(module.padding, str):
+        return _conv2d(module)
+    if kind is nn.MaxPool2d or (kind is nn.AdaptiveAvgPool2d and module.output_size in (1, (1, 1))):
+        return _pool(module)
+    return None
+
+
+#: Activations that commute with max-pooling: nondecreasing, so max(f(x)) = f(max(x)) exactly, and
+#: the gradient reaches the same element (a window's first maximum, or none where f' = 0 there).
+_MONOTONE = (nn.ReLU, nn.Tanh, nn.Identity)
+
+
+def batched_layers(model: nn.Module) -> list[tuple[str, nn.Module, Layer]] | None:
+    """(name, module, batched layer) for each layer of ``model``, an ``nn.Sequential`` of the layers above;
+    None for any other model. An activation followed by a max-pool (of :data:`_MONOTONE`) runs after
+    it instead, on a quarter of the elements: the same numbers."""
+    if type(model) is not nn.Sequential:
+        return None
+    children = list(model.named_children())
+    for i in range(len(children) - 1):
+        if type(children[i][1]) in _MONOTONE and type(children[i + 1][1]) is nn.MaxPool2d:
+            children[i], children[i + 1] = children[i + 1], children[i]
+    layers = [(name, module, _layer(module)) for name, module in children]
+    return None if any(layer is None for _name, _module, layer in layers) else layers
+
+
+def _shared_input(x: Tensor, module: nn.Module, p: Stacked, k: int) -> tuple[Tensor, bool] | None:
+    """``module`` on ``x`` (B, ...), one input for all K models: (output, whether it is still one
+    for all), or None where it has no such form (the input is then repeated per model). A linear
+    layer is one matrix product with the K stacked weights side by side, x [W_1; ...; W_K]ᵀ, and a
+    convolution one dense convolution with K·C_out output channels, the (B, K·C, H, W) layout of a
+    batched CNN; a flatten keeps the input shared."""
+    if type(module) is nn.Flatten:
+        return x.flatten(1), True
+    w = p.get("weight")
+    if type(module) is nn.Linear:
+        w = w.reshape(-1, w.shape[2])
+        z = torch.addmm(p["bias"].reshape(-1), x, w.t()) if "bias" in p else x @ w.t()
+        return z.view(x.shape[0], k, -1).transpose(0, 1), False
+    if type(module) is nn.Conv2d and module.groups == 1:
+        z = F.conv2d(x.contiguous(memory_format=torch.channels_last), w.reshape(-1, *w.shape[2:]),
+                     p["bias"].reshape(-1) if "bias" in p else None, module.stride, module.padding, module.dilation)
+        return z, False
+    return None
+
+
+class BatchedEnsemble(StackedEnsemble):
+    """The stacked ensemble of models that :func:`batched_layers` takes, one autograd graph for
+    all; the interface, evaluation chunks, optimiser and state are :class:`StackedEnsemble`'s."""
+
+    def __init__(self, models: Sequence[nn.Module], optimizer: str, lrs: Sequence[float],
+                 momenta: Sequence[float | None], train: Sequence[tuple[Tensor, Tensor]],
+                 val: Sequence[tuple[Tensor, Tensor]]):
+        if batched_layers(models[0]) is None:
+            raise ValueError(f"BatchedEnsemble takes an nn.Sequential of {', '.join(LAYER_NAMES)}, got {models[0]}")
+        super().__init__(models, optimizer, lrs, momenta, train, val)
+        self.layers = batched_layers(self.base)  # the parameter-less copy's modules: they hold settings only
+        self._loss_sum = _loss_sums
+
+    def _batched_logits(self, params: Stacked, buffers: Stacked, x: Tensor, training: bool,
+                        models: int | None = None) -> Tensor:
+        """(K, B, classes) logits of the K models on their inputs ``x`` (K, B, ...), or, given
+        ``models`` = K, on one input ``x`` (B, ...) for all (see :func:`_shared_input`)."""
+        k, shared = (x.shape[0], False) if models is None else (models, True)
+        for name, module, layer in self.layers:
+            prefix = name + "."
+            state = {key[len(prefix):]: t for key, t in (*params.items(), *buffers.items()) if key.startswith(prefix)}
+            if shared:
+                done = _shared_input(x, module, state, k)
+                if done is not None:
+                    x, shared = done
+                    continue
+                x, shared = x.expand(k, *x.shape), False
+            x = layer(x, state, k, training)
+        return _to_rows(x, k)
+
+    def step(self, batches: Tensor) -> Tensor:
+        xs, ys = self._gather(batches)
+        names = list(self.params)
+        leaves = {name: p.detach().requires_grad_() for name, p in self.params.items()}
+        logits = self._batched_logits(leaves, self.buffers, xs, True)
+        k, b, classes = logits.shape
+        losses = F.cross_entropy(logits.reshape(k * b, classes), ys.reshape(-1), reduction="none").view(k, b).mean(1)
+        grads = torch.autograd.grad(losses.sum(), [leaves[name] for name in names])
+        self.optimizer.step(self.params, dict(zip(names, grads)))
+        return losses.detach()
+
+    @torch.no_grad()
+    def evaluate(self) -> list[dict]:
+        """As :meth:`StackedEnsemble.evaluate` (the same chunks of each split), with all the
+        models in one pass per chunk where their validation splits differ but have one size: model
+        k's chunk is its own split's samples."""
+        segments = self._segments(self.val_splits)
+        sizes = {len(y) for _a, _b, (_x, y) in segments}
+        if len(segments) == 1 or len(sizes) > 1:
+            return super().evaluate()
+        n = sizes.pop()
+        if n == 0:
+            raise ValueError("evaluate needs at least one sample, got an empty split")
+        loss_sum = torch.zeros(len(self), dtype=torch.float64)
+        correct = torch.zeros(len(self), dtype=torch.long)
+        for start in range(0, n, self.eval_chunk):
+            xs = torch.cat([x[start : start + self.eval_chunk].expand(b - a, *x[start : start + self.eval_chunk].shape)
+                            for a, b, (x, _y) in segments])
+            ys = torch.cat([y[start : start + self.eval_chunk].expand(b - a, -1) for a, b, (_x, y) in segments])
+            logits = self._batched_logits(self.params, self.buffers, xs, False)
+            loss_sum += _loss_sums(logits, ys).double().cpu()
+            correct += (logits.argmax(dim=2) == ys).sum(1).cpu()
+        return [{"loss": float(s) / n, "accuracy": int(c) / n} for s, c in zip(loss_sum, correct)]
+
+    def _eval_logits(self, params: Stacked, buffers: Stacked, chunk: Tensor, k: int) -> Tensor:
+        # (contiguous: the evaluation's argmax over classes is several times slower on a transposed view)
+        return self._batched_logits(params, buffers, chunk, False, models=k).contiguous()
+
+
+def _loss_sums(logits: Tensor, y: Tensor) -> Tensor:
+    """Per model (K), the summed cross-entropy of its logits (K, C, classes) against labels y,
+    (C,) shared or (K, C) its own."""
+    k, c, classes = logits.shape
+    losses = F.cross_entropy(logits.reshape(k * c, classes), y.expand(k, c).reshape(-1), reduction="none")
+    return losses.view(k, c).sum(1)
+
+
+#: The layer types :func:`batched_layers` takes (some only in the settings it checks).
+LAYER_NAMES = ("Linear", "AffineLike", "NormLike", "Tanh", "ReLU", "GELU", "Identity", "Flatten", "BatchNorm1d",
+               "BatchNorm2d", "LayerNorm", "RMSNorm", "Conv2d", "MaxPool2d", "AdaptiveAvgPool2d")
