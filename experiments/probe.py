@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -142,35 +141,16 @@ def _cwd_relative_spec(spec: str) -> str:
 
 
 def importable(spec: str) -> str:
-    """``spec`` as :func:`affdiv.experiments.runs.zoo.resolve` takes it. ``path/to/file.py:factory``
-    (a spec whose module part ends in .py or holds a path separator) is loaded from that file, once,
-    as a module named after the file's absolute path, and named by it; for ``package.module:factory``
-    the current directory joins the import path (first, as ``python -m`` has it). Built-in names
-    are returned unchanged."""
-    import hashlib
-    import importlib.util
+    """``spec`` as :func:`affdiv.experiments.runs.zoo.resolve` takes it: a built-in name as it is;
+    for ``path/to/file.py:factory`` or ``package.module:factory`` the module loaded as the harness
+    loads a model factory (:func:`affdiv.experiments.runs.factories.load_module`: a file by its path
+    and content, a module of the working directory first) and named by its module's name."""
+    from affdiv.experiments.runs.factories import load_module
 
     module_part, colon, attribute = spec.rpartition(":")
     if not colon:
         return spec
-    if not (module_part.endswith(".py") or "/" in module_part or os.sep in module_part):
-        if os.getcwd() not in sys.path and "" not in sys.path:
-            sys.path.insert(0, os.getcwd())
-        return spec
-    path = Path(module_part).resolve()
-    if not path.is_file():
-        raise ValueError(f"model {spec!r}: no such file {module_part!r}")
-    name = "affdiv_model_" + hashlib.sha256(str(path).encode()).hexdigest()[:16]
-    if name not in sys.modules:
-        loader = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(loader)
-        sys.modules[name] = module
-        try:
-            loader.loader.exec_module(module)
-        except Exception as error:  # the user's file: whatever it raises is bad input, named with it
-            del sys.modules[name]
-            raise ValueError(f"model {spec!r}: running {module_part} failed: {type(error).__name__}: {error}") from None
-    return f"{name}:{attribute}"
+    return f"{load_module(module_part).__name__}:{attribute}"
 
 
 def build_model(spec: str, dataset):

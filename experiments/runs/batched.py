@@ -107,8 +107,10 @@ def _batch_norm(module: nn.modules.batchnorm._BatchNorm) -> Layer:
 def _layer_norm(module: nn.LayerNorm) -> Layer:
     def layer(x: Tensor, p: Stacked, k: int, _training: bool) -> Tensor:
         z = F.layer_norm(_to_rows(x, k), module.normalized_shape, eps=module.eps)
-        return torch.addcmul(p["bias"].unsqueeze(1), z, p["weight"].unsqueeze(1)) if "bias" in p else \
-            z * p["weight"].unsqueeze(1)
+        if "weight" in p and "bias" in p:
+            return torch.addcmul(p["bias"].unsqueeze(1), z, p["weight"].unsqueeze(1))
+        z = z * p["weight"].unsqueeze(1) if "weight" in p else z  # elementwise_affine False, or no bias
+        return z + p["bias"].unsqueeze(1) if "bias" in p else z
     return layer
 
 
@@ -178,7 +180,8 @@ _MONOTONE = (nn.ReLU, nn.Tanh, nn.Identity)
 def batched_layers(model: nn.Module) -> list[tuple[str, nn.Module, Layer]] | None:
     """(name, module, batched layer) for each layer of ``model``, an ``nn.Sequential`` of the layers above;
     None for any other model. An activation followed by a max-pool (of :data:`_MONOTONE`) runs after
-    it instead, on a quarter of the elements: the same numbers."""
+    it instead, on a quarter of the elements: the same forward (the gradient within rounding: a
+    window whose maxima tie after a saturating activation passes it to another element)."""
     if type(model) is not nn.Sequential:
         return None
     children = list(model.named_children())

@@ -53,6 +53,7 @@ lost, and only those.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import inspect
@@ -183,8 +184,17 @@ def check_scheduler(address: str, timeout: float | None = None) -> None:
         finally:
             comm.abort()
 
+    def ask():
+        return asyncio.run(asyncio.wait_for(identity(), timeout))
+
     try:
-        reply = asyncio.run(asyncio.wait_for(identity(), timeout))
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no event loop in this thread (the command line): ask here
+            reply = ask()
+        else:  # called from a running loop (a notebook): ask on a thread of its own
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                reply = pool.submit(ask).result()
     except TimeoutError:
         reason = f"no answer within {timeout:g} s"
     except Exception as error:  # noqa: BLE001  (a refused connection, a bad address, bytes that are no Dask message)

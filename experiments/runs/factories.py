@@ -12,8 +12,10 @@ importable, the working directory first on the import path) or ``path/to/file.py
 the working directory). On a Dask cluster the file must lie at the same path on every worker.
 
 The factory's source file enters each run's key through ``model_digest`` (its SHA-256), set when
-a preset's runs are planned: an edited factory makes new runs, never a store that mixes two
-versions of one network, and a worker refuses a file that changed after the plan.
+a preset's runs are planned: an edited factory file makes new runs, and a worker refuses a file
+that changed after the plan. Only that file is fingerprinted: code it imports from elsewhere is
+not, so a network defined in another module should be edited together with a change to the
+factory's file (or given a new method name).
 """
 
 from __future__ import annotations
@@ -50,13 +52,13 @@ def _file_module(path: Path):
         sys.modules[name] = module
         try:
             spec.loader.exec_module(module)
-        except BaseException:
+        except Exception as error:  # the user's file: whatever it raises is bad input, named with it
             del sys.modules[name]
-            raise
+            raise ValueError(f"model {path}: running it failed: {type(error).__name__}: {error}") from None
     return sys.modules[name]
 
 
-def _module(where: str):
+def load_module(where: str):
     """The module ``where`` names: a file ``*.py``; a module file of the working directory
     (``where.py``, found first, so that a local ``code.py`` is not the standard library's
     ``code``); else an importable module (the working directory first on the import path, as
@@ -72,6 +74,8 @@ def _module(where: str):
         module = importlib.import_module(where)
     except ModuleNotFoundError as error:
         raise ValueError(f"model {where}: cannot import it ({error})") from None
+    except Exception as error:  # the user's module: whatever it raises on import is bad input
+        raise ValueError(f"model {where}: importing it failed: {type(error).__name__}: {error}") from None
     source = inspect.getsourcefile(module)
     if source is not None and _IMPORTED.setdefault(where, Path(source).read_bytes()) != Path(source).read_bytes():
         module = importlib.reload(module)
@@ -86,7 +90,7 @@ def resolve(spec: str) -> tuple[Callable, str]:
     """(the factory, the SHA-256 of its source file); a one-line error for a spec that does not
     name a callable."""
     where, name = _split(spec)
-    module = _module(where)
+    module = load_module(where)
     factory = getattr(module, name, None)
     if not callable(factory):
         raise ValueError(f"model {spec}: {where} has no function {name!r}")

@@ -191,13 +191,15 @@ class StackedEnsemble:
         self.val_splits = [self.val_splits[i] for i in index]
 
 
-def stack_failure(build, optimizer: str, sample: tuple[Tensor, Tensor]) -> str | None:
-    """None if two models from ``build()`` train stacked (one step and one evaluation on the
-    samples ``sample``), else why not ("<error type>: <message>")."""
+def stack_failure(build, optimizer: str, sample: tuple[Tensor, Tensor], engine: type | None = None) -> str | None:
+    """None if two models from ``build()`` train stacked by ``engine`` (default: this module's
+    :class:`StackedEnsemble`; one step and one evaluation on the samples ``sample``), else why not
+    ("<error type>: <message>")."""
     models = [build(), build()]
     x, y = sample
-    ensemble = StackedEnsemble(models, optimizer, [1e-3, 1e-3], [0.0, 0.0], [(x, y)] * 2, [(x, y)] * 2)
     try:
+        ensemble = (engine or StackedEnsemble)(models, optimizer, [1e-3, 1e-3], [0.0, 0.0], [(x, y)] * 2,
+                                               [(x, y)] * 2)
         ensemble.step(torch.arange(len(y), device=y.device).expand(2, -1))
         ensemble.evaluate()
     except Exception as error:  # any failure means: train these models one at a time

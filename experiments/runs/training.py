@@ -499,15 +499,18 @@ def train_run(config: RunConfig, data, measurements: Sequence[Measurement] = ())
 _STACKABLE: dict[tuple, str | None] = {}
 
 
-def stacked_engine(model: torch.nn.Module) -> type:
+def stacked_engine(model: torch.nn.Module, input_shape: Sequence[int] | None = None) -> type:
     """The engine that trains models like ``model`` stacked: batched layers where every layer has
-    one (:func:`~affdiv.experiments.runs.batched.batched_layers`), else the vmapped ensemble."""
-    return BatchedEnsemble if batched_layers(model) is not None else StackedEnsemble
+    one (:func:`~affdiv.experiments.runs.batched.batched_layers`) and a sample is a vector or an
+    image (C, H, W) (``input_shape``; None: assumed so), else the vmapped ensemble."""
+    batched = batched_layers(model) is not None and (input_shape is None or len(input_shape) in (1, 3))
+    return BatchedEnsemble if batched else StackedEnsemble
 
 
-def _stacked(models, *args):
-    """The stacked engine of :func:`stacked_engine` for ``models``."""
-    return stacked_engine(models[0])(models, *args)
+def _stacked(models, optimizer, lrs, momenta, train, val):
+    """The stacked engine of :func:`stacked_engine` for ``models`` on their training inputs."""
+    engine = stacked_engine(models[0], tuple(train[0][0].shape[1:]))
+    return engine(models, optimizer, lrs, momenta, train, val)
 
 
 def train_group(configs: Sequence[RunConfig], datasets: Sequence, *, stack: bool = True,
@@ -518,10 +521,11 @@ def train_group(configs: Sequence[RunConfig], datasets: Sequence, *, stack: bool
     reason = None
     if stack:
         key = (ensemble_key(config), tuple(data.input_shape), data.num_classes)
-        if key not in _STACKABLE:
-            x = torch.as_tensor(data.train.x[:2], device=config.device).to(getattr(torch, config.dtype))
-            y = torch.as_tensor(data.train.y[:2], device=config.device)
-            _STACKABLE[key] = stack_failure(lambda: build_member(config, data, 0), config.optimizer, (x, y))
+        if key not in _STACKABLE:  # tried on the engine that will train them, 3 samples (not K = 2)
+            x = torch.as_tensor(data.train.x[:3], device=config.device).to(getattr(torch, config.dtype))
+            y = torch.as_tensor(data.train.y[:3], device=config.device)
+            engine = stacked_engine(build_member(config, data, 0), tuple(data.input_shape))
+            _STACKABLE[key] = stack_failure(lambda: build_member(config, data, 0), config.optimizer, (x, y), engine)
         reason = _STACKABLE[key] and f"torch.func cannot stack it ({_STACKABLE[key]})"
     if stack and not reason:
         return train_runs(configs, datasets, stacked=True, measurements=measurements)

@@ -4,6 +4,7 @@ attempt, and the submitting process interrupted (SIGINT, kill -9) then resumed.
 
 Real ``LocalCluster``s of two one-thread worker processes, tiny sweeps on digits (width 8)."""
 
+import asyncio
 import json
 import os
 import signal
@@ -420,3 +421,8 @@ def test_a_real_scheduler_passes_the_check():
 
     with LocalCluster(n_workers=0, host="127.0.0.1", dashboard_address=None) as scheduler_only:
         check_scheduler(scheduler_only.scheduler_address, timeout=10)
+
+        async def from_a_running_loop():  # as in a notebook: the check runs on a thread of its own
+            check_scheduler(scheduler_only.scheduler_address, timeout=10)
+
+        asyncio.run(from_a_running_loop())

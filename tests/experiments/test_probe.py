@@ -97,7 +97,7 @@ def test_network_scope_with_batchnorm_respects_the_masked_limit(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--model", "nope"], "unknown model 'nope'"),
-    (["--model", "no.such.module:f"], "cannot import 'no.such.module'"),
+    (["--model", "no.such.module:f"], "model no.such.module: cannot import it"),
     (["--model", "mlp-affine", "--batch-sizes", "8,0"], "--batch-sizes must be"),
     (["--model", "mlp-affine", "--batch-sizes", "100000"], "exceeds the"),
     (["--model", "mlp-affine", "--seeds", "0"], "--seeds must be"),

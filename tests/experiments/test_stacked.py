@@ -215,9 +215,11 @@ def test_runs_on_different_data_splits_stack(digits, engine):
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_every_method_but_patchnorm_takes_the_batched_engine(method):
+def test_every_mlp_and_cnn_method_but_patchnorm_takes_the_batched_engine(method):
+    # The vit methods' attention has no batched form: they train vmapped.
     model = build_model(method, input_shape=(1, 8, 8), num_classes=10, depth=2, width=4, activation="gelu")
-    assert training.stacked_engine(model) is (StackedEnsemble if method == "patchnorm" else BatchedEnsemble)
+    vmapped = method == "patchnorm" or architecture(method) == "vit"
+    assert training.stacked_engine(model) is (StackedEnsemble if vmapped else BatchedEnsemble)
 
 
 @pytest.mark.parametrize("model", [
@@ -392,3 +394,37 @@ def test_batched_logits_are_each_models_own(method, activation):
     for k, model in enumerate(models):
         want = copy.deepcopy(model).eval()(x[1]).detach()
         assert torch.allclose(got[k], want, rtol=5e-12, atol=5e-12 * float(want.abs().max())), k
+
+
+def test_a_layer_norm_without_its_affine_parameters_is_batched_as_itself():
+    # Same bound as the batched-logits test above (float64, one forward, two layers).
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 6),
+                                  torch.nn.LayerNorm(6, elementwise_affine=False), torch.nn.Tanh(),
+                                  torch.nn.Linear(6, 3)).double() for _ in range(2)]
+    assert training.stacked_engine(models[0]) is BatchedEnsemble
+    x, y = torch.randn(2, 5, 1, 8, 8, dtype=torch.float64), torch.zeros(5, dtype=torch.long)
+    ensemble = BatchedEnsemble(models, "sgd", [0.1] * 2, [None] * 2, [(x[0], y)] * 2, [(x[0], y)] * 2)
+    got = ensemble._batched_logits(ensemble.params, ensemble.buffers, x, True)
+    for k, model in enumerate(models):
+        want = model(x[k]).detach()
+        assert torch.allclose(got[k], want, rtol=5e-12, atol=5e-12 * float(want.abs().max())), k
+
+
+def test_samples_that_are_neither_vectors_nor_images_train_vmapped_and_agree(digits):
+    # A (N, 8, 8) input (no channel axis) is no layout the batched layers know: the vmapped engine
+    # trains it, as each model alone would (the float64 bound of this module's equality tests).
+    models = [torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 5), torch.nn.Tanh(),
+                                  torch.nn.Linear(5, 10)).double() for _ in range(2)]
+    assert training.stacked_engine(models[0], (8, 8)) is StackedEnsemble
+    assert training.stacked_engine(models[0], (64,)) is training.stacked_engine(models[0], (1, 8, 8)) is BatchedEnsemble
+    x = torch.as_tensor(digits.train.x[:64, 0], dtype=torch.float64)
+    y = torch.as_tensor(digits.train.y[:64])
+    alone = [copy.deepcopy(m) for m in models]
+    engine = training._stacked(models, "sgd", [0.1, 0.2], [None, None], [(x, y)] * 2, [(x, y)] * 2)
+    assert type(engine) is StackedEnsemble
+    batches = torch.stack([torch.arange(0, 16), torch.arange(16, 32)])
+    losses = engine.step(batches)
+    for k, model in enumerate(alone):  # the losses before the step: each model's own
+        loss = torch.nn.functional.cross_entropy(model(x[batches[k]]), y[batches[k]])
+        assert torch.allclose(losses[k], loss.detach(), rtol=1e-12)
