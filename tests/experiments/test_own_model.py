@@ -81,7 +81,7 @@ def test_a_preset_with_a_factory_and_an_npz_dataset_runs_end_to_end(own, capsys)
     summary = json.loads((own / "out" / "summary.json").read_text())
     written = {p.name for p in (own / "out").iterdir()} - {"results.sqlite", "results.sqlite-wal", "results.sqlite-shm"}
     assert {"bcrit_vs_target.png", "ratio_vs_target.png"} <= written <= set(REPORT_FILES)
-    # The provenance names no path of this machine: the results folder is ".", the store beside it.
+    # The provenance names no absolute path: the store is written relative to the results folder.
     assert str(own) not in json.dumps(summary["provenance"]) and summary["provenance"]["results_db"] == "results.sqlite"
     assert set(summary["by_target"]) == {"0.5", "0.7"} and summary["primary_target"] == 0.7
     assert summary["critical_batch"]["mine"]["role"] == "corrected" and summary["groups"].keys() == {"tuned"}
