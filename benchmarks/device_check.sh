@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Every GPU check of affdiv.layers in one call, for a session lent a CUDA machine (the device
-# tool runs it from the repository root): the CUDA layer tests, the Triton kernel tests, then
-# benchmarks/gpu_check.py (correctness against float64 and the timings against cuBLAS and
-# torch.compile). Logs and JSON go to $OUT (the device tool's folder; ./device-out elsewhere).
+# Every GPU check of affdiv.layers in one call, on any CUDA machine, run from the repository root:
+# the CUDA layer tests, the Triton kernel tests, then benchmarks/gpu_check.py (correctness against
+# float64 and the timings against cuBLAS and torch.compile). Logs and JSON go to $OUT if it is set,
+# else ./device-out.
 # The machine's own python3 holds CUDA torch and Triton; affdiv is imported from this checkout
 # (the import name affdiv is the repository root, so a link to it goes on PYTHONPATH).
-# About 5 minutes on an H200: give it timeout_s=540. Without CUDA every part says why it skips.
+# About 5 minutes on an H200 (allow 9). Without CUDA every part says why it skips.
 set -o pipefail
 out=${OUT:-device-out}
 mkdir -p "$out"
