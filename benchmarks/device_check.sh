@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Every GPU check of affdiv.layers in one call, on any CUDA machine, run from the repository root:
 # the CUDA layer tests, the Triton kernel tests, then benchmarks/gpu_check.py (correctness against
-# float64 and the timings against cuBLAS and torch.compile). Logs and JSON go to $OUT if it is set,
-# else ./device-out.
+# float64 and the timings against cuBLAS and torch.compile). Logs and JSON go to the folder given
+# as the first argument (default ./device-out):  bash benchmarks/device_check.sh [FOLDER]
 # The machine's own python3 holds CUDA torch and Triton; affdiv is imported from this checkout
 # (the import name affdiv is the repository root, so a link to it goes on PYTHONPATH).
 # About 5 minutes on an H200 (allow 9). Without CUDA every part says why it skips.
 set -o pipefail
-out=${OUT:-device-out}
+out=${1:-device-out}
 mkdir -p "$out"
 root=$(mktemp -d)
 ln -s "$PWD" "$root/affdiv"
