@@ -365,7 +365,8 @@ class _Run:
             stored = [c.stored() for c in self.candidates]
             primary = reads.best_at_targets(stored, [config.target], max_steps=self.max_steps,
                                             interpolate=self.interpolate, tuned=config.lr_rule == "tuned")
-            metrics.update(diverged=primary[config.target]["diverged"], target=config.target,
+            # (its "diverged" is the one above: the kept model diverged before reaching the target)
+            metrics.update(target=config.target,
                            **{k: primary[config.target][k] for k in ("steps_to_target", "censored", "max_steps")})
             if not self.interpolate and metrics["steps_to_target"] is not None:
                 metrics["steps_to_target"] = int(metrics["steps_to_target"])  # a read's step, as ever
