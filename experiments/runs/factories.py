@@ -25,6 +25,7 @@ import importlib
 import importlib.util
 import inspect
 import sys
+import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -46,12 +47,12 @@ def _file_module(path: Path):
     edited file is loaded anew, never paired with a digest of other code."""
     source = path.read_bytes()
     name = "affdiv_factory_" + hashlib.sha256(str(path.resolve()).encode() + b"\0" + source).hexdigest()[:16]
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
+    if name not in sys.modules:  # compiled from the bytes read (no bytecode cache: it goes by mtime)
+        module = types.ModuleType(name)
+        module.__file__ = str(path)
         sys.modules[name] = module
         try:
-            spec.loader.exec_module(module)
+            exec(compile(source, str(path), "exec"), module.__dict__)
         except Exception as error:  # the user's file: whatever it raises is bad input, named with it
             del sys.modules[name]
             raise ValueError(f"model {path}: running it failed: {type(error).__name__}: {error}") from None
