@@ -4,6 +4,8 @@ store, and the analysis along the ladder on planted records."""
 
 import dataclasses
 import math
+import sqlite3
+import zlib
 
 import numpy as np
 import pytest
@@ -205,6 +207,32 @@ def test_a_ladder_run_gives_one_record_per_target(tmp_path, digits):
         assert (record["lr"], record["primary_target"], record["max_steps"]) == (chosen["lr"], 0.9, 400)
     primary = next(r for r in records if r["target"] == 0.9)
     assert primary["steps_to_target"] == result.metrics["steps_to_target"]
+
+
+def test_candidates_are_stored_compressed_and_a_plain_json_row_still_reads(tmp_path, digits):
+    config = _ladder()
+    result = train_run(config, digits)
+    key = config_hash(config.to_dict())
+    with ResultStore(tmp_path / "r.sqlite") as store:
+        store.put(config.to_dict(), metrics=result.metrics, curves=result.curves, seconds=1.0,
+                  data_fingerprint=result.data_fingerprint, candidates=result.candidates)
+    db = sqlite3.connect(tmp_path / "r.sqlite")
+    (cell,) = db.execute("SELECT candidates FROM runs").fetchone()
+    text = zlib.decompress(cell).decode()
+    assert len(cell) < len(text) / 3, (len(cell), len(text))
+    with db:  # a row as an earlier version wrote it: the same JSON as text
+        db.execute("UPDATE runs SET candidates = ?", (text,))
+    db.close()
+    with ResultStore(tmp_path / "r.sqlite", read_only=True) as store:
+        assert store.candidates() == {key: result.candidates}
+        assert len(store.records(metric="steps_to_target")) == len(LADDER)
+    db = sqlite3.connect(tmp_path / "r.sqlite")
+    with db:  # damaged compressed bytes are a damaged store, named
+        db.execute("UPDATE runs SET candidates = ?", (cell[:-7],))
+    db.close()
+    with ResultStore(tmp_path / "r.sqlite", read_only=True) as store, \
+            pytest.raises(ValueError, match=f"run {key}: column 'candidates' is not valid JSON"):
+        store.candidates()
 
 
 def test_ladder_settings_are_checked_and_spelled_once():
