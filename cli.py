@@ -36,6 +36,7 @@ COMMANDS = {
     "falsify": ("affdiv.experiments.cli", "run (or resume) a preset's sweep and write its falsification report"),
     "analyse": ("affdiv.experiments.cli", "analyse a CSV (method, batch_size, seed, metric) or a results database"),
     "probe": ("affdiv.experiments.cli", "measure the update alignment behind the batch-size prediction"),
+    "map": ("affdiv.experiments.cli", "the verdict map: every pair's B_crit ratio at every target of ladder studies"),
     "bench": ("affdiv.layers.cli", "timing benchmarks of the corrected layers"),
 }
 

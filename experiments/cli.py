@@ -1,4 +1,4 @@
-"""``affdiv falsify``, ``affdiv analyse`` and ``affdiv probe``: parsers, and commands that turn the
+"""``affdiv falsify``, ``affdiv analyse``, ``affdiv probe`` and ``affdiv map``: parsers, and commands that turn the
 parsed options into calls of :mod:`affdiv.experiments.pipeline` and :mod:`affdiv.experiments.probe`.
 
 Only argparse is imported here: the work (torch, numpy, matplotlib) is imported when a command
@@ -13,7 +13,7 @@ import json
 import tomllib
 from pathlib import Path
 
-COMMANDS = ("falsify", "analyse", "probe")
+COMMANDS = ("falsify", "analyse", "probe", "map")
 # affdiv.experiments.analysis.decision's DEFAULT_CORRECTED and DEFAULT_BASELINES, stated in
 # analyse's --help (not imported: --help stays fast; tests/experiments/test_cli.py compares them).
 DEFAULT_CORRECTED = ("affine_like", "norm_l2", "patchnorm")
@@ -145,6 +145,21 @@ def register(subparsers) -> None:
                        help="folder for probe.json, probe.md and the figures (default reports/probe)")
     probe.set_defaults(func=probe_command)
 
+    verdicts = subparsers.add_parser(
+        "map",
+        help="the verdict map: every pair's B_crit ratio at every target of ladder studies",
+        description="Tabulate, from the summary.json of steps-to-target studies along a target ladder, "
+        "every corrected/baseline pair's B_crit ratio [95% CI] and class at every target (the primary "
+        "target in bold) and the trend along the ladder, as Markdown.",
+    )
+    verdicts.add_argument("studies", nargs="+", type=Path, metavar="STUDY",
+                          help="study folders (each with the summary.json of `affdiv falsify` or `affdiv analyse`), "
+                          "in row order")
+    verdicts.add_argument("--into", type=Path, metavar="FILE",
+                          help="write the map between the verdict-map marker lines of this Markdown file "
+                          "(default: print it)")
+    verdicts.set_defaults(func=map_command)
+
 
 def _integer(text: str) -> int | str:
     """``text`` as an int where it is one, else unchanged: the command refuses it in one line."""
@@ -262,4 +277,16 @@ def probe_command(args) -> int:
                         scope=args.scope, lr=args.lr, dtype=args.dtype, per_sample=not args.no_per_sample,
                         masked_limit=args.masked_limit, loss=args.loss)
     _print_paths(written)
+    return 0
+
+
+def map_command(args) -> int:
+    from affdiv.experiments.report.verdict_map import read_study, verdict_map, write_into
+
+    studies = [(folder, read_study(folder)) for folder in args.studies]
+    if args.into is None:
+        print(verdict_map(studies), end="")
+    else:
+        write_into(args.into, verdict_map(studies, relative_to=args.into.parent))
+        print(f"verdict map: {args.into}")
     return 0

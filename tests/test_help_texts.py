@@ -43,7 +43,7 @@ def _param(name):
 
 
 def test_every_command_is_checked():
-    assert set(COMMANDS) == {"verify", "falsify", "analyse", "probe", "bench layers"}
+    assert set(COMMANDS) == {"verify", "falsify", "analyse", "probe", "map", "bench layers"}
 
 
 @pytest.mark.parametrize("name", [_param(n) for n in sorted(COMMANDS)])
