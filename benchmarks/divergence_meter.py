@@ -1,4 +1,4 @@
-"""Timing and memory of the divergence meter (affdiv.verify.divergence), ratios measured in one run.
+"""Timing and memory of the divergence meter (affdiv.meter), ratios measured in one run.
 
     python benchmarks/divergence_meter.py [--json PATH] [--threads 1] [--rounds 11] [--quick]
 
@@ -76,7 +76,7 @@ def networks(quick: bool):
 
 def time_against_step(name, model, shape, rounds: int, warmup: int = 2) -> list[dict]:
     from affdiv.layers.benchmark import median_interval
-    from affdiv.verify import divergence
+    from affdiv.meter import divergence
 
     model.train()
     g = torch.Generator().manual_seed(1)
@@ -136,7 +136,7 @@ def time_against_step(name, model, shape, rounds: int, warmup: int = 2) -> list[
 
 
 def _masked_row(name, model, x, y, rounds):
-    from affdiv.verify import divergence
+    from affdiv.meter import divergence
 
     def step():
         for p in model.parameters():
@@ -228,9 +228,10 @@ def naive_route(model, x, y, lr=0.1):
 
 
 def meter_route(model, x, y, lr=0.1):
-    from affdiv.verify import divergence
+    from affdiv.meter import MeterOptions, divergence
 
-    report = divergence(model, x, lambda o: F.cross_entropy(o, y, reduction="none"), lr=lr, keep_updates=True)
+    report = divergence(model, x, lambda o: F.cross_entropy(o, y, reduction="none"), lr=lr,
+                        options=MeterOptions(keep_updates=True))
     return {name: (layer.effective, layer.diagonal) for name, layer in report.layers.items()}
 
 

@@ -1,4 +1,4 @@
-"""affdiv probe: the divergence meter (affdiv.verify.divergence) on real data, per layer and
+"""affdiv probe: the divergence meter (affdiv.meter) on real data, per layer and
 batch size, for built-in or your own models.
 
 For each model, seed and batch size B, a freshly initialised model (torch.manual_seed(seed), in
@@ -232,7 +232,7 @@ def measure(dataset, models: Sequence[str], batch_sizes: Sequence[int], *, seeds
             scope: str, lr: float = DEFAULT_LR, dtype: str = "float64", per_sample: bool = True,
             masked_limit: int | None = 128, loss: str = "cross_entropy",
             progress=None) -> tuple[list[dict], list[dict]]:
-    """Every (model, seed, batch size, batch): one :func:`affdiv.verify.divergence` report.
+    """Every (model, seed, batch size, batch): one :func:`affdiv.meter.divergence` report.
 
     Returns (measurements, samples): one row per module and measurement with its summary, and the
     per-sample (‖x_i‖, diagonal scale) of every module of the models the scatter figure draws
@@ -241,7 +241,7 @@ def measure(dataset, models: Sequence[str], batch_sizes: Sequence[int], *, seeds
     import numpy as np
     import torch
 
-    from affdiv.verify.divergence import divergence
+    from affdiv.meter import MeterOptions, divergence
 
     torch_dtype = {"float64": torch.float64, "float32": torch.float32}[dtype]
     split = dataset.train
@@ -268,7 +268,7 @@ def measure(dataset, models: Sequence[str], batch_sizes: Sequence[int], *, seeds
                     x, y = split.x[index].to(torch_dtype), split.y[index]
                     report = divergence(
                         model, x, lambda out, y=y: criterion(out, y), lr=lr, scope=scope, per_sample=per_sample,
-                        masked_limit=masked_limit,
+                        options=MeterOptions(masked_limit=masked_limit),
                     )
                     for record in report.records():
                         rows.append({"model": name, "seed": seed, "batch": b, **record,

@@ -1,13 +1,6 @@
 """Checks of every derivation against autograd (jvp after vjp), the empirical NTK and a real SGD step."""
 
 from affdiv.verify.checks import DEFAULT_LR, CheckResult, run_checks
-from affdiv.verify.divergence import (
-    DivergenceRecorder,
-    DivergenceReport,
-    LayerDivergence,
-    UnsupportedModuleError,
-    divergence,
-)
 from affdiv.verify.engine import EffectiveUpdate, effective_update
 from affdiv.verify.metrics import Alignment, alignment, cosine, diagonal_update, off_diagonal_share, scale_factor
 from affdiv.verify.ntk import empirical_ntk, ntk_update
@@ -16,15 +9,10 @@ __all__ = [
     "DEFAULT_LR",
     "Alignment",
     "CheckResult",
-    "DivergenceRecorder",
-    "DivergenceReport",
     "EffectiveUpdate",
-    "LayerDivergence",
-    "UnsupportedModuleError",
     "alignment",
     "cosine",
     "diagonal_update",
-    "divergence",
     "effective_update",
     "empirical_ntk",
     "ntk_update",

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import jvp, vjp
 
-from affdiv.verify._measurement import ModuleFunction, as_inputs, check_lr
+from affdiv.verify.functional import ModuleFunction, as_inputs, check_lr
 
 REDUCTIONS = ("sum", "mean")
 

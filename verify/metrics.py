@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import jvp, vjp, vmap
 
-from affdiv.verify._measurement import ModuleFunction, as_inputs, check_lr
+from affdiv.verify.functional import ModuleFunction, as_inputs, check_lr
 
 
 def _per_sample(t: Tensor) -> Tensor:

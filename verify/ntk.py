@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import jacrev, vmap
 
-from affdiv.verify._measurement import ModuleFunction, as_inputs
+from affdiv.verify.functional import ModuleFunction, as_inputs
 
 
 def empirical_ntk(module: nn.Module, inputs: Tensor | tuple[Tensor, ...]) -> Tensor:

@@ -7,7 +7,7 @@ outcome.
 ``every`` steps it draws ``batches`` batches of the training split (a generator seeded by
 ``seed``, the step and the batch size: every run of a sweep sees the same batches at the same
 step) and measures the run's model copy with
-:func:`affdiv.verify.divergence` (plain SGD step on the mean cross-entropy; the metrics do not
+:func:`affdiv.meter.divergence` (plain SGD step on the mean cross-entropy; the metrics do not
 depend on η, nor on the run's optimizer). The batch size is the run's own when the training
 loop passes the run's config (``fn(model, step, data, config)``; the training loop does) and no
 ``batch_sizes`` are given, else each of ``batch_sizes``.
@@ -17,7 +17,7 @@ Each call returns one flat dict of JSON numbers (None where undefined):
     B<b>:<metric>               mean over the measured layers (layers weigh equally)
     B<b>:<layer>:<metric>       per layer (its name in ``named_modules``)
 
-for the metrics in ``METRICS`` (summaries of :meth:`affdiv.verify.LayerDivergence.summary`,
+for the metrics in ``METRICS`` (summaries of :meth:`affdiv.meter.LayerDivergence.summary`,
 averaged over the batches). :func:`record_columns` turns a run's measurement dicts into record
 columns for the report: ``off_diagonal_share_init`` / ``off_diagonal_share_last`` and the same for
 ``cosine`` and ``diagonal_scale_cv`` (mean over layers, at step 0 and at the last measured step).
@@ -49,7 +49,7 @@ def measure(model: torch.nn.Module, step: int, data, config=None, *, batch_sizes
             batches: int = 1, scope: str = "layer", per_sample: bool = True, seed: int = 0,
             masked_limit: int | None = 128) -> dict:
     """The :class:`Measurement` callback (see the module docstring)."""
-    from affdiv.verify import divergence
+    from affdiv.meter import MeterOptions, divergence
 
     sizes = list(batch_sizes) if batch_sizes or config is None else [int(config.batch_size)]
     if not sizes:
@@ -68,7 +68,8 @@ def measure(model: torch.nn.Module, step: int, data, config=None, *, batch_sizes
             index = torch.randperm(len(y_all), generator=generator)[:size].to(x_all.device)
             y = y_all[index]
             report = divergence(model, x_all[index], lambda out, y=y: F.cross_entropy(out, y, reduction="none"),
-                                lr=1.0, scope=scope, per_sample=per_sample, masked_limit=masked_limit)
+                                lr=1.0, scope=scope, per_sample=per_sample,
+                                options=MeterOptions(masked_limit=masked_limit))
             for row in report.records():
                 for metric in METRICS:
                     per_layer[row["layer"]][metric].append(row.get(metric))

@@ -46,3 +46,28 @@ def test_the_test_sees_a_violation(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("from affdiv.experiments.report.writer import write_report\n")
     assert [n for n in _imports(bad) if _stage(n) == "report"]
+
+
+# The packages in dependency order: a package may import its own and earlier ones only (the root
+# modules — atomic, provenance, reporting, _extras, cli — are shared by all; cli loads every
+# package's command module by name, not by import).
+PACKAGES = ["layers", "theory", "verify", "meter", "experiments"]
+PACKAGE_ROOT = ROOT.parent
+
+
+def _package(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "affdiv" and len(parts) > 1 and parts[1] in PACKAGES else None
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_package_imports_a_later_one(package):
+    later = {f"{path.relative_to(PACKAGE_ROOT)}: {name}"
+             for path in (PACKAGE_ROOT / package).rglob("*.py") for name in _imports(path)
+             if (other := _package(name)) and PACKAGES.index(other) > PACKAGES.index(package)}
+    assert not later, f"{package} imports a later package: {sorted(later)}"
+
+
+def test_every_package_is_in_the_order():
+    packages = {p.parent.name for p in PACKAGE_ROOT.glob("*/__init__.py")} - {"tests", "benchmarks", "build"}
+    assert packages == set(PACKAGES)

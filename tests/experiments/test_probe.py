@@ -12,7 +12,7 @@ import pytest
 from affdiv import cli
 from affdiv.experiments.data.dataset import load_dataset
 from affdiv.experiments.probe import aggregate, measure, parse_int_list
-from affdiv.verify.divergence import UnmeasuredModuleWarning
+from affdiv.meter import UnmeasuredModuleWarning
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +136,7 @@ def test_every_built_in_model_is_measured_whole_in_both_scopes():
     import torch.nn.functional as F
 
     from affdiv.experiments.runs import zoo
-    from affdiv.verify import divergence
+    from affdiv.meter import divergence
 
     data = load_dataset("digits", seed=0)
     x, y = data.train.x[:6].double(), data.train.y[:6]

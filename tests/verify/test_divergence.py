@@ -19,10 +19,11 @@ from torch import nn
 from torch.func import functional_call, jvp, vjp
 
 from affdiv.layers import AffineLike, NormLike, PatchNormConv2d
+from affdiv.meter import MeterOptions, UnmeasuredModuleWarning, UnsupportedModuleError, divergence
+from affdiv.meter.routes import batchnorm_diagonal
 from affdiv.theory import affine as theory_affine
 from affdiv.theory import conv as theory_conv
-from affdiv.verify import diagonal_update, divergence, effective_update
-from affdiv.verify.divergence import UnmeasuredModuleWarning, UnsupportedModuleError, batchnorm_diagonal
+from affdiv.verify import diagonal_update, effective_update
 from affdiv.verify.metrics import cosine, off_diagonal_share, scale_factor
 
 F64 = torch.float64
@@ -92,7 +93,7 @@ def recorded(net, x, y, reduction="mean"):
 def test_layer_scope_matches_effective_and_diagonal_update_on_each_module_alone(reduction):
     net = deep_net()
     x, y = batch()
-    report = divergence(net, x, ce(y), lr=LR, reduction=reduction, keep_updates=True)
+    report = divergence(net, x, ce(y), lr=LR, reduction=reduction, options=MeterOptions(keep_updates=True))
     assert set(report.layers) == {"0", "2", "3", "5", "6", "7", "9"} and not report.skipped
     reference = recorded(deep_net(inplace=False), x, y, reduction)
     for name, layer in report.layers.items():
@@ -119,7 +120,7 @@ def test_layer_scope_matches_effective_and_diagonal_update_on_each_module_alone(
 def test_linear_and_affine_like_inside_a_deep_network_match_the_closed_forms():
     net = deep_net()
     x, y = batch(b=9)
-    report = divergence(net, x, ce(y), lr=LR, keep_updates=True)
+    report = divergence(net, x, ce(y), lr=LR, options=MeterOptions(keep_updates=True))
     reference = recorded(deep_net(inplace=False), x, y)
     for name, member in [("0", "affine"), ("2", "affine_like"), ("7", "affine"), ("9", "affine")]:
         inputs, g = reference[name]
@@ -145,7 +146,7 @@ def test_token_inputs_use_each_sample_block_both_ways():
             net = nn.Sequential(layer, nn.Flatten(), nn.Linear(tokens * n, 2, dtype=F64))
             x = torch.randn(5, tokens, m, dtype=F64) + 0.5
             y = torch.randint(0, 2, (5,))
-            report = divergence(net, x, ce(y), lr=LR, keep_updates=True)
+            report = divergence(net, x, ce(y), lr=LR, options=MeterOptions(keep_updates=True))
             g = report.layers["0"].ideal / -LR
             assert close(report.layers["0"].diagonal, diagonal_update(layer, x, g, LR)), (tokens, type(layer))
 
@@ -158,7 +159,7 @@ def test_convolutions_match_the_closed_forms_inside_a_cnn():
     ).to(F64)
     x = torch.randn(4, 2, 5, 5, dtype=F64) + 0.3
     y = torch.randint(0, 2, (4,))
-    report = divergence(net, x, ce(y), lr=LR, keep_updates=True)
+    report = divergence(net, x, ce(y), lr=LR, options=MeterOptions(keep_updates=True))
     reference = recorded(net, x, y)
     for name, normalised, geometry in [("0", False, theory_conv.Geometry.of(2, 3, 1, 1)),
                                        ("2", True, theory_conv.Geometry.of(2, 3, 2, 1))]:
@@ -212,7 +213,7 @@ def test_network_scope_matches_torch_func_through_the_prefix(kind):
         net = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), AffineLike(8, 8), nn.Tanh(),
                             nn.Linear(8, 3)).to(F64)
     x, y = batch()
-    report = divergence(net, x, ce(y), lr=LR, scope="network", keep_updates=True)
+    report = divergence(net, x, ce(y), lr=LR, scope="network", options=MeterOptions(keep_updates=True))
     expected = "one forward-mode pass" if kind == "independent" else "masked"
     assert report.network_diagonal_route.startswith(expected)
     for name, layer in report.layers.items():
@@ -225,13 +226,14 @@ def test_network_scope_routes_agree():
     """The single injection pass and the masked route (forced by a tiny check tolerance) agree."""
     net = deep_net(inplace=False)
     x, y = batch()
-    fast = divergence(net, x, ce(y), lr=LR, scope="network", keep_updates=True)
-    module = importlib.import_module("affdiv.verify.divergence")
+    fast = divergence(net, x, ce(y), lr=LR, scope="network", options=MeterOptions(keep_updates=True))
+    module = importlib.import_module("affdiv.meter.routes")
 
     original = module._independent_network
     module._independent_network = lambda *a: False
     try:
-        slow = divergence(net, x, ce(y), lr=LR, scope="network", keep_updates=True, memory_budget=1)
+        slow = divergence(net, x, ce(y), lr=LR, scope="network",
+                          options=MeterOptions(keep_updates=True, memory_budget=1))
     finally:
         module._independent_network = original
     assert slow.network_diagonal_route.startswith("masked") and "chunks of 1" in slow.network_diagonal_route
@@ -242,8 +244,8 @@ def test_network_scope_routes_agree():
 def test_the_last_layer_is_the_same_in_both_scopes():
     net = deep_net()
     x, y = batch()
-    layer = divergence(net, x, ce(y), lr=LR, keep_updates=True).layers["9"]
-    network = divergence(net, x, ce(y), lr=LR, scope="network", keep_updates=True).layers["9"]
+    layer = divergence(net, x, ce(y), lr=LR, options=MeterOptions(keep_updates=True)).layers["9"]
+    network = divergence(net, x, ce(y), lr=LR, scope="network", options=MeterOptions(keep_updates=True)).layers["9"]
     assert not close(layer.effective, network.effective)  # upstream layers move its input too
     assert close(layer.ideal, network.ideal)
 
@@ -308,7 +310,7 @@ def test_a_module_that_couples_samples_takes_the_masked_route():
     torch.manual_seed(0)
     net = nn.Sequential(Centre(), nn.Linear(4, 2, dtype=F64))
     x, y = torch.randn(5, 4, dtype=F64), torch.randint(0, 2, (5,))
-    report = divergence(net, x, ce(y), lr=LR, keep_updates=True)
+    report = divergence(net, x, ce(y), lr=LR, options=MeterOptions(keep_updates=True))
     layer = report.layers["0"]
     assert layer.diagonal_route.startswith("masked")
     g = layer.ideal / -LR
@@ -374,7 +376,7 @@ def test_refusals_are_listed_with_their_reason():
     assert "does not reach the loss" in reasons["unused"]
     assert "opaque" in reasons and "jvp" in reasons["opaque"].lower()
     with pytest.raises(UnsupportedModuleError, match="module 'shared' \\(Linear\\): called 2 times"):
-        divergence(net, x, ce(y), lr=LR, on_unsupported="raise")
+        divergence(net, x, ce(y), lr=LR, options=MeterOptions(on_unsupported="raise"))
     # network scope: the shared and tied modules still step; the diagonals take the masked route
     with pytest.warns(UnmeasuredModuleWarning, match="module '0' \\(Linear\\): called 2 times"):
         network = divergence(nn.Sequential(Net().shared, nn.Tanh(), Net().shared, nn.Linear(4, 2, dtype=F64)), x,
@@ -405,8 +407,8 @@ def test_dropout_in_network_scope_per_sample_is_refused_and_replayed_elsewhere()
     x, y = torch.randn(8, 4, dtype=F64), torch.randint(0, 2, (8,))
     with pytest.raises(UnsupportedModuleError, match="'1' \\(Dropout"):
         divergence(net, x, ce(y), lr=LR, scope="network")
-    a = divergence(net, x, ce(y), lr=LR, scope="network", per_sample=False, keep_updates=True)
-    b = divergence(net, x, ce(y), lr=LR, scope="network", per_sample=False, keep_updates=True)
+    a = divergence(net, x, ce(y), lr=LR, scope="network", per_sample=False, options=MeterOptions(keep_updates=True))
+    b = divergence(net, x, ce(y), lr=LR, scope="network", per_sample=False, options=MeterOptions(keep_updates=True))
     assert torch.equal(a.layers["2"].effective, b.layers["2"].effective)  # one mask for every pass
     assert a.layers["0"].diagonal_scale is None
 
@@ -415,10 +417,17 @@ def test_bad_input_is_refused_before_any_work():
     net = deep_net()
     x, y = batch()
     for kwargs, message in [({"scope": "model"}, "scope must be"), ({"reduction": "max"}, "reduction must be"),
-                            ({"lr": 0.0}, "lr must be"), ({"on_unsupported": "ignore"}, "on_unsupported"),
-                            ({"memory_budget": 0}, "memory_budget")]:
+                            ({"lr": 0.0}, "lr must be")]:
         with pytest.raises(ValueError, match=message):
             divergence(net, x, ce(y), **{"lr": LR, **kwargs})
+    for options, message in [({"on_unsupported": "ignore"}, "on_unsupported must be"),
+                             ({"memory_budget": 0}, "memory_budget must be"),
+                             ({"masked_limit": 0}, "masked_limit must be"),
+                             ({"keep_updates": "yes"}, "keep_updates must be")]:
+        with pytest.raises(ValueError, match=message):
+            MeterOptions(**options)
+    with pytest.raises(TypeError, match="options must be a MeterOptions"):
+        divergence(net, x, ce(y), lr=LR, options={"keep_updates": True})
     with pytest.raises(ValueError, match=r"per-sample losses, shape \(7,\)"):
         divergence(net, x, lambda out: F.cross_entropy(out, y), lr=LR)
 
@@ -467,7 +476,7 @@ def test_site_diagonal_scale_against_the_measured_site_diagonal():
     ]
     for net, x, sites in cases:
         y = torch.randint(0, 2, (3,))
-        layer = divergence(net, x, ce(y), lr=LR, keep_updates=True).layers["0"]
+        layer = divergence(net, x, ce(y), lr=LR, options=MeterOptions(keep_updates=True)).layers["0"]
         g = layer.ideal / -LR
         own = site_diagonal_update(net[0], x, g, LR, sites)  # (n_sites, features), sample-major
         ideal = sites(layer.ideal)
@@ -480,7 +489,7 @@ def test_site_diagonal_scale_against_the_measured_site_diagonal():
 
 
 def test_the_recorder_records_every_n_steps_and_leaves_training_bit_identical():
-    from affdiv.verify import DivergenceRecorder
+    from affdiv.meter import DivergenceRecorder
 
     def train(recorder):
         torch.manual_seed(0)

@@ -29,8 +29,7 @@ from torch import nn
 from torch.func import functional_call, jacrev
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from affdiv.verify import divergence
-from affdiv.verify.divergence import UnmeasuredModuleWarning, UnsupportedModuleError
+from affdiv.meter import MeterOptions, UnmeasuredModuleWarning, UnsupportedModuleError, divergence
 
 F64 = torch.float64
 TOL = 1e-10
@@ -134,7 +133,7 @@ def test_self_attention_of_a_stock_encoder_layer_matches_full_jacobians(batch, t
     x, y = torch.randn(batch, tokens, E, dtype=F64), torch.randint(0, 3, (batch,))
     with warnings.catch_warnings():
         warnings.simplefilter("error", UnmeasuredModuleWarning)
-        report = divergence(net, x, ce(y), lr=LR, scope=scope, keep_updates=True)
+        report = divergence(net, x, ce(y), lr=LR, scope=scope, options=MeterOptions(keep_updates=True))
     assert not report.skipped
     assert {"layer.self_attn", "layer.linear1", "layer.linear2", "layer.norm1", "layer.norm2", "head"} == set(
         report.layers)
@@ -186,7 +185,7 @@ def test_a_tuple_output_is_measured_on_the_tensors_that_reach_the_loss():
     torch.manual_seed(1)
     net, tokens = BothOutputs(3), 3
     x, y = torch.randn(4, tokens, E, dtype=F64), torch.randint(0, 3, (4,))
-    report = divergence(net, x, ce(y), lr=LR, keep_updates=True)
+    report = divergence(net, x, ce(y), lr=LR, options=MeterOptions(keep_updates=True))
     attn = report.layers["attn"]
     names = [n for n, _ in net.attn.named_parameters()]
     theta = {n: p.detach() for n, p in net.attn.named_parameters()}
@@ -238,7 +237,7 @@ def test_what_cannot_be_measured_is_warned_named_and_listed():
     for name, reason in report.skipped.items():
         assert any(f"module {name!r}" in m and reason in m for m in messages), name
     with pytest.raises(UnsupportedModuleError, match="module 'attn' \\(MultiheadAttention\\): called 2 times"):
-        divergence(Twice(), x, ce(y), lr=LR, on_unsupported="raise")
+        divergence(Twice(), x, ce(y), lr=LR, options=MeterOptions(on_unsupported="raise"))
 
 
 def test_dropout_inside_attention_is_replayed_by_every_pass():
@@ -251,7 +250,7 @@ def test_dropout_inside_attention_is_replayed_by_every_pass():
                         nn.Flatten(), nn.Linear(3 * E, 3, dtype=F64)).train()
     x, y = torch.randn(5, 3, E, dtype=F64), torch.randint(0, 3, (5,))
     torch.manual_seed(3)
-    report = divergence(net, x, ce(y), lr=LR, keep_updates=True)
+    report = divergence(net, x, ce(y), lr=LR, options=MeterOptions(keep_updates=True))
     attn = report.layers["0.self_attn"]
     assert attn.diagonal_route.startswith("masked")
 
