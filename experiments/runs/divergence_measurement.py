@@ -8,9 +8,8 @@ outcome.
 ``seed``, the step and the batch size: every run of a sweep sees the same batches at the same
 step) and measures the run's model copy with
 :func:`affdiv.meter.divergence` (plain SGD step on the mean cross-entropy; the metrics do not
-depend on η, nor on the run's optimizer). The batch size is the run's own when the training
-loop passes the run's config (``fn(model, step, data, config)``; the training loop does) and no
-``batch_sizes`` are given, else each of ``batch_sizes``.
+depend on η, nor on the run's optimizer), at each of ``batch_sizes``, or at the run's own batch
+size when none are given.
 
 Each call returns one flat dict of JSON numbers (None where undefined):
 
@@ -45,16 +44,13 @@ def _mean(values: list) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def measure(model: torch.nn.Module, step: int, data, config=None, *, batch_sizes: Sequence[int] = (),
+def measure(model: torch.nn.Module, step: int, data, config, *, batch_sizes: Sequence[int] = (),
             batches: int = 1, scope: str = "layer", per_sample: bool = True, seed: int = 0,
             masked_limit: int | None = 128) -> dict:
     """The :class:`Measurement` callback (see the module docstring)."""
     from affdiv.meter import MeterOptions, divergence
 
-    sizes = list(batch_sizes) if batch_sizes or config is None else [int(config.batch_size)]
-    if not sizes:
-        raise ValueError("the divergence measurement needs batch_sizes when the training loop does not pass "
-                         "the run's config")
+    sizes = list(batch_sizes) or [int(config.batch_size)]
     parameter = next(model.parameters())
     x_all = torch.as_tensor(data.train.x, device=parameter.device, dtype=parameter.dtype)
     y_all = torch.as_tensor(data.train.y, device=parameter.device)

@@ -105,7 +105,8 @@ def measure(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, b_small
     return estimate(small / draws, big / draws, b_small, b_big, draws)
 
 
-def _measure_run(model: torch.nn.Module, step: int, data, *, b_small: int, b_big: int, draws: int, seed: int) -> dict:
+def _measure_run(model: torch.nn.Module, step: int, data, config, *, b_small: int, b_big: int, draws: int,
+                 seed: int) -> dict:
     """The :class:`Measurement` callback: B_simple on the run's training split, in eval mode."""
     model.eval()
     parameter = next(model.parameters())

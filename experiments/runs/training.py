@@ -53,7 +53,7 @@ steps them one after the other (:func:`train_run`: the numbers a run has always 
 model. :func:`train_group` trains runs of one :func:`~affdiv.experiments.runs.grouping.
 ensemble_key` stacked, or one at a time where stacking is off or impossible (logged).
 
-*Measurements*: a :class:`Measurement` ``fn(model, step, data) -> dict`` is called at step 0 and
+*Measurements*: a :class:`Measurement` ``fn(model, step, data, config) -> dict`` is called at step 0 and
 every ``every`` steps (after that step's update, before its check) for every *active* candidate:
 one still training whose parameters and buffers are all finite (a non-finite loss makes the
 update, and so the parameters, non-finite: such a candidate has diverged, and the next check
@@ -76,12 +76,12 @@ Determinism: on CPU with a fixed thread count the same configs give the same num
 from __future__ import annotations
 
 import copy
-import inspect
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -94,6 +94,9 @@ from affdiv.experiments.runs.models import build_network
 from affdiv.experiments.runs.optimizers import make_optimizer
 from affdiv.experiments.runs.reads import read_steps
 from affdiv.experiments.runs.stacked import StackedEnsemble, stack_failure
+
+if TYPE_CHECKING:
+    from affdiv.experiments.data.dataset import Dataset
 
 _EVAL_CHUNK = 4096
 #: The metrics every run records (``RunResult.metrics``), and those runs of the ``target`` budget add.
@@ -126,29 +129,25 @@ class RunResult:
     check_seconds: float = 0.0
 
 
-def _takes_config(fn) -> bool:
-    """Whether a measurement's ``fn`` takes the run's config as a fourth positional argument."""
-    try:
-        parameters = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return sum(p.kind in kinds for p in parameters) >= 4
+class MeasurementFn(Protocol):
+    """The one call signature of every measurement taken along training (see :class:`Measurement`)."""
+
+    def __call__(self, model: torch.nn.Module, step: int, data: Dataset, config: RunConfig) -> Mapping: ...
 
 
 @dataclass(frozen=True)
 class Measurement:
-    """``fn(model, step, data) -> dict`` of JSON numbers, called at step 0 and every ``every``
-    steps of every run (after that step's update; see the module docstring). ``model`` is a copy,
-    in train mode, so nothing the callback does (a forward in train mode updates BatchNorm's
-    statistics) reaches training; ``data`` is the run's
-    :class:`~affdiv.experiments.data.dataset.Dataset`. An ``fn`` with a fourth positional
-    parameter is called ``fn(model, step, data, config)`` with the run's :class:`RunConfig`.
-    ``fn`` must be picklable (a module-level function) to reach a sweep's workers."""
+    """``fn(model, step, data, config) -> dict`` of JSON numbers (:class:`MeasurementFn`), called
+    at step 0 and every ``every`` steps of every run (after that step's update; see the module
+    docstring). ``model`` is a copy, in train mode, so nothing the callback does (a forward in
+    train mode updates BatchNorm's statistics) reaches training; ``data`` is the run's
+    :class:`~affdiv.experiments.data.dataset.Dataset` (all its splits), ``config`` its
+    :class:`RunConfig`. ``fn`` must be picklable (a module-level function) to reach a sweep's
+    workers."""
 
     name: str
     every: int
-    fn: Callable[[torch.nn.Module, int, object], Mapping]
+    fn: MeasurementFn
 
     def __post_init__(self):
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
@@ -421,8 +420,7 @@ def _lockstep(cands: list[Candidate], engine_type, tensors: _Tensors, measuremen
                 for m in due if active[k] else ():
                     values = cand.run.at_init.get(m.name) if step == 0 else None
                     if values is None:
-                        args = (engine.copy(k), step, cand.run.data, cand.run.config)
-                        values = m.fn(*args) if _takes_config(m.fn) else m.fn(*args[:3])
+                        values = m.fn(engine.copy(k), step, cand.run.data, cand.run.config)
                         if step == 0:
                             cand.run.at_init[m.name] = values
                     cand.measurements.append({"measurement": m.name, "step": step, **values})

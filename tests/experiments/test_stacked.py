@@ -85,7 +85,7 @@ TOL = 30 * 10 * 5.7e-14 * 100
 DIVERGING = 1e308
 
 
-def _state(model, _step, _data):
+def _state(model, _step, _data, _config):
     return {"state": {name: t.detach().clone() for name, t in model.state_dict().items()}}
 
 

@@ -118,7 +118,7 @@ def _meddling(calls: list) -> Measurement:
     """A measurement that does all it may to its model: a train-mode forward (BatchNorm's running
     statistics move) and backward (``.grad`` written), every parameter and buffer changed in place,
     and a draw from the global random generator. Appends each call's step to ``calls``."""
-    def meddle(model, step, data):
+    def meddle(model, step, data, config):
         calls.append(step)
         fresh = all(p.grad is None for p in model.parameters())
         torch.rand(100)

@@ -266,7 +266,7 @@ def test_a_killed_worker_costs_only_a_retry(tmp_path, sweep_util):
     assert sweep_util.records(store) == sweep_util.records(undisturbed)
 
 
-_KILLER = "import os, signal\n\ndef die(model, step, data):\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+_KILLER = "import os, signal\n\ndef die(model, step, data, config):\n    os.kill(os.getpid(), signal.SIGKILL)\n"
 
 
 def test_a_unit_that_always_kills_its_worker_stops_the_sweep(tmp_path, monkeypatch):

@@ -83,7 +83,7 @@ def test_same_config_same_numbers_and_the_seed_matters(digits):
 
 def _keep_models(every: int, kept: dict) -> Measurement:
     """A measurement that keeps the model (a copy) at every ``every``-th step in ``kept``."""
-    return Measurement("keep", every, lambda model, step, _data: kept.__setitem__(step, model) or {})
+    return Measurement("keep", every, lambda model, step, _data, _config: kept.__setitem__(step, model) or {})
 
 
 def test_the_training_loop_takes_plain_sgd_steps(digits):
@@ -291,7 +291,7 @@ def test_tuned_target_stops_every_candidate_at_the_first_success(digits):
     best = max(tied, key=lambda lr: (alone[lr]["val_accuracy"], -alone[lr]["val_loss"], -lr))
     kept = {}
     tuned = train_run(_target(lr_rule="tuned", lr_grid=grid, grid_extensions=0), digits,
-                      measurements=[Measurement("steps", 5, lambda _m, step, _d: kept.setdefault(step, 0) or {})])
+                      measurements=[Measurement("steps", 5, lambda _m, step, _d, _c: kept.setdefault(step, 0) or {})])
     assert tuned.metrics["lr"] == best and tuned.metrics["steps_to_target"] == fastest
     assert {k: v for k, v in tuned.metrics.items() if k not in ("lr", "lr_at_grid_edge")} == {
         k: v for k, v in alone[best].items() if k not in ("lr", "lr_at_grid_edge")}
@@ -330,7 +330,7 @@ def test_momentum_grid_candidates(digits):
 
 
 def test_measurements_are_kept_with_the_run_and_change_nothing(digits):
-    def train_mode_forward(model, step, data):
+    def train_mode_forward(model, step, data, config):
         # A forward in train mode moves BatchNorm's running statistics: on a copy, not the run's model.
         logits = model(data.train.x[:32])
         return {"mean_logit": float(logits.detach().mean()), "training": model.training}
