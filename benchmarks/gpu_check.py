@@ -278,42 +278,10 @@ def environment():
                 python=platform.python_version(), float32_matmul_precision=torch.get_float32_matmul_precision())
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", type=pathlib.Path, help="write all results here")
-    parser.add_argument("--budget-s", type=float, default=360.0, help="wall-clock budget of the whole script")
-    parser.add_argument("--rep-ms", type=int, default=150, help="do_bench repetition time per measurement")
-    parser.add_argument("--compile-child", nargs=3, type=int, metavar=("B", "K", "N"), help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.compile_child:
-        compile_child(*args.compile_child, rep_ms=args.rep_ms)
-        return 0
-    start = time.time()
-    log = lambda msg: print(f"[{time.time() - start:6.1f}s] {msg}", flush=True)  # noqa: E731
-
-    why = None
-    if not torch.cuda.is_available():
-        why = "no CUDA device (torch.cuda.is_available() is False)"
-    elif importlib.util.find_spec("triton") is None:
-        why = "Triton is not installed"
-    if why:
-        print(f"SKIPPED: {why}")
-        if args.json:
-            args.json.write_text(json.dumps({"skipped": why}, indent=2))
-        return 0
-
-    tk, load_note = load_kernels()
-    result = {"environment": environment(), "notes": [load_note] if load_note else []}
-    log(f"environment: {result['environment']}")
-    # The layer's dispatch condition, checked rather than assumed.
-    result["environment"]["kernels_available"] = tk.available()
-
+def _measure(tk, result: dict, args, save, log, start: float) -> bool:
+    """Correctness against float64 autograd, then the timings (eager, then torch.compile children
+    within the budget), into ``result`` (saved after each part); True when something failed."""
     failed = False
-
-    def save():
-        if args.json:
-            args.json.write_text(json.dumps(result, indent=2))
-
     log("correctness against float64 autograd (outputs poisoned with NaN)")
     try:
         result["correctness"] = check_kernels(tk, CASES, "cuda", log)
@@ -355,6 +323,11 @@ def main(argv=None) -> int:
     log(f"forward GEMM autotuned: {result['forward_autotuned_configs']}")
     save()
 
+    return failed
+
+
+def _print_summary(result: dict, failed: bool) -> None:
+    """The worst error per dtype and output against its bound, and every timing ratio."""
     print("\ncorrectness (worst rel. error / its bound per dtype and output):")
     worst = {}
     for rec in result.get("correctness", []):
@@ -383,6 +356,44 @@ def main(argv=None) -> int:
         print(f"\ntarget: triton kernels <= {TARGET_RATIO} x nn.Linear at 8192x4096x4096: {big:.3f} "
               f"({'met' if big <= TARGET_RATIO else 'missed'})")
     print("correctness:", "FAILED" if failed else "all within bounds")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=pathlib.Path, help="write all results here")
+    parser.add_argument("--budget-s", type=float, default=360.0, help="wall-clock budget of the whole script")
+    parser.add_argument("--rep-ms", type=int, default=150, help="do_bench repetition time per measurement")
+    parser.add_argument("--compile-child", nargs=3, type=int, metavar=("B", "K", "N"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.compile_child:
+        compile_child(*args.compile_child, rep_ms=args.rep_ms)
+        return 0
+    start = time.time()
+    log = lambda msg: print(f"[{time.time() - start:6.1f}s] {msg}", flush=True)  # noqa: E731
+
+    why = None
+    if not torch.cuda.is_available():
+        why = "no CUDA device (torch.cuda.is_available() is False)"
+    elif importlib.util.find_spec("triton") is None:
+        why = "Triton is not installed"
+    if why:
+        print(f"SKIPPED: {why}")
+        if args.json:
+            args.json.write_text(json.dumps({"skipped": why}, indent=2))
+        return 0
+
+    tk, load_note = load_kernels()
+    result = {"environment": environment(), "notes": [load_note] if load_note else []}
+    log(f"environment: {result['environment']}")
+    # The layer's dispatch condition, checked rather than assumed.
+    result["environment"]["kernels_available"] = tk.available()
+
+    def save():
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=2))
+
+    failed = _measure(tk, result, args, save, log, start)
+    _print_summary(result, failed)
     return 1 if failed else 0
 
 

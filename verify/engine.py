@@ -89,6 +89,27 @@ def output_gradient(
     return grad
 
 
+def _check_gradient_source(grad_output: Tensor | None, loss, reduction: str | None) -> None:
+    """Refuse anything but exactly one of ``grad_output`` and ``loss`` (``reduction`` with ``loss`` only)."""
+    if (grad_output is None) == (loss is None):
+        raise ValueError("give exactly one of grad_output and loss")
+    if grad_output is not None and reduction is not None:
+        raise ValueError("reduction applies to a loss function; grad_output already includes it")
+
+
+def _check_like_output(grad_output: Tensor, output: Tensor) -> None:
+    """Refuse a g = ∂L/∂z whose shape, dtype or device differs from the output's (ValueError)."""
+    if grad_output.shape != output.shape:
+        raise ValueError(
+            f"grad_output has shape {tuple(grad_output.shape)}, the module output has {tuple(output.shape)}"
+        )
+    if grad_output.dtype != output.dtype or grad_output.device != output.device:
+        raise ValueError(
+            f"grad_output is {grad_output.dtype} on {grad_output.device}, "
+            f"the output is {output.dtype} on {output.device}"
+        )
+
+
 def effective_update(
     module: nn.Module,
     inputs: Tensor | tuple[Tensor, ...],
@@ -144,10 +165,7 @@ def effective_update(
         True
     """
     lr = check_lr(lr)
-    if (grad_output is None) == (loss is None):
-        raise ValueError("give exactly one of grad_output and loss")
-    if grad_output is not None and reduction is not None:
-        raise ValueError("reduction applies to a loss function; grad_output already includes it")
+    _check_gradient_source(grad_output, loss, reduction)
     args = as_inputs(inputs)
     function = ModuleFunction(module, args)
     params = function.params
@@ -156,17 +174,8 @@ def effective_update(
         return function(p, args)
 
     output, pullback = vjp(f, params)
-    if loss is not None:
-        grad_output = output_gradient(output, loss, reduction)
-    if grad_output.shape != output.shape:
-        raise ValueError(
-            f"grad_output has shape {tuple(grad_output.shape)}, the module output has {tuple(output.shape)}"
-        )
-    if grad_output.dtype != output.dtype or grad_output.device != output.device:
-        raise ValueError(
-            f"grad_output is {grad_output.dtype} on {grad_output.device}, "
-            f"the output is {output.dtype} on {output.device}"
-        )
+    grad_output = output_gradient(output, loss, reduction) if loss is not None else grad_output
+    _check_like_output(grad_output, output)
     (grad,) = pullback(grad_output)
     step = {name: -lr * grad[name] for name in params}
     _, linear = jvp(f, (params,), (step,))

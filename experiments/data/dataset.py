@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from math import prod
 from pathlib import Path
@@ -190,6 +191,29 @@ def _raw(name: str, data_dir: str | Path | None, seed: int, options: dict[str, A
     return make_teacher_student(seed, **{k: options[k] for k in SYNTHETIC_DEFAULTS})
 
 
+def _checked_options(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The options of dataset ``name`` with their defaults filled in, each checked (ValueError
+    naming the option and the valid choices)."""
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; expected one of {', '.join(DATASETS)}")
+    allowed = {"standardize": "channel", **DATASET_OPTIONS[name]}
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        valid = ", ".join(sorted(allowed))
+        raise ValueError(f"{name}: unknown option(s) {', '.join(unknown)}; valid options: {valid}")
+    options = {**allowed, **options}
+    if options["standardize"] not in STANDARDIZE_MODES:
+        raise ValueError(f"standardize must be one of {', '.join(STANDARDIZE_MODES)}, got {options['standardize']!r}")
+    if name == "synthetic" and options["standardize"] == "feature" and options["correlation"] != 0:
+        raise ValueError(
+            "synthetic: standardize='feature' subtracts the shared direction that correlation controls;"
+            " use standardize='channel' or 'none'"
+        )
+    if name == "digits":
+        options["test_fraction"] = check_fraction("test_fraction", options["test_fraction"], allow_zero=False)
+    return options
+
+
 def load_dataset(
     name: str,
     *,
@@ -227,26 +251,10 @@ def load_dataset(
         >>> data.num_classes, tuple(data.train.x.shape[1:])
         (10, (1, 8, 8))
     """
-    if name not in DATASETS:
-        raise ValueError(f"unknown dataset {name!r}; expected one of {', '.join(DATASETS)}")
-    allowed = {"standardize": "channel", **DATASET_OPTIONS[name]}
-    unknown = sorted(set(options) - set(allowed))
-    if unknown:
-        valid = ", ".join(sorted(allowed))
-        raise ValueError(f"{name}: unknown option(s) {', '.join(unknown)}; valid options: {valid}")
-    options = {**allowed, **options}
-    if options["standardize"] not in STANDARDIZE_MODES:
-        raise ValueError(f"standardize must be one of {', '.join(STANDARDIZE_MODES)}, got {options['standardize']!r}")
-    if name == "synthetic" and options["standardize"] == "feature" and options["correlation"] != 0:
-        raise ValueError(
-            "synthetic: standardize='feature' subtracts the shared direction that correlation controls;"
-            " use standardize='channel' or 'none'"
-        )
+    options = _checked_options(name, options)
     if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     val_fraction = check_fraction("val_fraction", val_fraction, allow_zero=True)
-    if name == "digits":
-        options["test_fraction"] = check_fraction("test_fraction", options["test_fraction"], allow_zero=False)
 
     raw = _raw(name, data_dir, int(seed), options)
     rng = np.random.default_rng(int(seed))
