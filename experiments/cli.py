@@ -13,11 +13,9 @@ import json
 import tomllib
 from pathlib import Path
 
+from affdiv.vocabulary import DEFAULT_BASELINES, DEFAULT_CORRECTED
+
 COMMANDS = ("falsify", "analyse", "probe", "map")
-# affdiv.experiments.analysis.decision's DEFAULT_CORRECTED and DEFAULT_BASELINES, stated in
-# analyse's --help (not imported: --help stays fast; tests/experiments/test_cli.py compares them).
-DEFAULT_CORRECTED = ("affine_like", "norm_l2", "patchnorm")
-DEFAULT_BASELINES = ("affine", "batchnorm")
 
 
 def register(subparsers) -> None:

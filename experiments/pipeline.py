@@ -23,6 +23,7 @@ from affdiv.experiments.analysis.groups import label_curves, label_groups
 from affdiv.experiments.records import RENAMED_METHODS, is_sqlite, read_csv, read_csv_rows
 from affdiv.experiments.report.writer import write_report
 from affdiv.provenance import provenance, relative_path
+from affdiv.vocabulary import TARGET_METRIC
 
 if TYPE_CHECKING:
     from affdiv.experiments.runs.config import RunConfig
@@ -37,8 +38,6 @@ REPORT_FILES = ("records.csv", "metric_vs_batch.png", "slope_forest.png", "contr
 MAX_SEED = 2**64 - 1
 #: From this many records on, the analysis prints a line before each long step.
 PROGRESS_FROM = 5000
-#: The metric of steps-to-target runs (``budget = "target"``), which ``analyse`` defaults to.
-_TARGET_METRIC = "steps_to_target"
 #: Analysis settings of the fixed-budget analysis that the steps-to-target analysis has no use for.
 _FIXED_BUDGET_ONLY = ("margin", "contrast_margin", "sensitivity", "test_baselines")
 
@@ -184,7 +183,7 @@ def analyse_and_report(out: Path, records: list[dict], curves, settings: Mapping
 def study_metric(configs: Sequence[RunConfig]) -> str:
     """The metric a study is analysed by when its preset names none: steps to the target when every
     run is of the ``target`` budget, else the test accuracy."""
-    return _TARGET_METRIC if all(c.budget == "target" for c in configs) else "test_accuracy"
+    return TARGET_METRIC if all(c.budget == "target" for c in configs) else "test_accuracy"
 
 
 def check_study_analysis(configs: Sequence[RunConfig], settings: Mapping, *, where: str) -> None:
@@ -200,7 +199,7 @@ def check_study_analysis(configs: Sequence[RunConfig], settings: Mapping, *, whe
     if metric is not None and metric not in recorded:
         raise ValueError(f"{where}: metric {metric!r} is not recorded by the study's runs; they record "
                          f"{', '.join(recorded)}")
-    if (metric or study_metric(configs)) == _TARGET_METRIC:
+    if (metric or study_metric(configs)) == TARGET_METRIC:
         idle = sorted(set(settings) & set(_FIXED_BUDGET_ONLY)) + (["higher_is_better"] if settings.get(
             "higher_is_better") else [])
         if idle:
@@ -475,11 +474,11 @@ def default_metric(budgets: set[str], *, database: bool, where: str) -> str:
     ``metric`` of a CSV. Records of target runs mixed with others raise ValueError asking for
     ``--metric``."""
     if budgets == {"target"}:
-        return _TARGET_METRIC
+        return TARGET_METRIC
     if "target" in budgets:
         others = sorted(b or "(empty)" for b in budgets - {"target"})
         raise ValueError(f"{where}: records of budget 'target' mixed with budget(s) {others}; pass --metric (e.g. "
-                         f"{_TARGET_METRIC} or {'test_accuracy' if database else 'metric'}) to choose what to analyse")
+                         f"{TARGET_METRIC} or {'test_accuracy' if database else 'metric'}) to choose what to analyse")
     return "test_accuracy" if database else "metric"
 
 
@@ -551,7 +550,7 @@ def analyse_file(
             if "budget" in header:
                 budgets = {str(row.get("budget") or "").strip() for row in rows}
             else:  # told by its columns: steps to a target and no column "metric" make a CSV of target runs
-                budgets = {"target"} if _TARGET_METRIC in header and "metric" not in header else set()
+                budgets = {"target"} if TARGET_METRIC in header and "metric" not in header else set()
             metric = default_metric(budgets, database=False, where=f"--input {path}")
         records, curves = read_csv(path, metric=metric, table=table), None
     settings["metric"] = metric

@@ -21,12 +21,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from affdiv.atomic import atomic_write
+from affdiv.vocabulary import TARGET_METRIC
 
 REQUIRED_COLUMNS = ("method", "batch_size", "seed")
 # Method names of earlier versions, read as today's (0.1 called the norm-like layer "l2").
 RENAMED_METHODS = {"l2": "norm_l2"}
 #: Metrics that may be empty: the run was censored (it did not reach the target within max_steps).
-CENSORED_METRICS = ("steps_to_target",)
+CENSORED_METRICS = (TARGET_METRIC,)
 #: The optional columns of target-budget runs (typed by :func:`_target_columns`).
 _TARGET_COLUMNS = ("censored", "max_steps", "target")
 

@@ -38,9 +38,9 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from affdiv.experiments.analysis import contrast, stats
+from affdiv.vocabulary import FIXED_BUDGET, JOINT_VERDICTS, RATIO_CLASSES, STEPS_TO_TARGET, TARGET_METRIC
 
 TESTS = ("falls", "differential", "page", "bootstrap", "flat")
-JOINT_VERDICTS = ("supported", "contradicted", "mixed", "inconclusive")
 
 
 # ------------------------------------------------------------------------- slope tests (descriptive)
@@ -309,7 +309,7 @@ def verdict_calibration(layout: StudyLayout, effects: Sequence[float], *, n_sims
         pairs.append(p_count)
         if progress is not None:
             progress(i + 1, len(effects))
-    return VerdictCalibration("fixed budget", "planted extra fall of the corrected layers at the largest batch "
+    return VerdictCalibration(FIXED_BUDGET, "planted extra fall of the corrected layers at the largest batch "
                               "size (performance units)", effects, 0.0, _rates(joint, n_sims),
                               _rates(methods, n_sims), _rates(pairs, n_sims),
                               "the one-sided test of DiD < 0 rejects (p < alpha)", n_sims, alpha, seed,
@@ -413,8 +413,6 @@ def simulate_target_study(layout: TargetLayout, ratio: float, rng: np.random.Gen
     B_crit, baselines at the reference; log-normal run noise and seed shifts; censored at max_steps.
     The records are typed as :func:`~affdiv.experiments.analysis.critical_batch.check_target_records`
     returns them (``log_steps`` included)."""
-    from affdiv.experiments.analysis.critical_batch import TARGET_METRIC
-
     records = []
     for method, steps in _simulate_steps(layout, ratio, rng).items():
         for s in range(layout.n_seeds):
@@ -447,7 +445,7 @@ def target_calibration(layout: TargetLayout, ratios: Sequence[float] = TARGET_RA
     joint verdict: what :func:`~affdiv.experiments.analysis.critical_batch.analyse_group` decides
     with, less its descriptive summaries; no bootstrap: the rule does not use it). A study at
     ratio r depends only on (seed, r), so the rates at a ratio do not depend on the others run."""
-    from affdiv.experiments.analysis.critical_batch import RATIO_CLASSES, fit_curves
+    from affdiv.experiments.analysis.critical_batch import fit_curves
 
     if n_sims < 1:
         raise ValueError(f"n_sims must be >= 1, got {n_sims}")
@@ -496,7 +494,7 @@ def target_calibration(layout: TargetLayout, ratios: Sequence[float] = TARGET_RA
                 classes[pair][kind].append(count / n_sims)
         if progress is not None:
             progress(i + 1, len(ratios))
-    return VerdictCalibration("steps_to_target", "planted ratio B_crit(corrected) / B_crit(baseline)", ratios, 1.0,
+    return VerdictCalibration(STEPS_TO_TARGET, "planted ratio B_crit(corrected) / B_crit(baseline)", ratios, 1.0,
                               _rates(joint, n_sims), _rates(methods, n_sims), _rates(pairs, n_sims),
                               "the one-sided test of ratio < 1 rejects (p < alpha)", n_sims, alpha, seed,
                               layout.describe(),
@@ -553,7 +551,7 @@ def calibrate_for(analysis, *, n_sims: int = 200, seed: int = 0,
     points, each pair's measured ratio at the primary target (where estimated and within
     [``MEASURED_RANGE``]); ``measured`` gives each pair the power of its test at its own ratio.
     """
-    if getattr(analysis, "design", "fixed budget") == "steps_to_target":
+    if getattr(analysis, "design", FIXED_BUDGET) == STEPS_TO_TARGET:
         measured = {f"{c} vs {b}": pair["ratio"] for c, against in analysis.primary["ratios"].items()
                     for b, pair in against.items()
                     if pair.get("status") == "ok" and MEASURED_RANGE[0] <= pair["ratio"] <= MEASURED_RANGE[1]}

@@ -47,10 +47,10 @@ from scipy import special
 from scipy import stats as _st
 
 from affdiv.experiments.analysis import stats
+from affdiv.vocabulary import CONTRADICTED, EQUIVALENT, INCONCLUSIVE, MIXED, NO_PREDICTION, SUPPORTED, UNCLEAR
 
-SUPPORTED, CONTRADICTED, INCONCLUSIVE, MIXED = "supported", "contradicted", "inconclusive", "mixed"
-NO_PREDICTION, NOT_TESTED = "no prediction", "not tested"
-FASTER, SLOWER, EQUIVALENT, UNCLEAR = "falls faster", "falls slower", "equivalent", "unclear"
+NOT_TESTED = "not tested"
+FASTER, SLOWER = "falls faster", "falls slower"
 FALLS, RISES, FLAT = "falls", "rises", "flat"
 
 

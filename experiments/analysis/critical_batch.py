@@ -57,8 +57,22 @@ from scipy import special
 from affdiv.experiments.analysis import stats
 from affdiv.experiments.analysis.groups import default_primary_group
 from affdiv.reporting import json_ready
+from affdiv.vocabulary import (
+    CONTRADICTED,
+    EQUIVALENT,
+    INCONCLUSIVE,
+    LARGER,
+    MIXED,
+    NO_PREDICTION,
+    REFERENCE,
+    SMALLER,
+    SMALLER_WITHIN_MARGIN,
+    STEPS_TO_TARGET,
+    SUPPORTED,
+    TARGET_METRIC,
+    UNCLEAR,
+)
 
-TARGET_METRIC = "steps_to_target"
 GRID_DOUBLINGS = 3.0  # the B_crit search range extends this many doublings beyond the batch sizes
 GRID_POINTS_PER_DOUBLING = 4
 RATIO_MARGIN = 2.0 ** -0.5  # ratios within [2^-1/2, 2^1/2] (half a doubling) are negligible differences
@@ -66,12 +80,7 @@ MIN_SEEDS = 3
 MIN_BATCH_SIZES = 3
 MAX_FAILED_RESAMPLES = 0.1  # more failed bootstrap refits than this and no CI is reported
 
-SMALLER, SMALLER_WITHIN_MARGIN = "smaller", "smaller_within_margin"
-EQUIVALENT, LARGER, UNCLEAR = "equivalent", "larger", "unclear"
-RATIO_CLASSES = (SMALLER, SMALLER_WITHIN_MARGIN, EQUIVALENT, LARGER, UNCLEAR)
 TREND_STEP = 0.01  # the trend of a log ratio along the ladder is reported per this rise of the target
-SUPPORTED, CONTRADICTED, INCONCLUSIVE, MIXED = "supported", "contradicted", "inconclusive", "mixed"
-REFERENCE, NO_PREDICTION = "reference", "no prediction"
 
 _LOG_2PI = math.log(2 * math.pi)
 
@@ -634,7 +643,7 @@ class TargetAnalysis:
     by_target: dict = field(default_factory=dict)
     trends: dict = field(default_factory=dict)
 
-    design = "steps_to_target"
+    design = STEPS_TO_TARGET
 
     @property
     def primary(self) -> dict:
@@ -769,7 +778,7 @@ def analyse_target(records: Sequence[Mapping], *, metric: str = TARGET_METRIC,
     names = sorted({m for g in groups.values() for m in g["critical_batch"]})
     overall = {m: _overall([g["critical_batch"][m]["verdict"] for g in groups.values() if m in g["critical_batch"]])
                for m in names}
-    settings = {"metric": metric, "design": "steps_to_target", "alpha": alpha, "corrected": list(corrected),
+    settings = {"metric": metric, "design": STEPS_TO_TARGET, "alpha": alpha, "corrected": list(corrected),
                 "baselines": list(baselines), "group_by": group_by if has_group else None, "n_boot": n_boot,
                 "seed": seed, "n_records": len(rows), "ratio_margin": RATIO_MARGIN,
                 "grid_doublings": GRID_DOUBLINGS, "higher_is_better": False,

@@ -59,15 +59,21 @@ from affdiv.experiments.analysis import contrast, stats
 from affdiv.experiments.analysis.groups import default_primary_group
 from affdiv.experiments.records import validate_records
 from affdiv.reporting import json_ready
+from affdiv.vocabulary import (
+    CONTRADICTED,
+    DEFAULT_BASELINES,
+    DEFAULT_CORRECTED,
+    FIXED_BUDGET,
+    INCONCLUSIVE,
+    MIXED,
+    SUPPORTED,
+    TARGET_METRIC,
+    UNCLEAR,
+)
 
 SCHEMA_VERSION = 2  # 2: verdicts from the contrasts; methods.<m> no longer a copy of one group
-DEFAULT_CORRECTED = ("affine_like", "norm_l2", "patchnorm")
-DEFAULT_BASELINES = ("affine", "batchnorm")
 SINGLE_GROUP = "all"
-
-SUPPORTED, CONTRADICTED, INCONCLUSIVE, NO_PREDICTION = "supported", "contradicted", "inconclusive", "no prediction"
-MIXED = "mixed"  # across groups: supported in some, contradicted in others
-FALLS, RISES, FLAT, UNCLEAR = "falls", "rises", "flat", "unclear"
+FALLS, RISES, FLAT = "falls", "rises", "flat"
 
 
 # ------------------------------------------------------------------------------- decision rule
@@ -327,7 +333,7 @@ class Analysis:
                    for name, verdict in self.overall.items()}
         return json_ready({
             "schema_version": SCHEMA_VERSION,
-            "design": "fixed budget",
+            "design": FIXED_BUDGET,
             "decision_rule": self.decision_rule,
             "provenance": dict(provenance or {}),
             "settings": self.settings,
@@ -435,7 +441,7 @@ def analyse(records: Sequence[Mapping], *, metric: str = "metric", higher_is_bet
                     "baselines": baselines, "primary_target": primary_target}, where="analyse")
     from affdiv.experiments.analysis import critical_batch
 
-    if metric == critical_batch.TARGET_METRIC:
+    if metric == TARGET_METRIC:
         return critical_batch.analyse_target(records, metric=metric, corrected=corrected, baselines=baselines,
                                              group_by=group_by, alpha=alpha, n_boot=max(n_boot, 200), seed=seed,
                                              primary_group=primary_group, primary_target=primary_target)
@@ -522,7 +528,7 @@ def analyse(records: Sequence[Mapping], *, metric: str = "metric", higher_is_bet
                 "group_by": group_by if has_group else None, "n_boot": n_boot, "seed": seed,
                 "sensitivity": sensitivity, "contrast_margin": contrast_margin,
                 "contrast_margin_source": contrast_margin_source, "test_baselines": test_baselines,
-                "design": "fixed budget", "n_records": len(rows)}
+                "design": FIXED_BUDGET, "n_records": len(rows)}
     rule = decision_rule(alpha=alpha, margin=margin, margin_source=margin_source,
                          higher_is_better=higher_is_better, corrected=corrected, baselines=baselines,
                          contrast_margin=contrast_margin, contrast_margin_source=contrast_margin_source,

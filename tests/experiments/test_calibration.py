@@ -23,13 +23,12 @@ from affdiv.experiments.analysis.calibration import (
     target_layout,
 )
 from affdiv.experiments.analysis.critical_batch import (
-    RATIO_CLASSES,
-    TARGET_METRIC,
     analyse_group,
     analyse_target,
     simulate_target_records,
 )
 from affdiv.experiments.analysis.decision import analyse
+from affdiv.vocabulary import RATIO_CLASSES, TARGET_METRIC
 
 ALPHA = 0.05
 N_SIMS = 2000  # Monte-Carlo s.e. of a rate near 0.05: sqrt(0.05 · 0.95 / 2000) = 0.0049

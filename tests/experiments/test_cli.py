@@ -211,11 +211,17 @@ def test_analyse_a_csv_without_the_metric_column(tmp_path, capsys):
     assert "missing column(s) ['metric']" in capsys.readouterr().err
 
 
-def test_the_defaults_analyses_help_states_are_the_analysis_defaults():
-    from affdiv.experiments import cli
+def test_the_defaults_analyses_help_states_are_the_analysis_defaults(capsys):
+    import inspect
+
     from affdiv.experiments.analysis import contrast, decision
 
-    assert (cli.DEFAULT_CORRECTED, cli.DEFAULT_BASELINES) == (decision.DEFAULT_CORRECTED, decision.DEFAULT_BASELINES)
+    with pytest.raises(SystemExit):
+        main(["analyse", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for role in ("corrected", "baselines"):
+        default = inspect.signature(decision.analyse).parameters[role].default
+        assert f"(default: {' '.join(default)})" in text, (role, default)
     # --help: 0.005 per doubling and a contrast margin of 0.01 for a score in [0, 1]; 1% and 2% of the median else
     assert decision.default_margin([0.5, 0.9], True)[0] == 0.005
     assert contrast.default_contrast_margin([0.5, 0.9], True)[0] == 0.01

@@ -16,11 +16,12 @@ from affdiv.experiments.analysis.calibration import (
     simulate_study,
     verdict_calibration,
 )
-from affdiv.experiments.analysis.critical_batch import RATIO_CLASSES, analyse_target, simulate_target_records
+from affdiv.experiments.analysis.critical_batch import analyse_target, simulate_target_records
 from affdiv.experiments.analysis.decision import analyse
 from affdiv.experiments.records import read_csv
 from affdiv.experiments.report import figures
 from affdiv.experiments.report.writer import latex_table, reads_sentence, verdict_table, write_report
+from affdiv.vocabulary import RATIO_CLASSES
 
 PNG = b"\x89PNG\r\n\x1a\n"
 PROVENANCE = {"command": "affdiv analyse --input x.csv", "seeds": [0, 1, 2, 3, 4], "config_hash": "abc",
