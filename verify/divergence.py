@@ -97,6 +97,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, jvp, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from affdiv.checks import check_int
 from affdiv.verify._measurement import ModuleFunction, as_inputs, check_lr
 from affdiv.verify.metrics import cosine, off_diagonal_share, scale_factor
 
@@ -732,11 +733,9 @@ def divergence(
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if on_unsupported not in ON_UNSUPPORTED:
         raise ValueError(f"on_unsupported must be one of {ON_UNSUPPORTED}, got {on_unsupported!r}")
-    if masked_limit is not None and (isinstance(masked_limit, bool) or not isinstance(masked_limit, int)
-                                     or masked_limit < 1):
-        raise ValueError(f"masked_limit must be None or an integer >= 1, got {masked_limit!r}")
-    if isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget < 1:
-        raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}")
+    if masked_limit is not None:
+        check_int("masked_limit", masked_limit)
+    check_int("memory_budget (bytes)", memory_budget)
     if not callable(loss):
         raise TypeError(f"loss must be a function of the model output, got {type(loss).__name__}")
     args = as_inputs(inputs)
@@ -1189,8 +1188,7 @@ class DivergenceRecorder:
     def __init__(self, every: int, *, scope: str = "layer", per_sample: bool = True,
                  loss: Callable[[Tensor, Tensor], Tensor] | None = None, lr: float = 1.0,
                  masked_limit: int | None = 128, memory_budget: int = DEFAULT_MEMORY_BUDGET):
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"every must be an integer >= 1 (steps between measurements), got {every!r}")
+        check_int("every", every)  # steps between measurements
         if scope not in SCOPES:
             raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
         self.every, self.scope, self.per_sample = every, scope, per_sample

@@ -55,6 +55,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from affdiv.checks import check_int
 from affdiv.experiments.analysis import contrast, stats
 from affdiv.experiments.analysis.groups import default_primary_group
 from affdiv.experiments.records import validate_records
@@ -376,11 +377,9 @@ def check_settings(settings: Mapping, *, methods: Sequence[str] | None = None, w
         if value is not None and (not isinstance(value, str) or not value):
             raise ValueError(f"{where}: {key} must be a non-empty name (a string), got {value!r}")
     seed = settings.get("seed", 0)
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"{where}: seed (of the bootstrap) must be an integer >= 0, got {seed!r}")
+    check_int(f"{where}: seed (of the bootstrap)", seed, minimum=0)
     n_boot = settings.get("n_boot", 2000)
-    if isinstance(n_boot, bool) or not isinstance(n_boot, int) or n_boot < 100:
-        raise ValueError(f"{where}: n_boot must be an integer >= 100 for a percentile CI, got {n_boot!r}")
+    check_int(f"{where}: n_boot (draws of a percentile CI)", n_boot, minimum=100)
     names = {}
     for role in ("corrected", "baselines"):
         value = settings.get(role, DEFAULT_CORRECTED if role == "corrected" else DEFAULT_BASELINES)

@@ -86,6 +86,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from affdiv.checks import check_int
 from affdiv.experiments.runs import reads
 from affdiv.experiments.runs.batched import BatchedEnsemble, batched_layers
 from affdiv.experiments.runs.config import RunConfig, candidates
@@ -151,8 +152,7 @@ class Measurement:
     fn: Callable[[torch.nn.Module, int, object], Mapping]
 
     def __post_init__(self):
-        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
-            raise ValueError(f"measurement {self.name!r}: every must be an integer >= 1, got {self.every!r}")
+        check_int(f"measurement {self.name!r}: every", self.every)
 
 
 @torch.no_grad()

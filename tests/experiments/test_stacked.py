@@ -331,7 +331,7 @@ def test_memory_sizes(text, size):
 
 @pytest.mark.parametrize("bad", ["0", "two", "-1GiB", "2GiBs", True])
 def test_bad_memory_sizes_are_refused(bad):
-    with pytest.raises(ValueError, match="--ensemble-memory must be"):
+    with pytest.raises(ValueError, match="^ensemble_memory must be"):
         parse_memory(bad)
 
 
