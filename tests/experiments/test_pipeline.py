@@ -662,7 +662,7 @@ def test_a_preset_path_that_is_missing_or_not_toml_is_named(tmp_path, capsys):
 def test_a_model_factory_that_raises_is_a_one_line_error(tmp_path, capsys):
     assert main(["probe", "--model", "json:loads", "--out", str(tmp_path / "p")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["affdiv probe: error: model 'json:loads': the factory failed: TypeError: "
+    assert err == ["affdiv probe: error: --model 'json:loads': the factory failed: TypeError: "
                    "loads() missing 1 required positional argument: 's'"]
 
 
