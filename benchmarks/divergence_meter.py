@@ -6,7 +6,7 @@
    network (mean cross-entropy, ``loss.backward()``, gradients reset to None; no optimizer
    update) and then each meter variant on the same batch, interleaved; it prints the median over
    rounds of the paired ratio t(variant)/t(step) with its distribution-free 95% interval
-   (``affdiv.layers.benchmark.median_interval``). Targets (issue 15): batch-level quantities
+   (``affdiv.layers.benchmark.median_interval``). Targets: batch-level quantities
    (per_sample=False) ≤ 4×, per-sample diagonals ≤ 20×. Networks, float32, batch 256, train mode:
      - MLP 784-512-512-512-10, ReLU;
      - the probe's small ResNet on 1×28×28 images, with BatchNorm (``resnet``) and with

@@ -10,8 +10,7 @@ median ratio is at most the target; the verdict is *resolved* when the interval 
 one side of the target, and *within noise* when it contains it. The interval's coverage assumes
 independent rounds, which a shared machine only approximates (two runs can differ by more than
 one run's interval), and the "fastest composite" is chosen by the same rounds' medians, which
-biases that comparison against the layer. Float32, ``threads`` intra-op threads. Targets
-(issue 4):
+biases that comparison against the layer. Float32, ``threads`` intra-op threads. Targets:
 
 * AffineLike ≤ 1.05 × nn.Linear at (B=512, 1024→1024);
 * each corrected layer ≤ 1 × the fastest normaliser composite it would replace and ≤ 1 ×

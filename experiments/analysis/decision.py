@@ -6,7 +6,7 @@ batch size B grows while baselines (``affine``, ``batchnorm``) do not.
 :func:`analyse` tests it per group (by default per learning-rate rule), per method, on records
 ``{method, batch_size, seed, <metric>, [lr_rule, ...]}``.
 
-The verdicts (issue 14) come from the curvature-proof contrast of
+The verdicts come from the curvature-proof contrast of
 :mod:`affdiv.experiments.analysis.contrast`: per method, the performance at the largest batch size
 minus that at the method's best one (cross-fitted, leave one seed out), its difference in
 differences against each baseline, an intersection-union rule per corrected layer and a gatekept
@@ -198,7 +198,7 @@ def _sensitivity(x, y, codes, batch_sizes, run_batch_sizes, *, sign, margin, alp
     result["n_boot"] = int(boot.size)
 
     # No mixed model: REML did not converge in 12 of 12 cells of the committed Fashion-MNIST run, and
-    # the contrasts (seeds as the units) make it redundant (issue 14).
+    # the contrasts (seeds as the units) make it redundant.
     n_seeds = int(codes.max()) + 1
 
     # Page's L on the seeds that ran every batch size (one run per cell: checked by analyse).

@@ -1,5 +1,5 @@
 """`affdiv falsify` and `affdiv analyse` under bad input, foreign and damaged files, altered data, and
-overflowing numbers (issue 12): one line, exit 2, before any work, and inputs never written."""
+overflowing numbers: one line, exit 2, before any work, and inputs never written."""
 
 import csv
 import gzip
