@@ -313,7 +313,7 @@ def falsify(
         stack: train the runs that can share one as a stacked ensemble (False: one at a time).
         ensemble_memory: memory budget of one ensemble, bytes or a size such as "2GiB" (default: the
             preset's [sweep] ensemble_memory, else
-            :data:`~affdiv.experiments.runs.grouping.DEFAULT_ENSEMBLE_MEMORY`, 2 GiB).
+            :data:`~affdiv.experiments.runs.ensembles.DEFAULT_ENSEMBLE_MEMORY`, 2 GiB).
         probe_every: measure every run with the divergence meter
             (:mod:`affdiv.experiments.runs.divergence_measurement`) at step 0 and every
             ``probe_every`` steps; kept in the store, its columns join the records.
@@ -340,7 +340,7 @@ def falsify(
 
         check_scheduler(scheduler)
     from affdiv.experiments.runs.config import METHODS, config_hash
-    from affdiv.experiments.runs.grouping import DEFAULT_ENSEMBLE_MEMORY, parse_memory
+    from affdiv.experiments.runs.ensembles import DEFAULT_ENSEMBLE_MEMORY, parse_memory
     from affdiv.experiments.runs.presets import MEASURE, check_every, load_preset
     from affdiv.experiments.runs.store import ResultStore, data_key, identify, raw_key
     from affdiv.experiments.runs.sweep import check_executor, dataset_for, run_sweep

@@ -48,7 +48,7 @@ from pathlib import Path
 from affdiv.checks import check_choice, check_int, is_int
 from affdiv.experiments.runs import divergence_measurement, noise_scale
 from affdiv.experiments.runs.config import METHODS, RunConfig, architecture, expand_grid, run_order
-from affdiv.experiments.runs.grouping import parse_memory
+from affdiv.experiments.runs.ensembles import parse_memory
 
 _SECTIONS = {"description", "caveats", "run", "grid", "analysis", "measure", "method", "sweep", "study"}
 #: ``data_seed = SEED`` in a preset's run settings: every run's data split is drawn from its own seed.

@@ -8,7 +8,7 @@ busy-timeouts, and a worker killed while holding the write lock could stall the 
 parent writing, a ``kill -9`` of anything loses at most the runs still being computed.
 
 Units of work: with ``stack`` (the default) the runs that can train together
-(:mod:`~affdiv.experiments.runs.grouping`: same everything but seed, data split and
+(:mod:`~affdiv.experiments.runs.ensembles`: same everything but seed, data split and
 learning-rate settings) go to a worker as one ensemble, cut to fit ``ensemble_memory``; without,
 each run is a unit. A unit's runs are committed when it finishes.
 
@@ -61,7 +61,7 @@ import torch
 from affdiv._extras import require
 from affdiv.checks import check_int
 from affdiv.experiments.runs.config import RunConfig, config_hash
-from affdiv.experiments.runs.grouping import DEFAULT_ENSEMBLE_MEMORY, plan_ensembles
+from affdiv.experiments.runs.ensembles import DEFAULT_ENSEMBLE_MEMORY, plan_ensembles
 from affdiv.experiments.runs.store import ResultStore
 from affdiv.experiments.runs.training import Measurement, train_group
 

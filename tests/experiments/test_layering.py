@@ -46,3 +46,24 @@ def test_the_test_sees_a_violation(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("from affdiv.experiments.report.writer import write_report\n")
     assert [n for n in _imports(bad) if _stage(n) == "report"]
+
+
+def test_the_stage_table_names_every_module():
+    """DEVELOPERS.md's stage table lists every module of experiments/ in the row of its stage."""
+    guide = (ROOT.parent / "DEVELOPERS.md").read_text()
+    rows = {}
+    for line in guide.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and cells[0].startswith("`experiments/"):
+            rows[cells[0].strip("`").removeprefix("experiments/").rstrip("/").removesuffix(".py")] = cells[1]
+    missing = []
+    for path in MODULES:
+        parts = path.relative_to(ROOT).parts
+        if path.name == "__init__.py":
+            continue
+        if len(parts) == 1:
+            if path.stem not in rows:
+                missing.append(str(path.relative_to(ROOT)))
+        elif f"`{path.stem}`" not in rows.get(parts[0], ""):
+            missing.append(str(path.relative_to(ROOT)))
+    assert not missing, f"DEVELOPERS.md's stage table does not list: {missing}"

@@ -482,7 +482,7 @@ def _modules_after_analysing_a_csv(tmp_path) -> list[str]:
 
 def test_analysing_a_csv_imports_none_of_the_sweeps_modules(tmp_path):
     imported = _modules_after_analysing_a_csv(tmp_path)
-    assert not {f"affdiv.experiments.runs.{m}" for m in ("sweep", "store", "training", "presets", "grouping")} & \
+    assert not {f"affdiv.experiments.runs.{m}" for m in ("sweep", "store", "training", "presets", "ensembles")} & \
         set(imported), imported
 
 

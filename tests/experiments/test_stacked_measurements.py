@@ -14,7 +14,7 @@ import torch
 from affdiv.cli import main
 from affdiv.experiments.runs import divergence_measurement, noise_scale, training
 from affdiv.experiments.runs.config import RunConfig, candidates, config_hash
-from affdiv.experiments.runs.grouping import plan_ensembles
+from affdiv.experiments.runs.ensembles import plan_ensembles
 from affdiv.experiments.runs.presets import available_presets, load_preset
 from affdiv.experiments.runs.training import Measurement, train_group, train_run, train_runs
 from tests.experiments.test_pipeline import refused

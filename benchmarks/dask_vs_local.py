@@ -1,6 +1,6 @@
 """Throughput of the dask executor against the local process pool, measured in one run.
 
-    python benchmarks/dask_executor.py [--seeds K] [--workers 2] [--rounds 1] [--json PATH]
+    python benchmarks/dask_vs_local.py [--seeds K] [--workers 2] [--rounds 1] [--json PATH]
 
 The sweep is the ``smoke`` preset (digits, its grid as packaged; ``--seeds K`` keeps its first K
 seeds, a reduced grid, and says so). Each round trains it twice from scratch, each time into a
