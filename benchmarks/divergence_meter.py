@@ -292,14 +292,9 @@ def main(argv=None) -> int:
 
         record = {"rows": rows, "naive": naive, "threads": args.threads, "rounds": rounds,
                   "provenance": provenance(wall_time_s=round(time.perf_counter() - start, 1))}
-        try:
-            from affdiv.reporting import write_json
-        except ImportError:
-            from affdiv.atomic import atomic_write
+        from affdiv.reporting import write_json
 
-            atomic_write(args.json, json.dumps(record, indent=2, allow_nan=False) + "\n")
-        else:
-            write_json(args.json, record)
+        write_json(args.json, record)
         print(f"json: {args.json}")
     return 0
 
