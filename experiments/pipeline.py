@@ -258,7 +258,7 @@ def check_measurement_resume(store: ResultStore, hashes: Sequence[str], interval
         if other:
             before, where = _with(option, other[0]), f" (set by {origin[key]})" if key in (origin or {}) else ""
             raise ValueError(f"db {store.path} holds runs of this sweep measured {before}; resuming "
-                             f"{_with(option, now)}{where} would mix them; rerun {before} or use another db")
+                             f"{_with(option, now)}{where} would mix them; rerun {before} or use another results store")
 
 
 def _with(option: str, interval: int | None) -> str:

@@ -745,7 +745,7 @@ def test_a_second_sweep_on_a_store_being_written_trains_nothing(quick, quick_run
     with ResultStore(db) as first:  # a sweep of the same runs, writing
         before = first.finished()
         refused(capsys, ["falsify", *quick, "--out", str(tmp_path)],
-                f"--db {db}: another process is writing this results store", "or use another --db")
+                f"--db {db}: another process is writing this results store", "or use another results store")
         assert first.finished() == before and len(before) == 2  # the second sweep trained nothing
 
 

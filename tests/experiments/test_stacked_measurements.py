@@ -393,6 +393,6 @@ def test_falsify_noise_scale_every_measures_and_refuses_to_mix_intervals(tmp_pat
     assert main(["falsify", *_options(quick), "--seeds", "1", "--out", str(fresh), "--noise-scale-every", "6"]) == 0
     refused(capsys, ["falsify", *_options(quick, "measured"), "--out", str(fresh)],
             "measured with --noise-scale-every 6; resuming with --noise-scale-every 4 (set by preset 'measured' "
-            "[measure]) would mix them; rerun with --noise-scale-every 6 or use another --db")
+            "[measure]) would mix them; rerun with --noise-scale-every 6 or use another results store")
     refused(capsys, ["falsify", *_options(quick), "--out", str(fresh), "--noise-scale-every", "6", "--probe-every",
                      "5"], "measured without --probe-every; resuming with --probe-every 5")
