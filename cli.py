@@ -23,6 +23,7 @@ import argparse
 import errno
 import importlib
 import importlib.util
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -100,11 +101,34 @@ def command_module(name: str) -> ModuleType:
     return module
 
 
+def options_of(parser: argparse.ArgumentParser, command: str | None) -> dict[str, str]:
+    """``{parameter: option}`` of ``command``'s options: each option's ``dest`` (the name of the
+    library parameter it sets) and its long spelling, e.g. ``calibration_sims: --calibration-sims``."""
+    for action in parser._actions:  # argparse keeps the subcommands' parsers in its subparsers action only
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            return {option.dest: max(option.option_strings, key=len)
+                    for option in action.choices[command]._actions if option.option_strings}
+    return {}
+
+
+def flag_named(message: str, options: dict[str, str]) -> str:
+    """A library message led by a parameter's name (``workers must be ...``, ``input x.csv: no
+    records``) as the command line says it, led by the option that sets it (``--workers must be
+    ...``); any other message as it is. The library names its parameters; this is where the
+    command line's names replace them, once for every command."""
+    name = re.match(r"[A-Za-z_][A-Za-z0-9_]*", message)
+    if name and name.group() in options and message[name.end():name.end() + 1] in (" ", ":", ""):
+        return options[name.group()] + message[name.end():]
+    return message
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
+    parser = None
     try:
-        args = build_parser(command).parse_args(argv)
+        parser = build_parser(command)
+        args = parser.parse_args(argv)
         return int(args.func(args) or 0)
     except MissingExtra as error:  # an optional dependency group is not installed
         print(f"affdiv {command}: error: {error}", file=sys.stderr)
@@ -112,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     except _BAD_INPUT as error:
         # a ValueError's message is its first argument (UnicodeDecodeError's is the encoding: str() says it all)
         plain = isinstance(error, ValueError) and not isinstance(error, UnicodeError) and error.args
-        message = error.args[0] if plain else error
+        message = str(error.args[0] if plain else error)
+        if parser is not None:
+            message = flag_named(message, options_of(parser, command))
         print(f"affdiv {command}: error: {message}", file=sys.stderr)
         return 2
     except OSError as error:

@@ -82,11 +82,6 @@ def code_identity() -> dict:
     return {"version": __version__, "git_commit": state["git_commit"], "git_dirty": state["git_dirty"]}
 
 
-def git_commit() -> str | None:
-    """The commit of this package's own source (see :func:`source_state`), else None."""
-    return source_state()["git_commit"]
-
-
 def library_versions() -> dict[str, str | None]:
     versions: dict[str, str | None] = {"python": platform.python_version()}
     for name in _LIBRARIES:

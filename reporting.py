@@ -38,12 +38,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from affdiv.atomic import atomic_write
+from affdiv.checks import NonFiniteError
 
 # ------------------------------------------------------------------------------------------ JSON
-
-
-class NonFiniteError(ValueError):
-    """A NaN or ±inf where JSON has no number for it; the message names the key path."""
 
 
 def key_path(parts: Sequence[str | int]) -> str:

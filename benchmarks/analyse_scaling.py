@@ -1,15 +1,14 @@
-"""Seconds `affdiv analyse` takes on a large record CSV (issue 12: 100k rows in under 30 s).
+"""Seconds `affdiv analyse` takes on a large record CSV (target: 100k rows in under 30 s).
 
     python benchmarks/analyse_scaling.py [--seeds 5000] [--methods 4] [--batch-sizes 5]
-                                         [--calibration-sims 0] [--mixed] [--reference-seeds 1000]
+                                         [--calibration-sims 0] [--reference-seeds 1000]
 
 Writes a CSV of seeds x methods x batch sizes records (a planted fall for the corrected layers,
 seed effects and noise) to a temporary folder, then times each stage of ``analyse_file`` in this
 process: reading and checking the CSV, the analysis (every test and sensitivity analysis), the
-calibration (when --calibration-sims > 0) and the report. ``--mixed`` also times statsmodels'
-random-intercept model (``stats.mixed_slope``) on each method's runs, the step that made the
-analysis take minutes before. Prints seconds per stage and the 1-minute load average before and
-after (on a shared machine the stages stretch with it); asserts nothing (timing is never a test).
+calibration (when --calibration-sims > 0) and the report. Prints seconds per stage and the
+1-minute load average before and after (on a shared machine the stages stretch with it); asserts
+nothing (timing is never a test).
 
 Baseline in the same run: the leave-one-seed-out jackknife of the cross-fitted contrast
 (``contrast._jackknife_replicates``, vectorised over the left-out seeds) against its definition, the
@@ -94,12 +93,10 @@ def main() -> None:
     parser.add_argument("--methods", type=int, default=4, choices=range(2, len(METHODS) + 1))
     parser.add_argument("--batch-sizes", type=int, default=5, choices=range(3, len(BATCH_SIZES) + 1))
     parser.add_argument("--calibration-sims", type=int, default=0)
-    parser.add_argument("--mixed", action="store_true", help="also time the mixed model on each method")
     parser.add_argument("--reference-seeds", type=int, default=1000,
                         help="seeds of the jackknife baseline (the refit takes seconds per 1000; 0: none)")
     args = parser.parse_args()
 
-    from affdiv.experiments.analysis import stats
     from affdiv.experiments.analysis.calibration import calibrate_for
     from affdiv.experiments.analysis.decision import analyse
     from affdiv.experiments.analysis.groups import label_groups
@@ -142,24 +139,13 @@ def main() -> None:
         write_report(Path(folder) / "report", analysis, records=records, provenance={}, calibration=calibration)
         times["write the report"] = time.perf_counter() - start
 
-        if args.mixed:
-            by_method: dict[str, list] = {}
-            for record in records:
-                by_method.setdefault(record["method"], []).append(record)
-            start = time.perf_counter()
-            for method_rows in by_method.values():
-                x = np.log2([r["batch_size"] for r in method_rows])
-                y = np.array([r["metric"] for r in method_rows])
-                stats.mixed_slope(x, y, np.array([r["seed"] for r in method_rows]))
-            times[f"mixed model (statsmodels MixedLM), {len(by_method)} methods"] = time.perf_counter() - start
-
     load_after = os.getloadavg()[0]
     baseline = jackknife_baseline(records, args.reference_seeds) if args.reference_seeds > 0 else []
 
     width = max(map(len, times))
     for stage, seconds in times.items():
         print(f"{stage:<{width}}  {seconds:8.2f} s")
-    core = sum(v for k, v in times.items() if not k.startswith(("analyse without", "mixed")))
+    core = sum(v for k, v in times.items() if not k.startswith("analyse without"))
     print(f"{'total of `affdiv analyse`':<{width}}  {core:8.2f} s")
     print(f"load average (1 min) before / after the stages: {load_before:.2f} / {load_after:.2f} on "
           f"{os.cpu_count()} cores")

@@ -6,7 +6,7 @@
    network (mean cross-entropy, ``loss.backward()``, gradients reset to None; no optimizer
    update) and then each meter variant on the same batch, interleaved; it prints the median over
    rounds of the paired ratio t(variant)/t(step) with its distribution-free 95% interval
-   (``affdiv.layers.benchmark.median_interval``). Targets (issue 15): batch-level quantities
+   (``affdiv.layers.benchmark.median_interval``). Targets: batch-level quantities
    (per_sample=False) ≤ 4×, per-sample diagonals ≤ 20×. Networks, float32, batch 256, train mode:
      - MLP 784-512-512-512-10, ReLU;
      - the probe's small ResNet on 1×28×28 images, with BatchNorm (``resnet``) and with
@@ -293,14 +293,9 @@ def main(argv=None) -> int:
 
         record = {"rows": rows, "naive": naive, "threads": args.threads, "rounds": rounds,
                   "provenance": provenance(wall_time_s=round(time.perf_counter() - start, 1))}
-        try:
-            from affdiv.reporting import write_json
-        except ImportError:
-            from affdiv.atomic import atomic_write
+        from affdiv.reporting import write_json
 
-            atomic_write(args.json, json.dumps(record, indent=2, allow_nan=False) + "\n")
-        else:
-            write_json(args.json, record)
+        write_json(args.json, record)
         print(f"json: {args.json}")
     return 0
 

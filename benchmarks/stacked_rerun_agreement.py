@@ -3,7 +3,7 @@
     python benchmarks/stacked_rerun_agreement.py COMMITTED RERUN [--metric test_accuracy]
                                                  [--margin 0.01] [--walls COMMITTED_S RERUN_S]
 
-COMMITTED and RERUN are record CSVs or results stores. Issue 13's check: the 192 configs of the
+COMMITTED and RERUN are record CSVs or results stores. The committed check: the 192 configs of the
 first ``fashion`` study (``docs/results/fashion/records.csv``, trained one model at a time),
 re-run with stacking in float32 (``docs/results/fashion-stacked``). Long float32 runs drift apart
 by rounding (one ulp in one step changes every later one), so runs are compared statistically,

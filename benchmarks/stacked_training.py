@@ -13,7 +13,7 @@ depth 1, gelu) at B = 16, 64, 256 (an arm is a name → RunConfig settings and b
 the table; ``--vmap`` also times ``stacked.StackedEnsemble``, the vmapped fallback) taking SGD steps
 on real batches (each model its own shuffle), so a model-step costs what it costs in a sweep; whole
 runs differ only by their evaluations (a few per run). The stacked ensemble holds as many of the
-cell's models as fit the default ensemble memory (``grouping.member_bytes``), at most 48; one at a
+cell's models as fit the default ensemble memory (``ensembles.member_bytes``), at most 48; one at a
 time is timed on 8 models (its cost per model-step does not depend on how many there are); its step
 is the bare loop (forward, ``zero_grad``, ``backward``, ``torch.optim`` step, the loss kept).
 ``--members K ...`` times K stacked models instead, a row per K (how the gain grows with K). Each
@@ -52,7 +52,7 @@ import torch.nn.functional as F
 
 from affdiv.experiments.data.dataset import load_dataset
 from affdiv.experiments.runs.config import VIT_METHODS, RunConfig
-from affdiv.experiments.runs.grouping import DEFAULT_ENSEMBLE_MEMORY, member_bytes
+from affdiv.experiments.runs.ensembles import DEFAULT_ENSEMBLE_MEMORY, member_bytes
 from affdiv.experiments.runs.stacked import StackedEnsemble
 from affdiv.experiments.runs.sweep import keep_freed_memory
 from affdiv.experiments.runs.training import OneAtATime, build_member, stacked_engine

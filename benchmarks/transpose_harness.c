@@ -4,8 +4,8 @@
 
    Build and run from the repository root (it compiles layers/_fused_cpu.c in):
      gcc -O3 -fwrapv -fopenmp $(python3-config --includes) benchmarks/transpose_harness.c \
-         -o /tmp/transpose_harness $(python3-config --embed --ldflags) -lm \
-         -Wl,-rpath,$(python3-config --prefix)/lib && /tmp/transpose_harness */
+         -o transpose_harness $(python3-config --embed --ldflags) -lm \
+         -Wl,-rpath,$(python3-config --prefix)/lib && ./transpose_harness */
 
 #include "../layers/_fused_cpu.c"
 

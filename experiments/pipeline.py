@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from affdiv.atomic import check_writable_file, check_writable_folder
+from affdiv.checks import check_int
 from affdiv.experiments.analysis.calibration import calibrate_for
 from affdiv.experiments.analysis.decision import analyse, check_settings
 from affdiv.experiments.analysis.groups import label_curves, label_groups
@@ -43,8 +44,7 @@ _FIXED_BUDGET_ONLY = ("margin", "contrast_margin", "sensitivity", "test_baseline
 
 
 def _check_calibration_sims(n: int) -> None:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"--calibration-sims must be an integer >= 0, got {n!r}")
+    check_int("calibration_sims", n, minimum=0)
 
 
 def _progress(started: float):
@@ -64,7 +64,8 @@ def _same_file(a: Path, b: Path) -> bool:
 
 
 def _option_named(option: str, error: Exception) -> str:
-    """``error``'s message led by ``option`` (once: a message that names it already is kept)."""
+    """``error``'s message led by the parameter ``option`` (once: a message that names it already
+    is kept)."""
     message = str(error.args[0] if error.args else error)
     return message if message.startswith(option) else f"{option} {message}"
 
@@ -142,8 +143,7 @@ def check_run_config(config: RunConfig) -> None:
     setting and the value."""
     for name in ("seed", "data_seed"):
         value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SEED:
-            raise ValueError(f"{name} must be an integer in [0, 2**64 - 1] (torch's seed range), got {value!r}")
+        check_int(f"{name} (torch's seed range)", value, minimum=0, maximum=MAX_SEED)
     _check_number(config, "base_lr", 0, None, "a finite number > 0")
     _check_number(config, "momentum", 0, 1, "a number in [0, 1)")
     if any(not math.isfinite(lr) for lr in config.lr_grid):
@@ -256,8 +256,8 @@ def check_measurement_resume(store: ResultStore, hashes: Sequence[str], interval
         other = sorted(found - {now}, key=str)
         if other:
             before, where = _with(option, other[0]), f" (set by {origin[key]})" if key in (origin or {}) else ""
-            raise ValueError(f"--db {store.path} holds runs of this sweep measured {before}; resuming "
-                             f"{_with(option, now)}{where} would mix them; rerun {before} or use another --db")
+            raise ValueError(f"db {store.path} holds runs of this sweep measured {before}; resuming "
+                             f"{_with(option, now)}{where} would mix them; rerun {before} or use another results store")
 
 
 def _with(option: str, interval: int | None) -> str:
@@ -294,7 +294,7 @@ def falsify(
     noise_scale_every: int | None = None,
     executor: str = "local",
     scheduler: str | None = None,
-    retries: int | None = None,
+    retries: int = 2,
 ) -> dict[str, dict[str, Path]]:
     """Run every run of ``preset`` (a packaged name or a TOML path) not yet in the store, then
     analyse each of its studies and write its report under ``out``.
@@ -312,7 +312,7 @@ def falsify(
         stack: train the runs that can share one as a stacked ensemble (False: one at a time).
         ensemble_memory: memory budget of one ensemble, bytes or a size such as "2GiB" (default: the
             preset's [sweep] ensemble_memory, else
-            :data:`~affdiv.experiments.runs.grouping.DEFAULT_ENSEMBLE_MEMORY`, 2 GiB).
+            :data:`~affdiv.experiments.runs.ensembles.DEFAULT_ENSEMBLE_MEMORY`, 2 GiB).
         probe_every: measure every run with the divergence meter
             (:mod:`affdiv.experiments.runs.divergence_measurement`) at step 0 and every
             ``probe_every`` steps; kept in the store, its columns join the records.
@@ -327,7 +327,7 @@ def falsify(
         executor: ``"local"`` (worker processes here) or ``"dask"`` (tasks on a Dask scheduler;
             :mod:`affdiv.experiments.runs.dask_executor`).
         scheduler: the Dask scheduler's address (default: a LocalCluster of ``workers`` processes).
-        retries: retries of a unit whose worker died (dask: also of one that raised; default 2).
+        retries: retries of a unit whose worker died (dask: also of one that raised).
             The dask executor then records its runs as failed and goes on; the report lists them.
 
     Returns:
@@ -339,7 +339,7 @@ def falsify(
 
         check_scheduler(scheduler)
     from affdiv.experiments.runs.config import METHODS, config_hash
-    from affdiv.experiments.runs.grouping import DEFAULT_ENSEMBLE_MEMORY, parse_memory
+    from affdiv.experiments.runs.ensembles import DEFAULT_ENSEMBLE_MEMORY, parse_memory
     from affdiv.experiments.runs.presets import MEASURE, check_every, load_preset
     from affdiv.experiments.runs.store import ResultStore, data_key, identify, raw_key
     from affdiv.experiments.runs.sweep import check_executor, dataset_for, run_sweep
@@ -354,8 +354,8 @@ def falsify(
         check_every(MEASURE[key][0], value)
     check_executor(executor, scheduler, retries)
     memory_given = None if ensemble_memory is None else parse_memory(ensemble_memory)
-    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
-        raise ValueError(f"--workers must be an integer >= 1, got {workers!r}")
+    if workers is not None:
+        check_int("workers", workers)
     preset_ = load_preset(preset)
     ensemble_memory = memory_given if memory_given is not None else preset_.ensemble_memory
     if ensemble_memory is None:
@@ -386,14 +386,14 @@ def falsify(
     out = Path(out)
     db = Path(db) if db else out / "results.sqlite"
     out_dirs = [out if len(studies) == 1 else out / study.name for study in studies]
-    check_no_overwrite({"--db": db}, out_dirs)
+    check_no_overwrite({"db": db}, out_dirs)
     for folder in out_dirs:
-        check_writable_folder(folder, "--out")
+        check_writable_folder(folder, "out")
     try:
         existing = identify(db) in ("affdiv", "legacy")
     except (ValueError, IsADirectoryError) as error:
-        raise type(error)(_option_named("--db", error)) from None
-    check_writable_file(db, "--db")
+        raise type(error)(_option_named("db", error)) from None
+    check_writable_file(db, "db")
 
     # Bad batch sizes, bad data options and missing data files are reported before any training
     # starts; so is data that differs from the data of the runs the store already holds.
@@ -414,7 +414,7 @@ def falsify(
                 store.check_raw_data(expected_raw)
                 check_measurement_resume(store, list(configs), intervals, origin)
         except ValueError as error:
-            raise ValueError(_option_named("--db", error)) from None
+            raise ValueError(_option_named("db", error)) from None
 
     measurements = [MEASURE[key][1].measurement(every=every) for key, every in intervals.items() if every is not None]
     print(f"affdiv falsify: preset {preset_.name}: {len(configs)} runs -> {db}", file=sys.stderr)
@@ -422,7 +422,7 @@ def falsify(
     try:
         writer = ResultStore(db)  # the writer's lock: a second sweep on this store stops here
     except ValueError as error:
-        raise type(error)(_option_named("--db", error)) from None
+        raise type(error)(_option_named("db", error)) from None
     with writer as store:
         outcome = run_sweep(list(configs.values()), store, data_dir=data_dir, workers=workers, stack=stack,
                             ensemble_memory=ensemble_memory, measurements=measurements, executor=executor,
@@ -513,17 +513,17 @@ def analyse_file(
     _check_calibration_sims(calibration_sims)
     path, out = Path(path), Path(out)
     if path.is_dir():
-        raise IsADirectoryError(f"--input {path}: is a folder, expected a CSV file or a results database")
+        raise IsADirectoryError(f"input {path}: is a folder, expected a CSV file or a results database")
     if not path.is_file():
-        raise FileNotFoundError(f"--input {path}: no such file")
+        raise FileNotFoundError(f"input {path}: no such file")
     names = {role: None if given is None else tuple(RENAMED_METHODS.get(m, m) for m in given)
              for role, given in (("corrected", corrected), ("baselines", baselines))}
     settings = {"metric": metric, "higher_is_better": higher_is_better, "alpha": alpha, "margin": margin,
                 "contrast_margin": contrast_margin, "primary_target": primary_target,
                 **{role: given for role, given in names.items() if given}}
     check_settings({k: v for k, v in settings.items() if k != "metric"}, where="analyse")
-    check_no_overwrite({"--input": path}, [out])
-    check_writable_folder(out, "--out")
+    check_no_overwrite({"input": path}, [out])
+    check_writable_folder(out, "out")
 
     database = is_sqlite(path)
     if database:
@@ -535,12 +535,11 @@ def analyse_file(
         try:
             with ResultStore(path, read_only=True) as store:
                 if metric is None:
-                    metric = default_metric(store.budgets(), database=True, where=f"--input {path}")
+                    metric = default_metric(store.budgets(), database=True, where=f"input {path}")
                 records, curves = store.records(metric=metric), store.curves()
                 run_code = code_versions(store)
         except (ValueError, IsADirectoryError) as error:
-            message = str(error)
-            raise ValueError(message if message.startswith("--input") else f"--input {message}") from None
+            raise ValueError(_option_named("input", error)) from None
     else:
         data = path.read_bytes()  # read once: the digest is of the bytes parsed
         digest = hashlib.sha256(data).hexdigest()
@@ -551,16 +550,16 @@ def analyse_file(
                 budgets = {str(row.get("budget") or "").strip() for row in rows}
             else:  # told by its columns: steps to a target and no column "metric" make a CSV of target runs
                 budgets = {"target"} if TARGET_METRIC in header and "metric" not in header else set()
-            metric = default_metric(budgets, database=False, where=f"--input {path}")
+            metric = default_metric(budgets, database=False, where=f"input {path}")
         records, curves = read_csv(path, metric=metric, table=table), None
     settings["metric"] = metric
     if not records:
-        raise ValueError(f"--input {path}: no records")
+        raise ValueError(f"input {path}: no records")
     present = sorted({RENAMED_METHODS.get(str(r["method"]), str(r["method"])) for r in records})
     for role, given in names.items():
         unknown = sorted(set(given or ()) - set(present))
         if unknown:
-            raise ValueError(f"--{role}: unknown method(s) {unknown}; the methods in {path} are {present}")
+            raise ValueError(f"{role}: unknown method(s) {unknown}; the methods in {path} are {present}")
     extra = {}
     if database:  # the data the runs were trained on, and the code that trained them, as the store recorded it
         extra["run_code"] = run_code

@@ -69,7 +69,10 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
+from affdiv.atomic import atomic_write
+from affdiv.checks import check_int, is_int
 from affdiv.provenance import relative_path
+from affdiv.reporting import provenance_markdown, write_json
 
 SCOPES = ("layer", "network")
 DTYPES = ("float64", "float32")
@@ -113,7 +116,7 @@ def parse_int_list(text: str | Sequence[int], what: str) -> list[int]:
             raise ValueError(f"{what} must be comma-separated positive integers, got {text!r}") from None
     else:
         values = list(text)
-    if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+    if not values or not all(is_int(v, 1) for v in values):
         raise ValueError(f"{what} must be comma-separated positive integers, got {text!r}")
     return sorted(set(values))
 
@@ -125,7 +128,7 @@ def model_list(spec: str | Sequence[str]) -> list[str]:
 
     names = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec) if s.strip()]
     if not names:
-        raise ValueError(f"--model must name at least one model, got {spec!r}")
+        raise ValueError(f"models must name at least one model, got {spec!r}")
     out = []
     for name in names:
         out += list(zoo.BUILTIN) if name == "all" else [name]
@@ -184,10 +187,10 @@ def per_sample_loss(name: str, dataset):
 
     labels = getattr(dataset, "labels", True)  # the built-in datasets hold class labels
     if name not in LOSSES:
-        raise ValueError(f"--loss must be one of {', '.join(LOSSES)}, got {name!r}")
+        raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {name!r}")
     if name == "cross_entropy":
         if not labels:
-            raise ValueError(f"--loss cross_entropy needs integer class labels; {dataset.name} holds real targets "
+            raise ValueError(f"loss cross_entropy needs integer class labels; {dataset.name} holds real targets "
                              "(use --loss mse)")
         return lambda out, y: F.cross_entropy(out, y, reduction="none")
     classes = dataset.num_classes
@@ -358,18 +361,6 @@ def aggregate(rows: list[dict], keys: tuple[str, ...]) -> list[dict]:
 # writing
 
 
-def _write_json(path: Path, obj) -> Path:
-    try:
-        from affdiv.reporting import write_json
-    except ImportError:  # before affdiv.reporting existed
-        import json
-
-        from affdiv.atomic import atomic_write
-
-        return atomic_write(path, json.dumps(obj, indent=1, allow_nan=False) + "\n")
-    return write_json(path, obj, indent=1)
-
-
 def _fmt(value, ci=None) -> str:
     if value is None:
         return "—"
@@ -426,14 +417,7 @@ def to_markdown(meta: dict, by_kind: list[dict], by_layer: list[dict], skipped: 
     if meta.get("routes"):
         lines += ["", "## How each kind was computed", ""]
         lines += [f"- {kind}: {route}" for kind, route in sorted(meta["routes"].items())]
-    try:
-        from affdiv.reporting import provenance_markdown
-
-        lines += ["", provenance_markdown(meta["provenance"])]
-    except ImportError:
-        import json
-
-        lines += ["", "```json", json.dumps(meta["provenance"], indent=2), "```", ""]
+    lines += ["", provenance_markdown(meta["provenance"])]
     return "\n".join(lines)
 
 
@@ -537,24 +521,22 @@ def probe(out: str | Path, *, models: str | Sequence[str], data: str = "digits",
     """Measure every model at every batch size; write probe.json, probe.md and the two figures
     under ``out``; returns the written paths. Bad input raises a one-line ValueError before any
     measurement (the data are loaded first, to check the batch sizes and the models against them)."""
-    batch_sizes = parse_int_list(batch_sizes, "--batch-sizes")
+    batch_sizes = parse_int_list(batch_sizes, "batch_sizes")
     names = [_cwd_relative_spec(name) for name in model_list(models)]  # as recorded: no absolute path
     data = relative_path(data, os.getcwd()) if str(data).endswith(".npz") else data
     if scope not in SCOPES:
-        raise ValueError(f"--scope must be one of {', '.join(SCOPES)}, got {scope!r}")
+        raise ValueError(f"scope must be one of {', '.join(SCOPES)}, got {scope!r}")
     if dtype not in DTYPES:
-        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    for what, value in (("--seeds", seeds), ("--batches", batches)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{what} must be an integer >= 1, got {value!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"--seed must be an integer >= 0, got {seed!r}")
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    check_int("seeds", seeds)
+    check_int("batches", batches)
+    check_int("seed", seed, minimum=0)
     if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
-        raise ValueError(f"--lr must be a finite number > 0, got {lr!r}")
-    if masked_limit is not None and masked_limit < 1:
-        raise ValueError(f"--masked-limit must be >= 1, got {masked_limit!r}")
+        raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
+    if masked_limit is not None:
+        check_int("masked_limit", masked_limit)
     if loss not in LOSSES:
-        raise ValueError(f"--loss must be one of {', '.join(LOSSES)}, got {loss!r}")
+        raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
     from affdiv.provenance import provenance
 
     start = time.perf_counter()
@@ -587,27 +569,11 @@ def probe(out: str | Path, *, models: str | Sequence[str], data: str = "digits",
     record = {"schema_version": 3, **meta, "by_kind": by_kind, "rows": by_layer,
               "skipped": [{"model": m, "layer": layer, "reason": why} for (m, layer), why in sorted(skipped.items())],
               "samples": samples}
-    paths = {"json": _write_json(out / "probe.json", record),
-             "markdown": _write_md(out / "probe.md", to_markdown(meta, by_kind, by_layer, skipped))}
+    paths = {"json": write_json(out / "probe.json", record, indent=1),
+             "markdown": atomic_write(out / "probe.md", to_markdown(meta, by_kind, by_layer, skipped))}
     paths["share_figure"] = figure_share_vs_batch(by_kind, meta, out / "share_vs_batch.png")
     if samples:
         paths["diagonal_figure"] = figure_diagonal_vs_norm(samples, meta, out / "diagonal_vs_norm.png")
     return paths
 
 
-def replot(out: str | Path) -> dict[str, Path]:
-    """Draw the two figures again from ``out``/probe.json (no measurement)."""
-    import json
-
-    out = Path(out)
-    record = json.loads((out / "probe.json").read_text())
-    paths = {"share_figure": figure_share_vs_batch(record["by_kind"], record, out / "share_vs_batch.png")}
-    if record["samples"]:
-        paths["diagonal_figure"] = figure_diagonal_vs_norm(record["samples"], record, out / "diagonal_vs_norm.png")
-    return paths
-
-
-def _write_md(path: Path, text: str) -> Path:
-    from affdiv.atomic import atomic_write
-
-    return atomic_write(path, text)

@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from affdiv.atomic import atomic_write
+from affdiv.checks import is_int
 from affdiv.vocabulary import TARGET_METRIC
 
 REQUIRED_COLUMNS = ("method", "batch_size", "seed")
@@ -34,8 +35,8 @@ _TARGET_COLUMNS = ("censored", "max_steps", "target")
 
 def _as_int(value, column: str, where: str) -> int:
     """``value`` as an exact int: an int, an integral float, or text of either ("7", "7.0", "1e3")."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
+    if is_int(value):
+        return int(value)
     if isinstance(value, str):
         try:
             return int(value.strip())  # exact, however large (a float would round above 2**53)

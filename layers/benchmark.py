@@ -10,8 +10,7 @@ median ratio is at most the target; the verdict is *resolved* when the interval 
 one side of the target, and *within noise* when it contains it. The interval's coverage assumes
 independent rounds, which a shared machine only approximates (two runs can differ by more than
 one run's interval), and the "fastest composite" is chosen by the same rounds' medians, which
-biases that comparison against the layer. Float32, ``threads`` intra-op threads. Targets
-(issue 4):
+biases that comparison against the layer. Float32, ``threads`` intra-op threads. Targets:
 
 * AffineLike ≤ 1.05 × nn.Linear at (B=512, 1024→1024);
 * each corrected layer ≤ 1 × the fastest normaliser composite it would replace and ≤ 1 ×
@@ -50,8 +49,7 @@ except ModuleNotFoundError as error:
 
 from affdiv.layers import _fused
 from affdiv.layers.modules import AffineLike, NormLike, PatchNormConv2d
-from affdiv.reporting import nonfinite_to_null
-from affdiv.reporting import write_json as write_json_file
+from affdiv.reporting import nonfinite_to_null, write_json
 
 DENSE_SIZES = ((512, 1024, 1024), (4096, 256, 256))
 CONV_SIZE = (64, 64, 64, 32, 3)  # N, C_in, C_out, H=W, k
@@ -273,7 +271,7 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_json(path, result: dict, provenance: dict) -> Path:
+def write_result(path, result: dict, provenance: dict) -> Path:
     """Write :func:`run`'s result with ``provenance`` to ``path`` as JSON, atomically.
 
     A non-finite number (a zero-time round, say) is written as null and listed under the top-level
@@ -281,4 +279,4 @@ def write_json(path, result: dict, provenance: dict) -> Path:
     record, nonfinite = nonfinite_to_null({**result, "provenance": provenance})
     if nonfinite:
         record["nonfinite"] = nonfinite
-    return write_json_file(path, record)
+    return write_json(path, record)

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from affdiv.atomic import atomic_write, check_writable_file
+from affdiv.atomic import check_writable_file
 
 
 def register(subparsers) -> None:
@@ -70,7 +69,6 @@ def main(args: argparse.Namespace) -> int:
                            backend=args.compile_backend, progress=lambda line: print(line, flush=True))
     print(benchmark.format_table(result["rows"]))
     if args.json is not None:
-        result["provenance"] = provenance(benchmark="layers")
-        atomic_write(args.json, json.dumps(result, indent=2) + "\n")
+        benchmark.write_result(args.json, result, provenance(benchmark="layers"))
         print(f"wrote {args.json}")
     return 0

@@ -55,7 +55,6 @@ REMOVED_AFTER = {
     nn.Conv1d: (nn.BatchNorm1d,),
     nn.Conv2d: (nn.BatchNorm2d,),
 }
-FOLLOWING_NORMS = REMOVED_AFTER[nn.Linear]  # the Linear row, under its earlier name
 # what counts as a normalisation module for the warning about the ones kept (subclasses included)
 NORM_TYPES = (
     nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.LocalResponseNorm, nn.CrossMapLRN2d, nn.SyncBatchNorm,

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from affdiv.checks import check_int, is_int
 from affdiv.layers import _autograd
 from affdiv.layers._scale import plain_eager
 
@@ -218,8 +219,7 @@ def _patchnorm_conv(name, d, x, weight, bias, stride, padding, dilation, groups,
     _check_tensor(name, "weight", weight, dims=(d + 2,))
     _check_tensor(name, "input", x, dims=(d + 1, d + 2))
     stride, dilation = _int_tuple(name, "stride", stride, d, 1), _int_tuple(name, "dilation", dilation, d, 1)
-    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
-        raise ValueError(f"{name}: groups must be a positive int, got {groups!r}")
+    check_int(f"{name}: groups", groups)
     if not isinstance(recompute, bool):
         raise TypeError(f"{name}: recompute must be a bool, got {recompute!r}")
     unbatched = x.dim() == d + 1
@@ -275,9 +275,7 @@ def _int_tuple(name, what, value, d, minimum) -> tuple[int, ...]:
         values = (value,) * d
     else:
         values = tuple(value) if isinstance(value, Sequence) else ()
-    if len(values) != d or not all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= minimum for v in values
-    ):
+    if len(values) != d or not all(is_int(v, minimum) for v in values):
         raise ValueError(f"{name}: {what} must be an int >= {minimum} or {d} of them, got {value!r}")
     return values
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from affdiv.checks import check_int
+
 SCOPES = ("layer", "network")
 
 REDUCTIONS = ("mean", "sum")
@@ -44,11 +46,8 @@ class MeterOptions:
     keep_updates: bool = False
 
     def __post_init__(self):
-        if isinstance(self.memory_budget, bool) or not isinstance(self.memory_budget, int) or self.memory_budget < 1:
-            raise ValueError(f"memory_budget must be a positive number of bytes, got {self.memory_budget!r}")
-        limit = self.masked_limit
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-            raise ValueError(f"masked_limit must be None or an integer >= 1, got {limit!r}")
+        check_int("memory_budget", self.memory_budget)  # bytes
+        check_int("masked_limit", self.masked_limit, allow_none=True)
         if self.on_unsupported not in ON_UNSUPPORTED:
             raise ValueError(f"on_unsupported must be one of {ON_UNSUPPORTED}, got {self.on_unsupported!r}")
         if not isinstance(self.keep_updates, bool):

@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor, nn
 
+from affdiv.checks import check_int
 from affdiv.meter.measure import divergence
 from affdiv.meter.options import SCOPES, MeterOptions
 from affdiv.verify.functional import check_lr
@@ -44,8 +45,7 @@ class DivergenceRecorder:
     def __init__(self, every: int, *, scope: str = "layer", per_sample: bool = True,
                  loss: Callable[[Tensor, Tensor], Tensor] | None = None, lr: float = 1.0,
                  options: MeterOptions | None = None):
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"every must be an integer >= 1 (steps between measurements), got {every!r}")
+        check_int("every", every)  # steps between measurements
         if scope not in SCOPES:
             raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
         self.every, self.scope, self.per_sample = every, scope, per_sample

@@ -143,7 +143,7 @@ def test_bench_json_writes_nonfinite_ratios_as_null_and_lists_them(tmp_path):
 
     result = {"config": {"threads": 2}, "medians_ms": {"case": {"nn.Linear": 0.0}},
               "rows": [{"case": "case", "ratio": math.inf, "ratio_ci95": [math.nan, 1.0]}]}
-    path = benchmark.write_json(tmp_path / "bench.json", result, {"version": "0.1.0", "git_commit": None})
+    path = benchmark.write_result(tmp_path / "bench.json", result, {"version": "0.1.0", "git_commit": None})
     written = json.loads(path.read_text())
     assert written["rows"][0]["ratio"] is None and written["rows"][0]["ratio_ci95"] == [None, 1.0]
     assert written["nonfinite"] == {"rows[0].ratio": "inf", "rows[0].ratio_ci95[0]": "nan"}

@@ -26,7 +26,6 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
 
 from affdiv import reporting
 from affdiv.theory.derivation import Derivation, ProofKind
@@ -146,10 +145,6 @@ def to_json(record: dict) -> str:
     return reporting.to_json(record, what="verify.json")
 
 
-def write_json(path: str | Path, record: dict) -> Path:
-    return reporting.write_json(path, record)
-
-
 def sizes_label(sizes: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in sizes.items())
 
@@ -236,4 +231,4 @@ def to_latex(record: dict) -> str:
 
 
 __all__ = ["SCHEMA_VERSION", "build_record", "check_record", "derivation_record", "format_row", "proof_status",
-           "proof_summary", "shown", "sizes_label", "to_json", "to_latex", "to_markdown", "write_json"]
+           "proof_summary", "shown", "sizes_label", "to_json", "to_latex", "to_markdown"]

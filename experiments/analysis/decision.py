@@ -6,7 +6,7 @@ batch size B grows while baselines (``affine``, ``batchnorm``) do not.
 :func:`analyse` tests it per group (by default per learning-rate rule), per method, on records
 ``{method, batch_size, seed, <metric>, [lr_rule, ...]}``.
 
-The verdicts (issue 14) come from the curvature-proof contrast of
+The verdicts come from the curvature-proof contrast of
 :mod:`affdiv.experiments.analysis.contrast`: per method, the performance at the largest batch size
 minus that at the method's best one (cross-fitted, leave one seed out), its difference in
 differences against each baseline, an intersection-union rule per corrected layer and a gatekept
@@ -55,6 +55,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from affdiv.checks import check_int
 from affdiv.experiments.analysis import contrast, stats
 from affdiv.experiments.analysis.groups import default_primary_group
 from affdiv.experiments.records import validate_records
@@ -203,7 +204,7 @@ def _sensitivity(x, y, codes, batch_sizes, run_batch_sizes, *, sign, margin, alp
     result["n_boot"] = int(boot.size)
 
     # No mixed model: REML did not converge in 12 of 12 cells of the committed Fashion-MNIST run, and
-    # the contrasts (seeds as the units) make it redundant (issue 14).
+    # the contrasts (seeds as the units) make it redundant.
     n_seeds = int(codes.max()) + 1
 
     # Page's L on the seeds that ran every batch size (one run per cell: checked by analyse).
@@ -382,11 +383,9 @@ def check_settings(settings: Mapping, *, methods: Sequence[str] | None = None, w
         if value is not None and (not isinstance(value, str) or not value):
             raise ValueError(f"{where}: {key} must be a non-empty name (a string), got {value!r}")
     seed = settings.get("seed", 0)
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"{where}: seed (of the bootstrap) must be an integer >= 0, got {seed!r}")
+    check_int(f"{where}: seed (of the bootstrap)", seed, minimum=0)
     n_boot = settings.get("n_boot", 2000)
-    if isinstance(n_boot, bool) or not isinstance(n_boot, int) or n_boot < 100:
-        raise ValueError(f"{where}: n_boot must be an integer >= 100 for a percentile CI, got {n_boot!r}")
+    check_int(f"{where}: n_boot (draws of a percentile CI)", n_boot, minimum=100)
     names = {}
     for role in ("corrected", "baselines"):
         value = settings.get(role, DEFAULT_CORRECTED if role == "corrected" else DEFAULT_BASELINES)

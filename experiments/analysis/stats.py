@@ -8,7 +8,6 @@ one-sided, two-sided and equivalence (TOST) p-values and confidence intervals fo
 * :func:`clustered_slope` — OLS of y on [1, x] with the cluster-robust sandwich variance and the CR1
   small-sample factor G/(G-1)·(N-1)/(N-k) (k = 2), t reference with G-1 df (G = clusters):
   statsmodels' ``OLS(...).fit(cov_type="cluster", use_t=True)``.
-* :func:`mixed_slope` — linear mixed model y = a + b x + u_seed + e (REML, statsmodels MixedLM).
 * :func:`per_cluster_slopes` / :func:`mean_estimate` — the OLS slope within each seed, and the
   one-sample t estimate of their mean (the differential test runs on these).
 * :func:`cluster_bootstrap` — percentile CI of the OLS slope from resampling whole seeds;
@@ -26,15 +25,12 @@ Arithmetic that leaves the floats (finite metrics like ±1e308 whose sums overfl
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
 from scipy import stats as _st
 
-
-class NonFiniteError(ArithmeticError, ValueError):
-    """A fit whose arithmetic overflowed or produced NaN from finite data: no inference is possible."""
+from affdiv.checks import NonFiniteError
 
 
 @dataclass(frozen=True)
@@ -146,46 +142,6 @@ def _cluster_index(clusters) -> tuple[np.ndarray, np.ndarray]:
         return np.array(labels, dtype=object), np.fromiter((code[c] for c in clusters.tolist()), np.intp,
                                                           count=clusters.size)
     return np.unique(clusters, return_inverse=True)
-
-
-@dataclass(frozen=True)
-class MixedFit:
-    """Fixed slope of a random-intercept model; ``seed_variance`` the REML variance of the intercepts."""
-
-    slope: Estimate
-    seed_variance: float
-    residual_variance: float
-    converged: bool
-
-
-def mixed_slope(x, y, clusters) -> MixedFit:
-    """REML fit of y = a + b x + u_seed + e, u ~ N(0, s_u^2), e ~ N(0, s^2); Wald (normal) inference on b.
-
-    y is standardised before the fit (the optimiser stalls on metrics of variance ~1e-5) and the
-    estimates are scaled back: the model is equivariant under affine maps of y.
-    """
-    from statsmodels.regression.mixed_linear_model import MixedLM
-    from statsmodels.tools.sm_exceptions import ConvergenceWarning
-
-    x, y, clusters = _check_xy(x, y, clusters)
-    with np.errstate(all="ignore"):
-        centre, scale = float(y.mean()), float(y.std()) or 1.0
-    if not (math.isfinite(centre) and math.isfinite(scale)):
-        raise NonFiniteError(f"non-finite arithmetic: standardising {y.size} values of magnitude up to "
-                             f"{np.abs(y).max():.3g} overflows float64")
-    design = np.column_stack([np.ones_like(x), x])
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        result = MixedLM((y - centre) / scale, design, groups=clusters).fit(reml=True)
-    converged = bool(result.converged) and not any(
-        issubclass(w.category, ConvergenceWarning) for w in caught
-    )
-    return MixedFit(
-        slope=Estimate(float(result.fe_params[1]) * scale, float(result.bse_fe[1]) * scale, math.inf),
-        seed_variance=float(np.asarray(result.cov_re)[0, 0]) * scale**2,
-        residual_variance=float(result.scale) * scale**2,
-        converged=converged,
-    )
 
 
 def per_cluster_slopes(x, y, clusters) -> dict:

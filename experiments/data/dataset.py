@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from affdiv.experiments.checks import check_fraction
+from affdiv.checks import check_fraction, check_int
 from affdiv.experiments.data.cifar10 import load_cifar10
 from affdiv.experiments.data.fashion_mnist import load_fashion_mnist
 from affdiv.experiments.data.npz import raw_npz
@@ -252,8 +252,7 @@ def load_dataset(
         (10, (1, 8, 8))
     """
     options = _checked_options(name, options)
-    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
-        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    check_int("seed", seed, minimum=0)
     val_fraction = check_fraction("val_fraction", val_fraction, allow_zero=True)
 
     raw = _raw(name, data_dir, int(seed), options)

@@ -120,7 +120,7 @@ def read_arrays(path: Path, where: str) -> tuple[dict[str, np.ndarray], bool, in
 def load_npz(path: str | Path) -> ArrayDataset:
     """``affdiv probe``'s dataset of ``path`` (see the module docstring)."""
     path = Path(path)
-    arrays, labels, num_classes = read_arrays(path, f"--data {path}")
+    arrays, labels, num_classes = read_arrays(path, f"data {path}")
 
     def split(name: str) -> ArraySplit:
         y = arrays[f"y_{name}"]

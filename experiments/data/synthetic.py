@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from affdiv.checks import check_int
 from affdiv.experiments.data.raw import RawData
 
 DEFAULTS = {
@@ -49,8 +50,7 @@ def make_teacher_student(
         ("n_train", n_train, 1), ("n_test", n_test, 1), ("features", features, 2),
         ("classes", classes, 2), ("teacher_width", teacher_width, 1),
     ):  # fmt: skip
-        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < least:
-            raise ValueError(f"synthetic: {name} must be an integer >= {least}, got {value!r}")
+        check_int(f"synthetic: {name}", value, minimum=least)
     if isinstance(correlation, bool) or not isinstance(correlation, int | float) or not 0 <= correlation < 1:
         raise ValueError(f"synthetic: correlation must be a number in [0, 1), got {correlation!r}")
 

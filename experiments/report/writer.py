@@ -81,12 +81,10 @@ from affdiv.reporting import (
     Column,
     Latex,
     html_table,
+    latex_table,
     provenance_html,
     provenance_latex,
     provenance_markdown,
-)
-from affdiv.reporting import (
-    latex_table as _latex_table,
 )
 
 
@@ -547,7 +545,7 @@ def _html(blocks: Sequence, out_dir: Path) -> str:
             f"</title><style>{_STYLE}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
 
 
-def latex_table(summary: Mapping) -> str:
+def summary_tex(summary: Mapping) -> str:
     """A booktabs table of the verdicts that fits a one-column page (needs booktabs, tabularx)."""
     level = f"{1 - summary['settings']['alpha']:.0%} CI"
     head = provenance_latex(summary.get("provenance", {}), what="affdiv falsification report: verdict table")
@@ -572,7 +570,7 @@ def latex_table(summary: Mapping) -> str:
         columns = [Column("Group"), Column("Method", "X"), Column("Role"), Column(Latex(r"$\Delta$"), "r"),
                    Column(level), Column("Verdict")]
     notes = f"Joint verdict of the prediction (group {summary['primary_group']}): {summary['prediction']['verdict']}."
-    return _latex_table(columns, rows, notes=notes, head=head)
+    return latex_table(columns, rows, notes=notes, head=head)
 
 
 def _deciding_tests(summary: Mapping, content: Mapping) -> list[tuple[str, Mapping, list]]:
@@ -653,7 +651,7 @@ def write_report(out_dir, analysis, *, records: Sequence[Mapping], curves: Seque
     blocks = _document(summary, files, reads_sentence(records) if target else "")
     paths["summary_json"] = atomic_write(out_dir / "summary.json",
                                           json.dumps(summary, indent=2, allow_nan=False, default=str) + "\n")
-    paths["summary_tex"] = atomic_write(out_dir / "summary.tex", latex_table(summary))
+    paths["summary_tex"] = atomic_write(out_dir / "summary.tex", summary_tex(summary))
     paths["report_md"] = atomic_write(out_dir / "report.md", _markdown(blocks))
     paths["report_html"] = atomic_write(out_dir / "report.html", _html(blocks, out_dir))
     return paths

@@ -35,7 +35,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from affdiv.experiments.checks import check_choice, check_fraction
+from affdiv.checks import check_choice, check_fraction, check_int
 
 #: The hidden layers' kinds by architecture (what each one is: ``runs/models.py``).
 MLP_METHODS = ("affine", "batchnorm", "layernorm", "rmsnorm", "norm_l2", "affine_like")
@@ -119,8 +119,7 @@ class RunConfig:
         check_choice("dtype", self.dtype, DTYPES)
         for name in ("batch_size", "ref_batch_size", "length", "depth", "width", "eval_every"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            check_int(name, value)
         if not self.base_lr > 0:
             raise ValueError(f"base_lr must be > 0, got {self.base_lr!r}")
         object.__setattr__(self, "lr_grid", tuple(float(lr) for lr in self.lr_grid))
@@ -134,9 +133,7 @@ class RunConfig:
         object.__setattr__(self, "momentum_grid", tuple(float(m) for m in self.momentum_grid))
         if any(not 0 <= m < 1 for m in self.momentum_grid):
             raise ValueError(f"every momentum in momentum_grid must be in [0, 1), got {self.momentum_grid}")
-        extensions = self.grid_extensions
-        if isinstance(extensions, bool) or not isinstance(extensions, int) or extensions < 0:
-            raise ValueError(f"grid_extensions must be an integer >= 0, got {self.grid_extensions!r}")
+        check_int("grid_extensions", self.grid_extensions, minimum=0)
         object.__setattr__(self, "targets", tuple(self.targets))
         if self.budget == "target":
             self._check_target()

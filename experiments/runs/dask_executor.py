@@ -67,6 +67,7 @@ from concurrent.futures import CancelledError
 from typing import Any
 
 from affdiv._extras import require
+from affdiv.checks import check_int
 
 #: What needs the ``dask`` extra (named in the error when it is missing).
 FEATURE = "the dask executor (affdiv falsify --executor dask)"
@@ -136,8 +137,7 @@ def connect(scheduler: str | None = None, *, workers: int = 2, retries: int = 2,
     only, no dashboard, ``workers`` processes of one thread, ``allowed-failures`` = ``retries``,
     each worker offering ``worker_resources``); both are closed on leaving."""
     if scheduler is None:
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
+        check_int("workers", workers)
         with dask.config.set({"distributed.scheduler.allowed-failures": retries}):
             # memory_limit=0: no pausing or restarting at a share of the machine's memory (the runs
             # keep freed memory for reuse, so a worker's resident size stays at its peak)
@@ -161,7 +161,7 @@ def connect(scheduler: str | None = None, *, workers: int = 2, retries: int = 2,
         client = distributed.Client(scheduler, timeout=CONNECT_TIMEOUT, set_as_default=False)
     except (OSError, TimeoutError, ValueError, TypeError) as error:
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise ValueError(f"--scheduler {scheduler}: cannot connect to a Dask scheduler there ({reason})") from None
+        raise ValueError(f"scheduler {scheduler}: cannot connect to a Dask scheduler there ({reason})") from None
     try:
         yield client
     finally:
@@ -203,7 +203,7 @@ def check_scheduler(address: str, timeout: float | None = None) -> None:
         if isinstance(reply, dict) and reply.get("type") == "Scheduler":
             return
         reason = f"it answered, but not as a Dask scheduler ({str(reply)[:80]!r})"
-    raise ValueError(f"--scheduler {address}: cannot connect to a Dask scheduler there ({reason}); check the address, "
+    raise ValueError(f"scheduler {address}: cannot connect to a Dask scheduler there ({reason}); check the address, "
                      "or leave --scheduler out to start a local cluster")
 
 
@@ -277,11 +277,9 @@ def run_units(
         max_in_flight: units submitted and not yet finished (default: the cluster's task slots).
         name: the prefix of the task keys (what the dashboard shows).
     """
-    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-        raise ValueError(f"retries must be an integer >= 0, got {retries!r}")
-    if max_in_flight is not None and (isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int)
-                                      or max_in_flight < 1):
-        raise ValueError(f"max_in_flight must be an integer >= 1, got {max_in_flight!r}")
+    check_int("retries", retries, minimum=0)
+    if max_in_flight is not None:
+        check_int("max_in_flight", max_in_flight)
     units = list(units)
     resources = dict(resources or {})
     with connect(scheduler, workers=workers, retries=retries, worker_resources=resources) as client:

@@ -32,6 +32,8 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from affdiv.checks import check_int, is_int
+
 NAME = "divergence"
 METRICS = ("off_diagonal_share_median", "off_diagonal_share_mean", "cosine_mean", "scale_mean",
            "diagonal_scale_mean", "diagonal_scale_cv", "batch_cosine", "diagonal_norm_correlation")
@@ -85,9 +87,8 @@ def measurement(*, every: int, batch_sizes: Sequence[int] = (), batches: int = 1
 
     if scope not in ("layer", "network"):
         raise ValueError(f"divergence measurement: scope must be 'layer' or 'network', got {scope!r}")
-    if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
-        raise ValueError(f"divergence measurement: batches must be an integer >= 1, got {batches!r}")
-    if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in batch_sizes):
+    check_int("divergence measurement: batches", batches)
+    if not all(is_int(b, 1) for b in batch_sizes):
         raise ValueError(f"divergence measurement: batch sizes must be integers >= 1, got {list(batch_sizes)}")
     return Measurement(NAME, every, functools.partial(
         measure, batch_sizes=tuple(batch_sizes), batches=batches, scope=scope, per_sample=per_sample, seed=seed,

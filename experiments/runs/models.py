@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from affdiv.experiments.checks import check_choice
+from affdiv.checks import check_choice
 from affdiv.experiments.runs.config import ACTIVATIONS, METHODS, MLP_METHODS
 from affdiv.experiments.runs.transformer import VisionTransformer
 

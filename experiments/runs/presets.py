@@ -45,10 +45,10 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from affdiv.experiments.checks import check_choice
+from affdiv.checks import check_choice, check_int, is_int
 from affdiv.experiments.runs import divergence_measurement, noise_scale
 from affdiv.experiments.runs.config import METHODS, RunConfig, architecture, expand_grid, run_order
-from affdiv.experiments.runs.grouping import parse_memory
+from affdiv.experiments.runs.ensembles import parse_memory
 
 _SECTIONS = {"description", "caveats", "run", "grid", "analysis", "measure", "method", "sweep", "study"}
 #: ``data_seed = SEED`` in a preset's run settings: every run's data split is drawn from its own seed.
@@ -74,8 +74,8 @@ def _kind(method: str) -> tuple[str, str]:
 
 def check_every(setting: str, value) -> None:
     """Refuse a measurement interval (``setting`` names it) that is neither None nor an integer >= 1."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"{setting} must be an integer >= 1, got {value!r}")
+    if value is not None:
+        check_int(setting, value)
 
 
 def available_presets() -> list[str]:
@@ -118,7 +118,7 @@ class Preset:
             if method not in own:
                 check_choice("method", method, (*METHODS, *sorted(own)))
         for size in batch_sizes or ():
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            if not is_int(size, 1):
                 raise ValueError(f"batch sizes must be integers >= 1, got {size!r}")
         blocks = self.raw.get("study") or [{"name": self.name}]
         studies = []
@@ -194,12 +194,12 @@ def load_preset(name_or_path: str) -> Preset:
     path = Path(name_or_path)
     if path.suffix == ".toml" or len(path.parts) > 1:  # a path, not a packaged name
         if not path.is_file():
-            raise FileNotFoundError(f"--preset {path}: no such file")
+            raise FileNotFoundError(f"preset {path}: no such file")
         data, name = path.read_bytes(), path.stem
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as error:
-            raise ValueError(f"--preset {path}: not UTF-8 text (byte {data[error.start]:#04x} at offset "
+            raise ValueError(f"preset {path}: not UTF-8 text (byte {data[error.start]:#04x} at offset "
                              f"{error.start}); a TOML preset is UTF-8: save it as UTF-8") from None
     else:
         check_choice("preset", name_or_path, available_presets())

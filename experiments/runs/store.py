@@ -271,8 +271,8 @@ def _writer_lock(path: Path):
     except OSError:
         handle.close()  # before this store opens SQLite: no lock of its connection is dropped
         raise StoreLocked(f"{path}: another process is writing this results store (a sweep on it is running); "
-                          "wait for it to finish, then run the command again (it resumes), or use another --db") \
-            from None
+                          "wait for it to finish, then run the command again (it resumes), "
+                          "or use another results store") from None
     return handle
 
 

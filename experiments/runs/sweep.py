@@ -8,14 +8,14 @@ busy-timeouts, and a worker killed while holding the write lock could stall the 
 parent writing, a ``kill -9`` of anything loses at most the runs still being computed.
 
 Units of work: with ``stack`` (the default) the runs that can train together
-(:mod:`~affdiv.experiments.runs.grouping`: same everything but seed, data split and
+(:mod:`~affdiv.experiments.runs.ensembles`: same everything but seed, data split and
 learning-rate settings) go to a worker as one ensemble, cut to fit ``ensemble_memory``; without,
 each run is a unit. A unit's runs are committed when it finishes.
 
 A worker that dies (the out-of-memory killer's SIGKILL, a segfault) breaks the process pool:
 every unit in flight fails with ``BrokenProcessPool``. The parent then starts a fresh pool and
 submits those units again; at most ``workers`` units are in flight at a time, so exactly those
-are retried. A unit in flight at ``max_attempts`` such deaths stops the sweep with an error that
+are retried. A unit in flight at ``retries`` + 1 such deaths stops the sweep with an error that
 names its runs; finished units are never lost.
 
 Workers never outlive the parent: on Linux each asks the kernel for SIGKILL when its parent dies
@@ -59,8 +59,9 @@ from typing import TextIO
 import torch
 
 from affdiv._extras import require
+from affdiv.checks import check_int
 from affdiv.experiments.runs.config import RunConfig, config_hash
-from affdiv.experiments.runs.grouping import DEFAULT_ENSEMBLE_MEMORY, plan_ensembles
+from affdiv.experiments.runs.ensembles import DEFAULT_ENSEMBLE_MEMORY, plan_ensembles
 from affdiv.experiments.runs.store import ResultStore
 from affdiv.experiments.runs.training import Measurement, train_group
 
@@ -286,11 +287,11 @@ def check_executor(executor: str, scheduler: str | None = None, retries: int | N
     """Refuse an unknown executor, a ``scheduler`` without the dask executor, a negative ``retries``
     (ValueError naming the option), and the dask executor without its extra (MissingExtra)."""
     if executor not in EXECUTORS:
-        raise ValueError(f"--executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
+        raise ValueError(f"executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
     if scheduler is not None and executor != "dask":
-        raise ValueError(f"--scheduler {scheduler} needs --executor dask (the local executor has no scheduler)")
-    if retries is not None and (isinstance(retries, bool) or not isinstance(retries, int) or retries < 0):
-        raise ValueError(f"--retries must be an integer >= 0, got {retries!r}")
+        raise ValueError(f"scheduler {scheduler} needs executor 'dask' (the local executor has no scheduler)")
+    if retries is not None:
+        check_int("retries", retries, minimum=0)
     if executor == "dask":
         require("dask", "distributed", extra="dask", feature="affdiv falsify --executor dask")
 
@@ -307,10 +308,9 @@ def run_sweep(
     stack: bool = True,
     ensemble_memory: int = DEFAULT_ENSEMBLE_MEMORY,
     measurements: Sequence[Measurement] = (),
-    max_attempts: int = 3,
     executor: str = "local",
     scheduler: str | None = None,
-    retries: int | None = None,
+    retries: int = 2,
 ) -> SweepOutcome:
     """Train every config not yet in ``store``; commit each as it finishes.
 
@@ -318,22 +318,19 @@ def run_sweep(
     ``workers=1`` trains in this process (no pool). ``stack``: train the runs that can share an
     ensemble stacked (:func:`~affdiv.experiments.runs.training.train_group`), each ensemble
     within ``ensemble_memory`` bytes; ``measurements`` are taken along every run (stacked or
-    not) and kept with it. A unit is tried at most ``max_attempts`` times when workers die under it.
+    not) and kept with it. A unit is tried at most ``retries`` + 1 times when workers die under it;
+    then the sweep stops with an error naming its runs.
 
     ``executor="dask"``: the units run on the Dask scheduler at ``scheduler`` (None: a LocalCluster
-    of ``workers`` processes started here); each is tried ``retries`` + 1 times (default
-    ``max_attempts``) for worker deaths and for exceptions alike, then its runs are recorded as
-    failed and the sweep goes on. With the local executor, ``retries`` (when given) sets
-    ``max_attempts`` = ``retries`` + 1.
+    of ``workers`` processes started here); each is tried ``retries`` + 1 times for worker deaths
+    and for exceptions alike, then its runs are recorded as failed and the sweep goes on.
     """
     check_executor(executor, scheduler, retries)
-    if retries is not None:
-        max_attempts = retries + 1
+    max_attempts = retries + 1
     workers = available_cpus() if workers is None else workers
     threads = 1 if threads is None else threads
-    if workers < 1 or threads < 1 or max_attempts < 1:
-        raise ValueError(f"workers, threads and max_attempts must be >= 1, got workers={workers}, "
-                         f"threads={threads}, max_attempts={max_attempts}")
+    if workers < 1 or threads < 1:
+        raise ValueError(f"workers and threads must be >= 1, got workers={workers}, threads={threads}")
     if measurements and "measurements" not in inspect.signature(store.put).parameters:
         raise ValueError(f"measurements {[m.name for m in measurements]} need a results store that keeps them; "
                          f"{type(store).__name__}.put takes no 'measurements'")
@@ -366,7 +363,7 @@ def run_sweep(
         if units:
             with _sigterm_exits():
                 ran = _run_on_dask(units, stack, measurements, commit, fail, scheduler=scheduler, workers=workers,
-                                   threads=threads, data_dir=data_dir, retries=max_attempts - 1)
+                                   threads=threads, data_dir=data_dir, retries=retries)
             address, workers = ran.scheduler, workers if ran.in_process else ran.slots
         if failed:
             log.warning("%d run(s) failed on every attempt, recorded as failed (a resumed sweep tries them again): %s",

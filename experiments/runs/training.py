@@ -50,7 +50,7 @@ a validation split.
 differs. :class:`OneAtATime` keeps each model a module with its own torch.optim optimizer and
 steps them one after the other (:func:`train_run`: the numbers a run has always had);
 :class:`~affdiv.experiments.runs.stacked.StackedEnsemble` steps all of them as one vmapped
-model. :func:`train_group` trains runs of one :func:`~affdiv.experiments.runs.grouping.
+model. :func:`train_group` trains runs of one :func:`~affdiv.experiments.runs.ensembles.
 ensemble_key` stacked, or one at a time where stacking is off or impossible (logged).
 
 *Measurements*: a :class:`Measurement` ``fn(model, step, data, config) -> dict`` is called at step 0 and
@@ -86,10 +86,11 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.nn.functional as F
 
+from affdiv.checks import check_int
 from affdiv.experiments.runs import reads
 from affdiv.experiments.runs.batched import BatchedEnsemble, batched_layers
 from affdiv.experiments.runs.config import RunConfig, candidates
-from affdiv.experiments.runs.grouping import ensemble_key
+from affdiv.experiments.runs.ensembles import ensemble_key
 from affdiv.experiments.runs.models import build_network
 from affdiv.experiments.runs.optimizers import make_optimizer
 from affdiv.experiments.runs.reads import read_steps
@@ -150,8 +151,7 @@ class Measurement:
     fn: MeasurementFn
 
     def __post_init__(self):
-        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
-            raise ValueError(f"measurement {self.name!r}: every must be an integer >= 1, got {self.every!r}")
+        check_int(f"measurement {self.name!r}: every", self.every)
 
 
 @torch.no_grad()
@@ -463,7 +463,7 @@ def _lockstep(cands: list[Candidate], engine_type, tensors: _Tensors, measuremen
 
 def train_runs(configs: Sequence[RunConfig], datasets: Sequence, *, stacked: bool = False,
                measurements: Sequence[Measurement] = ()) -> list[RunResult]:
-    """Train ``configs`` (one :func:`~affdiv.experiments.runs.grouping.ensemble_key`; each on its
+    """Train ``configs`` (one :func:`~affdiv.experiments.runs.ensembles.ensemble_key`; each on its
     dataset) in lockstep, all candidates as one stacked ensemble or as separate modules; one
     result per config. A run's seconds are the training time in proportion to its model-steps,
     plus its own test evaluation."""

@@ -86,7 +86,7 @@ class Attention(nn.Module):
         self.q, self.k, self.v, self.o = (proj(dim, dim) for _ in range(4))
         self.q_norm = nn.RMSNorm(self.head_dim) if qk_norm else None
         self.k_norm = nn.RMSNorm(self.head_dim) if qk_norm else None
-        # a module, so that the memory estimates (runs/grouping.py) see the H·T² attention weights
+        # a module, so that the memory estimates (runs/ensembles.py) see the H·T² attention weights
         self.softmax = nn.Softmax(dim=-1)
 
     def _split(self, t: Tensor) -> Tensor:

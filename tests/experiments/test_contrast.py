@@ -14,7 +14,7 @@ from affdiv.experiments.analysis.decision import analyse
 ALPHA = 0.05
 BATCH_SIZES = (16, 32, 64, 128, 256, 512)
 # An inverted U in accuracy (peak at B = 64, -3.6 points at 512): the shape that made the slope say
-# "contradicted" for a corrected layer that does fall (issue 14).
+# "contradicted" for a corrected layer that does fall.
 INVERTED_U = (-0.012, -0.004, 0.0, -0.008, -0.02, -0.036)
 
 

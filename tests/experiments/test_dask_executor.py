@@ -314,7 +314,7 @@ def test_an_interrupted_dask_sweep_resumes_without_rerunning_or_duplicating(tmp_
 
 
 @pytest.mark.parametrize(("extra", "message"), [
-    (["--scheduler", "tcp://127.0.0.1:1"], "--scheduler tcp://127.0.0.1:1 needs --executor dask"),
+    (["--scheduler", "tcp://127.0.0.1:1"], "--scheduler tcp://127.0.0.1:1 needs executor 'dask'"),
     (["--executor", "dask", "--retries", "-1"], "--retries must be an integer >= 0, got -1"),
 ])
 def test_bad_executor_options_are_refused_before_the_store_exists(tmp_path, capsys, extra, message):
@@ -334,7 +334,7 @@ def test_an_unreachable_scheduler_is_named(monkeypatch):
     from affdiv.experiments.runs import dask_executor
 
     monkeypatch.setattr(dask_executor, "CONNECT_TIMEOUT", 1.0)
-    with pytest.raises(ValueError, match="--scheduler tcp://127.0.0.1:9: cannot connect to a Dask scheduler there"):
+    with pytest.raises(ValueError, match="^scheduler tcp://127.0.0.1:9: cannot connect to a Dask scheduler there"):
         dask_executor.run_units([1], abs, lambda *_: None, scheduler="tcp://127.0.0.1:9")
 
 

@@ -9,7 +9,7 @@ import affdiv.experiments
 
 ROOT = Path(affdiv.experiments.__file__).parent
 # The stages in pipeline order; a module may import its own stage and earlier ones only.
-STAGES = ["checks", "data", "records", "runs", "analysis", "report", "probe", "pipeline", "cli"]
+STAGES = ["data", "records", "runs", "analysis", "report", "probe", "pipeline", "cli"]
 
 
 def _stage(module: str) -> str | None:
@@ -71,3 +71,24 @@ def test_no_package_imports_a_later_one(package):
 def test_every_package_is_in_the_order():
     packages = {p.parent.name for p in PACKAGE_ROOT.glob("*/__init__.py")} - {"tests", "benchmarks", "build"}
     assert packages == set(PACKAGES)
+
+
+def test_the_stage_table_names_every_module():
+    """DEVELOPERS.md's stage table lists every module of experiments/ in the row of its stage."""
+    guide = (ROOT.parent / "DEVELOPERS.md").read_text()
+    rows = {}
+    for line in guide.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and cells[0].startswith("`experiments/"):
+            rows[cells[0].strip("`").removeprefix("experiments/").rstrip("/").removesuffix(".py")] = cells[1]
+    missing = []
+    for path in MODULES:
+        parts = path.relative_to(ROOT).parts
+        if path.name == "__init__.py":
+            continue
+        if len(parts) == 1:
+            if path.stem not in rows:
+                missing.append(str(path.relative_to(ROOT)))
+        elif f"`{path.stem}`" not in rows.get(parts[0], ""):
+            missing.append(str(path.relative_to(ROOT)))
+    assert not missing, f"DEVELOPERS.md's stage table does not list: {missing}"

@@ -1,5 +1,5 @@
 """`affdiv falsify` and `affdiv analyse` under bad input, foreign and damaged files, altered data, and
-overflowing numbers (issue 12): one line, exit 2, before any work, and inputs never written."""
+overflowing numbers: one line, exit 2, before any work, and inputs never written."""
 
 import csv
 import gzip
@@ -109,9 +109,9 @@ FALSIFY_REFUSALS = [
     (["--seed", str(2**70)], "--seed must be in [0, 2**64 - 1]"),
     (["--seed", str(2**64 - 1), "--seeds", "2"], "beyond torch's seed range"),
     (["--seed", "-1", "--seeds", "2"], "--seed must be in [0, 2**64 - 1]"),
-    (["--set", f"seed={2**64}"], f"seed must be an integer in [0, 2**64 - 1] (torch's seed range), got {2**64}"),
+    (["--set", f"seed={2**64}"], f"seed (torch's seed range) must be an integer in [0, {2**64 - 1}], got {2**64}"),
     (["--set", "optimizer='momentum'", "--set", "momentum=-0.5"], "momentum must be a number in [0, 1), got -0.5"),
-    (["--set", "seed=[0, -1]"], "seed must be an integer in [0, 2**64 - 1] (torch's seed range), got -1"),
+    (["--set", "seed=[0, -1]"], f"seed (torch's seed range) must be an integer in [0, {2**64 - 1}], got -1"),
     (["--set", "momentum=nan"], "--set momentum: nan is not a finite number"),
     (["--set", "base_lr=inf"], "--set base_lr: inf is not a finite number"),
     (["--set", "base_lr=1e400"], "--set base_lr: inf is not a finite number"),
@@ -482,7 +482,7 @@ def _modules_after_analysing_a_csv(tmp_path) -> list[str]:
 
 def test_analysing_a_csv_imports_none_of_the_sweeps_modules(tmp_path):
     imported = _modules_after_analysing_a_csv(tmp_path)
-    assert not {f"affdiv.experiments.runs.{m}" for m in ("sweep", "store", "training", "presets", "grouping")} & \
+    assert not {f"affdiv.experiments.runs.{m}" for m in ("sweep", "store", "training", "presets", "ensembles")} & \
         set(imported), imported
 
 
@@ -662,7 +662,7 @@ def test_a_preset_path_that_is_missing_or_not_toml_is_named(tmp_path, capsys):
 def test_a_model_factory_that_raises_is_a_one_line_error(tmp_path, capsys):
     assert main(["probe", "--model", "json:loads", "--out", str(tmp_path / "p")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["affdiv probe: error: model 'json:loads': the factory failed: TypeError: "
+    assert err == ["affdiv probe: error: --model 'json:loads': the factory failed: TypeError: "
                    "loads() missing 1 required positional argument: 's'"]
 
 
@@ -745,7 +745,7 @@ def test_a_second_sweep_on_a_store_being_written_trains_nothing(quick, quick_run
     with ResultStore(db) as first:  # a sweep of the same runs, writing
         before = first.finished()
         refused(capsys, ["falsify", *quick, "--out", str(tmp_path)],
-                f"--db {db}: another process is writing this results store", "or use another --db")
+                f"--db {db}: another process is writing this results store", "or use another results store")
         assert first.finished() == before and len(before) == 2  # the second sweep trained nothing
 
 

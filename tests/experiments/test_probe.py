@@ -126,9 +126,9 @@ def test_a_model_given_as_a_factory_path(tmp_path, monkeypatch):
 
 
 def test_batch_sizes_parse():
-    assert parse_int_list("512, 8,32,8", "--batch-sizes") == [8, 32, 512]
+    assert parse_int_list("512, 8,32,8", "batch_sizes") == [8, 32, 512]
     with pytest.raises(ValueError, match="comma-separated positive integers"):
-        parse_int_list("8;32", "--batch-sizes")
+        parse_int_list("8;32", "batch_sizes")
 
 
 def test_every_built_in_model_is_measured_whole_in_both_scopes():

@@ -20,7 +20,7 @@ from affdiv.experiments.analysis.critical_batch import analyse_target, simulate_
 from affdiv.experiments.analysis.decision import analyse
 from affdiv.experiments.records import read_csv
 from affdiv.experiments.report import figures
-from affdiv.experiments.report.writer import latex_table, reads_sentence, verdict_table, write_report
+from affdiv.experiments.report.writer import reads_sentence, summary_tex, verdict_table, write_report
 from affdiv.vocabulary import RATIO_CLASSES
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -122,9 +122,9 @@ def test_optional_parts_are_left_out_and_output_is_deterministic(tmp_path, study
         assert first[name].read_bytes() == again[name].read_bytes(), name
 
 
-def test_latex_table_escapes_and_lists_every_method(study):
+def test_summary_tex_escapes_and_lists_every_method(study):
     _records, _curves, analysis, _calibration = study
-    tex = latex_table(analysis.to_dict(PROVENANCE))
+    tex = summary_tex(analysis.to_dict(PROVENANCE))
     assert tex.startswith("% affdiv falsification report") and r"\end{tabularx}" in tex
     assert r"affine\_like" in tex and " affine_like" not in tex
     assert tex.count(r"\\") - tex.count(r"\\ \\") >= 1 + 2 * 4  # header + 2 groups × 4 methods (+ note)
@@ -264,7 +264,7 @@ def test_the_verdict_and_latex_tables_name_each_pair_class(ladder):
         row = next(line for line in lines if f"ratio vs {b}" in line)
         assert row.rstrip().endswith(pair["class"]) and f"{pair['ratio']:.3g}" in row
     assert next(line for line in lines if line.split()[:2] == ["tuned", "affine"]).split()[4] == "B_crit"
-    tex = latex_table(summary)
+    tex = summary_tex(summary)
     assert "Ratio class vs baseline" in tex and "affine: smaller; batchnorm: smaller" in tex
 
 

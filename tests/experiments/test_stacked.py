@@ -14,7 +14,7 @@ from affdiv.experiments.data.dataset import load_dataset
 from affdiv.experiments.runs import training
 from affdiv.experiments.runs.batched import BatchedEnsemble, batched_layers
 from affdiv.experiments.runs.config import METHODS, RunConfig, architecture, config_hash
-from affdiv.experiments.runs.grouping import ensemble_key, member_bytes, parse_memory, plan_ensembles
+from affdiv.experiments.runs.ensembles import ensemble_key, member_bytes, parse_memory, plan_ensembles
 from affdiv.experiments.runs.models import build_model
 from affdiv.experiments.runs.optimizers import StackedOptimizer, make_optimizer
 from affdiv.experiments.runs.stacked import StackedEnsemble, stack_failure
@@ -331,7 +331,7 @@ def test_memory_sizes(text, size):
 
 @pytest.mark.parametrize("bad", ["0", "two", "-1GiB", "2GiBs", True])
 def test_bad_memory_sizes_are_refused(bad):
-    with pytest.raises(ValueError, match="--ensemble-memory must be"):
+    with pytest.raises(ValueError, match="^ensemble_memory must be"):
         parse_memory(bad)
 
 

@@ -14,7 +14,7 @@ import torch
 from affdiv.cli import main
 from affdiv.experiments.runs import divergence_measurement, noise_scale, training
 from affdiv.experiments.runs.config import RunConfig, candidates, config_hash
-from affdiv.experiments.runs.grouping import plan_ensembles
+from affdiv.experiments.runs.ensembles import plan_ensembles
 from affdiv.experiments.runs.presets import available_presets, load_preset
 from affdiv.experiments.runs.training import Measurement, train_group, train_run, train_runs
 from tests.experiments.test_pipeline import refused
@@ -393,6 +393,6 @@ def test_falsify_noise_scale_every_measures_and_refuses_to_mix_intervals(tmp_pat
     assert main(["falsify", *_options(quick), "--seeds", "1", "--out", str(fresh), "--noise-scale-every", "6"]) == 0
     refused(capsys, ["falsify", *_options(quick, "measured"), "--out", str(fresh)],
             "measured with --noise-scale-every 6; resuming with --noise-scale-every 4 (set by preset 'measured' "
-            "[measure]) would mix them; rerun with --noise-scale-every 6 or use another --db")
+            "[measure]) would mix them; rerun with --noise-scale-every 6 or use another results store")
     refused(capsys, ["falsify", *_options(quick), "--out", str(fresh), "--noise-scale-every", "6", "--probe-every",
                      "5"], "measured without --probe-every; resuming with --probe-every 5")

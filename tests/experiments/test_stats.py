@@ -81,27 +81,6 @@ def test_clustered_slope_equivariance_and_label_invariance(seed, scale, shift, n
     assert (per_seed_shift.estimate, per_seed_shift.se) == pytest.approx((base.estimate, base.se), rel=1e-7, abs=1e-10)
 
 
-def test_mixed_model_cross_checked_with_within_seed_regression():
-    # Balanced random-intercept model: GLS gives exactly the OLS slope, and when the REML seed
-    # variance is interior, s_e^2 equals the residual mean square of the fixed-seed-effects
-    # regression (RSS / (N - G - 1)), and se(b) = sqrt(s_e^2 / Sxx) with Sxx summed over all runs.
-    x, y, seeds = sweep(np.random.default_rng(7), seed_sd=0.02)
-    fit = stats.mixed_slope(x, y, seeds)
-    assert fit.converged and fit.seed_variance > 0
-    dummies = (seeds[:, None] == np.unique(seeds)[None, :]).astype(float)
-    design = np.column_stack([dummies, x])
-    coef, rss, *_ = np.linalg.lstsq(design, y, rcond=None)
-    n, g = x.size, dummies.shape[1]
-    residual_ms = rss[0] / (n - g - 1)
-    sxx = ((x - x.mean()) ** 2).sum()
-    # The slope is a linear function of y independent of the variance parameters: rounding only.
-    assert fit.slope.estimate == pytest.approx(coef[-1], rel=1e-9)
-    # The variances come from a numerical REML optimiser (gradient tolerance ~1e-6 on the
-    # standardised scale): 1e-4 relative.
-    assert fit.residual_variance == pytest.approx(residual_ms, rel=1e-4)
-    assert fit.slope.se == pytest.approx(math.sqrt(residual_ms / sxx), rel=1e-4)
-
-
 def test_holm_hand_computed():
     # Sorted 0.005, 0.01, 0.03, 0.04 -> 4·0.005 = 0.02, 3·0.01 = 0.03, 2·0.03 = 0.06, max(1·0.04, 0.06) = 0.06.
     adjusted = stats.holm([0.01, 0.04, 0.03, 0.005])
@@ -237,8 +216,6 @@ def test_overflowing_values_raise_instead_of_returning_a_nan_slope():
     y[:3] = 1e308  # an unequal split: the mean's sum overflows
     with pytest.raises(stats.NonFiniteError, match="non-finite arithmetic"):
         stats.clustered_slope(x, y, seeds)
-    with pytest.raises(stats.NonFiniteError, match="non-finite arithmetic"):
-        stats.mixed_slope(x, y, seeds)
     nan = stats.Estimate(math.nan, math.nan, 4.0)  # no estimate: every p-value NaN, never 0
     assert all(math.isnan(p) for p in (nan.p_less(), nan.p_greater(), nan.p_two_sided(), nan.p_equivalent(0.1)))
 

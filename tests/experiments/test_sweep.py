@@ -284,7 +284,7 @@ def test_a_unit_that_always_kills_its_worker_stops_the_sweep(tmp_path, monkeypat
     started = time.monotonic()
     with pytest.raises(RuntimeError, match=r"a worker process died 2 times while training these runs \(exit codes "
                                            r"\[-9.*affine B=32 seed=0 lr_rule=constant"):
-        run_sweep(configs, store, workers=2, stack=False, progress=None, max_attempts=2,
+        run_sweep(configs, store, workers=2, stack=False, progress=None, retries=1,
                   measurements=[Measurement("die", 1, affdiv_test_killer.die)])
     assert store.finished() == set() and time.monotonic() - started < 300  # (4 worker start-ups on a loaded machine)
     class DropsMeasurements(ResultStore):  # a store whose put takes no measurements

@@ -108,7 +108,7 @@ def test_bad_options():
         LF.patchnorm_conv2d(x, w, stride=(1, 0))
     with pytest.raises(ValueError, match=r"padding must be an int >= 0 or 2 of them, got -1"):
         LF.patchnorm_conv2d(x, w, padding=-1)
-    with pytest.raises(ValueError, match="groups must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="groups must be an integer >= 1, got 0"):
         LF.patchnorm_conv2d(x, w, groups=0)
     with pytest.raises(ValueError, match=r"kernel extent \(3, 3\) exceeds the padded input size \(2, 2\)"):
         LF.patchnorm_conv2d(torch.randn(1, 2, 2, 2), w)
@@ -140,7 +140,7 @@ def test_conv_geometry_must_be_ints_of_the_right_count(what, value):
 
 @pytest.mark.parametrize("groups", [True, 1.0, 0])
 def test_conv_groups_must_be_a_positive_int(groups):
-    with pytest.raises(ValueError, match=f"groups must be a positive int, got {groups!r}"):
+    with pytest.raises(ValueError, match=f"groups must be an integer >= 1, got {groups!r}"):
         LF.patchnorm_conv1d(torch.randn(1, 2, 6), torch.randn(2, 2, 3), groups=groups)
 
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from affdiv import cli
+from affdiv import cli, reporting
 from affdiv.theory.derivation import Derivation, Proof, ProofKind
 from affdiv.verify import report
 from affdiv.verify.checks import CheckResult
@@ -100,7 +100,7 @@ def test_json_holds_no_nonfinite_number_and_lists_where_it_was(record, tmp_path)
     nan = next(c for c in loaded["checks"] if c["name"] == "residual_affine_like_on_affine_like/taylor")
     assert nan["errors"]["slope_first_order"] is None and nan["nonfinite"] == {"errors.slope_first_order": "nan"}
     assert "nonfinite" not in loaded["checks"][0]
-    path = report.write_json(tmp_path / "verify.json", record)
+    path = reporting.write_json(tmp_path / "verify.json", record)
     assert json.loads(path.read_text()) == loaded
 
 

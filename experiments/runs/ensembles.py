@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from affdiv.checks import is_int
 from affdiv.experiments.runs.config import RunConfig, candidates, canonical_json, config_hash
 from affdiv.experiments.runs.models import build_network
 from affdiv.experiments.runs.stacked import eval_chunk, layer_outputs
@@ -38,9 +39,9 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def parse_memory(value: int | str, setting: str = "--ensemble-memory") -> int:
+def parse_memory(value: int | str, setting: str = "ensemble_memory") -> int:
     """Bytes from an int or a size such as "2GiB", "512MiB", "1.5GB", "100000"; > 0."""
-    if isinstance(value, int) and not isinstance(value, bool):
+    if is_int(value):
         number, unit = value, ""
     else:
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))

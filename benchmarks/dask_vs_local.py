@@ -1,6 +1,6 @@
 """Throughput of the dask executor against the local process pool, measured in one run.
 
-    python benchmarks/dask_executor.py [--seeds K] [--workers 2] [--rounds 1] [--json PATH]
+    python benchmarks/dask_vs_local.py [--seeds K] [--workers 2] [--rounds 1] [--json PATH]
 
 The sweep is the ``smoke`` preset (digits, its grid as packaged; ``--seeds K`` keeps its first K
 seeds, a reduced grid, and says so). Each round trains it twice from scratch, each time into a
@@ -9,7 +9,7 @@ fresh results store in a temporary folder, with ``run_sweep``: once with the loc
 ``LocalCluster`` of ``--workers`` one-thread worker processes started by ``run_sweep``
 (``executor="dask"``, loopback only); one torch thread per worker in both. Each is timed end to end,
 from the call to its return: worker start-up, dataset loading, training and storing. The
-throughput is runs per second; the ratio dask / local (target >= 0.8, issue 16) is printed per
+throughput is runs per second; the ratio dask / local (target >= 0.8) is printed per
 round and, over rounds, as the median of the paired ratios. The order alternates between rounds
 so that a machine's drift hits both. The stored numbers of the two executors are compared as well.
 """
