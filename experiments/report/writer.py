@@ -548,68 +548,82 @@ def _html(blocks: Sequence, out_dir: Path) -> str:
 
 
 def latex_table(summary: Mapping) -> str:
-    """A booktabs table of the verdicts that fits a one-column page (needs booktabs, tabularx)."""
+    """A booktabs table of the verdicts that fits a one-column page (needs booktabs, tabularx): per
+    method its estimate with its CI and, beside its verdict, the test(s) that decided it, each with
+    its estimate, CI and p-value (:func:`deciding_tests`)."""
     level = f"{1 - summary['settings']['alpha']:.0%} CI"
     head = provenance_latex(summary.get("provenance", {}), what="affdiv falsification report: verdict table")
-    if _design(summary) == "steps_to_target":
-        rows = []
-        for group, content in summary["groups"].items():
-            for method, r in content["critical_batch"].items():
-                pairs = content["ratios"].get(method, {})
-                rows.append([group, method, r["role"], r.get("b_crit"),
-                             _interval(r.get("ci_low"), r.get("ci_high")), str(r["censored"]),
-                             "; ".join(f"{b}: {p.get('class', '—')}" for b, p in pairs.items()) or "—",
-                             r["verdict"]])
-        columns = [Column("Group"), Column("Method", "X"), Column("Role"), Column(Latex(r"$B_\mathrm{crit}$"), "r"),
-                   Column(level), Column("Censored", "r"), Column("Ratio class vs baseline", "X"), Column("Verdict")]
-    else:
-        rows = []
-        for group, content in summary["groups"].items():
-            for method, r in content["methods"].items():
+    target = _design(summary) == "steps_to_target"
+    rows = []
+    for group, content in summary["groups"].items():
+        for method, r, tests in deciding_tests(summary, content):
+            if target:
+                estimate = [r.get("b_crit"), _interval(r.get("ci_low"), r.get("ci_high")), str(r["censored"])]
+            else:
                 c = r.get("contrast", {})
-                rows.append([group, method, r["role"], c.get("estimate"), _interval(c.get("ci_low"), c.get("ci_high")),
-                             r["verdict"]])
+                estimate = [c.get("estimate"), _interval(c.get("ci_low"), c.get("ci_high"))]
+            decided = "; ".join(_test_words(t) for t in tests) or "---"
+            rows.append([group, method, r["role"], *estimate, decided, r["verdict"]])
+    if target:
+        columns = [Column("Group"), Column("Method", "X"), Column("Role"), Column(Latex(r"$B_\mathrm{crit}$"), "r"),
+                   Column(level), Column("Censored", "r")]
+    else:
         columns = [Column("Group"), Column("Method", "X"), Column("Role"), Column(Latex(r"$\Delta$"), "r"),
-                   Column(level), Column("Verdict")]
+                   Column(level)]
+    columns += [Column("Deciding test: estimate [CI], p, class", "X"), Column("Verdict")]
     notes = f"Joint verdict of the prediction (group {summary['primary_group']}): {summary['prediction']['verdict']}."
     return _latex_table(columns, rows, notes=notes, head=head)
 
 
-def _deciding_tests(summary: Mapping, content: Mapping) -> list[tuple[str, Mapping, list]]:
-    """(method, its result, [(test, estimate, CI, class)]) of a group: the tests that decided each
-    verdict. Fixed budget: a corrected layer's DiD against each baseline, else Δ; steps to target:
-    a corrected layer's B_crit ratio against each baseline, else B_crit."""
+def _test_words(test: tuple) -> str:
+    """A deciding test in one line: ``ratio vs affine 0.81 [0.7, 0.93], p = 0.012: smaller``."""
+    name, estimate, interval, p, kind = test
+    return f"{name} {estimate} {interval}, p = {p}: {kind}"
+
+
+def deciding_tests(summary: Mapping, content: Mapping) -> list[tuple[str, Mapping, list]]:
+    """(method, its result, [(test, estimate, CI, p, class)]) of a group: the tests that decided each
+    verdict, as text. Fixed budget: a corrected layer's DiD against each baseline, else its Δ, with
+    p = "p(falls) / p(equivalent)" (the one-sided test and the equivalence test the class comes
+    from). Steps to target: a corrected layer's B_crit ratio against each baseline, p of the
+    one-sided test of ratio < 1; a baseline's verdict is 'reference' (no test decides it) and an
+    other method has no prediction: no test (empty list)."""
     out = []
     if _design(summary) == "steps_to_target":
         for method, r in content["critical_batch"].items():
             pairs = content["ratios"].get(method, {}) if r["role"] == "corrected" else {}
-            tests = [(f"ratio vs {b}", _number(p.get("ratio")), _interval(p.get("ci_low"), p.get("ci_high")),
-                      p.get("class", "—")) for b, p in pairs.items()]
-            out.append((method, r, tests or [("B_crit", _number(r.get("b_crit")),
-                                              _interval(r.get("ci_low"), r.get("ci_high")), "—")]))
+            out.append((method, r, [(f"ratio vs {b}", _number(p.get("ratio")),
+                                     _interval(p.get("ci_low"), p.get("ci_high")), _p(p.get("p")),
+                                     p.get("class", "—")) for b, p in pairs.items()]))
         return out
     for method, r in content["methods"].items():
         dids = r.get("did", {}) if r["role"] == "corrected" else {}
         tests = [(f"DiD vs {b}", _signed(d.get("estimate")), _interval(d.get("ci_low"), d.get("ci_high")),
-                  d.get("class", "—")) for b, d in dids.items()]
+                  f"{_p(d.get('p_less'))} / {_p(d.get('p_equivalent'))}", d.get("class", "—"))
+                 for b, d in dids.items()]
         c = r.get("contrast", {})
-        out.append((method, r, tests or [("Δ", _signed(c.get("estimate")), _interval(c.get("ci_low"), c.get("ci_high")),
-                                          r.get("contrast_class", "—"))]))
+        if not tests and r["role"] != "other":
+            tests = [("Δ", _signed(c.get("estimate")), _interval(c.get("ci_low"), c.get("ci_high")),
+                      f"{_p(c.get('p_less'))} / {_p(c.get('p_equivalent'))}", r.get("contrast_class", "—"))]
+        out.append((method, r, tests))
     return out
 
 
 def verdict_table(summary: Mapping) -> str:
     """A compact plain-text table of the verdicts (for the terminal, e.g. after ``affdiv falsify``):
-    group, method, role, verdict and the test that decided it, its estimate with its CI and its
-    class; then the joint verdict. Fixed budget: a baseline's Δ, a corrected layer's DiD against
-    each baseline; steps to target: a baseline's B_crit, a corrected layer's B_crit ratio against
-    each baseline with the pair's class (smaller, smaller_within_margin, equivalent, larger,
-    unclear)."""
+    group, method, role, verdict and the test that decided it (:func:`deciding_tests`): its
+    estimate, CI, p-value(s) and class; then the joint verdict. Fixed budget: a baseline's Δ, a
+    corrected layer's DiD against each baseline (p: falls / equivalent); steps to target: a
+    corrected layer's B_crit ratio against each baseline (p: one-sided, ratio < 1) with the pair's
+    class (smaller, smaller_within_margin, equivalent, larger, unclear). A method whose verdict no
+    test decided (a baseline's 'reference', 'no prediction') shows none."""
     level = f"{1 - summary['settings']['alpha']:.0%} CI"
-    rows = [["group", "method", "role", "verdict", "deciding test", "estimate", level, "class"]]
+    target = _design(summary) == "steps_to_target"
+    rows = [["group", "method", "role", "verdict", "deciding test", "estimate", level,
+             "p (ratio < 1)" if target else "p (falls / equiv.)", "class"]]
     for group, content in summary["groups"].items():
-        for method, r, tests in _deciding_tests(summary, content):
-            for k, test in enumerate(tests):
+        for method, r, tests in deciding_tests(summary, content):
+            for k, test in enumerate(tests or [("none", "—", "—", "—", "—")]):
                 first = [group, method, r["role"], r["verdict"]] if k == 0 else ["", "", "", ""]
                 rows.append(first + list(test))
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]

@@ -180,7 +180,11 @@ def test_steps_to_target_report(tmp_path):
     # One target (no target column): no ladder section, no ladder figures.
     assert "Along the target ladder" not in text and not {"bcrit_vs_target", "ratio_vs_target"} & set(paths)
     tex = paths["summary_tex"].read_text()
-    assert r"$B_\mathrm{crit}$" in tex and r"affine\_like" in tex and "affine: smaller" in tex
+    assert r"$B_\mathrm{crit}$" in tex and r"affine\_like" in tex
+    for b, pair in summary["ratios"]["affine_like"].items():  # each verdict beside its deciding ratio and p
+        p = f"{pair['p']:.4f}" if pair["p"] >= 1e-4 else r"\textless{}1e-4"
+        assert (f"ratio vs {b} {pair['ratio']:.3g} [{pair['ci_low']:.3g}, {pair['ci_high']:.3g}], p = {p}: "
+                f"{pair['class']}") in tex
 
 
 LADDER = (0.8, 0.85, 0.9)
@@ -262,9 +266,14 @@ def test_the_verdict_and_latex_tables_name_each_pair_class(ladder):
     for b, pair in pairs.items():
         row = next(line for line in lines if f"ratio vs {b}" in line)
         assert row.rstrip().endswith(pair["class"]) and f"{pair['ratio']:.3g}" in row
-    assert next(line for line in lines if line.split()[:2] == ["tuned", "affine"]).split()[4] == "B_crit"
+        assert f" {pair['p']:.4f} " in row or " <1e-4 " in row  # the ratio test's p beside its ratio
+    # A baseline's verdict ('reference') was decided by no test: no B_crit posing as one.
+    baseline = next(line for line in lines if line.split()[:2] == ["tuned", "affine"]).split()
+    assert baseline[3:6] == ["reference", "none", "—"]
+    assert "p (ratio < 1)" in lines[0]
     tex = latex_table(summary)
-    assert "Ratio class vs baseline" in tex and "affine: smaller; batchnorm: smaller" in tex
+    assert "Deciding test: estimate [CI], p, class" in tex
+    assert all(f"ratio vs {b} {pair['ratio']:.3g} " in tex for b, pair in pairs.items())
 
 
 def test_how_steps_are_read_comes_from_the_records():
@@ -286,5 +295,8 @@ def test_verdict_table_names_the_deciding_test_of_every_method(study):
             assert r["verdict"] in row
             if r["role"] == "corrected":
                 assert "DiD vs " in row
+            for b, d in r.get("did", {}).items():  # each DiD with the p-values its class came from
+                did = next(line for line in lines if f"DiD vs {b}" in line and lines.index(line) >= lines.index(row))
+                assert f"{d['estimate']:+.3g}" in did and f"{d['p_less']:.4f} / " in did.replace("<1e-4", "0.0000")
     assert "DiD vs batchnorm" in table and "[" in table and "95% CI" in lines[0] and lines[0].endswith("class")
     assert lines[-1] == f"Joint verdict of the prediction (group tuned): {summary['prediction']['verdict']}"
