@@ -115,7 +115,9 @@ def _design(summary: Mapping) -> str:
 
 # ------------------------------------------------------------------------------------- document
 # A document is a list of blocks: ("h", level, text), ("p", text), ("list", [text]),
-# ("table", header, rows[, first]), ("image", file, caption), ("provenance", record).
+# ("table", header, rows[, first]), ("image", file, caption), ("provenance", record) and
+# ("details", summary, [blocks]) (collapsed in the HTML). A table's columns that are empty ("—")
+# in every row are left out.
 
 def _caveats(summary: Mapping) -> list:
     """The preset's caveats and the design's own limits, for the top of the report."""
@@ -266,18 +268,26 @@ def _target_group_blocks(name: str, content: Mapping, summary: Mapping) -> list:
                    ("table", ["corrected", "baseline", "class", "ratio", f"{level} CI",
                               f"{1 - 2 * settings['alpha']:.0%} interval", "p (ratio < 1)", "bootstrap CI",
                               "status"], ratios, ["corrected", "baseline", "class"])]
+    return blocks
+
+
+def _per_batch_blocks(name: str, content: Mapping, summary: Mapping) -> list:
+    """The runs per method and batch size of a group (a long table: collapsed, after the figures)."""
+    fits = content["critical_batch"]
     cells = []
     for m, r in fits.items():
         for c in r["cells"]:
             cells.append([m, str(c["batch_size"]), str(c["n"]), str(c["censored"]), _number(c.get("median_steps")),
                           str(c["max_steps"]), _number(c.get("b_simple_init")), _number(c.get("b_simple")),
                           _number(r.get("b_crit"))])
-    blocks += [("p", "Runs per method and batch size: the median steps to target of the runs that reached it, "
-                     "and the gradient noise scale B_simple = tr(Σ)/|G|² (median over seeds; at initialisation and "
-                     "at the last measurement), where the runs measured it, beside the method's fitted B_crit."),
-               ("table", ["method", "batch size", "runs", "censored", "median steps", "max_steps", "B_simple (init)",
-                          "B_simple (last)", "B_crit (fit)"], cells)]
-    return blocks
+    by = summary["settings"].get("group_by")
+    title = f"Runs per method and batch size, group {name if by is None else f'{by} = {name}'}"
+    return [("details", title, [
+        ("p", "The median steps to target of the runs that reached it, and the gradient noise scale "
+              "B_simple = tr(Σ)/|G|² (median over seeds; at initialisation and at the last measurement) where the "
+              "runs measured it, beside the method's fitted B_crit."),
+        ("table", ["method", "batch size", "runs", "censored", "median steps", "max_steps", "B_simple (init)",
+                   "B_simple (last)", "B_crit (fit)"], cells)])]
 
 
 def reads_sentence(records: Sequence[Mapping]) -> str:
@@ -483,12 +493,25 @@ def _document(summary: Mapping, files: Mapping[str, str], reads: str = "") -> li
     for name, caption in captions.items():
         if name in files:
             blocks.append(("image", files[name], caption))
+    if target:
+        for name, content in summary["groups"].items():
+            blocks += _per_batch_blocks(name, content, summary)
     if "calibration" in summary:
         blocks += _calibration_blocks(summary["calibration"])
         if "calibration" in files:
             blocks.append(("image", files["calibration"], "Verdict rates of the decision rule against the planted "
                                                           "effect (±2 Monte-Carlo s.e.)."))
     return blocks + [("provenance", summary["provenance"])]
+
+
+_EMPTY = (None, "", "—")
+
+
+def _nonempty_columns(header: Sequence[str], rows: Sequence[Sequence], first: Sequence[str] = ()) -> tuple:
+    """(header, rows, first) without the columns that are empty ("—" or blank) in every row."""
+    keep = [i for i in range(len(header)) if not rows or any(row[i] not in _EMPTY for row in rows)]
+    kept = [header[i] for i in keep]
+    return kept, [[row[i] for i in keep] for row in rows], [name for name in first if name in kept]
 
 
 def _md_row(cells: Sequence[str]) -> str:
@@ -505,8 +528,10 @@ def _markdown(blocks: Sequence) -> str:
         elif kind == "list":
             out.append("\n".join(f"- {item}" for item in args[0]))
         elif kind == "table":
-            header, rows = args[0], args[1]
+            header, rows, _ = _nonempty_columns(args[0], args[1])
             out.append("\n".join([_md_row(header), "|" + "---|" * len(header), *map(_md_row, rows)]))
+        elif kind == "details":  # GitHub and most Markdown viewers render it collapsed
+            out.append(f"<details><summary>{args[0]}</summary>\n\n{_markdown(args[1]).rstrip()}\n\n</details>")
         elif kind == "image":
             out.append(f"![{args[1]}]({args[0]})\n\n*{args[1]}*")
         elif kind == "provenance":
@@ -521,10 +546,12 @@ def _inline(text: str) -> str:
 
 
 _STYLE = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;line-height:1.4}"
-          "img{max-width:100%}figcaption{font-style:italic}" + HTML_STYLE)
+          "img{max-width:100%}figcaption{font-style:italic}details>summary{cursor:pointer;font-weight:bold;"
+          "margin:1em 0}" + HTML_STYLE)
 
 
-def _html(blocks: Sequence, out_dir: Path) -> str:
+def _html(blocks: Sequence, out_dir: Path, *, whole: bool = True) -> str:
+    """The blocks as HTML: a whole self-contained page, or (``whole=False``) its body's elements."""
     body = []
     for kind, *args in blocks:
         if kind == "h":
@@ -534,15 +561,19 @@ def _html(blocks: Sequence, out_dir: Path) -> str:
         elif kind == "list":
             body.append("<ul>" + "".join(f"<li>{_inline(i)}</li>" for i in args[0]) + "</ul>")
         elif kind == "table":
-            header, rows = args[0], args[1]
-            first = args[2] if len(args) > 2 else ()
+            header, rows, first = _nonempty_columns(args[0], args[1], args[2] if len(args) > 2 else ())
             body.append(html_table(header, rows, first=first, cell=lambda v: _inline("—" if v is None else v)))
+        elif kind == "details":
+            body.append(f"<details><summary>{_inline(args[0])}</summary>{_html(args[1], out_dir, whole=False)}"
+                        "</details>")
         elif kind == "image":
             data = base64.b64encode((out_dir / args[0]).read_bytes()).decode()
             body.append(f'<figure><img src="data:image/png;base64,{data}" alt="{html.escape(args[1])}">'
                         f"<figcaption>{_inline(args[1])}</figcaption></figure>")
         elif kind == "provenance":
             body.append(provenance_html(args[0]))
+    if not whole:
+        return "\n".join(body)
     return ('<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>affdiv falsification report'
             f"</title><style>{_STYLE}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
 

@@ -300,3 +300,20 @@ def test_verdict_table_names_the_deciding_test_of_every_method(study):
                 assert f"{d['estimate']:+.3g}" in did and f"{d['p_less']:.4f} / " in did.replace("<1e-4", "0.0000")
     assert "DiD vs batchnorm" in table and "[" in table and "95% CI" in lines[0] and lines[0].endswith("class")
     assert lines[-1] == f"Joint verdict of the prediction (group tuned): {summary['prediction']['verdict']}"
+
+
+def test_the_per_batch_table_comes_collapsed_after_the_figures_without_its_empty_columns(tmp_path):
+    rng = np.random.default_rng(3)
+    records = simulate_target_records({"affine_like": (300, 100), "affine": (200, 400)}, batch_sizes=(16, 64, 256),
+                                      seeds=range(4), sigma=0.1, max_steps=5000, rng=rng)
+    paths = write_report(tmp_path, analyse_target(records, n_boot=0), records=records, provenance=PROVENANCE)
+    text = paths["report_md"].read_text()
+    table = text.index("| method | batch size | runs | censored | median steps | max_steps | B_crit (fit) |")
+    opened = text.index("<details><summary>Runs per method and batch size, group all</summary>")
+    assert text.index("## Figures") < text.index("![") < opened < table < text.index("</details>", table)
+    assert "B_simple" not in text[table:]  # no run measured it: the columns ("—" in every row) are left out
+    html = paths["report_html"].read_text()
+    opened = html.index("<details><summary>Runs per method and batch size, group all</summary>")
+    assert html.index("<h2>Figures</h2>") < html.rindex("<figure>") < opened < html.index("median steps", opened)
+    table = html[html.index("<table>", opened):html.index("</details>", opened)]
+    assert "B_simple" not in table and '<th scope="col">B_crit (fit)</th>' in table
