@@ -55,10 +55,14 @@
 * ``summary.tex`` — a booktabs table of the verdicts that fits a one-column page.
 * ``records.csv`` — the analysed records (``affdiv analyse --input records.csv`` reproduces the numbers).
 * figures: fixed budget ``metric_vs_batch.png``, ``contrast_forest.png`` (the tests that decided),
-  ``slope_forest.png`` (descriptive); steps to target ``steps_vs_batch.png``, ``examples_vs_steps.png``
+  ``slope_forest.png`` (descriptive); steps to target ``ratio_forest.png`` (the tests that decided:
+  each ratio with its CI and the equivalence band, at the primary target), ``bcrit_forest.png``
+  (B_crit per method with its CI), ``steps_vs_batch.png``, ``examples_vs_steps.png``
   and, along a ladder of more than one target, ``bcrit_vs_target.png`` and ``ratio_vs_target.png``
   (with a section "Along the target ladder": ratios, B_crit and trends per target, and how the runs
   read their steps); when given ``training_curves.png`` and ``calibration.png``.
+  Long per-batch tables come after the figures, collapsed (``<details>``); a table's columns that
+  are empty in every row are left out.
 
 Every file is written to a temporary name and renamed, so a killed process leaves no half-written file.
 """
@@ -476,8 +480,11 @@ def _document(summary: Mapping, files: Mapping[str, str], reads: str = "") -> li
         blocks += _ladder_blocks(summary, reads)
     blocks.append(("h", 2, "Figures"))
     captions = {
-        "steps_vs_batch": "Steps to target against batch size (log–log): runs (censored ones as open triangles at "
-                          "max_steps), the fitted S(B) = S_min(1 + B_crit/B), B_crit marked.",
+        "ratio_forest": "The tests that decide: each ratio B_crit(corrected)/B_crit(baseline) at the primary target "
+                        "with its CI; shaded: the equivalence band.",
+        "bcrit_forest": "B_crit per method at the primary target with its CI (open markers: unresolved, a bound).",
+        "steps_vs_batch": "Steps to target against batch size (log–log): runs (censored ones as faint open markers at "
+                          "max_steps), the fitted S(B) = S_min(1 + B_crit/B), B_crit as a large open marker on it.",
         "examples_vs_steps": "Examples against steps to target: the trade-off curve (S/S_min − 1)(E/E_min − 1) = 1 "
                              "per method, the measured batch sizes on it.",
         "metric_vs_batch": "Metric against batch size, mean over seeds with its confidence band.",
@@ -499,8 +506,8 @@ def _document(summary: Mapping, files: Mapping[str, str], reads: str = "") -> li
     if "calibration" in summary:
         blocks += _calibration_blocks(summary["calibration"])
         if "calibration" in files:
-            blocks.append(("image", files["calibration"], "Verdict rates of the decision rule against the planted "
-                                                          "effect (±2 Monte-Carlo s.e.)."))
+            blocks.append(("image", files["calibration"], "Verdict rates of the decision rule at each planted effect "
+                                                          "simulated (±2 Monte-Carlo s.e.)."))
     return blocks + [("provenance", summary["provenance"])]
 
 
@@ -675,6 +682,8 @@ def write_report(out_dir, analysis, *, records: Sequence[Mapping], curves: Seque
     if target:
         paths["steps_vs_batch"] = figures.steps_vs_batch(analysis, out_dir / "steps_vs_batch.png")
         paths["examples_vs_steps"] = figures.examples_vs_steps(analysis, out_dir / "examples_vs_steps.png")
+        paths["bcrit_forest"] = figures.bcrit_forest(analysis, out_dir / "bcrit_forest.png")
+        paths["ratio_forest"] = figures.ratio_forest(analysis, out_dir / "ratio_forest.png")
         if len(analysis.settings.get("targets") or []) > 1:
             paths["bcrit_vs_target"] = figures.bcrit_vs_target(analysis, out_dir / "bcrit_vs_target.png")
             paths["ratio_vs_target"] = figures.ratio_vs_target(analysis, out_dir / "ratio_vs_target.png")
