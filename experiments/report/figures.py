@@ -477,7 +477,7 @@ def _build_bcrit_forest(analysis) -> Figure:
     rows = [(m, r) for m, r in analysis.primary["critical_batch"].items() if r.get("b_crit")]
     figure = Figure(figsize=(6.5, 1.9 + 0.34 * max(len(rows), 1)), layout="constrained")
     ax = figure.subplots()
-    for i, (method, r) in enumerate(rows):
+    for i, (_, r) in enumerate(rows):
         y, style = len(rows) - i, _style(i)
         if r.get("resolved") and r.get("ci_low") is not None:
             ax.errorbar(r["b_crit"], y, xerr=[[r["b_crit"] - r["ci_low"]], [r["ci_high"] - r["b_crit"]]],

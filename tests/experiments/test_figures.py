@@ -105,8 +105,8 @@ def _texts(figure: Figure) -> list:
 def _check_layout(figure: Figure, name: str) -> None:
     """No two texts overlap (bounding boxes from matplotlib's renderer, more than 1 px each way), no
     text reaches outside the figure (its size as laid out: ``bbox_inches="tight"`` would save such
-    a text, but only by growing the figure past the size it was laid out for), and no two lines of one axes look alike but for their colour
-    (same marker, line style and fill)."""
+    a text, but only by growing the figure past the size it was laid out for), and no two lines of
+    one axes look alike but for their colour (same marker, line style and fill)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     renderer = FigureCanvasAgg(figure).get_renderer()
