@@ -101,6 +101,11 @@ def _plain_log(axis) -> None:
     axis.set_minor_formatter(NullFormatter())
 
 
+def _thousands(value: float, _position=None) -> str:
+    """A tick label that stays short: ``1.5k`` for 1500, ``800`` for 800."""
+    return f"{value / 1000:g}k" if abs(value) >= 1000 else f"{value:g}"
+
+
 def _save(figure: Figure, path) -> Path:
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=_DPI, bbox_inches="tight")
@@ -254,7 +259,8 @@ def _build_training_curves(curves: Sequence[Mapping], *, metrics: Sequence[str] 
                         ms=3, color=colormaps["viridis"](k / max(len(batch_all) - 1, 1)), label=f"B = {batch_size}")
             ax.set_title(method, fontsize=9)
             ax.set_xlabel("optimizer step" if x_key == "step" else "epoch (passes over the training set)", fontsize=8)
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.xaxis.set_major_locator(MaxNLocator(nbins=5, integer=True))  # labels that fit a narrow panel
+            ax.xaxis.set_major_formatter(FuncFormatter(_thousands))
             ax.set_ylabel(f"{_words(metric)}\nmean over seeds", fontsize=8)
             ax.legend(fontsize=7)
     where = "" if group is None else f" — {_group_words(group_by, group)}"

@@ -343,3 +343,14 @@ def test_the_layout_checker_fails_overlapping_clipped_and_colour_only(study):  #
         ax.plot([0, 0.01], [2, 3], marker="s", ls="--", color="C2")
 
     broken(colour_only, "colour alone")
+
+
+def test_training_curves_over_thousands_of_steps_keep_their_tick_labels_apart():
+    curves = [{"method": m, "batch_size": b, "seed": s, "epoch": 1 + step // 1000, "step": step,
+               "train_loss": 1.0 / (1 + step), "val_metric": 0.5 + step / 30000}
+              for m in ("affine", "affine_like", "batchnorm", "norm_l2") for b in (16, 1024) for s in (0, 1)
+              for step in range(0, 12001, 600)]
+    figure = figures._build_training_curves(curves)
+    _check_layout(figure, "training_curves")  # 1500 and 3000 collided in a 3.4-inch panel
+    labels = [t.get_text() for t in figure.axes[0].get_xticklabels()]
+    assert "10k" in labels or "12k" in labels, labels
