@@ -240,7 +240,7 @@ def test_a_ladder_report_shows_every_target(ladder, ladder_written):
     for name in ("bcrit_vs_target.png", "ratio_vs_target.png"):
         assert f"]({name})" in text and paths[name.removesuffix(".png")].read_bytes().startswith(PNG)
     html = paths["report_html"].read_text()
-    assert "<h2>Along the target ladder</h2>" in html and len(re.findall(r'src="data:image/png', html)) == 5
+    assert "<h2>Along the target ladder</h2>" in html and len(re.findall(r'src="data:image/png', html)) == 7
 
 
 def test_a_ladder_report_gives_every_outcome_rate_and_the_power_at_the_measured_ratio(ladder, ladder_written):
