@@ -23,8 +23,9 @@ LaTeX
     so that it fits a one-column article page. Cells are escaped unless given as :class:`Latex`.
 
 HTML
-    :data:`HTML_STYLE` and :func:`html_table`: the table scrolls inside its own box and long cells
-    wrap, so a page stays readable at 800 px; ``first=`` puts the named columns (verdicts) first.
+    :data:`HTML_STYLE` and :func:`html_table`: the table scrolls inside its own box, numbers and
+    words never break inside a cell (only prose cells wrap, at spaces), so a page stays readable
+    at 800 px; ``first=`` puts the named columns (verdicts) first.
 """
 
 from __future__ import annotations
@@ -327,11 +328,14 @@ HTML_STYLE = (
     ".table-scroll{overflow-x:auto;max-width:100%;margin:1em 0}"
     ".table-scroll table{border-collapse:collapse;font-size:0.85em}"
     ".table-scroll th,.table-scroll td{border:1px solid #bbb;padding:2px 6px;text-align:left;"
-    "vertical-align:top;max-width:24em;overflow-wrap:anywhere}"
+    "vertical-align:top;white-space:nowrap}"
+    ".table-scroll td.prose{white-space:normal;min-width:16em;max-width:28em}"
     ".table-scroll th{background:#eee;position:sticky;top:0}"
     "details.provenance{margin:1em 0}details.provenance pre{background:#f5f5f5;padding:1em;"
     "overflow-x:auto;font-size:0.8em;white-space:pre-wrap;overflow-wrap:anywhere}"
 )
+#: A cell longer than this (in characters) with a space in it is prose: it wraps, at spaces only.
+PROSE_CHARS = 40
 
 
 class Markup(str):
@@ -352,8 +356,11 @@ def reorder(header: Sequence[str], rows: Iterable[Sequence], first: Sequence[str
 def html_table(header: Sequence[str], rows: Iterable[Sequence], *, first: Sequence[str] = (),
                cell: Callable[[object], str] | None = None) -> str:
     """A ``<table>`` inside ``<div class="table-scroll">`` (style: :data:`HTML_STYLE`): it scrolls
-    sideways within its box and long cells wrap, so the page reads at 800 px. ``first`` moves the
-    named columns to the front; ``cell`` renders a cell (default: escaped text, :class:`Markup` as is)."""
+    sideways within its box, so the page reads at 800 px. No cell breaks inside a word or a number
+    (``1.63e+04``, ``contradicted``): a cell of prose (over :data:`PROSE_CHARS` characters, with
+    spaces; class ``prose``) wraps at its spaces, every other cell stays on one line. ``first``
+    moves the named columns to the front; ``cell`` renders a cell (default: escaped text,
+    :class:`Markup` as is)."""
     header, rows = reorder(header, rows, first)
 
     def render(value) -> str:
@@ -364,7 +371,12 @@ def html_table(header: Sequence[str], rows: Iterable[Sequence], *, first: Sequen
         return _html.escape("—" if value is None else str(value))
 
     head = "".join(f'<th scope="col">{render(h)}</th>' for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{render(c)}</td>" for c in row) + "</tr>" for row in rows)
+    def td(value) -> str:
+        text = "" if value is None else str(value)
+        prose = len(text) > PROSE_CHARS and " " in text.strip()
+        return f'<td class="prose">{render(value)}</td>' if prose else f"<td>{render(value)}</td>"
+
+    body = "".join("<tr>" + "".join(td(c) for c in row) + "</tr>" for row in rows)
     return f'<div class="table-scroll"><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
 
 

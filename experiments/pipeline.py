@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 #: The files :func:`~affdiv.experiments.report.writer.write_report` may write into its folder
 #: (tests/experiments/test_pipeline.py checks this list against a written report).
 REPORT_FILES = ("records.csv", "metric_vs_batch.png", "slope_forest.png", "contrast_forest.png",
-                "steps_vs_batch.png", "examples_vs_steps.png", "bcrit_vs_target.png", "ratio_vs_target.png",
+                "steps_vs_batch.png", "examples_vs_steps.png", "bcrit_forest.png", "ratio_forest.png",
+                "bcrit_vs_target.png", "ratio_vs_target.png",
                 "training_curves.png", "calibration.png", "summary.json", "summary.tex", "report.md", "report.html")
 #: torch's seed range (``torch.manual_seed``; a negative seed s is taken as s + 2**64, so it is refused).
 MAX_SEED = 2**64 - 1

@@ -131,7 +131,10 @@ def test_html_table_scrolls_wraps_and_puts_verdicts_first():
                                  first=["verdict"])
     assert table.startswith('<div class="table-scroll"><table>')
     assert table.index(">verdict<") < table.index(">method<") and "a&lt;b" in table and "<td>—</td>" in table
-    assert ".table-scroll{overflow-x:auto" in reporting.HTML_STYLE and "overflow-wrap:anywhere" in reporting.HTML_STYLE
+    assert ".table-scroll{overflow-x:auto" in reporting.HTML_STYLE and "white-space:nowrap" in reporting.HTML_STYLE
+    prose = "the fit ended on the edge of the search range: a bound, no CI"
+    wide = reporting.html_table(["reason", "B_crit"], [[prose, "1.63e+04"]])
+    assert f'<td class="prose">{prose}</td>' in wide and "<td>1.63e+04</td>" in wide  # only prose wraps
     assert "<b>x</b>" in reporting.html_table(["a"], [[reporting.Markup("<b>x</b>")]])
     with pytest.raises(ValueError, match="no column"):
         reporting.reorder(["a"], [], first=["b"])

@@ -10,13 +10,17 @@
   (censored ones at max_steps), the fitted S(B) = S_min (1 + B_crit/B) and B_crit marked.
 * :func:`examples_vs_steps` — examples E = B S against steps S: the trade-off curve
   (S/S_min - 1)(E/E_min - 1) = 1 per method with the measured batch sizes.
+* :func:`bcrit_forest` — B_crit per method at the primary target with its CI (log x).
+* :func:`ratio_forest` — each ratio B_crit(corrected)/B_crit(baseline) at the primary target with
+  its CI, the equivalence band shaded, 1 marked: the tests that decide.
 * :func:`bcrit_vs_target` — along a target ladder: B_crit per method with its CI against the
   target (log y), the primary target marked.
 * :func:`ratio_vs_target` — along a target ladder: each ratio B_crit(corrected)/B_crit(baseline)
   with its CI against the target, the equivalence band shaded, 1 and the primary target marked.
 * :func:`training_curves` — mean over seeds per epoch: one row per curve metric (train loss,
   validation metric), one panel per method, one line per batch size.
-* :func:`calibration_curves` — verdict rates of the decision rule against the planted effect, with α.
+* :func:`calibration_curves` — verdict rates of the decision rule at each planted effect simulated
+  (points with ±2 Monte-Carlo s.e., no lines between them), with α.
 
 Each public function builds its Figure with a private ``_build_*`` (what the tests inspect) and saves
 it at ``_DPI``; no figure is wider than ``MAX_WIDTH_PX`` pixels (panels wrap into rows).
@@ -32,10 +36,11 @@ from pathlib import Path
 import numpy as np
 from matplotlib import colormaps
 from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
 from affdiv.atomic import atomic_write
 from affdiv.experiments.analysis.critical_batch import RATIO_MARGIN
+from affdiv.vocabulary import CONTRADICTED, SUPPORTED
 
 _DPI = 120
 MAX_WIDTH_PX = 1800
@@ -87,6 +92,19 @@ def _grid(n: int, width: float, height: float, *, sharey: bool = False, max_cols
     for ax in axes[n:]:
         figure.delaxes(ax)
     return figure, axes[:n]
+
+
+def _plain_log(axis) -> None:
+    """A log axis ticked at 1, 2, 5 x 10^k and labelled plainly (``0.2``, ``500``), without minor
+    labels: never the crowded ``3×10^-1 4×10^-1`` of matplotlib's minor labels on a short range."""
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
+def _thousands(value: float, _position=None) -> str:
+    """A tick label that stays short: ``1.5k`` for 1500, ``800`` for 800."""
+    return f"{value / 1000:g}k" if abs(value) >= 1000 else f"{value:g}"
 
 
 def _save(figure: Figure, path) -> Path:
@@ -169,11 +187,11 @@ def _build_contrast_forest(analysis) -> Figure:
         seen.add(name)
     ax.set_yticks(range(len(rows), 0, -1), [label for label, _, _ in rows], fontsize=7)
     words = _words(analysis.settings["metric"])
-    ax.set_xlabel(f"{words}: largest − best batch size (Δ), and Δ(corrected) − Δ(baseline) (DiD)", fontsize=8)
+    ax.set_xlabel(f"{words}: largest − best batch size (Δ),\nand Δ(corrected) − Δ(baseline) (DiD)", fontsize=8)
     ax.set_ylabel("test [group] ⇒ the verdict it decided", fontsize=8)
-    ax.set_title("the tests that decide the verdicts, per group and LR rule "
-                 f"({1 - analysis.settings['alpha']:.0%} CI)", fontsize=9)
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.6 / max(len(rows), 1)), ncols=2)
+    figure.suptitle("the tests that decide the verdicts, per group and LR rule "  # centred on the figure: the
+                    f"({1 - analysis.settings['alpha']:.0%} CI)", fontsize=9)  # labels leave the axes narrow
+    figure.legend(fontsize=7, loc="outside lower center", ncols=2)  # under the figure: room for the labels
     return figure
 
 
@@ -188,12 +206,12 @@ def _build_slope_forest(analysis) -> Figure:
     ax = figure.subplots()
     margin = analysis.settings["margin"]
     ax.axvspan(-margin, margin, color="0.85", label=f"±margin ({margin:.3g})")
-    ax.axvline(0.0, color="0.3", lw=0.8)
+    ax.axvline(0.0, color="0.3", lw=0.8, ls=":")
     for i, (_, _, r) in enumerate(rows):
         y = len(rows) - i
         ax.errorbar(r["slope"], y, xerr=[[r["slope"] - r["ci_low"]], [r["ci_high"] - r["slope"]]],
-                    fmt="o", color="C0" if r["role"] != "other" else "0.5", capsize=3,
-                    label="clustered OLS, t CI" if i == 0 else None)
+                    fmt="o" if r["role"] != "other" else "^", color="C0" if r["role"] != "other" else "0.5",
+                    capsize=3, label="clustered OLS, t CI" if i == 0 else None)
         if "boot_ci_low" in r:
             ax.plot([r["boot_ci_low"], r["boot_ci_high"]], [y - 0.22] * 2, color="C1", lw=2,
                     label="cluster bootstrap CI" if i == 0 else None)
@@ -242,8 +260,9 @@ def _build_training_curves(curves: Sequence[Mapping], *, metrics: Sequence[str] 
                         ms=3, color=colormaps["viridis"](k / max(len(batch_all) - 1, 1)), label=f"B = {batch_size}")
             ax.set_title(method, fontsize=9)
             ax.set_xlabel("optimizer step" if x_key == "step" else "epoch (passes over the training set)", fontsize=8)
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.set_ylabel(f"{_words(metric)}, mean over seeds", fontsize=8)
+            ax.xaxis.set_major_locator(MaxNLocator(nbins=5, integer=True))  # labels that fit a narrow panel
+            ax.xaxis.set_major_formatter(FuncFormatter(_thousands))
+            ax.set_ylabel(f"{_words(metric)}\nmean over seeds", fontsize=8)
             ax.legend(fontsize=7)
     where = "" if group is None else f" — {_group_words(group_by, group)}"
     figure.suptitle(f"training curves{where}", fontsize=10)
@@ -252,7 +271,8 @@ def _build_training_curves(curves: Sequence[Mapping], *, metrics: Sequence[str] 
 
 def calibration_curves(calibration, path) -> Path:
     """Verdict rates (joint 'supported' and 'contradicted', each corrected layer's 'supported')
-    against the planted effect, ±2 Monte-Carlo s.e., with alpha and the ± equivalence margin."""
+    against the planted effect: points at the simulated effects only (no line implies a rate
+    between them), ±2 Monte-Carlo s.e., with alpha and the ± equivalence margin."""
     return _save(_build_calibration_curves(calibration), path)
 
 
@@ -262,15 +282,16 @@ def _build_calibration_curves(calibration) -> Figure:
     effects = np.asarray(calibration.effects, dtype=np.float64)
     order = np.argsort(effects)
     series = [(f"joint verdict '{v}' of the prediction", calibration.joint[v])
-              for v in ("supported", "contradicted") if v in calibration.joint]
+              for v in (SUPPORTED, CONTRADICTED) if v in calibration.joint]
     series += [(f"{m}: verdict 'supported'", rates) for m, rates in calibration.methods.items()]
-    for i, (label, rates) in enumerate(series):
+    gap = float(np.min(np.diff(effects[order]))) if len(effects) > 1 else 1.0
+    for i, (label, rates) in enumerate(series):  # points only where studies were simulated, dodged apart
         rates = np.asarray(rates)[order]
         se = np.sqrt(rates * (1 - rates) / calibration.n_sims)
         style = _style(i)
-        ax.plot(effects[order], rates, ms=4, label=label, **style)
-        ax.fill_between(effects[order], rates - 2 * se, rates + 2 * se, color=style["color"], alpha=0.15, lw=0,
-                        label="±2 Monte-Carlo s.e. (shaded)" if i == 0 else None)
+        dx = (i - (len(series) - 1) / 2) * 0.3 * gap / max(len(series) - 1, 1)
+        ax.errorbar(effects[order] + dx, rates, yerr=2 * se, fmt=style["marker"], color=style["color"], ms=5,
+                    capsize=2, lw=1, label=label)
     ax.axhline(calibration.alpha, color="k", ls="--", lw=0.8, label=f"α = {calibration.alpha:g} (nominal error rate)")
     ax.axvline(calibration.null_effect, color="0.5", ls=":", lw=0.8, label="no planted effect (prediction false)")
     margin = (calibration.layout or {}).get("margin")
@@ -280,7 +301,8 @@ def _build_calibration_curves(calibration) -> Figure:
                        label=f"± equivalence margin ({margin:g})" if k == 0 else None)
     ax.set_xlabel(calibration.effect_name, fontsize=8)
     ax.set_ylabel(f"rate over {calibration.n_sims} simulated studies")
-    ax.set_title("calibration of the decision rule on simulated studies", fontsize=9)
+    ax.set_title("calibration of the decision rule on simulated studies\npoints: the simulated effects, "
+                 "±2 Monte-Carlo s.e.", fontsize=9)
     ax.set_ylim(-0.02, 1.02)
     ax.legend(fontsize=7)
     return figure
@@ -331,16 +353,18 @@ def _build_steps_vs_batch(analysis) -> Figure:
                     label=f"{method} ({r['verdict']})")
         censored = [(c["batch_size"], c["max_steps"]) for c in r["cells"] if c["censored"]]
         if censored:
-            ax.plot(*zip(*censored), marker="^", ls="none", mfc="none", color=style["color"], ms=7)
+            ax.plot(*zip(*censored), marker=style["marker"], ls="none", mfc="none", color=style["color"], ms=7,
+                    alpha=0.6)
         if (fit := _fitted(r, 1.5)) is not None:
             ax.plot(*fit, ls=style["ls"], color=style["color"], lw=1)
-            if r.get("resolved"):
-                ax.axvline(r["b_crit"], color=style["color"], ls=":", lw=0.8)
+            if r.get("resolved"):  # S(B_crit) = 2 S_min: B_crit on the method's own curve
+                ax.plot(r["b_crit"], 2 * r["s_min"], marker=style["marker"], ms=11, mfc="none", mew=1.5,
+                        ls="none", color=style["color"])
 
     return _build_target_figure(
-        analysis, draw, xscale={"base": 2}, xlabel="batch size B (examples per step); dotted: B_crit",
+        analysis, draw, xscale={"base": 2}, xlabel="batch size B (examples per step)",
         ylabel="optimizer steps to the target (median of the runs)",
-        title="steps to target\nopen triangles: runs censored at max_steps")
+        title="steps to target\nlines: fits; large open markers: B_crit (S = 2 S_min); faint open: censored runs")
 
 
 def examples_vs_steps(analysis, path) -> Path:
@@ -448,3 +472,68 @@ def _build_ratio_vs_target(analysis) -> Figure:
             series.append((f"{c} / {b}", points))
     return _build_ladder_figure(analysis, series, ylabel="ratio B_crit(corrected) / B_crit(baseline)",
                                 title="B_crit ratios along the target ladder", band=(RATIO_MARGIN, 1 / RATIO_MARGIN))
+
+
+def bcrit_forest(analysis, path) -> Path:
+    """B_crit per method at the primary target with its CI (log x): one row per method of the
+    primary group, open markers for an unresolved B_crit (a bound, no CI)."""
+    return _save(_build_bcrit_forest(analysis), path)
+
+
+def _build_bcrit_forest(analysis) -> Figure:
+    rows = [(m, r) for m, r in analysis.primary["critical_batch"].items() if r.get("b_crit")]
+    figure = Figure(figsize=(6.5, 1.9 + 0.34 * max(len(rows), 1)), layout="constrained")
+    ax = figure.subplots()
+    for i, (_, r) in enumerate(rows):
+        y, style = len(rows) - i, _style(i)
+        if r.get("resolved") and r.get("ci_low") is not None:
+            ax.errorbar(r["b_crit"], y, xerr=[[r["b_crit"] - r["ci_low"]], [r["ci_high"] - r["b_crit"]]],
+                        fmt=style["marker"], color=style["color"], capsize=3, ms=6)
+        else:
+            ax.plot(r["b_crit"], y, marker=style["marker"], mfc="white", color=style["color"], ms=7, ls="none")
+    ax.set_xscale("log")
+    _plain_log(ax.xaxis)
+    ax.set_yticks(range(len(rows), 0, -1), [f"{m} ({r['role']}): {r['verdict']}" for m, r in rows], fontsize=8)
+    ax.set_ylim(0.4, len(rows) + 0.6)
+    ax.set_xlabel("critical batch size B_crit (examples per step; log scale)")
+    ax.set_ylabel("method (role): verdict", fontsize=8)
+    figure.suptitle(f"B_crit per method{_at_primary(analysis)}, {1 - analysis.settings['alpha']:.0%} CI "
+                    f"(jackknife)\n{_group_title(analysis, analysis.primary_group)}; open markers: unresolved, a bound",
+                    fontsize=9)
+    return figure
+
+
+def ratio_forest(analysis, path) -> Path:
+    """Each ratio B_crit(corrected)/B_crit(baseline) at the primary target with its CI (log x), the
+    equivalence band [RATIO_MARGIN, 1/RATIO_MARGIN] shaded and a line at 1: the tests that decide."""
+    return _save(_build_ratio_forest(analysis), path)
+
+
+def _build_ratio_forest(analysis) -> Figure:
+    rows = [(c, b, r) for c, against in analysis.primary["ratios"].items() for b, r in against.items()
+            if r.get("status") == "ok"]
+    figure = Figure(figsize=(6.5, 1.9 + 0.34 * max(len(rows), 1)), layout="constrained")
+    ax = figure.subplots()
+    ax.axvspan(RATIO_MARGIN, 1 / RATIO_MARGIN, color="0.9",
+               label=f"equivalence band [{RATIO_MARGIN:.3g}, {1 / RATIO_MARGIN:.3g}]")
+    ax.axvline(1.0, color="0.3", lw=0.8, label="ratio 1 (no difference)")
+    for i, (_, _, r) in enumerate(rows):
+        y, style = len(rows) - i, _style(i)
+        ax.errorbar(r["ratio"], y, xerr=[[r["ratio"] - r["ci_low"]], [r["ci_high"] - r["ratio"]]],
+                    fmt=style["marker"], color=style["color"], capsize=3, ms=6)
+    ax.set_xscale("log")
+    _plain_log(ax.xaxis)
+    ax.set_yticks(range(len(rows), 0, -1), [f"{c} / {b}: {r['class']}, p = {r['p']:.2g}" for c, b, r in rows],
+                  fontsize=8)
+    ax.set_ylim(0.4, len(rows) + 0.6)
+    ax.set_xlabel("ratio B_crit(corrected) / B_crit(baseline) (log scale)")
+    ax.set_ylabel("pair: class, one-sided p", fontsize=8)
+    figure.suptitle(f"the tests that decide{_at_primary(analysis)}, {1 - analysis.settings['alpha']:.0%} CI "
+                    f"(jackknife)\n{_group_title(analysis, analysis.primary_group)}", fontsize=9)
+    figure.legend(fontsize=7, loc="outside lower center", ncols=2)
+    return figure
+
+
+def _at_primary(analysis) -> str:
+    target = getattr(analysis, "primary_target", None)
+    return "" if target is None else f" at the primary target {target:g}"

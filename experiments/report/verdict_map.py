@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from affdiv.atomic import atomic_write
+from affdiv.vocabulary import STEPS_TO_TARGET
 
 BEGIN = "<!-- verdict map: begin (written by `affdiv map`; edits inside are overwritten) -->"
 END = "<!-- verdict map: end -->"
@@ -33,7 +34,7 @@ def read_study(folder: str | Path) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no summary.json (run `affdiv analyse` or `affdiv falsify` first)")
     summary = json.loads(path.read_text())
-    if summary.get("design") != "steps_to_target" or not summary.get("by_target"):
+    if summary.get("design") != STEPS_TO_TARGET or not summary.get("by_target"):
         raise ValueError(f"{path}: not a steps-to-target study along a target ladder (design "
                          f"{summary.get('design')!r}, {len(summary.get('by_target') or {})} target(s))")
     return summary

@@ -55,10 +55,14 @@
 * ``summary.tex`` — a booktabs table of the verdicts that fits a one-column page.
 * ``records.csv`` — the analysed records (``affdiv analyse --input records.csv`` reproduces the numbers).
 * figures: fixed budget ``metric_vs_batch.png``, ``contrast_forest.png`` (the tests that decided),
-  ``slope_forest.png`` (descriptive); steps to target ``steps_vs_batch.png``, ``examples_vs_steps.png``
+  ``slope_forest.png`` (descriptive); steps to target ``ratio_forest.png`` (the tests that decided:
+  each ratio with its CI and the equivalence band, at the primary target), ``bcrit_forest.png``
+  (B_crit per method with its CI), ``steps_vs_batch.png``, ``examples_vs_steps.png``
   and, along a ladder of more than one target, ``bcrit_vs_target.png`` and ``ratio_vs_target.png``
   (with a section "Along the target ladder": ratios, B_crit and trends per target, and how the runs
   read their steps); when given ``training_curves.png`` and ``calibration.png``.
+  Long per-batch tables come after the figures, collapsed (``<details>``); a table's columns that
+  are empty in every row are left out.
 
 Every file is written to a temporary name and renamed, so a killed process leaves no half-written file.
 """
@@ -86,6 +90,7 @@ from affdiv.reporting import (
     provenance_latex,
     provenance_markdown,
 )
+from affdiv.vocabulary import FIXED_BUDGET, JOINT_VERDICTS, STEPS_TO_TARGET
 
 
 # --------------------------------------------------------------------------------------- output
@@ -108,12 +113,14 @@ def _interval(low, high, fmt: str = ".3g") -> str:
 
 
 def _design(summary: Mapping) -> str:
-    return summary.get("design", "fixed budget")
+    return summary.get("design", FIXED_BUDGET)
 
 
 # ------------------------------------------------------------------------------------- document
 # A document is a list of blocks: ("h", level, text), ("p", text), ("list", [text]),
-# ("table", header, rows[, first]), ("image", file, caption), ("provenance", record).
+# ("table", header, rows[, first]), ("image", file, caption), ("provenance", record) and
+# ("details", summary, [blocks]) (collapsed in the HTML). A table's columns that are empty ("—")
+# in every row are left out.
 
 def _caveats(summary: Mapping) -> list:
     """The preset's caveats and the design's own limits, for the top of the report."""
@@ -138,12 +145,12 @@ def _caveats(summary: Mapping) -> list:
         items.append(f"The runs were trained by other code than the command that wrote this report "
                      f"({_code(code[0])}); the version in the provenance is that command's.")
     settings = summary["settings"]
-    if _design(summary) == "fixed budget" and not settings.get("test_baselines", True):
+    if _design(summary) == FIXED_BUDGET and not settings.get("test_baselines", True):
         items.append("Epoch budget: a larger batch size takes fewer optimizer steps, so every method can fall "
                      "with the batch size for that reason alone. Only the differences between methods "
                      "(difference in differences) are evidence about the layers; the baselines' own fall is "
                      "reported, not tested.")
-    if _design(summary) == "fixed budget":
+    if _design(summary) == FIXED_BUDGET:
         groups = summary["groups"]
         if len(groups) > 1:
             items.append(f"{len(groups)} groups were analysed; the verdict is the primary group's "
@@ -264,18 +271,26 @@ def _target_group_blocks(name: str, content: Mapping, summary: Mapping) -> list:
                    ("table", ["corrected", "baseline", "class", "ratio", f"{level} CI",
                               f"{1 - 2 * settings['alpha']:.0%} interval", "p (ratio < 1)", "bootstrap CI",
                               "status"], ratios, ["corrected", "baseline", "class"])]
+    return blocks
+
+
+def _per_batch_blocks(name: str, content: Mapping, summary: Mapping) -> list:
+    """The runs per method and batch size of a group (a long table: collapsed, after the figures)."""
+    fits = content["critical_batch"]
     cells = []
     for m, r in fits.items():
         for c in r["cells"]:
             cells.append([m, str(c["batch_size"]), str(c["n"]), str(c["censored"]), _number(c.get("median_steps")),
                           str(c["max_steps"]), _number(c.get("b_simple_init")), _number(c.get("b_simple")),
                           _number(r.get("b_crit"))])
-    blocks += [("p", "Runs per method and batch size: the median steps to target of the runs that reached it, "
-                     "and the gradient noise scale B_simple = tr(Σ)/|G|² (median over seeds; at initialisation and "
-                     "at the last measurement), where the runs measured it, beside the method's fitted B_crit."),
-               ("table", ["method", "batch size", "runs", "censored", "median steps", "max_steps", "B_simple (init)",
-                          "B_simple (last)", "B_crit (fit)"], cells)]
-    return blocks
+    by = summary["settings"].get("group_by")
+    title = f"Runs per method and batch size, group {name if by is None else f'{by} = {name}'}"
+    return [("details", title, [
+        ("p", "The median steps to target of the runs that reached it, and the gradient noise scale "
+              "B_simple = tr(Σ)/|G|² (median over seeds; at initialisation and at the last measurement) where the "
+              "runs measured it, beside the method's fitted B_crit."),
+        ("table", ["method", "batch size", "runs", "censored", "median steps", "max_steps", "B_simple (init)",
+                   "B_simple (last)", "B_crit (fit)"], cells)])]
 
 
 def reads_sentence(records: Sequence[Mapping]) -> str:
@@ -375,8 +390,8 @@ def _ladder_blocks(summary: Mapping, reads: str) -> list:
 def _calibration_blocks(calibration: Mapping) -> list:
     n, alpha = calibration["n_sims"], calibration["alpha"]
     effects, null = calibration["effects"], calibration["null_effect"]
-    target = calibration["design"] == "steps_to_target"
-    verdicts = [v for v in ("supported", "contradicted", "mixed", "inconclusive") if v in calibration["joint"]]
+    target = calibration["design"] == STEPS_TO_TARGET
+    verdicts = [v for v in JOINT_VERDICTS if v in calibration["joint"]]
     rows = [[_number(e), *[f"{calibration['joint'][v][i]:.3f}" for v in verdicts],
              *[f"{calibration['methods'][m][i]:.3f}" for m in calibration["methods"]]]
             for i, e in enumerate(effects)]
@@ -425,7 +440,7 @@ def _calibration_blocks(calibration: Mapping) -> list:
                          "truth)."),
                    ("table", ["pair", "measured ratio", "power (p < α)", "Monte-Carlo s.e."], rows, ["pair"])]
     for name, scenario in (calibration.get("scenarios") or {}).items():
-        verdicts = [v for v in ("supported", "contradicted", "mixed", "inconclusive") if v in scenario["joint"]]
+        verdicts = [v for v in JOINT_VERDICTS if v in scenario["joint"]]
         rows = [[_number(e), *[f"{scenario['joint'][v][i]:.3f}" for v in verdicts],
                  *[f"{scenario['pairs'][p][i]:.3f}" for p in scenario["pairs"]]]
                 for i, e in enumerate(scenario["effects"])]
@@ -438,7 +453,7 @@ def _calibration_blocks(calibration: Mapping) -> list:
 
 def _document(summary: Mapping, files: Mapping[str, str], reads: str = "") -> list:
     s = summary["settings"]
-    target = _design(summary) == "steps_to_target"
+    target = _design(summary) == STEPS_TO_TARGET
     if target:
         blocks = [("h", 1, "Falsification report: steps to target and the critical batch size"),
                   *_caveats(summary),
@@ -464,8 +479,11 @@ def _document(summary: Mapping, files: Mapping[str, str], reads: str = "") -> li
         blocks += _ladder_blocks(summary, reads)
     blocks.append(("h", 2, "Figures"))
     captions = {
-        "steps_vs_batch": "Steps to target against batch size (log–log): runs (censored ones as open triangles at "
-                          "max_steps), the fitted S(B) = S_min(1 + B_crit/B), B_crit marked.",
+        "ratio_forest": "The tests that decide: each ratio B_crit(corrected)/B_crit(baseline) at the primary target "
+                        "with its CI; shaded: the equivalence band.",
+        "bcrit_forest": "B_crit per method at the primary target with its CI (open markers: unresolved, a bound).",
+        "steps_vs_batch": "Steps to target against batch size (log–log): runs (censored ones as faint open markers at "
+                          "max_steps), the fitted S(B) = S_min(1 + B_crit/B), B_crit as a large open marker on it.",
         "examples_vs_steps": "Examples against steps to target: the trade-off curve (S/S_min − 1)(E/E_min − 1) = 1 "
                              "per method, the measured batch sizes on it.",
         "metric_vs_batch": "Metric against batch size, mean over seeds with its confidence band.",
@@ -481,12 +499,25 @@ def _document(summary: Mapping, files: Mapping[str, str], reads: str = "") -> li
     for name, caption in captions.items():
         if name in files:
             blocks.append(("image", files[name], caption))
+    if target:
+        for name, content in summary["groups"].items():
+            blocks += _per_batch_blocks(name, content, summary)
     if "calibration" in summary:
         blocks += _calibration_blocks(summary["calibration"])
         if "calibration" in files:
-            blocks.append(("image", files["calibration"], "Verdict rates of the decision rule against the planted "
-                                                          "effect (±2 Monte-Carlo s.e.)."))
+            blocks.append(("image", files["calibration"], "Verdict rates of the decision rule at each planted effect "
+                                                          "simulated (±2 Monte-Carlo s.e.)."))
     return blocks + [("provenance", summary["provenance"])]
+
+
+_EMPTY = (None, "", "—")
+
+
+def _nonempty_columns(header: Sequence[str], rows: Sequence[Sequence], first: Sequence[str] = ()) -> tuple:
+    """(header, rows, first) without the columns that are empty ("—" or blank) in every row."""
+    keep = [i for i in range(len(header)) if not rows or any(row[i] not in _EMPTY for row in rows)]
+    kept = [header[i] for i in keep]
+    return kept, [[row[i] for i in keep] for row in rows], [name for name in first if name in kept]
 
 
 def _md_row(cells: Sequence[str]) -> str:
@@ -503,8 +534,10 @@ def _markdown(blocks: Sequence) -> str:
         elif kind == "list":
             out.append("\n".join(f"- {item}" for item in args[0]))
         elif kind == "table":
-            header, rows = args[0], args[1]
+            header, rows, _ = _nonempty_columns(args[0], args[1])
             out.append("\n".join([_md_row(header), "|" + "---|" * len(header), *map(_md_row, rows)]))
+        elif kind == "details":  # GitHub and most Markdown viewers render it collapsed
+            out.append(f"<details><summary>{args[0]}</summary>\n\n{_markdown(args[1]).rstrip()}\n\n</details>")
         elif kind == "image":
             out.append(f"![{args[1]}]({args[0]})\n\n*{args[1]}*")
         elif kind == "provenance":
@@ -519,10 +552,12 @@ def _inline(text: str) -> str:
 
 
 _STYLE = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;line-height:1.4}"
-          "img{max-width:100%}figcaption{font-style:italic}" + HTML_STYLE)
+          "img{max-width:100%}figcaption{font-style:italic}details>summary{cursor:pointer;font-weight:bold;"
+          "margin:1em 0}" + HTML_STYLE)
 
 
-def _html(blocks: Sequence, out_dir: Path) -> str:
+def _html(blocks: Sequence, out_dir: Path, *, whole: bool = True) -> str:
+    """The blocks as HTML: a whole self-contained page, or (``whole=False``) its body's elements."""
     body = []
     for kind, *args in blocks:
         if kind == "h":
@@ -532,82 +567,100 @@ def _html(blocks: Sequence, out_dir: Path) -> str:
         elif kind == "list":
             body.append("<ul>" + "".join(f"<li>{_inline(i)}</li>" for i in args[0]) + "</ul>")
         elif kind == "table":
-            header, rows = args[0], args[1]
-            first = args[2] if len(args) > 2 else ()
+            header, rows, first = _nonempty_columns(args[0], args[1], args[2] if len(args) > 2 else ())
             body.append(html_table(header, rows, first=first, cell=lambda v: _inline("—" if v is None else v)))
+        elif kind == "details":
+            body.append(f"<details><summary>{_inline(args[0])}</summary>{_html(args[1], out_dir, whole=False)}"
+                        "</details>")
         elif kind == "image":
             data = base64.b64encode((out_dir / args[0]).read_bytes()).decode()
             body.append(f'<figure><img src="data:image/png;base64,{data}" alt="{html.escape(args[1])}">'
                         f"<figcaption>{_inline(args[1])}</figcaption></figure>")
         elif kind == "provenance":
             body.append(provenance_html(args[0]))
+    if not whole:
+        return "\n".join(body)
     return ('<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>affdiv falsification report'
             f"</title><style>{_STYLE}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
 
 
 def summary_tex(summary: Mapping) -> str:
-    """A booktabs table of the verdicts that fits a one-column page (needs booktabs, tabularx)."""
+    """A booktabs table of the verdicts that fits a one-column page (needs booktabs, tabularx): per
+    method its estimate with its CI and, beside its verdict, the test(s) that decided it, each with
+    its estimate, CI and p-value (:func:`deciding_tests`)."""
     level = f"{1 - summary['settings']['alpha']:.0%} CI"
     head = provenance_latex(summary.get("provenance", {}), what="affdiv falsification report: verdict table")
-    if _design(summary) == "steps_to_target":
-        rows = []
-        for group, content in summary["groups"].items():
-            for method, r in content["critical_batch"].items():
-                pairs = content["ratios"].get(method, {})
-                rows.append([group, method, r["role"], r.get("b_crit"),
-                             _interval(r.get("ci_low"), r.get("ci_high")), str(r["censored"]),
-                             "; ".join(f"{b}: {p.get('class', '—')}" for b, p in pairs.items()) or "—",
-                             r["verdict"]])
-        columns = [Column("Group"), Column("Method", "X"), Column("Role"), Column(Latex(r"$B_\mathrm{crit}$"), "r"),
-                   Column(level), Column("Censored", "r"), Column("Ratio class vs baseline", "X"), Column("Verdict")]
-    else:
-        rows = []
-        for group, content in summary["groups"].items():
-            for method, r in content["methods"].items():
+    target = _design(summary) == STEPS_TO_TARGET
+    rows = []
+    for group, content in summary["groups"].items():
+        for method, r, tests in deciding_tests(summary, content):
+            if target:
+                estimate = [r.get("b_crit"), _interval(r.get("ci_low"), r.get("ci_high")), str(r["censored"])]
+            else:
                 c = r.get("contrast", {})
-                rows.append([group, method, r["role"], c.get("estimate"), _interval(c.get("ci_low"), c.get("ci_high")),
-                             r["verdict"]])
+                estimate = [c.get("estimate"), _interval(c.get("ci_low"), c.get("ci_high"))]
+            decided = "; ".join(_test_words(t) for t in tests) or "---"
+            rows.append([group, method, r["role"], *estimate, decided, r["verdict"]])
+    if target:
+        columns = [Column("Group"), Column("Method", "X"), Column("Role"), Column(Latex(r"$B_\mathrm{crit}$"), "r"),
+                   Column(level), Column("Censored", "r")]
+    else:
         columns = [Column("Group"), Column("Method", "X"), Column("Role"), Column(Latex(r"$\Delta$"), "r"),
-                   Column(level), Column("Verdict")]
+                   Column(level)]
+    columns += [Column("Deciding test: estimate [CI], p, class", "X"), Column("Verdict")]
     notes = f"Joint verdict of the prediction (group {summary['primary_group']}): {summary['prediction']['verdict']}."
     return latex_table(columns, rows, notes=notes, head=head)
 
 
-def _deciding_tests(summary: Mapping, content: Mapping) -> list[tuple[str, Mapping, list]]:
-    """(method, its result, [(test, estimate, CI, class)]) of a group: the tests that decided each
-    verdict. Fixed budget: a corrected layer's DiD against each baseline, else Δ; steps to target:
-    a corrected layer's B_crit ratio against each baseline, else B_crit."""
+def _test_words(test: tuple) -> str:
+    """A deciding test in one line: ``ratio vs affine 0.81 [0.7, 0.93], p = 0.012: smaller``."""
+    name, estimate, interval, p, kind = test
+    return f"{name} {estimate} {interval}, p = {p}: {kind}"
+
+
+def deciding_tests(summary: Mapping, content: Mapping) -> list[tuple[str, Mapping, list]]:
+    """(method, its result, [(test, estimate, CI, p, class)]) of a group: the tests that decided each
+    verdict, as text. Fixed budget: a corrected layer's DiD against each baseline, else its Δ, with
+    p = "p(falls) / p(equivalent)" (the one-sided test and the equivalence test the class comes
+    from). Steps to target: a corrected layer's B_crit ratio against each baseline, p of the
+    one-sided test of ratio < 1; a baseline's verdict is 'reference' (no test decides it) and an
+    other method has no prediction: no test (empty list)."""
     out = []
-    if _design(summary) == "steps_to_target":
+    if _design(summary) == STEPS_TO_TARGET:
         for method, r in content["critical_batch"].items():
             pairs = content["ratios"].get(method, {}) if r["role"] == "corrected" else {}
-            tests = [(f"ratio vs {b}", _number(p.get("ratio")), _interval(p.get("ci_low"), p.get("ci_high")),
-                      p.get("class", "—")) for b, p in pairs.items()]
-            out.append((method, r, tests or [("B_crit", _number(r.get("b_crit")),
-                                              _interval(r.get("ci_low"), r.get("ci_high")), "—")]))
+            out.append((method, r, [(f"ratio vs {b}", _number(p.get("ratio")),
+                                     _interval(p.get("ci_low"), p.get("ci_high")), _p(p.get("p")),
+                                     p.get("class", "—")) for b, p in pairs.items()]))
         return out
     for method, r in content["methods"].items():
         dids = r.get("did", {}) if r["role"] == "corrected" else {}
         tests = [(f"DiD vs {b}", _signed(d.get("estimate")), _interval(d.get("ci_low"), d.get("ci_high")),
-                  d.get("class", "—")) for b, d in dids.items()]
+                  f"{_p(d.get('p_less'))} / {_p(d.get('p_equivalent'))}", d.get("class", "—"))
+                 for b, d in dids.items()]
         c = r.get("contrast", {})
-        out.append((method, r, tests or [("Δ", _signed(c.get("estimate")), _interval(c.get("ci_low"), c.get("ci_high")),
-                                          r.get("contrast_class", "—"))]))
+        if not tests and r["role"] != "other":
+            tests = [("Δ", _signed(c.get("estimate")), _interval(c.get("ci_low"), c.get("ci_high")),
+                      f"{_p(c.get('p_less'))} / {_p(c.get('p_equivalent'))}", r.get("contrast_class", "—"))]
+        out.append((method, r, tests))
     return out
 
 
 def verdict_table(summary: Mapping) -> str:
     """A compact plain-text table of the verdicts (for the terminal, e.g. after ``affdiv falsify``):
-    group, method, role, verdict and the test that decided it, its estimate with its CI and its
-    class; then the joint verdict. Fixed budget: a baseline's Δ, a corrected layer's DiD against
-    each baseline; steps to target: a baseline's B_crit, a corrected layer's B_crit ratio against
-    each baseline with the pair's class (smaller, smaller_within_margin, equivalent, larger,
-    unclear)."""
+    group, method, role, verdict and the test that decided it (:func:`deciding_tests`): its
+    estimate, CI, p-value(s) and class; then the joint verdict. Fixed budget: a baseline's Δ, a
+    corrected layer's DiD against each baseline (p: falls / equivalent); steps to target: a
+    corrected layer's B_crit ratio against each baseline (p: one-sided, ratio < 1) with the pair's
+    class (smaller, smaller_within_margin, equivalent, larger, unclear). A method whose verdict no
+    test decided (a baseline's 'reference', 'no prediction') shows none."""
     level = f"{1 - summary['settings']['alpha']:.0%} CI"
-    rows = [["group", "method", "role", "verdict", "deciding test", "estimate", level, "class"]]
+    target = _design(summary) == STEPS_TO_TARGET
+    rows = [["group", "method", "role", "verdict", "deciding test", "estimate", level,
+             "p (ratio < 1)" if target else "p (falls / equiv.)", "class"]]
     for group, content in summary["groups"].items():
-        for method, r, tests in _deciding_tests(summary, content):
-            for k, test in enumerate(tests):
+        for method, r, tests in deciding_tests(summary, content):
+            for k, test in enumerate(tests or [("none", "—", "—", "—", "—")]):
                 first = [group, method, r["role"], r["verdict"]] if k == 0 else ["", "", "", ""]
                 rows.append(first + list(test))
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
@@ -623,11 +676,13 @@ def write_report(out_dir, analysis, *, records: Sequence[Mapping], curves: Seque
     """Write the report files (see the module docstring); returns {name: path}."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    target = getattr(analysis, "design", "fixed budget") == "steps_to_target"
+    target = getattr(analysis, "design", FIXED_BUDGET) == STEPS_TO_TARGET
     paths = {"records": write_csv(out_dir / "records.csv", records, metric=analysis.settings["metric"])}
     if target:
         paths["steps_vs_batch"] = figures.steps_vs_batch(analysis, out_dir / "steps_vs_batch.png")
         paths["examples_vs_steps"] = figures.examples_vs_steps(analysis, out_dir / "examples_vs_steps.png")
+        paths["bcrit_forest"] = figures.bcrit_forest(analysis, out_dir / "bcrit_forest.png")
+        paths["ratio_forest"] = figures.ratio_forest(analysis, out_dir / "ratio_forest.png")
         if len(analysis.settings.get("targets") or []) > 1:
             paths["bcrit_vs_target"] = figures.bcrit_vs_target(analysis, out_dir / "bcrit_vs_target.png")
             paths["ratio_vs_target"] = figures.ratio_vs_target(analysis, out_dir / "ratio_vs_target.png")

@@ -188,40 +188,53 @@ def _run_unit(unit: Sequence[RunConfig], stack: bool, measurements: Sequence[Mea
 
 
 class Progress:
-    """A plain-text progress bar with ETA on a stream (redrawn in place on a terminal).
+    """The sweep's progress on a stream: a tqdm bar on a terminal, a line at most every 10 s in a log
+    (the same text, no carriage-return debris), with runs done, elapsed time and ETA.
 
-    The ETA is an estimate from the measured time per unit of cost: each run weighs
-    :meth:`cost` (its work, in examples up to a shared factor), and ETA = elapsed x remaining cost / finished
-    cost, so that a few cheap runs finishing first (or a unit of work finishing many at once) do
-    not set the pace of the expensive ones. ``runs``: the pending runs' configs (None: every run
-    weighs the same); ``advance(config=...)`` names the run that finished. No ETA is shown until a
-    run has finished. ``clock``: seconds, monotonic (a test passes a fake one).
+    ETA = elapsed x remaining cost / finished cost, each run weighing :meth:`cost`. It is unbiased
+    when the runs finished so far are a fair sample of the sweep's: the sweep trains its units in
+    a fixed pseudo-random order (:func:`_units`), never grid-sorted, where the first runs would all
+    be of one method or batch size. ``runs``: the pending runs' configs (None: every run weighs the
+    same); ``advance(config=...)`` names the run that finished. No ETA until a run has finished.
+    ``clock``: seconds, monotonic (a test passes a fake one).
     """
 
-    def __init__(self, total: int, skipped: int, stream: TextIO | None, width: int = 30, *,
+    LOG_EVERY_S = 10.0
+    FORMAT = "{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} runs{postfix}"
+
+    def __init__(self, total: int, skipped: int, stream: TextIO | None, *,
                  runs: Sequence[RunConfig] | None = None, clock: Callable[[], float] = time.monotonic):
-        self.total, self.skipped, self.stream, self.width = total, skipped, stream, width
+        self.total, self.skipped, self.stream = total, skipped, stream
         self.clock = clock
         self.done, self.failed, self.start = 0, 0, clock()
         costs = [self.cost(config) for config in runs or ()]
         self.total_cost = float(sum(costs)) if costs else float(total)
         self.mean_cost = self.total_cost / total if total else 1.0  # of a run advance() does not name
         self.done_cost = 0.0
-        self.tty = bool(stream) and hasattr(stream, "isatty") and stream.isatty()
+        tty = bool(stream) and hasattr(stream, "isatty") and stream.isatty()
+        self.bar = None
+        if tty:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, file=stream, bar_format=self.FORMAT, dynamic_ncols=True, leave=True,
+                            mininterval=0)
         self._last_line = -1.0
         self._show()
 
     @staticmethod
     def cost(config: RunConfig) -> float:
-        """The work of a run, in examples at most up to a factor shared by the sweep's runs:
-        batch_size x steps x learning-rate candidates, with steps = ``length`` under the ``steps``
-        budget and ``length`` (max_steps) under ``target``; under ``epochs`` every batch size passes
-        over the same training split ``length`` times, so the work is ``length`` x candidates (the
-        split's size is the shared factor). A function of the config alone, so the total and the
-        finished work are counted alike."""
+        """The expected work of a run, up to a factor shared by the sweep's runs, x its learning-rate
+        candidates: batch_size x steps under the ``steps`` budget; ``length`` under ``epochs`` (every
+        batch size passes over the same split ``length`` times); 1 under ``target``, whose runs stop
+        at the target: ``length`` (max_steps) is a cap, not the work, and weighing by it made a
+        batch of 1024 count 64 times one of 16 (an ETA of 95 hours for a sweep of 4). A function
+        of the config alone, so that the total and the finished work are counted alike."""
         from affdiv.experiments.runs.config import candidates
 
-        work = config.length if config.budget == "epochs" else config.batch_size * config.length
+        if config.budget == "target":
+            work = 1
+        else:
+            work = config.length if config.budget == "epochs" else config.batch_size * config.length
         return float(max(work, 1) * max(len(candidates(config)), 1))
 
     def advance(self, failed: bool = False, config: RunConfig | None = None) -> None:
@@ -238,30 +251,43 @@ class Progress:
             return 0.0
         return (self.clock() - self.start) * max(self.total_cost - self.done_cost, 0.0) / self.done_cost
 
+    def status(self) -> str:
+        """``2 already done, 1 failed, elapsed 11:21, ETA 4:05:00`` (after the run count)."""
+        failed = f", {self.failed} failed" if self.failed else ""
+        return (f", {self.skipped} already done{failed}, elapsed {_clock(self.clock() - self.start)}, "
+                f"ETA {_clock(self.eta())}")
+
     def _show(self) -> None:
         if self.stream is None:
             return
+        if self.bar is not None:
+            self.bar.n = self.done
+            self.bar.set_postfix_str(self.status().removeprefix(", "), refresh=True)
+            if self.done >= self.total:
+                self.close()
+            return
         elapsed = self.clock() - self.start
-        fraction = self.done / self.total if self.total else 1.0
-        if not self.tty and self.done not in (0, self.total) and elapsed - self._last_line < 10:
+        if self.done not in (0, self.total) and elapsed - self._last_line < self.LOG_EVERY_S:
             return  # in a log file: one line every 10 s at most, plus the first and the last
         self._last_line = elapsed
-        filled = int(round(self.width * fraction))
-        line = (
-            f"[{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total} runs"
-            f" ({self.skipped} already done{f', {self.failed} failed' if self.failed else ''})"
-            f" elapsed {_clock(elapsed)} ETA {_clock(self.eta())}"
-        )
-        end = "" if self.tty and self.done < self.total else "\n"
-        print(("\r" if self.tty else "") + line, end=end, file=self.stream, flush=True)
+        from tqdm import tqdm
+
+        line = tqdm.format_meter(self.done, self.total, elapsed, ncols=100, bar_format=self.FORMAT,
+                                 postfix=self.status().removeprefix(", "))
+        print(line, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        """Leave the bar on the terminal as it stands (a no-op in a log)."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
 def _clock(seconds: float) -> str:
-    if seconds != seconds:  # NaN: nothing finished yet
-        return "--:--"
-    minutes, secs = divmod(int(round(seconds)), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes:02d}:{secs:02d}"
+    """``mm:ss`` or ``h:mm:ss`` (tqdm's format); ``--:--`` for NaN (nothing finished yet)."""
+    from tqdm import tqdm
+
+    return "--:--" if seconds != seconds else tqdm.format_interval(seconds)
 
 
 @dataclass
@@ -416,9 +442,11 @@ def _run_on_dask(units: list[tuple], stack: bool, measurements: Sequence[Measure
 
 
 def _units(pending: Sequence[RunConfig], stack: bool, memory: int, data_dir: str | None) -> list[tuple]:
-    """The units of work: ensembles (``stack``) or single runs, smallest batches first (under an
-    epoch budget they take the most steps, so starting them early balances the workers; the
-    order never reaches the results)."""
+    """The units of work: ensembles (``stack``) or single runs, in a fixed pseudo-random order (by
+    the config hash of each unit's first run: the same on every resume). Never grid-sorted: the
+    runs finished at any point are then a fair sample of the sweep's, so the ETA that
+    :class:`Progress` extrapolates from them holds from the first runs on. The order never reaches
+    the results."""
     if stack:
         def shape_of(config):
             data = dataset_for(config, data_dir)
@@ -427,7 +455,7 @@ def _units(pending: Sequence[RunConfig], stack: bool, memory: int, data_dir: str
         units = [tuple(unit) for unit in plan_ensembles(pending, shape_of, memory)]
     else:
         units = [(config,) for config in pending]
-    return sorted(units, key=lambda unit: unit[0].batch_size)
+    return sorted(units, key=lambda unit: config_hash(unit[0].to_dict()))
 
 
 def _run_in_pools(units: list[tuple], options: tuple, commit, workers: int, initargs: tuple,

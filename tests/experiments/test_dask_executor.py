@@ -292,7 +292,7 @@ def test_an_interrupted_dask_sweep_resumes_without_rerunning_or_duplicating(tmp_
     assert 2 <= len(first) < TOTAL and not (out / "summary.json").exists()
 
     below, err = _interrupt_after(sweep_util, _start(out), db, len(first) + 2, signal.SIGKILL, group=False)  # kill -9
-    assert f"0/{TOTAL - len(first)} runs ({len(first)} already done)" in err  # resumed: only the missing runs
+    assert f"0/{TOTAL - len(first)} runs, {len(first)} already done" in err  # resumed: only the missing runs
     assert sweep_util.exited(below, 60), "Dask processes outlived their kill -9'd parent"
     second = sweep_util.rows(db)
     assert len(first) + 2 <= len(second) < TOTAL

@@ -80,11 +80,69 @@ def captured(monkeypatch):
     return seen
 
 
+def _texts(figure: Figure) -> list:
+    """Every text artist the figure draws, as (what, Text): titles, axis labels, the tick labels
+    drawn (those in the view), other texts, legend texts and titles."""
+    out = [("suptitle", figure._suptitle)] if figure._suptitle else []
+    out += [("figure text", t) for t in figure.texts]
+    out += [("figure legend", t) for legend in figure.legends for t in [*legend.get_texts(), legend.get_title()]]
+    for n, ax in enumerate(figure.axes):
+        out += [(f"axes {n} title", t) for t in (ax.title, ax._left_title, ax._right_title)]
+        out += [(f"axes {n} x label", ax.xaxis.label), (f"axes {n} y label", ax.yaxis.label)]
+        for name, axis in (("x", ax.xaxis), ("y", ax.yaxis)):
+            for tick in axis._update_ticks():  # the ticks drawn: those within the view
+                out += [(f"axes {n} {name} tick", label) for label in (tick.label1, tick.label2)]
+            out.append((f"axes {n} {name} offset", axis.offsetText))
+        out += [(f"axes {n} text", t) for t in ax.texts]
+        legend = ax.get_legend()
+        if legend is not None:
+            out += [(f"axes {n} legend", t) for t in [*legend.get_texts(), legend.get_title()]]
+    seen: set = set()  # the suptitle is among the figure's texts too
+    return [(what, t) for what, t in out if t.get_visible() and t.get_text().strip()
+            and not (id(t) in seen or seen.add(id(t)))]
+
+
+def _check_layout(figure: Figure, name: str) -> None:
+    """No two texts overlap (bounding boxes from matplotlib's renderer, more than 1 px each way), no
+    text reaches outside the figure (its size as laid out: ``bbox_inches="tight"`` would save such
+    a text, but only by growing the figure past the size it was laid out for), and no two lines of
+    one axes look alike but for their colour (same marker, line style and fill)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    renderer = FigureCanvasAgg(figure).get_renderer()
+    for _ in range(2):  # constrained layout settles over two draws, as savefig(bbox_inches="tight") draws
+        figure.draw(renderer)
+    boxes = [(what, t.get_text(), t.get_window_extent(renderer)) for what, t in _texts(figure)]
+    edge = figure.bbox
+    for what, text, box in boxes:
+        assert box.x0 >= edge.x0 - 1 and box.y0 >= edge.y0 - 1 and box.x1 <= edge.x1 + 1 and \
+            box.y1 <= edge.y1 + 1, f"{name}: {what} {text!r} clipped: {box.bounds} outside {edge.bounds}"
+    for i, (what_a, text_a, a) in enumerate(boxes):
+        for what_b, text_b, b in boxes[i + 1:]:
+            overlap = min(a.x1, b.x1) - max(a.x0, b.x0), min(a.y1, b.y1) - max(a.y0, b.y0)
+            assert not (overlap[0] > 1 and overlap[1] > 1), \
+                f"{name}: {what_a} {text_a!r} overlaps {what_b} {text_b!r} by {overlap[0]:.0f}x{overlap[1]:.0f} px"
+    for n, ax in enumerate(figure.axes):
+        caps = {id(line) for c in ax.containers if isinstance(c, ErrorbarContainer) for line in c[1]}
+        looks: dict = {}
+        for line in ax.get_lines():
+            if id(line) in caps or not line.get_visible():
+                continue
+            marker, style = str(line.get_marker()), str(line.get_linestyle())
+            if marker in ("None", "", " ") and style in ("None", "", " "):
+                continue
+            open_face = str(line.get_markerfacecolor()) in ("none", "white", "w") or line.get_fillstyle() == "none"
+            looks.setdefault((marker, style, open_face), set()).add(str(line.get_color()))
+        alike = {key: colours for key, colours in looks.items() if len(colours) > 1}
+        assert not alike, f"{name}, axes {n}: lines told apart by colour alone: {alike}"
+
+
 def _check_every_saved_figure(captured, paths):
     pngs = {Path(p).name: Path(p) for p in paths if str(p).endswith(".png")}
     assert set(pngs) == set(captured), "a figure was written without figures._save"
     for name, figure in captured.items():
         _check_readable(figure, name)
+        _check_layout(figure, name)
         width, height = _png_size(pngs[name])
         assert width <= figures.MAX_WIDTH_PX and height <= MAX_HEIGHT_PX, (name, width, height)
 
@@ -104,7 +162,16 @@ def test_every_figure_of_a_small_fixed_budget_report(study, captured, tmp_path):
 
     labels = [t.get_text() for t in captured["calibration.png"].axes[0].get_legend().get_texts()]
     assert any("joint verdict 'supported'" in t for t in labels) and any("affine_like" in t for t in labels)
-    assert any("α" in t for t in labels) and any("Monte-Carlo" in t for t in labels)
+    assert any("α" in t for t in labels) and "Monte-Carlo" in _title(captured["calibration.png"])
+    # Points at the simulated effects only, each with its error bar; no line joins them.
+    ax = captured["calibration.png"].axes[0]
+    bars = [c for c in ax.containers if isinstance(c, ErrorbarContainer)]
+    assert len(bars) == 2 + len(calibration.methods)  # joint supported and contradicted, each corrected layer
+    gap = min(np.diff(sorted(calibration.effects)))
+    for bar in bars:
+        points = bar[0]
+        assert str(points.get_linestyle()) == "None" and points.get_marker() not in ("None", "")
+        assert np.allclose(sorted(points.get_xdata()), sorted(calibration.effects), atol=0.2 * gap)
     assert any("± equivalence margin" in t for t in labels)
 
 
@@ -121,7 +188,8 @@ def test_every_figure_of_a_small_steps_to_target_report(captured, tmp_path):
     calibration = calibrate_for(analysis, n_sims=3)
     paths = write_report(tmp_path, analysis, records=records, curves=curves, provenance=PROVENANCE,
                          calibration=calibration)
-    assert set(captured) == {"steps_vs_batch.png", "examples_vs_steps.png", "training_curves.png", "calibration.png"}
+    assert set(captured) == {"steps_vs_batch.png", "examples_vs_steps.png", "bcrit_forest.png", "ratio_forest.png",
+                             "training_curves.png", "calibration.png"}
     _check_every_saved_figure(captured, paths.values())
     for name in ("steps_vs_batch.png", "examples_vs_steps.png", "training_curves.png"):
         assert TUNED in _title(captured[name]), name
@@ -250,3 +318,39 @@ def test_the_contrast_forest_puts_each_verdict_on_the_test_that_decided_it(study
                 assert all(label.endswith(f"⇒ {method} {r['verdict']}") for label in with_verdict)
             elif r["role"] == "baseline":
                 assert with_verdict == [f"Δ {method} [{group}] ⇒ {r['verdict']}"]
+
+
+def test_the_layout_checker_fails_overlapping_clipped_and_colour_only(study):  # noqa: F811
+    analysis = study[2]
+    _check_layout(figures._build_contrast_forest(analysis), "contrast_forest")
+
+    def broken(change, match):
+        figure = figures._build_contrast_forest(analysis)
+        change(figure)
+        with pytest.raises(AssertionError, match=match):
+            _check_layout(figure, "broken")
+
+    def overlapping(figure):  # a second text where the x label stands
+        ax = figure.axes[0]
+        ax.annotate("a note on the axis", xy=(0.5, 0), xycoords=ax.xaxis.label, ha="center", va="bottom")
+
+    broken(overlapping, "overlaps")
+    broken(lambda f: f._suptitle.set_x(0.9), "clipped")  # the title moved to reach past the right edge
+
+    def colour_only(figure):
+        ax = figure.axes[0]
+        ax.plot([0, 0.01], [1, 2], marker="s", ls="--", color="C1")
+        ax.plot([0, 0.01], [2, 3], marker="s", ls="--", color="C2")
+
+    broken(colour_only, "colour alone")
+
+
+def test_training_curves_over_thousands_of_steps_keep_their_tick_labels_apart():
+    curves = [{"method": m, "batch_size": b, "seed": s, "epoch": 1 + step // 1000, "step": step,
+               "train_loss": 1.0 / (1 + step), "val_metric": 0.5 + step / 30000}
+              for m in ("affine", "affine_like", "batchnorm", "norm_l2") for b in (16, 1024) for s in (0, 1)
+              for step in range(0, 12001, 600)]
+    figure = figures._build_training_curves(curves)
+    _check_layout(figure, "training_curves")  # 1500 and 3000 collided in a 3.4-inch panel
+    labels = [t.get_text() for t in figure.axes[0].get_xticklabels()]
+    assert "10k" in labels or "12k" in labels, labels

@@ -181,7 +181,11 @@ def test_steps_to_target_report(tmp_path):
     # One target (no target column): no ladder section, no ladder figures.
     assert "Along the target ladder" not in text and not {"bcrit_vs_target", "ratio_vs_target"} & set(paths)
     tex = paths["summary_tex"].read_text()
-    assert r"$B_\mathrm{crit}$" in tex and r"affine\_like" in tex and "affine: smaller" in tex
+    assert r"$B_\mathrm{crit}$" in tex and r"affine\_like" in tex
+    for b, pair in summary["ratios"]["affine_like"].items():  # each verdict beside its deciding ratio and p
+        p = f"{pair['p']:.4f}" if pair["p"] >= 1e-4 else r"\textless{}1e-4"
+        assert (f"ratio vs {b} {pair['ratio']:.3g} [{pair['ci_low']:.3g}, {pair['ci_high']:.3g}], p = {p}: "
+                f"{pair['class']}") in tex
 
 
 LADDER = (0.8, 0.85, 0.9)
@@ -237,7 +241,7 @@ def test_a_ladder_report_shows_every_target(ladder, ladder_written):
     for name in ("bcrit_vs_target.png", "ratio_vs_target.png"):
         assert f"]({name})" in text and paths[name.removesuffix(".png")].read_bytes().startswith(PNG)
     html = paths["report_html"].read_text()
-    assert "<h2>Along the target ladder</h2>" in html and len(re.findall(r'src="data:image/png', html)) == 5
+    assert "<h2>Along the target ladder</h2>" in html and len(re.findall(r'src="data:image/png', html)) == 7
 
 
 def test_a_ladder_report_gives_every_outcome_rate_and_the_power_at_the_measured_ratio(ladder, ladder_written):
@@ -263,9 +267,14 @@ def test_the_verdict_and_latex_tables_name_each_pair_class(ladder):
     for b, pair in pairs.items():
         row = next(line for line in lines if f"ratio vs {b}" in line)
         assert row.rstrip().endswith(pair["class"]) and f"{pair['ratio']:.3g}" in row
-    assert next(line for line in lines if line.split()[:2] == ["tuned", "affine"]).split()[4] == "B_crit"
+        assert f" {pair['p']:.4f} " in row or " <1e-4 " in row  # the ratio test's p beside its ratio
+    # A baseline's verdict ('reference') was decided by no test: no B_crit posing as one.
+    baseline = next(line for line in lines if line.split()[:2] == ["tuned", "affine"]).split()
+    assert baseline[3:6] == ["reference", "none", "—"]
+    assert "p (ratio < 1)" in lines[0]
     tex = summary_tex(summary)
-    assert "Ratio class vs baseline" in tex and "affine: smaller; batchnorm: smaller" in tex
+    assert "Deciding test: estimate [CI], p, class" in tex
+    assert all(f"ratio vs {b} {pair['ratio']:.3g} " in tex for b, pair in pairs.items())
 
 
 def test_how_steps_are_read_comes_from_the_records():
@@ -287,5 +296,25 @@ def test_verdict_table_names_the_deciding_test_of_every_method(study):
             assert r["verdict"] in row
             if r["role"] == "corrected":
                 assert "DiD vs " in row
+            for b, d in r.get("did", {}).items():  # each DiD with the p-values its class came from
+                did = next(line for line in lines if f"DiD vs {b}" in line and lines.index(line) >= lines.index(row))
+                assert f"{d['estimate']:+.3g}" in did and f"{d['p_less']:.4f} / " in did.replace("<1e-4", "0.0000")
     assert "DiD vs batchnorm" in table and "[" in table and "95% CI" in lines[0] and lines[0].endswith("class")
     assert lines[-1] == f"Joint verdict of the prediction (group tuned): {summary['prediction']['verdict']}"
+
+
+def test_the_per_batch_table_comes_collapsed_after_the_figures_without_its_empty_columns(tmp_path):
+    rng = np.random.default_rng(3)
+    records = simulate_target_records({"affine_like": (300, 100), "affine": (200, 400)}, batch_sizes=(16, 64, 256),
+                                      seeds=range(4), sigma=0.1, max_steps=5000, rng=rng)
+    paths = write_report(tmp_path, analyse_target(records, n_boot=0), records=records, provenance=PROVENANCE)
+    text = paths["report_md"].read_text()
+    table = text.index("| method | batch size | runs | censored | median steps | max_steps | B_crit (fit) |")
+    opened = text.index("<details><summary>Runs per method and batch size, group all</summary>")
+    assert text.index("## Figures") < text.index("![") < opened < table < text.index("</details>", table)
+    assert "B_simple" not in text[table:]  # no run measured it: the columns ("—" in every row) are left out
+    html = paths["report_html"].read_text()
+    opened = html.index("<details><summary>Runs per method and batch size, group all</summary>")
+    assert html.index("<h2>Figures</h2>") < html.rindex("<figure>") < opened < html.index("median steps", opened)
+    table = html[html.index("<table>", opened):html.index("</details>", opened)]
+    assert "B_simple" not in table and '<th scope="col">B_crit (fit)</th>' in table

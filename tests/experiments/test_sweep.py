@@ -52,8 +52,8 @@ def test_resume_skips_finished_runs_and_parallel_equals_serial(tmp_path):
     stream = io.StringIO()
     outcome = run_sweep(configs, serial, workers=1, threads=1, progress=stream, on_result=seen.append)
     assert (outcome.ran, outcome.skipped) == (2, 2)
-    assert seen == sorted(configs[2:], key=lambda c: c.batch_size)  # only the unfinished ones ran
-    assert "4/4" not in stream.getvalue() and "2/2 runs (2 already done)" in stream.getvalue()
+    assert seen == sorted(configs[2:], key=lambda c: config_hash(c.to_dict()))  # only the unfinished ones ran
+    assert "4/4" not in stream.getvalue() and "2/2 runs, 2 already done" in stream.getvalue()
     assert serial.finished() == {config_hash(c.to_dict()) for c in configs} == set(outcome.hashes)
 
     parallel = ResultStore(tmp_path / "parallel.sqlite")
@@ -66,14 +66,28 @@ def test_resume_skips_finished_runs_and_parallel_equals_serial(tmp_path):
     assert parallel.curves() == serial.curves()
 
 
-def test_progress_bar_reports_count_and_eta():
+def test_progress_reports_count_and_eta_in_a_log_and_draws_a_tqdm_bar_on_a_terminal():
     stream = io.StringIO()
-    bar = Progress(total=3, skipped=1, stream=stream, width=6)
+    bar = Progress(total=3, skipped=1, stream=stream)
     bar.advance(), bar.advance(), bar.advance()
-    lines = stream.getvalue().splitlines()
-    assert lines[0].startswith("[......] 0/3 runs (1 already done)") and lines[0].endswith("ETA --:--")
-    assert lines[-1].startswith("[######] 3/3 runs") and lines[-1].endswith("ETA 00:00")
+    lines = stream.getvalue().splitlines()  # a log: whole lines, the first and the last (10 s apart at most)
+    assert "\r" not in stream.getvalue() and len(lines) == 2
+    assert "| 0/3 runs, 1 already done, elapsed 00:00, ETA --:--" in lines[0] and lines[0].startswith("  0%|")
+    assert lines[-1].startswith("100%|") and lines[-1].endswith("| 3/3 runs, 1 already done, elapsed 00:00, ETA 00:00")
 
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    bar = Progress(total=2, skipped=0, stream=terminal)
+    bar.advance(failed=True)
+    assert bar.bar is not None and bar.bar.n == 1  # tqdm's bar, redrawn in place
+    bar.advance()
+    assert bar.bar is None  # closed at the last run
+    drawn = terminal.getvalue().split("\r")
+    assert any("1/2 runs, 0 already done, 1 failed, elapsed" in d for d in drawn)
+    assert "2/2 runs" in drawn[-1] and "ETA 00:00" in drawn[-1]
 
 
 class FakeClock:
@@ -92,7 +106,7 @@ def test_the_eta_is_elapsed_time_per_unit_of_cost_times_the_cost_left():
             for b in (8, 16, 32)]
     assert [Progress.cost(c) for c in runs] == [80.0, 160.0, 320.0]
     clock, stream = FakeClock(), io.StringIO()
-    bar = Progress(total=3, skipped=0, stream=stream, width=6, runs=runs, clock=clock)
+    bar = Progress(total=3, skipped=0, stream=stream, runs=runs, clock=clock)
     assert bar.eta() != bar.eta()  # NaN: no ETA before a run has finished
     assert stream.getvalue().splitlines()[-1].endswith("ETA --:--")
     clock.now += 10
@@ -104,7 +118,7 @@ def test_the_eta_is_elapsed_time_per_unit_of_cost_times_the_cost_left():
     clock.now += 40
     bar.advance(config=runs[2])
     assert bar.eta() == 0.0
-    assert stream.getvalue().splitlines()[-1].endswith("elapsed 01:10 ETA 00:00")
+    assert stream.getvalue().splitlines()[-1].endswith("elapsed 01:10, ETA 00:00")
 
 
 def test_the_cost_of_a_run_follows_its_budget_and_its_learning_rate_candidates():
@@ -116,9 +130,41 @@ def test_the_cost_of_a_run_follows_its_budget_and_its_learning_rate_candidates()
                           "lr_rule": "tuned", "lr_grid": (0.1, 0.2, 0.4)})
     epochs = RunConfig(**{**common, "budget": "epochs", "length": 2, "data_seed": 12345})
     assert Progress.cost(steps) == 16 * 50
-    assert Progress.cost(target) == 16 * 50 * 3  # max_steps x the three candidates
+    assert Progress.cost(target) == 3  # the three candidates; max_steps is a cap, not the work
+    assert Progress.cost(RunConfig(**{**target.to_dict(), "batch_size": 1024})) == 3
     assert Progress.cost(epochs) == 2  # every batch size passes over the split `length` times
     assert Progress.cost(RunConfig(**{**common, "budget": "epochs", "length": 2, "batch_size": 256})) == 2
+
+
+def test_the_eta_of_a_steps_to_target_sweep_holds_from_its_first_runs():
+    """A planted sweep shaped like a real one (4 methods x 7 batch sizes x 12 seeds, steps to a
+    target, max_steps 12000): a run's time depends on its method (the corrected layers 4-8x
+    slower) and only mildly on the batch size. Run one at a time in the sweep's order on a fake
+    clock, the ETA after 2, 5, 8, 12, 30 and 100 runs is within a factor 1.5 of the time truly left. (Grid
+    order with the old weight batch x max_steps said 95 hours for 4 left in such a sweep.)"""
+    from affdiv.experiments.runs.config import RunConfig
+    from affdiv.experiments.runs.sweep import _units
+
+    seconds = {"affine": 20.0, "batchnorm": 30.0, "norm_l2": 120.0, "affine_like": 160.0}
+    batch_sizes = (16, 32, 64, 128, 256, 512, 1024)
+    configs = [RunConfig(**{**BASE, "method": m, "batch_size": b, "seed": s, "budget": "target", "target": 0.84,
+                            "length": 12000, "lr_rule": "tuned", "lr_grid": (0.05, 0.1, 0.2, 0.4, 0.8)})
+               for m in seconds for b in batch_sizes for s in range(8, 20)]
+
+    def duration(config):  # a mild U in the batch size: slow at the smallest and the largest
+        return seconds[config.method] * (1 + 0.3 * abs(batch_sizes.index(config.batch_size) - 3) / 3)
+
+    order = [config for unit in _units(configs, False, 0, None) for config in unit]
+    assert sorted(map(config_hash, (c.to_dict() for c in order))) == sorted(config_hash(c.to_dict()) for c in configs)
+    clock = FakeClock()
+    bar = Progress(total=len(order), skipped=0, stream=None, runs=order, clock=clock)
+    left = sum(map(duration, order))
+    for k, config in enumerate(order, 1):
+        clock.now += duration(config)
+        left -= duration(config)
+        bar.advance(config=config)
+        if k in (2, 5, 8, 12, 30, 100):
+            assert 1 / 1.5 < bar.eta() / left < 1.5, (k, bar.eta() / 3600, left / 3600)
 
 
 def test_packaged_presets_expand():
