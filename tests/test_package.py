@@ -1,6 +1,7 @@
 """The package as a user installs it: metadata files, extras, the modules a wheel ships, and the one-line
 error naming the extra when an optional library is missing."""
 
+import configparser
 import runpy
 import subprocess
 import sys
@@ -40,6 +41,19 @@ def test_base_install_is_numpy_and_torch_and_extras_cover_every_optional_import(
     for extra, modules in _extras.EXTRAS.items():  # what the import-time check names is what pip installs
         installs = {import_name.get(n, n) for n in extras[extra]}
         assert set(modules) - {"mpmath"} <= installs, extra
+
+
+def test_plain_tox_runs_verify_then_falsify_in_one_environment():
+    """`tox` alone is the main job: its one environment runs the verify environment's commands, then the
+    falsify environment's, so the two share one installation (tox 4 cannot share one environment's folder
+    between two environments: it recreates it each time)."""
+    tox = configparser.ConfigParser(interpolation=None)
+    tox.read(ROOT / "tox.ini", encoding="utf-8")
+    (main,) = tox["tox"]["env_list"].split(",")
+    commands = tox[f"testenv:{main.strip()}"]["commands"].split()
+    assert commands == ["{[testenv:verify]commands}", "{[testenv:falsify]commands}"]
+    assert tox["testenv:verify"]["commands"].startswith("affdiv verify ")
+    assert tox["testenv:falsify"]["commands"].startswith("affdiv falsify --preset smoke ")
 
 
 def test_wheel_modules_leave_out_setup_py():

@@ -114,17 +114,36 @@ def test_a_norm_before_the_swapped_layer_or_after_an_unswapped_one_stays_without
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
-def _readme_convert_block() -> str:
+def _readme_block(heading: str) -> str:
+    """The first python block after ``heading`` in the README."""
     text = README.read_text(encoding="utf-8")
-    section = text[text.index("**`convert` in practice.**"):]
+    section = text[text.index(heading):]
     match = re.search(r"```python\n(.*?)```", section, re.S)
-    assert match, "no python block under the README's 'convert in practice'"
+    assert match, f"no python block under the README's {heading!r}"
     return match.group(1)
 
 
+def _shown_output(code: str) -> list[str]:
+    """The output a README block shows, in its comment lines that start with a module path ("# 0 ...")."""
+    return [line[2:].split("  ")[0].rstrip() for line in code.splitlines() if re.match(r"# \d", line)]
+
+
+def test_the_readme_first_layer_example_keeps_the_head_and_prints_what_it_shows(capsys):
+    code = _readme_block("## The corrected layers")
+    namespace = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        exec(compile(code, "README.md (the corrected layers)", "exec"), namespace)
+    assert capsys.readouterr().out.splitlines() == _shown_output(code) != []
+    model = namespace["model"]
+    assert type(model[0]) is AffineLike and type(model[1]) is nn.Identity
+    assert type(model[-1]) is nn.Linear  # the classifier head stays plain, as the README advises
+    assert namespace["z"].shape == (32, 256)
+
+
 def test_the_readme_convert_example_runs_and_prints_what_it_shows(tmp_path, monkeypatch, capsys):
-    code = _readme_convert_block()
-    shown = [line[2:].split("  ")[0].rstrip() for line in code.splitlines() if re.match(r"# \d", line)]
+    code = _readme_block("**`convert` in practice.**")
+    shown = _shown_output(code)
     monkeypatch.chdir(tmp_path)
     namespace = {}
     with warnings.catch_warnings():
