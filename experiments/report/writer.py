@@ -43,6 +43,9 @@
   "boot_ci_high", "cells", "status", "verdict", "reason", ...}}, "ratios": {corrected:
   {baseline: {"ratio", "ci_low", "ci_high", "ci_low_one_sided", "ci_high_one_sided", "p", "t",
   "df", "class", "boot_ci_low", "boot_ci_high"}}}, "prediction": {"verdict", "reason"}}``;
+  each of ``cells`` (per batch size) holds ``n``, ``censored``, ``median_steps``, ... and, where the
+  runs measured them, the medians ``b_simple``, ``b_simple_init``, ``off_diagonal_share_init`` and
+  ``off_diagonal_share_last`` with their counts ``<name>_n``;
   along a target ladder (records with a ``target`` column) all of these are the primary target's,
   and ``primary_target``, ``settings.targets`` (every target the records answer), ``by_target``
   ({target: {"critical_batch", "ratios", "prediction"}} of the primary group) and ``trends``
