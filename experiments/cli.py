@@ -26,8 +26,8 @@ def register(subparsers) -> None:
         "(re-running the same command resumes), then analyse and write the report.",
     )
     falsify.add_argument("--preset", required=True, metavar="NAME|PATH",
-                         help="smoke, fashion-target, fashion-steps, fashion-cnn, fashion, paper, or a path to a "
-                         "TOML preset")
+                         help="smoke, fashion-ladder, cnn-ladder, fashion-vit, fashion-target, fashion-steps, "
+                         "fashion-cnn, fashion, paper, or a path to a TOML preset")
     falsify.add_argument("--out", required=True, type=Path, metavar="DIR", help="report folder")
     _add_data_dir_option(falsify)
     falsify.add_argument("--workers", type=int, metavar="N", help="worker processes (default: the usable CPUs)")

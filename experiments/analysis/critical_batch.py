@@ -338,7 +338,8 @@ def _cells(rows: Sequence[Mapping], metric: str) -> list[dict]:
                 "median_steps": float(np.median(reached)) if reached else None,
                 "geomean_steps": float(np.exp(np.mean(np.log(reached)))) if reached else None,
                 "max_steps": max(r["max_steps"] for r in runs)}
-        for column in ("b_simple", "b_simple_init"):  # the gradient noise scale, where the runs measured it
+        # the gradient noise scale and the divergence meter's off-diagonal share, where the runs measured them
+        for column in ("b_simple", "b_simple_init", "off_diagonal_share_init", "off_diagonal_share_last"):
             values = [float(r[column]) for r in runs if r.get(column) not in (None, "")]
             values = [v for v in values if math.isfinite(v)]
             if values:

@@ -43,6 +43,9 @@
   "boot_ci_high", "cells", "status", "verdict", "reason", ...}}, "ratios": {corrected:
   {baseline: {"ratio", "ci_low", "ci_high", "ci_low_one_sided", "ci_high_one_sided", "p", "t",
   "df", "class", "boot_ci_low", "boot_ci_high"}}}, "prediction": {"verdict", "reason"}}``;
+  each of ``cells`` (per batch size) holds ``n``, ``censored``, ``median_steps``, ... and, where the
+  runs measured them, the medians ``b_simple``, ``b_simple_init``, ``off_diagonal_share_init`` and
+  ``off_diagonal_share_last`` with their counts ``<name>_n``;
   along a target ladder (records with a ``target`` column) all of these are the primary target's,
   and ``primary_target``, ``settings.targets`` (every target the records answer), ``by_target``
   ({target: {"critical_batch", "ratios", "prediction"}} of the primary group) and ``trends``
@@ -293,6 +296,30 @@ def _per_batch_blocks(name: str, content: Mapping, summary: Mapping) -> list:
                    "B_simple (last)", "B_crit (fit)"], cells)])]
 
 
+def _share_blocks(content: Mapping) -> list:
+    """Beside each method's B_crit, the off-diagonal share of its network as the divergence meter
+    measured it along the runs (``falsify --probe-every`` or a preset's [measure] ``probe_every``):
+    per batch size, the median over the runs of the per-run value at step 0 and at the last
+    measured step (each the mean over the measured layers of the per-sample median ‖u_i − d_i‖/‖d_i‖,
+    at the run's own batch size). Descriptive, no test; nothing where no run measured it."""
+    fits = content["critical_batch"]
+    measured = {c["batch_size"] for r in fits.values() for c in r["cells"] if "off_diagonal_share_init" in c}
+    if not measured:
+        return []
+    batch_sizes = sorted(measured)
+    rows = []
+    for method, r in fits.items():
+        by_batch = {c["batch_size"]: c for c in r["cells"]}
+        rows.append([method, r["role"], _number(r.get("b_crit")),
+                     *(f"{_number(by_batch.get(b, {}).get('off_diagonal_share_init'))} / "
+                       f"{_number(by_batch.get(b, {}).get('off_diagonal_share_last'))}" for b in batch_sizes)])
+    return [("p", "Off-diagonal share of each method's network beside its B_crit (descriptive, not part of the "
+                  "rule): the divergence meter along the runs, at each run's own batch size, the mean over the "
+                  "measured layers of the median over the batch of ‖u_i − d_i‖/‖d_i‖ (what the other samples add "
+                  "to a sample's update), median over the runs; at step 0 / at the last measured step."),
+            ("table", ["method", "role", "B_crit", *(f"B = {b}" for b in batch_sizes)], rows)]
+
+
 def reads_sentence(records: Sequence[Mapping]) -> str:
     """How the runs of ``records`` read their steps to a target, in words: geometric reads with
     interpolated crossings (``read_spacing``), or a read every ``eval_every`` steps."""
@@ -475,6 +502,8 @@ def _document(summary: Mapping, files: Mapping[str, str], reads: str = "") -> li
     group_blocks = _target_group_blocks if target else _fixed_group_blocks
     for name, content in summary["groups"].items():
         blocks += group_blocks(name, content, summary)
+        if target:
+            blocks += _share_blocks(content)
     if target and len(s.get("targets") or []) > 1:
         blocks += _ladder_blocks(summary, reads)
     blocks.append(("h", 2, "Figures"))

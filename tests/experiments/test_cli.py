@@ -186,8 +186,8 @@ def test_analyse_a_minimal_csv(tmp_path):
     "argv, message",
     [
         (["falsify", "--preset", "smok"], "unknown preset 'smok'; expected one of: cnn-ladder, fashion, "
-                                            "fashion-cnn, fashion-ladder, fashion-steps, fashion-target, paper, "
-                                            "smoke"),
+                                            "fashion-cnn, fashion-ladder, fashion-steps, fashion-target, fashion-vit, "
+                                            "paper, smoke"),
         (["falsify", "--preset", "smoke", "--methods", "bn"], "unknown method 'bn'; expected one of: affine"),
         (["falsify", "--preset", "smoke", "--batch-sizes", "0"], "batch sizes must be integers >= 1, got 0"),
         (["falsify", "--preset", "smoke", "--batch-sizes", "100000", "--methods", "affine", "--seeds", "1"],

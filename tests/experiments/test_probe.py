@@ -12,6 +12,7 @@ import pytest
 from affdiv import cli
 from affdiv.experiments.data.dataset import load_dataset
 from affdiv.experiments.probe import aggregate, measure, parse_int_list
+from affdiv.experiments.runs.config import VIT_METHODS
 from affdiv.meter import UnmeasuredModuleWarning
 
 
@@ -63,6 +64,33 @@ def test_the_interval_is_over_seeds():
         4.302652729911275 * math.sqrt(((0.2 - 13 / 30) ** 2 + (0.6 - 13 / 30) ** 2 + (0.5 - 13 / 30) ** 2) / 2 / 3))
     (one,) = aggregate(rows[:2], ("model", "layer", "batch_size"))
     assert one["cosine_mean_ci"] is None and one["scale_mean"] is None
+
+
+def test_the_meter_measures_every_vit_method_of_the_harness(digits):
+    """The probe's vit built-ins are the harness's networks (test_transformer.py); here every one is
+    measured whole at layer scope, and the per-token diagonal scales take their closed forms:
+    AffineLike's is 1; an nn.Linear after a LayerNorm at init (gain 1, bias 0) sees tokens of
+    ‖x‖² = d·σ²/(σ² + ε) and so has ‖x‖² + 1 in (d, d + 1], d = 32 (ε = 1e-5 moves it by < 1e-3
+    for token variances σ² > 1e-2)."""
+    rows, _ = measure(digits, list(VIT_METHODS), [4], seeds=[0], batches=1, scope="layer")
+    assert {r["model"] for r in rows} == set(VIT_METHODS)
+    assert not [r for r in rows if r.get("skipped") or "skipped_reason" in r]  # nothing left unmeasured
+    by = {(r["model"], r["layer"]): r for r in rows}
+    projections = ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.0", "mlp.2")
+    for method in VIT_METHODS:
+        for name in projections:
+            row = by[(method, f"blocks.0.{name}")]
+            assert row["kind"] == ("AffineLike" if "affine_like" in method else "Linear")
+            assert row["off_diagonal_share_mean"] > 0 and math.isfinite(row["off_diagonal_share_mean"])
+            if "affine_like" in method:
+                assert row["site_diagonal_scale_mean"] == pytest.approx(1.0, abs=1e-12)
+        assert ((method, "blocks.0.attn.q_norm") in by) == method.endswith("qknorm")
+        assert ((method, "blocks.0.norm1") in by) == (method != "vit-nonorm")
+    for method in ("vit", "vit-qknorm"):
+        for name in ("attn.q", "attn.k", "attn.v", "mlp.0"):  # the projections right after a LayerNorm
+            assert 32.97 < by[(method, f"blocks.0.{name}")]["site_diagonal_scale_mean"] <= 33 + 1e-9
+    # without normalisation the tokens' norms are whatever the embedding gives: not d
+    assert abs(by[("vit-nonorm", "blocks.0.attn.q")]["site_diagonal_scale_mean"] - 33) > 1
 
 
 def test_probe_command_writes_its_reports(tmp_path):

@@ -186,6 +186,28 @@ def test_steps_to_target_report(tmp_path):
         p = f"{pair['p']:.4f}" if pair["p"] >= 1e-4 else r"\textless{}1e-4"
         assert (f"ratio vs {b} {pair['ratio']:.3g} [{pair['ci_low']:.3g}, {pair['ci_high']:.3g}], p = {p}: "
                 f"{pair['class']}") in tex
+    assert "Off-diagonal share" not in text  # the runs did not measure it: no table
+
+
+def test_a_target_report_gives_the_measured_off_diagonal_share_beside_each_b_crit(tmp_path):
+    rng = np.random.default_rng(3)
+    records = simulate_target_records({"affine_like": (300, 100), "affine": (200, 400)}, batch_sizes=(16, 64, 256),
+                                      seeds=range(5), sigma=0.1, max_steps=5000, rng=rng)
+    for r in records:  # seed s adds s/1000: the median over seeds 0-4 is the seed-2 value
+        if r["method"] == "affine" and r["batch_size"] == 256 and r["seed"] == 4:
+            continue  # a run without the measurement counts for nothing
+        r["off_diagonal_share_init"] = r["batch_size"] / 100 + r["seed"] / 1000
+        r["off_diagonal_share_last"] = 2 * r["batch_size"] / 100 + r["seed"] / 1000
+    paths = write_report(tmp_path, analyse_target(records, n_boot=0), records=records, provenance=PROVENANCE)
+    cells = {c["batch_size"]: c for c in json.loads(paths["summary_json"].read_text())
+             ["critical_batch"]["affine"]["cells"]}
+    assert cells[64]["off_diagonal_share_init"] == pytest.approx(0.642) and cells[64]["off_diagonal_share_init_n"] == 5
+    assert cells[256]["off_diagonal_share_last"] == pytest.approx((5.121 + 5.122) / 2)  # seeds 0-3
+    text = paths["report_md"].read_text()
+    assert "| method | role | B_crit | B = 16 | B = 64 | B = 256 |" in text
+    row = next(line for line in text.splitlines() if line.startswith("| affine_like | corrected |")
+               and "0.162 / 0.322" in line)
+    assert row.endswith("| 0.162 / 0.322 | 0.642 / 1.28 | 2.56 / 5.12 |")
 
 
 LADDER = (0.8, 0.85, 0.9)

@@ -185,7 +185,7 @@ def test_committed_presets_keep_their_run_keys():
     # measurements could be switched on: measurement settings never enter a run's key, so a store
     # such as docs/results/fashion-target/ resumes. A change here orphans stored runs. (smoke's runs
     # changed key once, on purpose, when it came to read a target ladder; the ladder presets' keys
-    # are those of docs/results/fashion-ladder/ and cnn-ladder's runs.)
+    # are those of docs/results/fashion-ladder/ and cnn-ladder's runs; fashion-vit's as first committed.)
     # (fashion-cnn's 40 patchnorm runs changed key once, on purpose, when its [method.patchnorm] grid
     # came in; batch sizes 8 and 16 joined later, and its 120 runs at 32-512 keep their keys: below.)
     expected = {
@@ -197,6 +197,7 @@ def test_committed_presets_keep_their_run_keys():
         "smoke": (128, "cc421df106e102196af6eed53aedc5af4502ac0458b2ae0996cc6a92475b246a"),
         "fashion-ladder": (336, "aef7dc12eb38f97384bd48f6f63caa8f7675fa6b6bdfdcc3321f8ca56a2fa102"),
         "cnn-ladder": (168, "c5aeeac6c9bf171777092c5ea3855d61ec1da53cd92ce28fd4cfd383c86e43d7"),
+        "fashion-vit": (160, "4ded10feaddc37c2887a955bcf42cfa03860aea0a763a8fd7a33e33c5c783819"),
     }
     assert available_presets() == sorted(expected)
     for name, (runs, digest) in expected.items():

@@ -169,12 +169,13 @@ def test_the_eta_of_a_steps_to_target_sweep_holds_from_its_first_runs():
 
 def test_packaged_presets_expand():
     assert available_presets() == ["cnn-ladder", "fashion", "fashion-cnn", "fashion-ladder", "fashion-steps",
-                                   "fashion-target", "paper", "smoke"]
+                                   "fashion-target", "fashion-vit", "paper", "smoke"]
     sizes = {name: [len(s.configs) for s in load_preset(name).studies()] for name in available_presets()}
     assert sizes["smoke"] == [4 * 4 * 8] and sizes["fashion"] == [6 * 4 * 8]
     assert sizes["fashion-target"] == [6 * 7 * 8] and sizes["fashion-steps"] == [6 * 4 * 8]
     assert sizes["fashion-cnn"] == [3 * 7 * 8]
     assert sizes["fashion-ladder"] == [4 * 7 * 12] and sizes["cnn-ladder"] == [3 * 7 * 8]
+    assert sizes["fashion-vit"] == [5 * 4 * 8]
     # The ladder studies' seeds are used by no other study (fresh replications).
     earlier = {c.seed for name in ("fashion", "fashion-target", "fashion-steps", "fashion-cnn")
                for s in load_preset(name).studies() for c in s.configs}
@@ -227,7 +228,8 @@ def test_bad_overrides_are_refused(kwargs, message):
 
 def test_unknown_preset_lists_the_packaged_ones(tmp_path):
     with pytest.raises(ValueError, match="unknown preset 'smok'; expected one of: cnn-ladder, fashion, fashion-cnn, "
-                                         "fashion-ladder, fashion-steps, fashion-target, paper, smoke"):
+                                         "fashion-ladder, fashion-steps, fashion-target, fashion-vit, paper, "
+                                         "smoke"):
         load_preset("smok")
     bad = tmp_path / "bad.toml"
     bad.write_text("[runs]\nlength = 1\n")
