@@ -509,12 +509,14 @@ class _AdaptiveReads:
 
     def missed(self, step: int, cands: Sequence[Candidate], val: Sequence[dict]) -> bool:
         """Whether this read came after a sparse gap and some candidate reached a target that no
-        candidate of its run had reached before: its crossing must be located by dense reads."""
+        candidate of its run had reached at an earlier read (a grid extension's candidates train
+        after the others, so "earlier" is by step): its crossing must be located by dense reads."""
         if not self.sparse_next:
             return False
         return any(point["accuracy"] is not None and point["accuracy"] >= t
                    for cand, point in zip(cands, val) for t in cand.run.ladder
-                   if t not in cand.run.first_reached and math.isfinite(point["loss"]))
+                   if t not in cand.reached and cand.run.first_reached.get(t, math.inf) >= step
+                   and math.isfinite(point["loss"]))
 
     def restore(self, cands: Sequence[Candidate]) -> tuple:
         """The engine and position saved at the last read (the stretch since then re-read densely)."""
