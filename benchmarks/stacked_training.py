@@ -34,8 +34,11 @@ overhead). Target: ≤ 1.5.
 
 Checks: ``--checks B ...`` also trains, stacked, one steps-to-target ensemble per batch size B as
 the fashion-ladder preset runs it (an affine MLP of width 128, one seed, its tuned grid with
-extensions, the ladder's targets, geometric reads) and prints the share of its training time
-spent in checks (``RunResult.check_seconds`` over ``seconds``). Target: ≤ 10%.
+extensions, the ladder's targets, geometric reads at ``--read-spacing``, default 0.05) and prints
+the share of its training time spent in checks (``RunResult.check_seconds`` over ``seconds``).
+Target: ≤ 10%. ``--sparse-spacing R ...`` trains the same run again with adaptive reads for each
+R (dense at ``--read-spacing``) and prints their check shares and, per target, the relative
+difference of their steps to it from those of the geometric reads.
 """
 
 from __future__ import annotations
@@ -248,17 +251,29 @@ CHECK_SETTINGS = dict(dataset="fashion-mnist", method="affine", depth=3, width=1
 CHECK_TARGET = 0.10
 
 
-def check_share(batch: int) -> dict:
-    """Seconds of one stacked steps-to-target run (``CHECK_SETTINGS`` at ``batch``) and of its checks."""
+def check_share(batch: int, **reading) -> dict:
+    """Seconds of one stacked steps-to-target run (``CHECK_SETTINGS`` at ``batch``, with ``reading``:
+    ``read_spacing``, ``sparse_spacing``) and of its checks, and its steps to each target."""
+    from affdiv.experiments.runs import reads
     from affdiv.experiments.runs.sweep import dataset_for
     from affdiv.experiments.runs.training import train_runs
 
-    config = RunConfig(batch_size=batch, **CHECK_SETTINGS)
+    config = RunConfig(batch_size=batch, **{**CHECK_SETTINGS, **reading})
     result = train_runs([config], [dataset_for(config)], stacked=True)[0]
     share = result.check_seconds / result.seconds
-    return {"batch_size": batch, "seconds": result.seconds, "check_seconds": result.check_seconds,
-            "reads": len(result.curves), "steps_to_target": result.metrics["steps_to_target"],
+    best = reads.best_at_targets(result.candidates, config.ladder, max_steps=config.length, interpolate=True,
+                                 tuned=True)
+    return {"batch_size": batch, "read_spacing": config.read_spacing, "sparse_spacing": config.sparse_spacing,
+            "seconds": result.seconds, "check_seconds": result.check_seconds,
+            "reads": sum(len(c["curve"]) for c in result.candidates),
+            "steps_to_targets": {str(t): best[t]["steps_to_target"] for t in config.ladder},
             "check_share": share, "target": CHECK_TARGET, "met": share <= CHECK_TARGET}
+
+
+def agreement(adaptive: dict, geometric: dict) -> dict[str, float | None]:
+    """Per target, adaptive steps / geometric steps − 1 (None where either did not reach it)."""
+    return {t: None if s is None or geometric["steps_to_targets"][t] is None
+            else s / geometric["steps_to_targets"][t] - 1 for t, s in adaptive["steps_to_targets"].items()}
 
 
 def main(argv=None) -> int:
@@ -275,6 +290,10 @@ def main(argv=None) -> int:
     parser.add_argument("--vmap", action="store_true", help="also time the vmapped engine (StackedEnsemble)")
     parser.add_argument("--checks", nargs="*", type=int, default=[], metavar="B",
                         help="also time a steps-to-target run at each batch size B, the share of it in checks")
+    parser.add_argument("--read-spacing", type=float, default=CHECK_SETTINGS["read_spacing"], metavar="r",
+                        help=f"the checks' runs' read_spacing (default {CHECK_SETTINGS['read_spacing']})")
+    parser.add_argument("--sparse-spacing", nargs="*", type=float, default=[], metavar="R",
+                        help="also time each check run with adaptive reads at this sparse_spacing")
     parser.add_argument("--json", help="write the rows and provenance here")
     args = parser.parse_args(argv)
     if not all(1 <= k <= CELL for k in args.members or []):
@@ -297,10 +316,21 @@ def main(argv=None) -> int:
             print(format_row(rows[-1]), flush=True)
     checks = []
     for batch in args.checks:
-        checks.append(check_share(batch))
-        c = checks[-1]
-        print(f"checks B={batch}: {c['check_seconds']:.1f} s of {c['seconds']:.1f} s in {c['reads']} reads = "
-              f"{100 * c['check_share']:.1f}% (target <= {100 * CHECK_TARGET:.0f}%)", flush=True)
+        geometric = None
+        for sparse in [None, *args.sparse_spacing]:
+            c = check_share(batch, read_spacing=args.read_spacing, sparse_spacing=sparse)
+            reading = f"r={args.read_spacing:g}" + ("" if sparse is None else f" R={sparse:g}")
+            if sparse is None:
+                geometric = c
+            else:
+                c["steps_vs_geometric"] = agreement(c, geometric)
+            checks.append(c)
+            steps = " ".join(f"{t}:{'—' if v is None else format(v, '.1f')}" for t, v in c["steps_to_targets"].items())
+            differences = " ".join(f"{'—' if v is None else format(100 * v, '+.1f')}%"
+                                   for v in c.get("steps_vs_geometric", {}).values())
+            print(f"checks B={batch} {reading}: {c['check_seconds']:.1f} s of {c['seconds']:.1f} s in {c['reads']} "
+                  f"reads = {100 * c['check_share']:.1f}% (target <= {100 * CHECK_TARGET:.0f}%); steps {steps}"
+                  + (f"; vs geometric {differences}" if differences else ""), flush=True)
     if args.json:
         from affdiv.atomic import atomic_write
 

@@ -25,6 +25,9 @@ is the memory-saving mode (one more convolution in backward), timed for informat
 Two more cases time the fixed cost of a call, for information (no target): a dense layer at
 (B=2, 8→4) and a convolution at (N=2, 3→4, 6×6, k=3), each round running ``OVERHEAD_CALLS``
 calls of each variant, on one thread (the Python, autograd and dispatch work of a small model).
+So do the dense layers at the falsification harness's sizes (``HARNESS_DENSE_SIZES``: its MLPs'
+first layer 784→128 and hidden 128→128 at batch sizes 16-1024), each layer's per-call time a
+ratio to nn.Linear's in the same rounds (``OVERHEAD_CALLS``·16/B calls a round, at least 5).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ AFFINE_LIKE_VS_LINEAR = 1.05  # the one target against the plain layer: AffineLi
 QUICK_CONV_SIZE = (2, 4, 4, 8, 3)
 OVERHEAD_DENSE_SIZE, OVERHEAD_CONV_SIZE = (2, 8, 4), (2, 3, 4, 6, 3)
 OVERHEAD_CALLS = 200  # calls per round and variant in the overhead cases
+HARNESS_DENSE_SIZES = ((16, 784, 128), (16, 128, 128), (256, 128, 128), (1024, 784, 128), (1024, 128, 128))
 
 
 @dataclass
@@ -239,6 +243,9 @@ def run(quick: bool = False, threads: int = 2, repeats: int | None = None, warmu
                calls, 1),
               (f"per call: conv N={batch} {c_in}->{c_out} {hw}x{hw} k={k}, 1 thread",
                conv_variants(c_in, c_out, k, None), torch.randn(batch, c_in, hw, hw), None, calls, 1)]
+    if not quick:
+        cases += [(f"per call: dense B={b} {m}->{n} (harness), 1 thread", dense_variants(m, n, None), torch.randn(b, m),
+                   None, max(5, OVERHEAD_CALLS * 16 // b), 1) for b, m, n in HARNESS_DENSE_SIZES]
     try:
         for case, variants, x, plain_target, case_calls, case_threads in cases:
             progress(f"timing {case}: {len(variants)} variants x {repeats} rounds ...")

@@ -18,11 +18,13 @@ The learning rate for batch size B follows ``lr_rule`` (:func:`learning_rates`):
 The budget is ``length`` epochs, ``length`` steps, or (``budget = "target"``) steps until the
 validation accuracy reaches ``target``, read every ``eval_every`` steps or, with ``read_spacing``
 = r, at steps spaced by a fraction r of the steps so far (:mod:`~affdiv.experiments.runs.reads`),
-at most ``length`` (= max_steps) steps. ``targets`` adds a ladder: the run trains until the
-highest of ``target`` and ``targets`` is reached (``target`` is the primary one), and every
-candidate's curve is kept, so that steps to each target can be read from one set of runs. Under
-the target budget a tuned grid must be spaced by at most x2, and a chosen lr on its edge (at any
-target) extends it outward by x2 steps, at most ``grid_extensions`` times.
+at most ``length`` (= max_steps) steps; ``sparse_spacing`` = R > r reads at spacing R where no
+target is near and at r where one is (adaptive reads, :mod:`~affdiv.experiments.runs.reads`).
+``targets`` adds a ladder: the run trains until the highest of ``target`` and ``targets`` is reached
+(``target`` is the primary one), and every candidate's curve is kept, so that steps to each target
+can be read from one set of runs. Under the target budget a tuned grid must be spaced by at most x2,
+and a chosen lr on its edge (at any target) extends it outward by x2 steps, at most
+``grid_extensions`` times.
 """
 
 from __future__ import annotations
@@ -102,6 +104,7 @@ class RunConfig:
     read_spacing: float | None = None
     model: str | None = None
     model_digest: str | None = None
+    sparse_spacing: float | None = None
 
     def __post_init__(self):
         if self.model is None:
@@ -158,6 +161,12 @@ class RunConfig:
                                     or not 0 < spacing <= 1):
             raise ValueError(f"read_spacing must be None (a read every eval_every steps) or a fraction in (0, 1], "
                              f"got {spacing!r}")
+        sparse = self.sparse_spacing
+        if sparse is not None and (spacing is None or isinstance(sparse, bool) or not isinstance(sparse, (int, float))
+                                   or not spacing < sparse <= 1):
+            raise ValueError(f"sparse_spacing must be None (reads at read_spacing throughout) or a fraction in "
+                             f"(read_spacing, 1] with read_spacing set, got sparse_spacing={sparse!r} and "
+                             f"read_spacing={spacing!r}")
         if self.val_fraction == 0:
             raise ValueError("budget 'target' checks the validation accuracy: it needs val_fraction > 0, got 0")
         grid = sorted(self.lr_grid)
@@ -200,7 +209,7 @@ class RunConfig:
 # (None: no such value; the setting is idle for every earlier run). ``to_dict`` leaves them out
 # where they are idle or at that value, so the key of every earlier config stays what it was.
 _ADDED = {"target": None, "eval_every": None, "momentum_grid": (), "grid_extensions": None, "dtype": "float32",
-          "targets": (), "read_spacing": None, "model": None, "model_digest": None}
+          "targets": (), "read_spacing": None, "model": None, "model_digest": None, "sparse_spacing": None}
 
 # Settings that cannot change a run's numbers, by the value of the setting that makes them idle.
 _UNUSED = {
@@ -210,8 +219,8 @@ _UNUSED = {
     ("lr_rule", "tuned"): ("base_lr", "ref_batch_size"),
     ("optimizer", "sgd"): ("momentum", "momentum_grid"),
     ("optimizer", "adam"): ("momentum", "momentum_grid"),
-    ("budget", "epochs"): ("target", "eval_every", "grid_extensions", "targets", "read_spacing"),
-    ("budget", "steps"): ("target", "eval_every", "grid_extensions", "targets", "read_spacing"),
+    ("budget", "epochs"): ("target", "eval_every", "grid_extensions", "targets", "read_spacing", "sparse_spacing"),
+    ("budget", "steps"): ("target", "eval_every", "grid_extensions", "targets", "read_spacing", "sparse_spacing"),
 }
 
 
@@ -228,7 +237,7 @@ def unused_settings(settings: Mapping) -> set[str]:
     ``base_lr`` under tuned; ``momentum`` and ``momentum_grid`` unless the optimizer is momentum
     SGD, and ``momentum`` when a ``momentum_grid`` is tuned; ``target``, ``eval_every`` and
     ``grid_extensions`` unless the budget is ``target`` (the last also unless tuned), and so are
-    ``targets`` and ``read_spacing``; ``eval_every`` when ``read_spacing`` spaces the reads;
+    ``targets``, ``read_spacing`` and ``sparse_spacing``; ``eval_every`` when ``read_spacing`` spaces the reads;
     ``depth``, ``width`` and ``activation`` when a ``model`` factory builds the network. A record
     without ``lr_rule``, ``optimizer`` or ``budget`` is taken to use every setting those would idle.
     """

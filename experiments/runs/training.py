@@ -293,8 +293,9 @@ class _Run:
         self.ladder = config.ladder if config.budget == "target" else ()
         self.beyond_primary = bool(self.ladder) and self.ladder[-1] > config.target
         self.interpolate = config.read_spacing is not None
+        self.adaptive = config.budget == "target" and config.sparse_spacing is not None
         self.reads = set(read_steps(self.max_steps, eval_every=config.eval_every, read_spacing=config.read_spacing)) \
-            if config.budget == "target" else set()
+            if config.budget == "target" and not self.adaptive else set()
         self.first_reached: dict[float, int] = {}  # target -> the first read at which a candidate reached it
         self.candidates = [Candidate(self, lr, mu, self.max_steps) for lr, mu in candidates(config)]
         self.extensions = 0
@@ -425,40 +426,114 @@ def _lockstep(cands: list[Candidate], engine_type, tensors: _Tensors, measuremen
                             cand.run.at_init[m.name] = values
                     cand.measurements.append({"measurement": m.name, "step": step, **values})
 
-    step, since, epoch = 0, 0, 0
+    step, since, epoch, i = 0, 0, 0, run.per_epoch
     loss_sum = torch.zeros(len(cands), dtype=train_dtype, device=tensors.device)
+    adaptive = _AdaptiveReads(run) if run.adaptive else None
     measure(0)
     while cands:
-        epoch += 1
-        orders = torch.stack([torch.randperm(n, generator=g) for g in shuffles]).to(tensors.device)
-        for i in range(run.per_epoch):
-            loss_sum += engine.step(orders[:, i * batch : (i + 1) * batch])
-            step, since = step + 1, since + 1
-            measure(step)
-            if not _is_check(run, step, i == run.per_epoch - 1, last):
-                continue
-            sums = loss_sum.tolist()  # one device sync per check
+        if i == run.per_epoch:  # a new epoch: a fresh shuffle per model
+            epoch, i = epoch + 1, 0
+            orders = torch.stack([torch.randperm(n, generator=g) for g in shuffles]).to(tensors.device)
+        if adaptive is not None and adaptive.last == step and adaptive.sparse_next:  # the state to re-train from
             begin = time.perf_counter()
-            val = engine.evaluate() if has_val else [{"loss": None, "accuracy": None}] * len(cands)
-            share = (time.perf_counter() - begin) / len(cands)
-            for cand in cands:
-                cand.check_seconds += share
-            for cand, total, point in zip(cands, sums, val):
-                cand.check(epoch, step, total / since, point)
-            for k, cand in enumerate(cands):  # the primary target's result is the model there, not past it
-                if cand.run.beyond_primary and cand.reached.get(cand.run.config.target) == step:
-                    cand.at_primary = engine.copy(k)
-            going = [k for k, c in enumerate(cands) if not c.done(step)]
-            if len(going) < len(cands):
-                for k in set(range(len(cands))) - set(going):
-                    cands[k].model = engine.model(k)
-                engine.keep(going)
-                cands, shuffles = [cands[k] for k in going], [shuffles[k] for k in going]
-                orders = orders[torch.tensor(going, dtype=torch.long, device=orders.device)]
-            loss_sum = torch.zeros(len(cands), dtype=train_dtype, device=tensors.device)
-            since = 0
-            if not cands:
-                break
+            adaptive.save(engine, (step, epoch, i, orders, shuffles), cands)
+            _charge(cands, time.perf_counter() - begin)
+        loss_sum += engine.step(orders[:, i * batch : (i + 1) * batch])
+        step, since, i = step + 1, since + 1, i + 1
+        measure(step)
+        is_check = step == adaptive.next if adaptive is not None else _is_check(run, step, i == run.per_epoch, last)
+        if not is_check:
+            continue
+        sums = loss_sum.tolist()  # one device sync per check
+        begin = time.perf_counter()
+        val = engine.evaluate() if has_val else [{"loss": None, "accuracy": None}] * len(cands)
+        _charge(cands, time.perf_counter() - begin)
+        if adaptive is not None and adaptive.missed(step, cands, val):  # re-train the stretch, read densely
+            engine, (step, epoch, i, orders, shuffles) = adaptive.restore(cands)
+            loss_sum, since = torch.zeros(len(cands), dtype=train_dtype, device=tensors.device), 0
+            continue
+        for cand, total, point in zip(cands, sums, val):
+            cand.check(epoch, step, total / since, point)
+        for k, cand in enumerate(cands):  # the primary target's result is the model there, not past it
+            if cand.run.beyond_primary and cand.reached.get(cand.run.config.target) == step:
+                cand.at_primary = engine.copy(k)
+        going = [k for k, c in enumerate(cands) if not c.done(step)]
+        if len(going) < len(cands):
+            for k in set(range(len(cands))) - set(going):
+                cands[k].model = engine.model(k)
+            engine.keep(going)
+            cands, shuffles = [cands[k] for k in going], [shuffles[k] for k in going]
+            orders = orders[torch.tensor(going, dtype=torch.long, device=orders.device)]
+        if adaptive is not None:
+            adaptive.read(step, cands)
+        loss_sum = torch.zeros(len(cands), dtype=train_dtype, device=tensors.device)
+        since = 0
+
+
+def _charge(cands: Sequence[Candidate], seconds: float) -> None:
+    """Add ``seconds`` of checking to ``cands``' check times, split evenly among them."""
+    for cand in cands:
+        cand.check_seconds += seconds / len(cands)
+
+
+class _AdaptiveReads:
+    """The reads of a lockstep under ``sparse_spacing`` (:mod:`~affdiv.experiments.runs.reads`,
+    *Adaptive reads*): where the next one falls, the training state at the last one, and the
+    re-training of a sparse stretch in which some run first reached a target.
+
+    The state kept at each read followed by a sparse gap is the engine (its models and optimiser state; the data splits
+    are shared, not copied), the position in the epoch, the epoch's shuffles and their
+    generators' states, and how many measurements each candidate has: training from it again
+    takes the same steps on the same batches, so the re-trained stretch ends where the first
+    pass did, now read at the dense spacing. Nothing of a read is recorded before it is known
+    not to be re-trained."""
+
+    def __init__(self, run: _Run):
+        config = run.config
+        self.dense, self.sparse, self.max_steps = config.read_spacing, config.sparse_spacing, run.max_steps
+        self.last, self.next, self.dense_until = 0, 1, 0
+        self.sparse_next = False  # whether the gap after the last read is sparse (then its state is kept)
+        self._saved = None
+
+    def _gap(self, step: int, spacing: float) -> int:
+        return reads.next_read(step, self.max_steps, spacing) - step
+
+    def save(self, engine, position: tuple, cands: Sequence[Candidate]) -> None:
+        step, epoch, i, orders, shuffles = position
+        data = [t for split in (*engine.train_splits, *engine.val_splits) for t in split]
+        engine_copy = copy.deepcopy(engine, memo={id(t): t for t in data})
+        self._saved = (engine_copy, (step, epoch, i, orders.clone(), list(shuffles)),
+                       [g.get_state() for g in shuffles], [len(c.measurements) for c in cands])
+
+    def missed(self, step: int, cands: Sequence[Candidate], val: Sequence[dict]) -> bool:
+        """Whether this read came after a sparse gap and some candidate reached a target that no
+        candidate of its run had reached at an earlier read (a grid extension's candidates train
+        after the others, so "earlier" is by step): its crossing must be located by dense reads."""
+        if not self.sparse_next:
+            return False
+        return any(point["accuracy"] is not None and point["accuracy"] >= t
+                   for cand, point in zip(cands, val) for t in cand.run.ladder
+                   if t not in cand.reached and cand.run.first_reached.get(t, math.inf) >= step
+                   and math.isfinite(point["loss"]))
+
+    def restore(self, cands: Sequence[Candidate]) -> tuple:
+        """The engine and position saved at the last read (the stretch since then re-read densely)."""
+        engine, (step, epoch, i, orders, shuffles), states, lengths = self._saved
+        for g, state in zip(shuffles, states):
+            g.set_state(state)
+        for cand, length in zip(cands, lengths):
+            del cand.measurements[length:]
+        self.dense_until, self.next = self.next, step + self._gap(step, self.dense)
+        self.sparse_next, self._saved = False, None
+        return engine, (step, epoch, i, orders, shuffles)
+
+    def read(self, step: int, cands: Sequence[Candidate]) -> None:
+        """After a read at ``step``: the next one, at the dense spacing while a target may be near."""
+        near = step < self.dense_until or any(
+            reads.near_target(c.curves, c.run.ladder, c.run.first_reached, self._gap(step, self.sparse))
+            for c in cands)
+        self.last, self.next = step, step + self._gap(step, self.dense if near else self.sparse)
+        self.sparse_next = self.next - step > self._gap(step, self.dense)
 
 
 def train_runs(configs: Sequence[RunConfig], datasets: Sequence, *, stacked: bool = False,

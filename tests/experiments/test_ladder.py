@@ -3,6 +3,7 @@ the best learning rate at each target read from one set of runs, per-target reco
 store, and the analysis along the ladder on planted records."""
 
 import dataclasses
+import itertools
 import math
 import sqlite3
 import zlib
@@ -20,7 +21,7 @@ from affdiv.experiments.analysis.critical_batch import (
 from affdiv.experiments.runs import reads
 from affdiv.experiments.runs.config import RunConfig, config_hash
 from affdiv.experiments.runs.store import ResultStore
-from affdiv.experiments.runs.training import train_run
+from affdiv.experiments.runs.training import train_run, train_runs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -163,10 +164,13 @@ def test_a_grid_extension_for_one_target_is_seen_at_every_target(digits):
         assert best[target]["steps_to_target"] <= alone["steps_to_target"]
 
 
-def test_geometric_reads_estimate_steps_to_target_without_bias():
+@pytest.mark.parametrize(("reading", "bound"), [({}, 0.02), ({"sparse_spacing": 0.15}, 0.025)],
+                         ids=["geometric", "adaptive"])
+def test_reads_estimate_steps_to_target_without_bias(reading, bound):
     # Against a read at every step (eval_every = 1, no interpolation: the first step at which the
     # validation accuracy reaches the target), over 3 seeds x 3 batch sizes x 3 targets, in the
-    # geometric regime (S = 68-336 steps: reads 3-16 steps apart) on a 431-image validation split.
+    # geometric regime (S = 68-336 steps: reads 3-16 steps apart) on a 431-image validation split;
+    # geometric reads at r = 0.05, and adaptive ones at r = 0.05 near a target and 0.15 elsewhere.
     from affdiv.experiments.data.dataset import load_dataset
 
     errors = []
@@ -175,17 +179,74 @@ def test_geometric_reads_estimate_steps_to_target_without_bias():
         for batch_size in (8, 32, 128):
             base = dict(seed=seed, data_seed=seed, val_fraction=0.3, batch_size=batch_size, lr_rule="constant",
                         base_lr=0.03, length=3000)
-            geometric = train_run(_ladder(**base), data)
+            read = train_run(_ladder(**base, **reading), data)
             every = train_run(_ladder(**base, read_spacing=None, eval_every=1), data)
             for target in LADDER:
                 exact = reads.crossing(every.candidates[0]["curve"], target, interpolate=False)
-                estimate = reads.crossing(geometric.candidates[0]["curve"], target, interpolate=True)
+                estimate = reads.crossing(read.candidates[0]["curve"], target, interpolate=True)
                 assert exact and estimate and exact[0] >= 60  # reads there are >= 3 steps apart
                 errors.append((estimate[0] - exact[0]) / exact[0])
     # Accuracy is not monotone: sparse reads can miss a brief excursion above the target, so
     # single runs may be read late by more than the spacing; on average the error is small.
     bias = float(np.mean(errors))
-    assert abs(bias) < 0.02, f"bias {bias:.4f} of S; errors {np.round(errors, 3).tolist()}"
+    assert abs(bias) < bound, f"bias {bias:.4f} of S; errors {np.round(errors, 3).tolist()}"
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["one-at-a-time", "stacked"])
+def test_adaptive_reads_bracket_every_crossing_densely_and_read_less(digits, stacked):
+    config = _ladder(length=3000, sparse_spacing=0.5, grid_extensions=1)
+    result = train_runs([config], [digits], stacked=stacked)[0]
+    geometric = train_runs([dataclasses.replace(config, sparse_spacing=None)], [digits], stacked=stacked)[0]
+    dense = config.read_spacing
+    curves = [c["curve"] for c in result.candidates]
+    sparse_gaps = sum(b - a > max(1, dense * a) for curve in curves
+                      for a, b in itertools.pairwise(p["step"] for p in curve))
+    for target in LADDER:
+        # The first read of the run at which a candidate reached the target (later ones never give
+        # the fewest steps): bracketed as under geometric reads, within r of the read before it.
+        crossings = [(reads.crossing(curve, target, interpolate=True), curve) for curve in curves]
+        first = min(reached[1] for reached, _curve in crossings if reached)
+        for reached, curve in crossings:
+            steps = [p["step"] for p in curve]
+            if reached and reached[1] == first and first != steps[0]:
+                before = steps[steps.index(first) - 1]
+                assert first - before <= max(1, math.floor(dense * before)), (target, before, reached)
+    assert sparse_gaps > 0  # (the sparse spacing was used)
+    assert sum(map(len, (c["curve"] for c in result.candidates))) < \
+        sum(map(len, (c["curve"] for c in geometric.candidates)))
+    # Every target is reached by each; the steps agree to within the dense reads' resolution
+    # (up to the excursions the sparse stretches skip, which make the adaptive reads no earlier).
+    best = reads.best_at_targets(result.candidates, LADDER, max_steps=3000, interpolate=True, tuned=True)
+    best_geometric = reads.best_at_targets(geometric.candidates, LADDER, max_steps=3000, interpolate=True, tuned=True)
+    for target in LADDER:
+        steps, steps_geometric = best[target]["steps_to_target"], best_geometric[target]["steps_to_target"]
+        assert steps is not None and steps >= steps_geometric * (1 - dense)
+
+
+def test_a_rewound_stretch_is_trained_exactly_as_the_first_time(digits, monkeypatch):
+    # Never near a target: every gap is sparse (doubling the steps), so each crossing is found
+    # after a sparse gap and its stretch re-trained from the state kept at the read before. The
+    # models are those of the same steps on the same batches: at max_steps they are those of
+    # geometric reads, to the bit.
+    from affdiv.experiments.runs import training
+
+    restored = []
+    original = training._AdaptiveReads.restore
+    monkeypatch.setattr(training._AdaptiveReads, "restore",
+                        lambda self, cands: restored.append(self.last) or original(self, cands))
+    monkeypatch.setattr(reads, "near_target", lambda *args: False)
+    base = dict(lr_rule="constant", base_lr=0.03, length=300, target=0.99, targets=(0.8, 0.85), read_spacing=0.05)
+    adaptive = train_run(_ladder(**base, sparse_spacing=1.0), digits)
+    geometric = train_run(_ladder(**base), digits)
+    assert restored  # the stretch in which the targets were first reached was re-trained
+    last, last_geometric = adaptive.curves[-1], geometric.curves[-1]
+    assert last["step"] == last_geometric["step"] == 300
+    assert (last["val_metric"], last["val_loss"]) == (last_geometric["val_metric"], last_geometric["val_loss"])
+    assert adaptive.metrics["test_loss"] == geometric.metrics["test_loss"]
+    for target in (0.8, 0.85):  # each crossing read densely: within r = 0.05 of the read before it
+        _steps, read = reads.crossing(adaptive.curves, target, interpolate=True)
+        steps = [p["step"] for p in adaptive.curves]
+        assert read - steps[steps.index(read) - 1] <= max(1, 0.05 * read)
 
 
 # ----------------------------------------------------------------------------------- store
@@ -242,6 +303,12 @@ def test_ladder_settings_are_checked_and_spelled_once():
         _ladder(targets=(0.8, 1.2))
     with pytest.raises(ValueError, match=r"read_spacing must be None .* got 0"):
         _ladder(read_spacing=0)
+    for sparse, spacing in ((0.05, 0.05), (1.5, 0.05), (0.2, None), (True, 0.05)):
+        with pytest.raises(ValueError, match=r"sparse_spacing must be None .* with read_spacing set"):
+            _ladder(sparse_spacing=sparse, read_spacing=spacing)
+    # An opt-in setting: absent from the key where unset, part of it where set.
+    assert "sparse_spacing" not in _ladder().to_dict()
+    assert config_hash(_ladder(sparse_spacing=0.2).to_dict()) != config_hash(_ladder().to_dict())
     # Idle outside the target budget; eval_every idle when the reads are geometric.
     assert "targets" not in _ladder(budget="epochs", length=2).to_dict()
     assert "eval_every" not in _ladder().to_dict()
