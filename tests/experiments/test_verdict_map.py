@@ -73,3 +73,10 @@ def test_a_study_without_a_ladder_is_refused_in_one_line(tmp_path, capsys):
         read_study(tmp_path / "missing")
     with pytest.raises(ValueError, match="needs one line"):
         write_into(folder / "summary.json", "x")
+
+
+def test_the_committed_verdicts_file_has_a_place_for_the_map():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "results" / "VERDICTS.md").read_text()
+    assert text.count(BEGIN) == 1 and text.count(END) == 1 and text.index(BEGIN) < text.index(END)
