@@ -12,7 +12,8 @@ rest comes with extras (``pyproject.toml``)::
 
 Each sub-package that needs an extra calls :func:`require` before its imports, so that a missing
 one fails with one line naming the extra instead of a bare ``No module named 'sympy'``. tqdm
-(progress bars on a terminal) is optional: without it there is no bar.
+draws the sweep's progress (``affdiv.experiments``, which requires it); ``affdiv verify`` uses it
+where it is installed and runs without a bar where it is not.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import sys
 # extra -> the top-level import names it provides (pyproject.toml's optional-dependencies)
 EXTRAS = {
     "verify": ("sympy", "mpmath"),
-    "experiments": ("sympy", "mpmath", "scipy", "matplotlib", "sklearn", "statsmodels"),
+    "experiments": ("sympy", "mpmath", "scipy", "matplotlib", "sklearn", "statsmodels", "tqdm"),
     "bench": ("scipy",),
     "dask": ("dask", "distributed"),
 }

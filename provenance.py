@@ -106,15 +106,22 @@ def relative_path(path: str | os.PathLike, root: str | os.PathLike | None) -> st
 
 
 def command_line(argv: list[str], root: str | os.PathLike | None = None) -> str:
-    """``argv`` as ``affdiv ARGS``: the program's own path dropped, absolute paths (also in
-    ``--option=PATH`` and ``--set KEY=PATH``) relative to ``root``."""
+    """``argv`` as a record writes it: ``affdiv ARGS`` for the command line (``python -m affdiv``
+    included), ``python SCRIPT ARGS`` for a script (a benchmark); absolute paths (also in
+    ``--option=PATH`` and ``--set KEY=PATH``) relative to ``root``, and a path outside ``root`` as
+    its file name alone (where it lay on the machine that wrote the record says nothing to a reader)."""
     def portable(token: str) -> str:
         option, sep, value = token.partition("=")
         if sep and not os.path.isabs(token):  # --option=PATH, or a --set KEY=PATH value
-            return f"{option}={relative_path(value, root)}"
-        return relative_path(token, root)
+            return f"{option}={portable(value)}"
+        if not os.path.isabs(token):
+            return token
+        shown = relative_path(token, root)
+        return os.path.basename(token) if shown == ".." or shown.startswith(".." + os.sep) else shown
 
-    return " ".join(["affdiv", *(portable(token) for token in argv[1:])])
+    program = os.path.basename(argv[0]) if argv else "affdiv"
+    head = ["affdiv"] if program in ("affdiv", "__main__.py", "-m", "") else ["python", portable(argv[0])]
+    return " ".join([*head, *(portable(token) for token in argv[1:])])
 
 
 def provenance(**extra) -> dict:

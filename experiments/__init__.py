@@ -25,7 +25,8 @@ from affdiv._extras import require
 
 # The harness's libraries come with the experiments extra; checked here (without importing them)
 # so that a missing one is named with the extra, whichever submodule needs it first.
-require("scipy", "matplotlib", "sklearn", "statsmodels", "sympy", extra="experiments", feature="affdiv.experiments")
+require("scipy", "matplotlib", "sklearn", "statsmodels", "sympy", "tqdm", extra="experiments",
+        feature="affdiv.experiments")
 
 _PUBLIC = {
     "load_dataset": "affdiv.experiments.data",

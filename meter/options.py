@@ -46,8 +46,8 @@ class MeterOptions:
     keep_updates: bool = False
 
     def __post_init__(self):
-        check_int("memory_budget", self.memory_budget)  # bytes
-        check_int("masked_limit", self.masked_limit, allow_none=True)
+        object.__setattr__(self, "memory_budget", check_int("memory_budget", self.memory_budget))  # bytes
+        object.__setattr__(self, "masked_limit", check_int("masked_limit", self.masked_limit, allow_none=True))
         if self.on_unsupported not in ON_UNSUPPORTED:
             raise ValueError(f"on_unsupported must be one of {ON_UNSUPPORTED}, got {self.on_unsupported!r}")
         if not isinstance(self.keep_updates, bool):

@@ -39,7 +39,10 @@ class DivergenceRecorder:
 
     ``records``: one JSON-ready dict per (measured step, module): ``step``, ``layer``, ``kind``,
     ``scope``, ``batch_size``, the routes, and :meth:`LayerDivergence.summary` with NaN as None.
-    ``skipped``: module -> reason, from the last measurement.
+    ``skipped``: module -> reason, from the last measurement. ``options``: how the meter computes
+    (:class:`~affdiv.meter.options.MeterOptions`); default ``MeterOptions(masked_limit=128)``, so that
+    network scope on a network that couples samples stops at batch 128 (the masked route costs B
+    full-batch passes); an ``options`` given whole replaces that default, ``masked_limit`` included.
     """
 
     def __init__(self, every: int, *, scope: str = "layer", per_sample: bool = True,

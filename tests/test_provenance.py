@@ -91,3 +91,7 @@ def test_the_command_names_no_absolute_path(tmp_path, monkeypatch):
     assert str(tmp_path) not in record["command"]
     assert provenance.relative_path(tmp_path / "x.csv", out) == "../../x.csv"
     assert provenance.relative_path("rel/x.csv", out) == "rel/x.csv"
+    # A path outside the working directory is written as its file name; a script keeps its name.
+    script = [str(tmp_path / "benchmarks" / "bench.py"), "--json", "/elsewhere/out/b.json", "--in=/elsewhere/a.csv"]
+    assert provenance.command_line(script, tmp_path) == "python benchmarks/bench.py --json b.json --in=a.csv"
+    assert provenance.command_line(["/x/affdiv/__main__.py", "verify"], tmp_path) == "affdiv verify"

@@ -2,11 +2,11 @@
 every target of their ladders, in one Markdown table.
 
 Rows are study × pair (corrected method / baseline), columns the targets of all the studies; a
-cell is the pair's ratio r = B_crit(corrected) / B_crit(baseline) at that target with its 95%
-interval and its class (``smaller``, ``smaller_within_margin``, ``equivalent``, ``larger``,
-``unclear``: see :mod:`affdiv.experiments.analysis.critical_batch`). The primary target of each
-study (its verdict) is set in bold; the last column is the trend of log r along the ladder,
-written as the factor by which r changes per 0.01 of target, with its 95% interval. Every number
+cell is the pair's ratio r = B_crit(corrected) / B_crit(baseline) at that target with its
+interval (at the study's level, 95% by default) and its class (``smaller``,
+``smaller_within_margin``, ``equivalent``, ``larger``, ``unclear``: see :mod:`affdiv.vocabulary`).
+The primary target of each study (its verdict) is set in bold; the last column is the trend of log r along the ladder,
+written as the factor by which r changes per 0.01 of target, with its interval. Every number
 is read from the studies' ``summary.json``; nothing is re-estimated here.
 
 :func:`write_into` replaces the map between two marker lines of an existing Markdown file (e.g.
@@ -70,13 +70,16 @@ def verdict_map(studies: Sequence[tuple[str, Mapping]], *, relative_to: str | Pa
                 trend = summary.get("trends", {}).get(corrected, {}).get(baseline)
                 lines.append("| " + " | ".join([name, f"{corrected} / {baseline}", *cells, _trend(trend)]) + " |")
     notes = ["", "Bold: the study's primary target (its verdict, fixed in its preset before the runs). "
-             "Cell: B_crit ratio [95% CI] and its class; —: not estimated at that target.", ""]
+             "Cell: B_crit ratio [CI at the study's level, below] and its class; —: not estimated at that target.",
+             ""]
     for folder, summary in studies:
         links = ", ".join(f"[{f}]({os.path.relpath(Path(folder) / f, relative_to)})" for f in FIGURES
                           if (Path(folder) / f).is_file())
         seeds = sorted({c.get("n_seeds", 0) for c in summary["critical_batch"].values()})
+        level = 1 - float(summary.get("settings", {}).get("alpha", 0.05))
         notes.append(f"- `{Path(folder).name}`: primary target {float(summary['primary_target']):g}, "
-                     f"{'/'.join(map(str, seeds))} seeds per method" + (f"; figures: {links}" if links else ""))
+                     f"{'/'.join(map(str, seeds))} seeds per method, {level:.0%} intervals"
+                     + (f"; figures: {links}" if links else ""))
     return "\n".join(lines + notes) + "\n"
 
 

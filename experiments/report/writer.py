@@ -327,12 +327,18 @@ def reads_sentence(records: Sequence[Mapping]) -> str:
         return sorted({cast(float(r[column])) for r in rows if r.get(column) not in (None, "")})
 
     spacings = values("read_spacing", float, records)
+    sparse = values("sparse_spacing", float, records)
     every = values("eval_every", int, [r for r in records if r.get("read_spacing") in (None, "")])
     parts = []
     if spacings:
         parts.append(f"geometric reads, spacing r = {', '.join(f'{r:g}' for r in spacings)}: the validation "
                      "accuracy is read at steps s_{k+1} = s_k + max(1, floor(r s_k)), so each gap is at most r times "
                      "the steps so far, and a crossing between two reads is interpolated linearly between them")
+    if sparse:
+        parts.append(f"adaptive reads, sparse spacing R = {', '.join(f'{r:g}' for r in sparse)}: gaps of up to R "
+                     "times the steps so far where no target is near, r near one, and a sparse gap at whose end a "
+                     "target was first reached is trained again with reads at spacing r, so every crossing is "
+                     "bracketed within r times its steps")
     if every:
         parts.append(f"a read every {', '.join(map(str, every))} steps: a run's steps to a target are those of the "
                      "first read at or past the crossing")

@@ -121,8 +121,7 @@ class RunConfig:
         check_choice("budget", self.budget, BUDGETS)
         check_choice("dtype", self.dtype, DTYPES)
         for name in ("batch_size", "ref_batch_size", "length", "depth", "width", "eval_every"):
-            value = getattr(self, name)
-            check_int(name, value)
+            object.__setattr__(self, name, check_int(name, getattr(self, name)))  # a NumPy int as an int
         if not self.base_lr > 0:
             raise ValueError(f"base_lr must be > 0, got {self.base_lr!r}")
         object.__setattr__(self, "lr_grid", tuple(float(lr) for lr in self.lr_grid))
@@ -136,7 +135,7 @@ class RunConfig:
         object.__setattr__(self, "momentum_grid", tuple(float(m) for m in self.momentum_grid))
         if any(not 0 <= m < 1 for m in self.momentum_grid):
             raise ValueError(f"every momentum in momentum_grid must be in [0, 1), got {self.momentum_grid}")
-        check_int("grid_extensions", self.grid_extensions, minimum=0)
+        object.__setattr__(self, "grid_extensions", check_int("grid_extensions", self.grid_extensions, minimum=0))
         object.__setattr__(self, "targets", tuple(self.targets))
         if self.budget == "target":
             self._check_target()
@@ -167,6 +166,9 @@ class RunConfig:
             raise ValueError(f"sparse_spacing must be None (reads at read_spacing throughout) or a fraction in "
                              f"(read_spacing, 1] with read_spacing set, got sparse_spacing={sparse!r} and "
                              f"read_spacing={spacing!r}")
+        for name in ("read_spacing", "sparse_spacing"):  # one spelling, one key: 1 and 1.0 alike
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, float(getattr(self, name)))
         if self.val_fraction == 0:
             raise ValueError("budget 'target' checks the validation accuracy: it needs val_fraction > 0, got 0")
         grid = sorted(self.lr_grid)

@@ -31,9 +31,12 @@ before it (kept at every read; training is deterministic given the seed and the 
 re-trains the stretch with reads at spacing r, so that every crossing a run records is bracketed
 by reads at most r·s apart, as under geometric reads (and interpolated the same way). The reads
 are those of the lockstep: runs trained together read at the same steps, densely where any of
-them is near a target. What remains of the reads' bias is an excursion above a target that falls
-wholly inside a sparse gap, both ends below it; the near-target margin makes that rare, and the
-tests bound the result against reads at every step as they bound geometric reads.
+them is near a target, so which runs a sweep trains together (stacking, its ensemble memory, the
+runs left when it resumed) can move an adaptive run's reads, and its crossings within their
+r-brackets (geometric reads depend on the run alone). What remains of the reads' bias is an
+excursion above a target that falls wholly inside a sparse gap, both ends below it; the
+near-target margin makes that rare, and the tests bound the result against reads at every step as
+they bound geometric reads.
 
 Crossings. A candidate *reaches* target t at the first read k whose accuracy a_k >= t. With
 geometric (or adaptive) reads its steps to t are interpolated linearly between the read before and that read,
@@ -91,7 +94,8 @@ def near_target(curve: Sequence[Mapping], ladder: Sequence[float], reached: Mapp
     if not all(map(_finite, accuracies[-9:])):
         return False
     (s0, a0), (s1, a1) = ((p["step"], p["val_metric"]) for p in curve[-2:])
-    noise = 2 * max(abs(b - a) for a, b in zip(accuracies[-9:], accuracies[-8:]))
+    recent = accuracies[-9:]
+    noise = 2 * max(abs(b - a) for a, b in zip(recent, recent[1:]))
     return max(accuracies) + max(0.0, (a1 - a0) / (s1 - s0)) * 2 * horizon + noise >= target
 
 

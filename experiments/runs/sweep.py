@@ -309,15 +309,15 @@ class SweepOutcome:
 EXECUTORS = ("local", "dask")
 
 
-def check_executor(executor: str, scheduler: str | None = None, retries: int | None = None) -> None:
-    """Refuse an unknown executor, a ``scheduler`` without the dask executor, a negative ``retries``
-    (ValueError naming the option), and the dask executor without its extra (MissingExtra)."""
+def check_executor(executor: str, scheduler: str | None = None, retries: int = 2) -> None:
+    """Refuse an unknown executor, a ``scheduler`` without the dask executor, ``retries`` that is not
+    an integer >= 0 (ValueError naming the parameter), and the dask executor without its extra
+    (MissingExtra)."""
     if executor not in EXECUTORS:
         raise ValueError(f"executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
     if scheduler is not None and executor != "dask":
         raise ValueError(f"scheduler {scheduler} needs executor 'dask' (the local executor has no scheduler)")
-    if retries is not None:
-        check_int("retries", retries, minimum=0)
+    check_int("retries", retries, minimum=0)
     if executor == "dask":
         require("dask", "distributed", extra="dask", feature="affdiv falsify --executor dask")
 
@@ -352,7 +352,6 @@ def run_sweep(
     and for exceptions alike, then its runs are recorded as failed and the sweep goes on.
     """
     check_executor(executor, scheduler, retries)
-    max_attempts = retries + 1
     workers = available_cpus() if workers is None else workers
     threads = 1 if threads is None else threads
     if workers < 1 or threads < 1:
@@ -383,6 +382,21 @@ def run_sweep(
         bar.advance(failed=True, config=config)
 
     workers = min(workers, max(1, len(units)))
+    try:  # the bar is closed however the sweep ends, so that an error's line starts a line of its own
+        workers, restarts, address = _execute(units, executor, workers, threads, (stack, measurements), commit, fail,
+                                              failed, scheduler=scheduler, data_dir=data_dir, retries=retries)
+    finally:
+        bar.close()
+    return SweepOutcome(hashes, len(pending), len(configs) - len(pending), workers, threads, len(units), restarts,
+                        executor, address, failed)
+
+
+def _execute(units: list[tuple], executor: str, workers: int, threads: int, run: tuple, commit, fail, failed: list,
+             *, scheduler: str | None, data_dir: str | None, retries: int) -> tuple[int, int, str | None]:
+    """Train ``units`` with ``executor`` (``run``: (stack, measurements)), committing each finished
+    run; returns (workers, worker restarts, the Dask scheduler's address or None)."""
+    stack, measurements = run
+    max_attempts = retries + 1
     restarts = 0
     address = None
     if executor == "dask":
@@ -410,8 +424,7 @@ def run_sweep(
         with _sigterm_exits():
             restarts = _run_in_pools(units, (stack, measurements), commit, workers, (threads, data_dir, os.getpid()),
                                      max_attempts)
-    return SweepOutcome(hashes, len(pending), len(configs) - len(pending), workers, threads, len(units), restarts,
-                        executor, address, failed)
+    return workers, restarts, address
 
 
 def _run_on_dask(units: list[tuple], stack: bool, measurements: Sequence[Measurement], commit, fail, *,

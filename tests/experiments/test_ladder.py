@@ -298,6 +298,8 @@ def test_candidates_are_stored_compressed_and_a_plain_json_row_still_reads(tmp_p
 
 def test_ladder_settings_are_checked_and_spelled_once():
     assert _ladder(targets=(0.85, 0.8, 0.9)).to_dict() == _ladder().to_dict()
+    assert config_hash(_ladder(read_spacing=1).to_dict()) == config_hash(_ladder(read_spacing=1.0).to_dict())
+    assert config_hash(_ladder(batch_size=np.int64(32)).to_dict()) == config_hash(_ladder().to_dict())
     assert _ladder().ladder == LADDER
     with pytest.raises(ValueError, match=r"targets must be validation accuracies in \(0, 1\], got \[0.8, 1.2\]"):
         _ladder(targets=(0.8, 1.2))
@@ -391,3 +393,18 @@ def test_the_trend_pairs_targets_by_seed_not_by_position():
             seed_sd=0.05, rng=np.random.default_rng(i))]
     trend = analyse_target(records, corrected=["c"], baselines=["base"], n_boot=0).to_dict()["trends"]["c"]["base"]
     assert trend == {"status": "no trend: 0 seed(s) common to every target, needs >= 3"}
+
+
+def test_the_near_target_margin_is_the_largest_recent_change_between_reads():
+    def curve(accuracies):
+        return [{"step": 10 * k, "val_metric": a} for k, a in enumerate(accuracies)]
+
+    flat = [0.5, 0.8, 0.5, 0.5]  # no rise at the end; one jump of 0.3 among the last reads
+    assert reads.near_target(curve(flat), (0.85,), {}, horizon=1)  # 0.8 + 2 * 0.3 >= 0.85
+    assert not reads.near_target(curve(flat), (1.45,), {}, horizon=1)  # 0.8 + 0.6 < 1.45
+    assert not reads.near_target(curve([0.5] * 12), (0.51,), {}, horizon=1)  # no change, no slope
+    assert reads.near_target(curve([0.5, 0.6]), (0.9,), {}, horizon=10)  # slope 0.01/step: 0.6 + 0.2 + 0.2
+    assert not reads.near_target(curve(flat), (0.85,), {0.85: 3}, horizon=1)  # every target reached
+    assert not reads.near_target(curve([0.5, 0.8, math.nan]), (0.85,), {}, horizon=1)  # diverged
+    old = [0.5, 0.9] + [0.5] * 9  # the jump is older than the last eight changes
+    assert not reads.near_target(curve(old), (0.95,), {}, horizon=1)
