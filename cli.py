@@ -137,10 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         # a ValueError's message is its first argument (UnicodeDecodeError's is the encoding: str() says it all)
         plain = isinstance(error, ValueError) and not isinstance(error, UnicodeError) and error.args
         message = str(error.args[0] if plain else error)
-        if parser is not None:  # named by its option only where the command line set it (not a --set or a preset)
-            given = {dest: option for dest, option in options_of(parser, command).items()
-                     if any(arg == option or arg.startswith(option + "=") for arg in argv)}
-            message = flag_named(message, given)
+        if parser is not None:
+            message = flag_named(message, options_of(parser, command))
         print(f"affdiv {command}: error: {message}", file=sys.stderr)
         return 2
     except OSError as error:

@@ -144,7 +144,7 @@ def check_run_config(config: RunConfig) -> None:
     setting and the value."""
     for name in ("seed", "data_seed"):
         value = getattr(config, name)
-        check_int(f"{name} (torch's seed range)", value, minimum=0, maximum=MAX_SEED)
+        check_int(f"run setting {name} (torch's seed range)", value, minimum=0, maximum=MAX_SEED)
     _check_number(config, "base_lr", 0, None, "a finite number > 0")
     _check_number(config, "momentum", 0, 1, "a number in [0, 1)")
     if any(not math.isfinite(lr) for lr in config.lr_grid):

@@ -111,10 +111,10 @@ FALSIFY_REFUSALS = [
     (["--seed", "-1", "--seeds", "2"], "--seed must be in [0, 2**64 - 1]"),
     # a --set value is named as a setting, not as the option --seed that was not given
     (["--set", f"seed={2**64}"],
-     f"error: seed (torch's seed range) must be an integer in [0, {2**64 - 1}], got {2**64}"),
+     f"error: run setting seed (torch's seed range) must be an integer in [0, {2**64 - 1}], got {2**64}"),
     (["--set", "optimizer='momentum'", "--set", "momentum=-0.5"], "momentum must be a number in [0, 1), got -0.5"),
     (["--set", "seed=[0, -1]"],
-     f"error: seed (torch's seed range) must be an integer in [0, {2**64 - 1}], got -1"),
+     f"error: run setting seed (torch's seed range) must be an integer in [0, {2**64 - 1}], got -1"),
     (["--set", "momentum=nan"], "--set momentum: nan is not a finite number"),
     (["--set", "base_lr=inf"], "--set base_lr: inf is not a finite number"),
     (["--set", "base_lr=1e400"], "--set base_lr: inf is not a finite number"),
