@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 from matplotlib import colormaps
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
 from affdiv.atomic import atomic_write
@@ -324,19 +325,24 @@ def _fitted(r: Mapping, widen: float):
 
 def _build_target_figure(analysis, draw, *, xscale: dict, xlabel: str, ylabel: str, title: str) -> Figure:
     """One panel per target-design figure: ``draw(ax, method, fit, style)`` per method of the
-    primary group (marker, line style and colour of the method's rank), log-log axes, the group
-    in words in the title's first line."""
+    primary group (marker, line style and colour of the method's rank) returns the method's legend
+    label (None: nothing drawn); log-log axes, the group in words in the title's first line."""
     figure = Figure(figsize=(6.5, 4.4), layout="constrained")
     ax = figure.subplots()
+    handles = []
     for i, (method, r) in enumerate(_curve_fits(analysis)):
-        draw(ax, method, r, _style(i))
+        style = _style(i)
+        if (label := draw(ax, method, r, style)) is not None:
+            # the legend shows the method's marker and its fit's line style together
+            handles.append(Line2D([], [], marker=style["marker"], ls=style["ls"], color=style["color"], ms=5,
+                                  lw=1, label=label))
     ax.set_xscale("log", **xscale)
     ax.set_yscale("log")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     first, _, rest = title.partition("\n")
     ax.set_title(f"{first}, {_group_title(analysis, analysis.primary_group)}\n{rest}", fontsize=9)
-    ax.legend(fontsize=7)
+    ax.legend(handles=handles, fontsize=7)
     return figure
 
 
@@ -349,8 +355,7 @@ def _build_steps_vs_batch(analysis) -> Figure:
     def draw(ax, method, r, style):
         reached = [(c["batch_size"], c["median_steps"]) for c in r["cells"] if c.get("median_steps")]
         if reached:
-            ax.plot(*zip(*reached), marker=style["marker"], ls="none", color=style["color"], ms=5,
-                    label=f"{method} ({r['verdict']})")
+            ax.plot(*zip(*reached), marker=style["marker"], ls="none", color=style["color"], ms=5)
         censored = [(c["batch_size"], c["max_steps"]) for c in r["cells"] if c["censored"]]
         if censored:
             ax.plot(*zip(*censored), marker=style["marker"], ls="none", mfc="none", color=style["color"], ms=7,
@@ -360,6 +365,7 @@ def _build_steps_vs_batch(analysis) -> Figure:
             if r.get("resolved"):  # S(B_crit) = 2 S_min: B_crit on the method's own curve
                 ax.plot(r["b_crit"], 2 * r["s_min"], marker=style["marker"], ms=11, mfc="none", mew=1.5,
                         ls="none", color=style["color"])
+        return f"{method} ({r['verdict']})" if reached else None
 
     return _build_target_figure(
         analysis, draw, xscale={"base": 2}, xlabel="batch size B (examples per step)",
@@ -376,10 +382,11 @@ def _build_examples_vs_steps(analysis) -> Figure:
     def draw(ax, method, r, style):
         points = [(c["median_steps"], c["batch_size"] * c["median_steps"]) for c in r["cells"] if c.get("median_steps")]
         if points:
-            ax.plot(*zip(*points), marker=style["marker"], ls="none", color=style["color"], ms=5, label=method)
+            ax.plot(*zip(*points), marker=style["marker"], ls="none", color=style["color"], ms=5)
         if (fit := _fitted(r, 2.0)) is not None:
             batch, steps = fit
             ax.plot(steps, steps * batch, ls=style["ls"], color=style["color"], lw=1)
+        return method if points else None
 
     return _build_target_figure(
         analysis, draw, xscale={}, xlabel="optimizer steps to the target S",

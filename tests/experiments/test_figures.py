@@ -56,13 +56,15 @@ def _check_readable(figure: Figure, name: str) -> None:
         legend = ax.get_legend()
         if legend is not None:
             assert all(t.get_fontsize() >= MIN_FONT_PT for t in legend.get_texts()), name
-        # Series of different labels differ in marker or line style, not colour alone.
-        keys = []
-        for handle in ax.get_legend_handles_labels()[0]:
-            line = handle[0] if isinstance(handle, ErrorbarContainer) else handle
-            if isinstance(line, Line2D):
-                keys.append((line.get_marker(), str(line.get_linestyle())))
-        assert len(keys) == len(set(keys)), (name, f"series told apart by colour alone: {keys}")
+        # Series of different labels differ in marker or line style, not colour alone: both the
+        # labelled lines and the legend's own handles (which a figure may draw apart from its lines).
+        for handles in (ax.get_legend_handles_labels()[0], [] if legend is None else legend.legend_handles):
+            keys = []
+            for handle in handles:
+                line = handle[0] if isinstance(handle, ErrorbarContainer) else handle
+                if isinstance(line, Line2D):
+                    keys.append((line.get_marker(), str(line.get_linestyle())))
+            assert len(keys) == len(set(keys)), (name, f"series told apart by colour alone: {keys}")
 
 
 @pytest.fixture
@@ -193,6 +195,14 @@ def test_every_figure_of_a_small_steps_to_target_report(captured, tmp_path):
     _check_every_saved_figure(captured, paths.values())
     for name in ("steps_vs_batch.png", "examples_vs_steps.png", "training_curves.png"):
         assert TUNED in _title(captured[name]), name
+    for name in ("steps_vs_batch.png", "examples_vs_steps.png"):
+        # Each method's legend entry shows its points' marker and its fit's line style.
+        handles = captured[name].axes[0].get_legend().legend_handles
+        assert len(handles) == 3, name
+        assert len({h.get_marker() for h in handles}) == len({h.get_linestyle() for h in handles}) == 3, name
+        fits = {(line.get_linestyle(), line.get_color()) for line in captured[name].axes[0].get_lines()
+                if line.get_linestyle() != "None"}
+        assert {(h.get_linestyle(), h.get_color()) for h in handles} <= fits, name
     curve_axes = captured["training_curves.png"].axes
     assert curve_axes[0].get_xlabel() == "optimizer step" and curve_axes[0].xaxis.get_major_locator()._integer
 
