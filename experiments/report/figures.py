@@ -342,7 +342,8 @@ def _build_target_figure(analysis, draw, *, xscale: dict, xlabel: str, ylabel: s
     ax.set_ylabel(ylabel)
     first, _, rest = title.partition("\n")
     ax.set_title(f"{first}, {_group_title(analysis, analysis.primary_group)}\n{rest}", fontsize=9)
-    ax.legend(handles=handles, fontsize=7)
+    if handles:  # no legend where no method reached the target
+        ax.legend(handles=handles, fontsize=7)
     return figure
 
 
