@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
-from affdiv.experiments.analysis.settings import FIXED_BUDGET_ONLY, AnalysisSettings
+from affdiv.experiments.analysis.settings import AnalysisSettings
 from affdiv.vocabulary import CONTRADICTED, FIXED_BUDGET, INCONCLUSIVE, MIXED, STEPS_TO_TARGET, SUPPORTED
 
 if TYPE_CHECKING:  # calibration imports this module
@@ -52,16 +52,14 @@ class StudyAnalysis(Protocol):
 
 @dataclass(frozen=True)
 class Design:
-    """One design: its analysis, its calibration, its figures (names of functions of
-    :mod:`affdiv.experiments.report.figures`, each written to ``<name>.png``) and the settings only
-    it uses."""
+    """One design: its analysis, its calibration and its figures (names of functions of
+    :mod:`affdiv.experiments.report.figures`, each written to ``<name>.png``)."""
 
     name: str
     analyse: Callable[..., StudyAnalysis]  # (records, settings, *, progress=None)
     calibrate: Callable[..., VerdictCalibration]  # (analysis, *, n_sims, seed, progress)
     figures: tuple[str, ...]
     ladder_figures: tuple[str, ...] = ()  # drawn when the records hold more than one target
-    own_settings: tuple[str, ...] = ()
 
 
 def designs() -> dict[str, Design]:
@@ -70,7 +68,7 @@ def designs() -> dict[str, Design]:
 
     return {
         FIXED_BUDGET: Design(FIXED_BUDGET, decision.analyse, calibration.calibrate_fixed_budget,
-                             ("metric_vs_batch", "contrast_forest", "slope_forest"), (), FIXED_BUDGET_ONLY),
+                             ("metric_vs_batch", "contrast_forest", "slope_forest")),
         STEPS_TO_TARGET: Design(STEPS_TO_TARGET, critical_batch.analyse_target, calibration.calibrate_target,
                                 ("steps_vs_batch", "examples_vs_steps", "bcrit_forest", "ratio_forest"),
                                 ("bcrit_vs_target", "ratio_vs_target")),

@@ -68,7 +68,7 @@ class AnalysisSettings:
             value = getattr(self, role)
             if not isinstance(value, str) and isinstance(value, Sequence):
                 object.__setattr__(self, role, tuple(value))
-        _check(self, where=None)
+        _check(self)
 
     @property
     def design(self) -> str:
@@ -92,8 +92,10 @@ class AnalysisSettings:
         unknown = sorted(set(mapping) - set(cls.keys()))
         if unknown:
             raise ValueError(f"{prefix}unknown setting(s) {unknown}; expected among {list(cls.keys())}")
-        _check_kinds(mapping, prefix)
-        settings = _build(cls, mapping, where)
+        try:
+            settings = cls(**mapping)
+        except ValueError as error:
+            raise ValueError(f"{prefix}{error}") from None
         if methods is not None:
             for role in ("corrected", "baselines"):
                 missing = sorted(set(getattr(settings, role)) - set(methods)) if role in mapping else []
@@ -111,27 +113,11 @@ class AnalysisSettings:
         return [k for k in self.keys() if getattr(self, k) != getattr(default, k)]
 
 
-def _build(cls: type[AnalysisSettings], mapping: Mapping, where: str | None) -> AnalysisSettings:
-    values = {k: tuple(v) if k in ("corrected", "baselines") else v for k, v in mapping.items()}
-    try:
-        return cls(**values)
-    except ValueError as error:
-        raise ValueError(f"{where}: {error}" if where else str(error)) from None
-
-
 def _number(value) -> bool:
     return not isinstance(value, bool) and isinstance(value, int | float)
 
 
-def _check_kinds(mapping: Mapping, prefix: str) -> None:
-    """The checks of a mapping's values that the dataclass's own cannot make after conversion."""
-    for role in ("corrected", "baselines"):
-        value = mapping.get(role, ())
-        if isinstance(value, str) or not isinstance(value, Sequence) or not all(isinstance(m, str) for m in value):
-            raise ValueError(f"{prefix}{role} must be a list of method names, got {value!r}")
-
-
-def _check(settings: AnalysisSettings, where: str | None) -> None:
+def _check(settings: AnalysisSettings) -> None:
     """Refuse a value of the wrong kind or out of range; ValueError naming the setting and the value."""
     alpha = settings.alpha
     if not _number(alpha) or not 0 < alpha < 0.5:
