@@ -100,6 +100,7 @@ def main() -> None:
     from affdiv.experiments.analysis.calibration import calibrate_for
     from affdiv.experiments.analysis.decision import analyse
     from affdiv.experiments.analysis.groups import label_groups
+    from affdiv.experiments.analysis.settings import AnalysisSettings
     from affdiv.experiments.records import read_csv
     from affdiv.experiments.report.writer import write_report
 
@@ -122,11 +123,12 @@ def main() -> None:
         times["read and check the CSV"] = time.perf_counter() - start
 
         start = time.perf_counter()
-        analysis = analyse(records, group_by=label_groups(records))
+        settings = AnalysisSettings(group_by=label_groups(records))
+        analysis = analyse(records, settings)
         times["analyse (all tests and sensitivity analyses)"] = time.perf_counter() - start
 
         start = time.perf_counter()
-        analyse(records, group_by=label_groups(records), sensitivity=False)
+        analyse(records, settings.replace(sensitivity=False))
         times["analyse without the sensitivity analyses"] = time.perf_counter() - start
 
         calibration = None

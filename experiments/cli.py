@@ -252,15 +252,15 @@ def falsify_command(args) -> int:
 
 def analyse_command(args) -> int:
     from affdiv.atomic import cleanup_on_error
+    from affdiv.experiments.analysis.settings import AnalysisSettings
     from affdiv.experiments.pipeline import analyse_file
 
+    given = {"metric": args.metric, "higher_is_better": not args.lower_is_better, "corrected": args.corrected,
+             "baselines": args.baselines, "margin": args.margin, "contrast_margin": args.contrast_margin,
+             "alpha": args.alpha, "primary_target": args.primary_target}
+    settings = AnalysisSettings(**{key: value for key, value in given.items() if value is not None})
     with cleanup_on_error(args.out):
-        written = analyse_file(
-            args.input, args.out, metric=args.metric, higher_is_better=not args.lower_is_better,
-            corrected=args.corrected, baselines=args.baselines, margin=args.margin,
-            contrast_margin=args.contrast_margin, alpha=args.alpha, calibration_sims=args.calibration_sims,
-            primary_target=args.primary_target,
-        )
+        written = analyse_file(args.input, args.out, settings, calibration_sims=args.calibration_sims)
     _print_paths(written)
     return 0
 

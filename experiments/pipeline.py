@@ -12,15 +12,16 @@ import math
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from affdiv.atomic import check_writable_file, check_writable_folder
 from affdiv.checks import check_int
 from affdiv.experiments.analysis.calibration import calibrate_for
-from affdiv.experiments.analysis.decision import analyse, check_settings
+from affdiv.experiments.analysis.design import analyse_study
 from affdiv.experiments.analysis.groups import label_curves, label_groups
+from affdiv.experiments.analysis.settings import AnalysisSettings, check_settings, fixed_budget_only
 from affdiv.experiments.records import RENAMED_METHODS, is_sqlite, read_csv, read_csv_rows
 from affdiv.experiments.report.writer import write_report
 from affdiv.provenance import provenance, relative_path
@@ -40,8 +41,6 @@ REPORT_FILES = ("records.csv", "metric_vs_batch.png", "slope_forest.png", "contr
 MAX_SEED = 2**64 - 1
 #: From this many records on, the analysis prints a line before each long step.
 PROGRESS_FROM = 5000
-#: Analysis settings of the fixed-budget analysis that the steps-to-target analysis has no use for.
-_FIXED_BUDGET_ONLY = ("margin", "contrast_margin", "sensitivity", "test_baselines")
 
 
 def _check_calibration_sims(n: int) -> None:
@@ -156,17 +155,18 @@ def check_run_config(config: RunConfig) -> None:
         raise ValueError(f"device must be a string such as 'cpu' or 'cuda:0', got {config.device!r}")
 
 
-def analyse_and_report(out: Path, records: list[dict], curves, settings: Mapping, provenance: Mapping,
-                       calibration_sims: int, progress=None) -> dict[str, Path]:
-    """``analyse`` by the groups of ``label_groups`` (or by the column ``settings["group_by"]`` names,
-    when it names one), calibrate the tests in that layout, and ``write_report``; returns the
-    written paths. ``progress``: called with a line before each long step (None: quiet)."""
+def analyse_and_report(out: Path, records: list[dict], curves: list[dict] | None, settings: AnalysisSettings,
+                       provenance: Mapping, calibration_sims: int,
+                       progress: Callable[[str], None] | None = None) -> dict[str, Path]:
+    """Analyse ``records`` by the design of ``settings`` (grouped by ``settings.group_by``, or, when
+    None, by the groups of ``label_groups``), calibrate the rule in that layout, and
+    ``write_report``; returns the written paths. ``progress``: called with a line before each long
+    step (None: quiet)."""
     _check_calibration_sims(calibration_sims)
-    settings = dict(settings)
-    group_by = settings.pop("group_by", None) or label_groups(records)
+    settings = settings.replace(group_by=settings.group_by or label_groups(records))
     if curves:
         label_curves(curves, records)
-    analysis = analyse(records, group_by=group_by, progress=progress, **settings)
+    analysis = analyse_study(records, settings, progress=progress)
     calibration = None
     if calibration_sims:
         print(f"calibrating the tests ({calibration_sims} simulated studies per planted effect) ...", file=sys.stderr)
@@ -201,8 +201,7 @@ def check_study_analysis(configs: Sequence[RunConfig], settings: Mapping, *, whe
         raise ValueError(f"{where}: metric {metric!r} is not recorded by the study's runs; they record "
                          f"{', '.join(recorded)}")
     if (metric or study_metric(configs)) == TARGET_METRIC:
-        idle = sorted(set(settings) & set(_FIXED_BUDGET_ONLY)) + (["higher_is_better"] if settings.get(
-            "higher_is_better") else [])
+        idle = fixed_budget_only(settings) + (["higher_is_better"] if settings.get("higher_is_better") else [])
         if idle:
             raise ValueError(f"{where}: {', '.join(idle)} do(es) not apply to the steps-to-target analysis (fewer "
                              "steps are better; no slopes, margins or bootstrap of slopes); remove it")
@@ -434,8 +433,8 @@ def falsify(
                   "leaves them out (the same command tries them again)", file=sys.stderr)
         for study in studies:
             # The metric follows the budget unless the preset names one: steps under "target".
-            analysis_settings = {"metric": study_metric(study.configs), **study.analysis}
-            metric = analysis_settings["metric"]
+            analysis_settings = AnalysisSettings.from_mapping({"metric": study_metric(study.configs), **study.analysis})
+            metric = analysis_settings.metric
             hashes = sorted(config_hash(c.to_dict()) for c in study.configs)
             records = store.records(hashes, metric=metric)
             study_out = out if len(studies) == 1 else out / study.name
@@ -483,97 +482,101 @@ def default_metric(budgets: set[str], *, database: bool, where: str) -> str:
     return "test_accuracy" if database else "metric"
 
 
-def analyse_file(
-    path: str | Path,
-    out: str | Path,
-    *,
-    metric: str | None = None,
-    higher_is_better: bool = True,
-    corrected: Sequence[str] | None = None,
-    baselines: Sequence[str] | None = None,
-    margin: float | None = None,
-    contrast_margin: float | None = None,
-    alpha: float = 0.05,
-    calibration_sims: int = 500,
-    primary_target: float | None = None,
-) -> dict[str, Path]:
+def _read_store(path: Path, metric: str | None) -> tuple[list[dict], list[dict], str, dict]:
+    """(records, curves, metric, provenance extras) of a results store, opened read-only: the code
+    that trained the runs and the data they were trained on, as the store recorded them."""
+    from affdiv.experiments.runs.store import ResultStore, data_key
+
+    try:
+        with ResultStore(path, read_only=True) as store:
+            if metric is None:
+                metric = default_metric(store.budgets(), database=True, where=f"input {path}")
+            records, curves = store.records(metric=metric), store.curves()
+            extra = {"run_code": code_versions(store)}
+    except (ValueError, IsADirectoryError) as error:
+        raise ValueError(_option_named("input", error)) from None
+    by_data: dict[str, set[str]] = {}
+    for r in records:
+        by_data.setdefault(data_key(r), set()).add(str(r.get("data_fingerprint")))
+    mixed = {key: sorted(found) for key, found in by_data.items() if len(found) > 1}
+    if mixed:
+        print(f"affdiv analyse: warning: {path} mixes runs on different data for the same data settings "
+              f"(written before stores refused it): {mixed}", file=sys.stderr)
+    extra["data_fingerprint"] = {dataset: sorted({str(r.get("data_fingerprint")) for r in records
+                                                  if str(r.get("dataset")) == dataset})
+                                 for dataset in sorted({str(r.get("dataset")) for r in records})}
+    return records, curves, metric, extra
+
+
+def _read_csv_input(path: Path, data: bytes, metric: str | None) -> tuple[list[dict], str]:
+    """(records, metric) of a record CSV (``data``: its bytes, parsed once)."""
+    table = read_csv_rows(path, data)  # parsed once: the budgets choose the default metric
+    if metric is None:
+        header, rows = table
+        if "budget" in header:
+            budgets = {str(row.get("budget") or "").strip() for row in rows}
+        else:  # told by its columns: steps to a target and no column "metric" make a CSV of target runs
+            budgets = {"target"} if TARGET_METRIC in header and "metric" not in header else set()
+        metric = default_metric(budgets, database=False, where=f"input {path}")
+    return read_csv(path, metric=metric, table=table), metric
+
+
+def _check_input_settings(path: Path, records: Sequence[Mapping], settings: AnalysisSettings) -> None:
+    """Refuse ``corrected``/``baselines`` names that are no method of the records, and settings of the
+    fixed-budget analysis given for steps to a target."""
+    present = sorted({RENAMED_METHODS.get(str(r["method"]), str(r["method"])) for r in records})
+    for role in ("corrected", "baselines"):
+        unknown = sorted(set(getattr(settings, role)) - set(present)) if role in settings.given() else []
+        if unknown:
+            raise ValueError(f"{role}: unknown method(s) {unknown}; the methods in {path} are {present}")
+    idle = fixed_budget_only(settings.given()) if settings.metric == TARGET_METRIC else []
+    if idle:
+        raise ValueError(f"{idle[0]} applies to the fixed-budget analysis only; input {path} holds steps to a target "
+                         "(fewer steps are better; no slopes or margins): leave it out")
+
+
+def analyse_file(path: str | Path, out: str | Path, settings: AnalysisSettings | None = None, *,
+                 calibration_sims: int = 500) -> dict[str, Path]:
     """Test the batch-size prediction on existing results: a record CSV or a results store;
-    returns the written paths. The metric, when None, is :func:`default_metric`'s:
-    ``steps_to_target`` for records of ``budget = "target"`` runs (a CSV without a ``budget``
-    column: one with a ``steps_to_target`` column and no ``metric`` column), else
-    ``test_accuracy`` of a store or the column ``metric`` of a CSV.
+    returns the written paths. ``settings`` (default: every default); its metric, when None, is
+    :func:`default_metric`'s: ``steps_to_target`` for records of ``budget = "target"`` runs (a
+    CSV without a ``budget`` column: one with a ``steps_to_target`` column and no ``metric``
+    column), else ``test_accuracy`` of a store or the column ``metric`` of a CSV.
 
     The input is only read: a store is opened read-only (its bytes, and the folder it is in, stay
     as they were), and a report folder whose files would replace the input is refused. The
     provenance records the SHA-256 of the input as it was read. Names in ``corrected`` and
-    ``baselines`` must be methods of the records. ``primary_target``: for steps to a target along
-    a ladder, the target that decides (default: the runs' own, else the highest). Every setting is
-    checked before the analysis.
+    ``baselines`` must be methods of the records (old names are read as their new ones); the
+    settings only the fixed-budget analysis uses (``margin``, ``contrast_margin``, ...) are
+    refused on steps to a target. ``primary_target``: for steps to a target along a ladder, the
+    target that decides (default: the runs' own, else the highest). Every setting is checked
+    before the analysis.
     """
     started = time.monotonic()
     _check_calibration_sims(calibration_sims)
+    settings = settings or AnalysisSettings()
     path, out = Path(path), Path(out)
     if path.is_dir():
         raise IsADirectoryError(f"input {path}: is a folder, expected a CSV file or a results database")
     if not path.is_file():
         raise FileNotFoundError(f"input {path}: no such file")
-    names = {role: None if given is None else tuple(RENAMED_METHODS.get(m, m) for m in given)
-             for role, given in (("corrected", corrected), ("baselines", baselines))}
-    settings = {"metric": metric, "higher_is_better": higher_is_better, "alpha": alpha, "margin": margin,
-                "contrast_margin": contrast_margin, "primary_target": primary_target,
-                **{role: given for role, given in names.items() if given}}
-    check_settings({k: v for k, v in settings.items() if k != "metric"}, where="analyse")
+    settings = settings.replace(**{role: tuple(RENAMED_METHODS.get(m, m) for m in getattr(settings, role))
+                                   for role in ("corrected", "baselines") if role in settings.given()})
     check_no_overwrite({"input": path}, [out])
     check_writable_folder(out, "out")
-
-    database = is_sqlite(path)
-    if database:
-        from affdiv.experiments.runs.store import ResultStore, data_key
-
+    extra = {}
+    if is_sqlite(path):
         with open(path, "rb") as handle:  # the database file before it is opened (a -wal file is not in it)
             digest = hashlib.file_digest(handle, "sha256").hexdigest()
-
-        try:
-            with ResultStore(path, read_only=True) as store:
-                if metric is None:
-                    metric = default_metric(store.budgets(), database=True, where=f"input {path}")
-                records, curves = store.records(metric=metric), store.curves()
-                run_code = code_versions(store)
-        except (ValueError, IsADirectoryError) as error:
-            raise ValueError(_option_named("input", error)) from None
+        records, curves, metric, extra = _read_store(path, settings.metric)
     else:
         data = path.read_bytes()  # read once: the digest is of the bytes parsed
         digest = hashlib.sha256(data).hexdigest()
-        table = read_csv_rows(path, data)  # parsed once: the budgets choose the default metric
-        if metric is None:
-            header, rows = table
-            if "budget" in header:
-                budgets = {str(row.get("budget") or "").strip() for row in rows}
-            else:  # told by its columns: steps to a target and no column "metric" make a CSV of target runs
-                budgets = {"target"} if TARGET_METRIC in header and "metric" not in header else set()
-            metric = default_metric(budgets, database=False, where=f"input {path}")
-        records, curves = read_csv(path, metric=metric, table=table), None
-    settings["metric"] = metric
+        (records, metric), curves = _read_csv_input(path, data, settings.metric), None
+    settings = settings.replace(metric=metric)
     if not records:
         raise ValueError(f"input {path}: no records")
-    present = sorted({RENAMED_METHODS.get(str(r["method"]), str(r["method"])) for r in records})
-    for role, given in names.items():
-        unknown = sorted(set(given or ()) - set(present))
-        if unknown:
-            raise ValueError(f"{role}: unknown method(s) {unknown}; the methods in {path} are {present}")
-    extra = {}
-    if database:  # the data the runs were trained on, and the code that trained them, as the store recorded it
-        extra["run_code"] = run_code
-        by_data: dict[str, set[str]] = {}
-        for r in records:
-            by_data.setdefault(data_key(r), set()).add(str(r.get("data_fingerprint")))
-        mixed = {key: sorted(found) for key, found in by_data.items() if len(found) > 1}
-        if mixed:
-            print(f"affdiv analyse: warning: {path} mixes runs on different data for the same data settings "
-                  f"(written before stores refused it): {mixed}", file=sys.stderr)
-        extra["data_fingerprint"] = {dataset: sorted({str(r.get("data_fingerprint")) for r in records
-                                                      if str(r.get("dataset")) == dataset})
-                                     for dataset in sorted({str(r.get("dataset")) for r in records})}
+    _check_input_settings(path, records, settings)
     record = provenance(input=relative_path(path.resolve(), out), input_sha256=digest, metric=metric, **extra)
     progress = _progress(started) if len(records) >= PROGRESS_FROM else None
     if progress is not None:

@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from affdiv.experiments.analysis import contrast, stats
+from affdiv.experiments.analysis.design import StudyAnalysis, design_of, joint
 from affdiv.vocabulary import FIXED_BUDGET, JOINT_VERDICTS, RATIO_CLASSES, STEPS_TO_TARGET, TARGET_METRIC
 
 TESTS = ("falls", "differential", "page", "bootstrap", "flat")
@@ -130,20 +131,38 @@ class Calibration:
                 "layout": asdict(self.layout), "seed": self.seed}
 
 
-def calibrate(planted: Sequence[float], *, layout: Layout = Layout(), n_sims: int = 1000, alpha: float = 0.05,
-              margin: float = 0.005, n_boot: int = 1000, seed: int = 0,
-              tests: Sequence[str] = ("falls", "differential", "page", "bootstrap", "flat"),
-              progress: Callable[[int, int], None] | None = None) -> Calibration:
-    """Rejection rate of every slope test at every planted slope (metric units per doubling of B).
+@dataclass(frozen=True)
+class CalibrationOptions:
+    """How :func:`calibrate` simulates and tests: ``n_sims`` sweeps per planted slope, the level
+    ``alpha``, the TOST ``margin`` per doubling of B, ``n_boot`` bootstrap draws, the ``seed`` of
+    the simulations and the ``tests`` counted (some of :data:`TESTS`)."""
+
+    n_sims: int = 1000
+    alpha: float = 0.05
+    margin: float = 0.005
+    n_boot: int = 1000
+    seed: int = 0
+    tests: tuple[str, ...] = TESTS
+
+    def __post_init__(self):
+        object.__setattr__(self, "tests", tuple(self.tests))
+        if self.n_sims < 1:
+            raise ValueError(f"n_sims must be >= 1, got {self.n_sims}")
+        unknown = sorted(set(self.tests) - set(TESTS))
+        if unknown:
+            raise ValueError(f"tests: unknown test(s) {unknown}; expected some of {TESTS}")
+
+
+def calibrate(planted: Sequence[float], options: CalibrationOptions = CalibrationOptions(), *,
+              layout: Layout = Layout(), progress: Callable[[int, int], None] | None = None) -> Calibration:
+    """Rejection rate of every slope test at every planted slope (metric units per doubling of B),
+    simulated in ``layout`` as ``options`` says.
 
     At slope 0 the rate of 'falls', 'differential', 'page' and 'bootstrap' is a false-positive
     rate; the rate of 'flat' (TOST) there is its power, and its size is read at slope = ±margin.
     """
-    if n_sims < 1:
-        raise ValueError(f"n_sims must be >= 1, got {n_sims}")
-    unknown = sorted(set(tests) - set(TESTS))
-    if unknown:
-        raise ValueError(f"unknown test(s) {unknown}; expected some of {TESTS}")
+    n_sims, alpha, margin, n_boot, seed, tests = (options.n_sims, options.alpha, options.margin, options.n_boot,
+                                                  options.seed, options.tests)
     planted = tuple(float(s) for s in planted)
     counts = {test: [] for test in tests}
     for i, slope in enumerate(planted):
@@ -316,10 +335,10 @@ def verdict_calibration(layout: StudyLayout, effects: Sequence[float], *, n_sims
                               layout.describe())
 
 
-def fixed_budget_layout(analysis, *, shock_sd: float = 0.0) -> StudyLayout:
+def fixed_budget_layout(analysis: StudyAnalysis, *, shock_sd: float = 0.0) -> StudyLayout:
     """The layout of a real fixed-budget analysis: its primary group's batch sizes, seed count and
     per-method noise (``noise`` of each method, moments), and its baselines' mean curve as the shape."""
-    methods = analysis.methods
+    methods = analysis.groups[analysis.primary_group]["methods"]
     fitted = {m: r for m, r in methods.items() if r.get("noise", {}).get("status") == "ok" and r["role"] != "other"}
     if not any(r["role"] == "corrected" for r in fitted.values()):
         raise ValueError("no corrected method of the primary group has a noise estimate (needs >= 3 batch sizes "
@@ -373,11 +392,11 @@ class TargetLayout:
                    description["reference_b_crit"])
 
 
-def target_layout(analysis) -> TargetLayout:
+def target_layout(analysis: StudyAnalysis) -> TargetLayout:
     """The layout of a real steps-to-target analysis (primary group): its batch sizes, seeds and
     max_steps, each method's fitted S_min, run noise and seed shift; the reference B_crit is the
     geometric mean of the resolved baselines' fits (of every resolved method if none)."""
-    fits = analysis.primary["critical_batch"]
+    fits = analysis.groups[analysis.primary_group]["critical_batch"]
     fitted = {m: r for m, r in fits.items() if r.get("status") == "ok" and "noise_sd" in r and r["role"] != "other"}
     if not any(r["role"] == "corrected" for r in fitted.values()):
         raise ValueError("no corrected method of the primary group has a fitted curve to simulate")
@@ -517,7 +536,6 @@ def _decide_study(runs: Mapping[str, tuple], fits: Mapping, corrected: Sequence[
         UNCLEAR,
         MethodData,
         _corrected_verdict,
-        _joint,
         _method_status,
         _ratio,
     )
@@ -537,30 +555,33 @@ def _decide_study(runs: Mapping[str, tuple], fits: Mapping, corrected: Sequence[
                    else {"class": UNCLEAR, "status": "no ratio: a B_crit is unresolved"} for b in baselines}
         verdicts[c] = _corrected_verdict(c, against, statuses, alpha)[0]
         pairs.update({f"{c} vs {b}": outcome for b, outcome in against.items()})
-    return {"joint": _joint(list(verdicts.values())), "methods": verdicts, "pairs": pairs}
+    return {"joint": joint(list(verdicts.values())), "methods": verdicts, "pairs": pairs}
 
 
 # ------------------------------------------------------------------------------- dispatch
-def calibrate_for(analysis, *, n_sims: int = 200, seed: int = 0,
-                  progress: Callable[[int, int], None] | None = None, **_ignored) -> VerdictCalibration:
-    """Verdict-level calibration in the layout of a real analysis (either design).
+def calibrate_target(analysis: StudyAnalysis, *, n_sims: int = 200, seed: int = 0,
+                     progress: Callable[[int, int], None] | None = None) -> VerdictCalibration:
+    """Verdict-level calibration in the layout of a steps-to-target analysis: the ratios of
+    :data:`TARGET_RATIOS` and, as further planted points, each pair's measured ratio at the primary
+    target (where estimated and within [``MEASURED_RANGE``]); ``measured`` gives each pair the
+    power of its test at its own ratio."""
+    primary = analysis.groups[analysis.primary_group]
+    measured = {f"{c} vs {b}": pair["ratio"] for c, against in primary["ratios"].items()
+                for b, pair in against.items()
+                if pair.get("status") == "ok" and MEASURED_RANGE[0] <= pair["ratio"] <= MEASURED_RANGE[1]}
+    ratios = sorted({*TARGET_RATIOS, *measured.values()}, reverse=True)
+    result = target_calibration(target_layout(analysis), ratios, n_sims=n_sims, alpha=analysis.settings["alpha"],
+                                seed=seed, progress=progress)
+    return VerdictCalibration(**{**result.__dict__, "measured": {
+        pair: {"ratio": ratio, "power": result.pairs[pair][result.effects.index(ratio)]}
+        for pair, ratio in measured.items()}})
 
-    Fixed budget: planted extra falls of 0, 1, 2 and 3 contrast margins, without shared shocks, and
-    the same with shocks of the median run noise (what a data split shared by every seed adds) as a
-    second scenario. Steps to target: the ratios of :data:`TARGET_RATIOS` and, as further planted
-    points, each pair's measured ratio at the primary target (where estimated and within
-    [``MEASURED_RANGE``]); ``measured`` gives each pair the power of its test at its own ratio.
-    """
-    if getattr(analysis, "design", FIXED_BUDGET) == STEPS_TO_TARGET:
-        measured = {f"{c} vs {b}": pair["ratio"] for c, against in analysis.primary["ratios"].items()
-                    for b, pair in against.items()
-                    if pair.get("status") == "ok" and MEASURED_RANGE[0] <= pair["ratio"] <= MEASURED_RANGE[1]}
-        ratios = sorted({*TARGET_RATIOS, *measured.values()}, reverse=True)
-        result = target_calibration(target_layout(analysis), ratios, n_sims=n_sims, alpha=analysis.settings["alpha"],
-                                    seed=seed, progress=progress)
-        return VerdictCalibration(**{**result.__dict__, "measured": {
-            pair: {"ratio": ratio, "power": result.pairs[pair][result.effects.index(ratio)]}
-            for pair, ratio in measured.items()}})
+
+def calibrate_fixed_budget(analysis: StudyAnalysis, *, n_sims: int = 200, seed: int = 0,
+                           progress: Callable[[int, int], None] | None = None) -> VerdictCalibration:
+    """Verdict-level calibration in the layout of a fixed-budget analysis: planted extra falls of
+    0, 1, 2 and 3 contrast margins, without shared shocks, and the same with shocks of the median
+    run noise (what a data split shared by every seed adds) as a second scenario."""
     layout = fixed_budget_layout(analysis)
     alpha = analysis.settings["alpha"]
     effects = [k * layout.margin for k in (0.0, 1.0, 2.0, 3.0)]
@@ -570,3 +591,10 @@ def calibrate_for(analysis, *, n_sims: int = 200, seed: int = 0,
                                   n_sims=n_sims, alpha=alpha, seed=seed + 1)
     return VerdictCalibration(**{**result.__dict__, "scenarios": {f"shared batch-size shocks, s.d. {shock:.3g}":
                                                                   shocked.to_dict()}})
+
+
+def calibrate_for(analysis: StudyAnalysis, *, n_sims: int = 200, seed: int = 0,
+                  progress: Callable[[int, int], None] | None = None) -> VerdictCalibration:
+    """Verdict-level calibration in the layout of a real analysis, by its design
+    (:func:`calibrate_fixed_budget`, :func:`calibrate_target`)."""
+    return design_of(analysis.design).calibrate(analysis, n_sims=n_sims, seed=seed, progress=progress)

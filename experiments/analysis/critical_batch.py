@@ -46,23 +46,23 @@ descriptive. The pair outcomes keep a small effect apart from none (:func:`_rati
 from __future__ import annotations
 
 import math
-import zlib
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 from scipy import special
 
 from affdiv.experiments.analysis import stats
+from affdiv.experiments.analysis.design import by_batch_size, in_role_order, joint, overall, rng, role_of, roles_clause
 from affdiv.experiments.analysis.groups import default_primary_group
+from affdiv.experiments.analysis.settings import AnalysisSettings
 from affdiv.reporting import json_ready
 from affdiv.vocabulary import (
     CONTRADICTED,
     EQUIVALENT,
     INCONCLUSIVE,
     LARGER,
-    MIXED,
     NO_PREDICTION,
     REFERENCE,
     SMALLER,
@@ -304,10 +304,6 @@ def fit_curves(batch: np.ndarray, log_steps: np.ndarray, censored: np.ndarray, w
 
 
 # ---------------------------------------------------------------------------------- analysis
-def _rng(seed: int, *labels: str) -> np.random.Generator:
-    return np.random.default_rng([seed, *(zlib.crc32(label.encode()) for label in labels)])
-
-
 def _percentile(values: np.ndarray, level: float) -> tuple[float, float]:
     low, high = np.quantile(values, [0.5 - level / 2, 0.5 + level / 2])
     return float(low), float(high)
@@ -327,12 +323,8 @@ def _method_status(data: MethodData, n_seeds: int) -> str:
 
 
 def _cells(rows: Sequence[Mapping], metric: str) -> list[dict]:
-    by_batch = defaultdict(list)
-    for row in rows:
-        by_batch[row["batch_size"]].append(row)
     cells = []
-    for b in sorted(by_batch):
-        runs = by_batch[b]
+    for b, runs in by_batch_size(rows).items():
         reached = [r[metric] for r in runs if not r["censored"]]
         cell = {"batch_size": b, "n": len(runs), "censored": sum(r["censored"] for r in runs),
                 "median_steps": float(np.median(reached)) if reached else None,
@@ -446,15 +438,14 @@ def _ratio(fc: CurveFit, fb: CurveFit, seeds_c: set, seeds_b: set, n_seeds: int,
     return out
 
 
-def decision_rule(*, alpha: float, corrected: Sequence[str], baselines: Sequence[str]) -> str:
+def decision_rule(settings: AnalysisSettings) -> str:
     """The steps-to-target decision rule, in words (one clause a line)."""
-    margin = RATIO_MARGIN
+    margin, alpha = RATIO_MARGIN, settings.alpha
     return "\n".join([
         "Model per method: log S = log S_min + log(1 + B_crit/B) + e, e ~ N(0, sigma^2) (median steps "
         "S(B) = S_min (1 + B_crit/B), examples E(B) = E_min (1 + B/B_crit), E_min = S_min B_crit); a run "
         "censored at max_steps enters as log S > log max_steps (censored maximum likelihood).",
-        f"Corrected layers: {', '.join(corrected)}. Baselines: {', '.join(baselines)}. Other methods are "
-        "reported without a verdict.",
+        f"{roles_clause(settings)} Other methods are reported without a verdict.",
         "Uncertainty: leave-one-seed-out jackknife of log B_crit (and of log S_min, log E_min), t with seeds-1 "
         f"df; a method needs >= {MIN_SEEDS} seeds and >= {MIN_BATCH_SIZES} batch sizes at which some run reached "
         "the target, else it is inconclusive with the reason; a B_crit whose fit (or a leave-one-seed-out refit) "
@@ -493,18 +484,11 @@ def _flags(rows: Sequence[Mapping]) -> str:
     return "; ".join(parts)
 
 
-def _joint(verdicts: Sequence[str]) -> str:
-    if verdicts and all(v == SUPPORTED for v in verdicts):
-        return SUPPORTED
-    if CONTRADICTED in verdicts:
-        return MIXED if SUPPORTED in verdicts else CONTRADICTED
-    return INCONCLUSIVE
-
-
-def analyse_group(rows: Sequence[Mapping], *, metric: str, corrected: Sequence[str], baselines: Sequence[str],
-                  alpha: float, n_boot: int, seed: int, label: str = "") -> dict:
-    """Fits, ratios and verdicts of one group of typed rows (see :func:`check_target_records`);
-    ``label`` seeds its bootstrap resamples (the same at every target: paired along a ladder)."""
+def analyse_group(rows: Sequence[Mapping], settings: AnalysisSettings, *, label: str = "") -> dict:
+    """Fits, ratios and verdicts of one group of typed rows (see :func:`check_target_records`) by
+    ``settings`` (metric, roles, alpha, n_boot, seed); ``label`` seeds its bootstrap resamples (the
+    same at every target: paired along a ladder)."""
+    metric, alpha, n_boot = settings.metric, settings.alpha, settings.n_boot
     by_method = defaultdict(list)
     for row in rows:
         by_method[row["method"]].append(row)
@@ -514,13 +498,12 @@ def analyse_group(rows: Sequence[Mapping], *, metric: str, corrected: Sequence[s
     # Row 0: the data; rows 1..G: leave one seed out (jackknife); then the paired bootstrap resamples.
     weights = [np.ones((1, g)), 1.0 - np.eye(g)]
     if n_boot:
-        weights.append(_rng(seed, label, "seed-bootstrap").multinomial(
+        weights.append(rng(settings.seed, label, "seed-bootstrap").multinomial(
             g, np.full(g, 1.0 / g), size=n_boot).astype(np.float64))
     weights = np.vstack(weights)
-    role = {m: "corrected" if m in corrected else "baseline" if m in baselines else "other" for m in by_method}
-    order = {"corrected": 0, "baseline": 1, "other": 2}
+    role = {m: role_of(m, settings) for m in by_method}
     methods, fits, seed_sets = {}, {}, {}
-    for method in sorted(by_method, key=lambda m: (order[role[m]], m)):
+    for method in in_role_order(role):
         runs = sorted(by_method[method], key=lambda r: (r["batch_size"], r["seed"]))
         data = MethodData(np.array([r["batch_size"] for r in runs]), np.array([r["log_steps"] for r in runs]),
                           np.array([bool(r["censored"]) for r in runs]),
@@ -561,10 +544,10 @@ def analyse_group(rows: Sequence[Mapping], *, metric: str, corrected: Sequence[s
         else:
             result["verdict"], result["reason"] = _corrected_verdict(method, ratios.get(method, {}), methods, alpha)
     verdicts = [methods[m]["verdict"] for m in methods if role[m] == "corrected"]
-    joint = _joint(verdicts)
+    verdict = joint(verdicts)
     reason = "; ".join(f"{m}: {methods[m]['verdict']}" for m in methods if role[m] == "corrected") or \
         "no corrected layer in the data"
-    return {"critical_batch": methods, "ratios": ratios, "prediction": {"verdict": joint, "reason": reason}}
+    return {"critical_batch": methods, "ratios": ratios, "prediction": {"verdict": verdict, "reason": reason}}
 
 
 def _corrected_verdict(method: str, pairs: Mapping[str, Mapping], methods: Mapping[str, Mapping],
@@ -648,7 +631,13 @@ class TargetAnalysis:
 
     @property
     def primary(self) -> dict:
+        """The primary group's results at the primary target."""
         return self.groups[self.primary_group]
+
+    @property
+    def prediction(self) -> dict:
+        """The joint verdict of the primary group at the primary target (the study's verdict)."""
+        return self.primary["prediction"]
 
     def to_dict(self, provenance: Mapping | None = None) -> dict:
         primary = self.primary
@@ -674,12 +663,6 @@ class TargetAnalysis:
                           for t, groups in self.by_target.items() if self.primary_group in groups},
             "trends": self.trends.get(self.primary_group, {}),
         })
-
-
-def _overall(verdicts: Sequence[str]) -> str:
-    if all(v in (NO_PREDICTION, REFERENCE) for v in verdicts):
-        return verdicts[0]
-    return _joint(verdicts)
 
 
 def _problems(rows: Sequence[Mapping]) -> list[str]:
@@ -712,29 +695,9 @@ def _primary_target(rows: Sequence[Mapping], targets: Sequence[float | None], gi
     return max((t for t in targets if t is not None), default=None)
 
 
-def analyse_target(records: Sequence[Mapping], *, metric: str = TARGET_METRIC,
-                   corrected: Sequence[str] = ("affine_like", "norm_l2", "patchnorm"),
-                   baselines: Sequence[str] = ("affine", "batchnorm"), group_by: str | None = None,
-                   alpha: float = 0.05, n_boot: int = 2000, seed: int = 0, primary_group: str | None = None,
-                   primary_target: float | None = None, higher_is_better: bool | None = None,
-                   **ignored) -> TargetAnalysis:
-    """Fit B_crit per method (and group) at every target of the records (their ``target``
-    column: a ladder), the ratios, their verdicts and their trend along the ladder (see the
-    module docstring). ``primary_target``: the target whose verdict is the study's (default: the
-    records' ``primary_target``, else the highest).
-
-    ``higher_is_better`` must be False or None (steps to a target: fewer is better). Other keyword
-    arguments of the fixed-budget analysis (margin, sensitivity, ...) do not apply and are ignored.
-    """
-    if not 0 < alpha < 0.5:
-        raise ValueError(f"alpha must lie in (0, 0.5), got {alpha!r}")
-    if n_boot and n_boot < 200:
-        raise ValueError(f"n_boot must be 0 (no bootstrap) or >= 200 for percentile intervals, got {n_boot}")
-    if set(corrected) & set(baselines):
-        raise ValueError(f"a method cannot be both corrected and baseline: {sorted(set(corrected) & set(baselines))}")
-    if not records:
-        raise ValueError("no records to analyse")
-    rows = check_target_records(records, metric=metric)
+def _grouped(rows: Sequence[Mapping], group_by: str | None) -> tuple[dict, bool]:
+    """{target: {group: rows}} and whether ``group_by`` split them; ValueError on a record without a
+    group value or a second run in a cell."""
     has_group = group_by is not None and any(group_by in r for r in rows)
     grouped = defaultdict(lambda: defaultdict(list))
     seen = set()
@@ -749,24 +712,11 @@ def analyse_target(records: Sequence[Mapping], *, metric: str = TARGET_METRIC,
                              f"batch_size={row['batch_size']}, seed={row['seed']}{target}; expected one run per cell")
         seen.add(key)
         grouped[row.get("target")][group].append(row)
-    targets = sorted(grouped, key=lambda t: -1.0 if t is None else t)
-    primary_target = _primary_target(rows, targets, primary_target)
-    by_target, problems = {}, {}
-    for target in targets:
-        name = target_key(target)
-        problems[name] = _problems([r for g in grouped[target].values() for r in g])
-        by_target[name] = {g: analyse_group(grouped[target][g], metric=metric, corrected=corrected,
-                                            baselines=baselines, alpha=alpha, n_boot=n_boot, seed=seed,
-                                            label=g)
-                           for g in sorted(grouped[target])}
-        for content in by_target[name].values():
-            if problems[name]:
-                content["prediction"]["reason"] = "inconclusive: " + "; ".join(problems[name])
-    groups = by_target[target_key(primary_target)]
-    if primary_group is None:
-        primary_group = default_primary_group({g: {r["seed"] for r in grouped[g]} for g in groups})
-    elif primary_group not in groups:
-        raise ValueError(f"primary_group {primary_group!r} is not among the groups {sorted(groups)}")
+    return grouped, has_group
+
+
+def _trends(by_target: Mapping[str, dict], groups: Mapping[str, dict], alpha: float) -> dict:
+    """{group: {corrected: {baseline: trend}}} along the ladder; then drops the jackknife replicates."""
     trends = {}
     for g in groups:
         ladder = {t: content[g] for t, content in by_target.items() if g in content and t}
@@ -776,17 +726,60 @@ def analyse_target(records: Sequence[Mapping], *, metric: str = TARGET_METRIC,
         for against in content["ratios"].values():
             for pair in against.values():
                 pair.pop("_replicates", None)
+    return trends
+
+
+def analyse_target(records: Sequence[Mapping], settings: AnalysisSettings, *,
+                   progress: Callable[[str], None] | None = None) -> TargetAnalysis:
+    """Fit B_crit per method (and group) at every target of the records (their ``target``
+    column: a ladder), the ratios, their verdicts and their trend along the ladder (see the
+    module docstring), by ``settings``
+    (:class:`~affdiv.experiments.analysis.settings.AnalysisSettings` whose metric is
+    ``steps_to_target``). ``settings.primary_target``: the target whose verdict is the study's
+    (default: the records' ``primary_target``, else the highest). ``settings.n_boot``: 0 for no
+    bootstrap, else at least 200 draws are taken. The fixed-budget settings (margins,
+    sensitivity, test_baselines, higher_is_better) do not apply: fewer steps are better.
+    ``progress``: called with a line before each target's fits.
+    """
+    if settings.design != STEPS_TO_TARGET:
+        raise ValueError(f"settings: metric {settings.metric!r} is the {settings.design} design; analyse it with "
+                         "decision.analyse")
+    if not records:
+        raise ValueError("no records to analyse")
+    settings = settings.replace(n_boot=max(settings.n_boot, 200) if settings.n_boot else 0)
+    rows = check_target_records(records, metric=settings.metric)
+    grouped, has_group = _grouped(rows, settings.group_by)
+    targets = sorted(grouped, key=lambda t: -1.0 if t is None else t)
+    primary_target = _primary_target(rows, targets, settings.primary_target)
+    by_target, problems = {}, {}
+    for target in targets:
+        name = target_key(target)
+        if progress is not None:
+            progress(f"fitting the curves at target {name or '(one)'} ...")
+        problems[name] = _problems([r for g in grouped[target].values() for r in g])
+        by_target[name] = {g: analyse_group(grouped[target][g], settings, label=g) for g in sorted(grouped[target])}
+        for content in by_target[name].values():
+            if problems[name]:
+                content["prediction"]["reason"] = "inconclusive: " + "; ".join(problems[name])
+    groups = by_target[target_key(primary_target)]
+    primary_group = settings.primary_group
+    if primary_group is None:
+        primary_group = default_primary_group({g: {r["seed"] for r in grouped[primary_target][g]} for g in groups})
+    elif primary_group not in groups:
+        raise ValueError(f"primary_group {primary_group!r} is not among the groups {sorted(groups)}")
+    trends = _trends(by_target, groups, settings.alpha)
     names = sorted({m for g in groups.values() for m in g["critical_batch"]})
-    overall = {m: _overall([g["critical_batch"][m]["verdict"] for g in groups.values() if m in g["critical_batch"]])
-               for m in names}
-    settings = {"metric": metric, "design": STEPS_TO_TARGET, "alpha": alpha, "corrected": list(corrected),
-                "baselines": list(baselines), "group_by": group_by if has_group else None, "n_boot": n_boot,
-                "seed": seed, "n_records": len(rows), "ratio_margin": RATIO_MARGIN,
-                "grid_doublings": GRID_DOUBLINGS, "higher_is_better": False,
-                "problems": problems[target_key(primary_target)],
-                "targets": [t for t in targets if t is not None], "primary_target": primary_target}
-    rule = decision_rule(alpha=alpha, corrected=corrected, baselines=baselines)
-    return TargetAnalysis(settings, rule, groups, primary_group, overall, primary_target, by_target, trends)
+    verdicts = {m: overall([g["critical_batch"][m]["verdict"] for g in groups.values() if m in g["critical_batch"]])
+                for m in names}
+    summary = {"metric": settings.metric, "design": STEPS_TO_TARGET, "alpha": settings.alpha,
+               "corrected": list(settings.corrected), "baselines": list(settings.baselines),
+               "group_by": settings.group_by if has_group else None, "n_boot": settings.n_boot,
+               "seed": settings.seed, "n_records": len(rows), "ratio_margin": RATIO_MARGIN,
+               "grid_doublings": GRID_DOUBLINGS, "higher_is_better": False,
+               "problems": problems[target_key(primary_target)],
+               "targets": [t for t in targets if t is not None], "primary_target": primary_target}
+    return TargetAnalysis(summary, decision_rule(settings), groups, primary_group, verdicts, primary_target,
+                          by_target, trends)
 
 
 # ------------------------------------------------------------------------------ simulation

@@ -3,16 +3,18 @@
 The affine-divergence theory (G. Bird, arXiv 2512.22247; summarised in the package README) predicts
 that the performance of the corrected layers (``affine_like``, ``norm_l2``, ``patchnorm``) falls as the
 batch size B grows while baselines (``affine``, ``batchnorm``) do not.
-:func:`analyse` tests it per group (by default per learning-rate rule), per method, on records
-``{method, batch_size, seed, <metric>, [lr_rule, ...]}``.
+:func:`analyse` tests it under a fixed budget (epochs or steps) per group (``group_by``, e.g. the
+learning-rate rule), per method, on records ``{method, batch_size, seed, <metric>, [lr_rule, ...]}``,
+by an :class:`~affdiv.experiments.analysis.settings.AnalysisSettings`.
 
 The verdicts come from the curvature-proof contrast of
 :mod:`affdiv.experiments.analysis.contrast`: per method, the performance at the largest batch size
 minus that at the method's best one (cross-fitted, leave one seed out), its difference in
 differences against each baseline, an intersection-union rule per corrected layer and a gatekept
-joint verdict per group (:func:`decision_rule`). Records whose metric is ``steps_to_target`` go to
-:mod:`affdiv.experiments.analysis.critical_batch` instead (the critical batch size). Everything
-below is descriptive: reported, not part of the rule.
+joint verdict per group (:func:`decision_rule`). Records whose metric is ``steps_to_target`` are
+the other design's, :func:`affdiv.experiments.analysis.critical_batch.analyse_target` (the critical
+batch size; :func:`affdiv.experiments.analysis.design.analyse_study` picks by the settings).
+Everything below is descriptive: reported, not part of the rule.
 
 * x = log2 B, so every slope is "metric change per doubling of the batch size". "Performance" is the
   metric itself when ``higher_is_better`` (accuracy), its negative otherwise (loss).
@@ -48,29 +50,19 @@ verdict is always "no prediction".
 from __future__ import annotations
 
 import math
-import zlib
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from affdiv.checks import check_int
 from affdiv.experiments.analysis import contrast, stats
+from affdiv.experiments.analysis.design import by_batch_size, in_role_order, overall, rng, role_of, roles_clause
 from affdiv.experiments.analysis.groups import default_primary_group
+from affdiv.experiments.analysis.settings import MIN_BOOT, AnalysisSettings
 from affdiv.experiments.records import validate_records
 from affdiv.reporting import json_ready
-from affdiv.vocabulary import (
-    CONTRADICTED,
-    DEFAULT_BASELINES,
-    DEFAULT_CORRECTED,
-    FIXED_BUDGET,
-    INCONCLUSIVE,
-    MIXED,
-    SUPPORTED,
-    TARGET_METRIC,
-    UNCLEAR,
-)
+from affdiv.vocabulary import FIXED_BUDGET, UNCLEAR
 
 SCHEMA_VERSION = 2  # 2: verdicts from the contrasts; methods.<m> no longer a copy of one group
 SINGLE_GROUP = "all"
@@ -88,42 +80,43 @@ def default_margin(values: Sequence[float], higher_is_better: bool) -> tuple[flo
                               per="per doubling of the batch size", name="an equivalence margin", argument="margin")
 
 
-def decision_rule(*, alpha: float, margin: float, margin_source: str, higher_is_better: bool,
-                  corrected: Sequence[str], baselines: Sequence[str], contrast_margin: float | None = None,
-                  contrast_margin_source: str = "", test_baselines: bool = True) -> str:
-    """The rule that turns the contrasts into verdicts, in words (Markdown), then what is descriptive."""
-    performance = "the metric" if higher_is_better else "minus the metric (lower is better)"
-    if contrast_margin is None:
-        contrast_margin, contrast_margin_source = 2 * margin, "twice the slope margin"
+@dataclass(frozen=True)
+class Margins:
+    """The equivalence margins an analysis used (given, or from the metric's scale) and where each
+    comes from, in words."""
+
+    margin: float  # of the slope, per doubling of the batch size (descriptive)
+    margin_source: str
+    contrast_margin: float  # of the contrasts, between two batch sizes (the rule's)
+    contrast_margin_source: str
+
+
+def decision_rule(settings: AnalysisSettings, margins: Margins) -> str:
+    """The rule that turns the contrasts into verdicts, in words (Markdown), then what is descriptive.
+    ``settings.test_baselines`` None reads as True."""
+    performance = "the metric" if settings.higher_is_better else "minus the metric (lower is better)"
     return "\n".join([
-        f"Performance P is {performance}. Corrected layers: {', '.join(corrected)}. Baselines: "
-        f"{', '.join(baselines)}. Every other method is reported without a verdict ('no prediction').",
-        *contrast.rule_lines(alpha=alpha, margin=contrast_margin, margin_source=contrast_margin_source,
-                             test_baselines=test_baselines),
+        f"Performance P is {performance}. {roles_clause(settings)} Every other method is reported without a "
+        "verdict ('no prediction').",
+        *contrast.rule_lines(alpha=settings.alpha, margin=margins.contrast_margin,
+                             margin_source=margins.contrast_margin_source,
+                             test_baselines=settings.test_baselines is not False),
         "A method whose fit overflows (non-finite numbers from finite metrics) is inconclusive, with that reason.",
         "Across groups, per method: supported if supported in every group; contradicted if contradicted in some "
         "group and supported in none; mixed if both occur; inconclusive otherwise.",
         f"Descriptive, not in the rule: the seed-clustered OLS slope of P against x = log2(batch size) (CR1, t "
-        f"with G-1 df) with 'falls'/'rises'/'flat' (TOST, margin {margin:.4g} per doubling, {margin_source}) "
-        "Holm-adjusted over corrected and baseline methods (the 'trend'), the per-seed differential slopes, the "
-        "lack-of-fit test of linearity, the noise decomposition, Page's L and the bootstrap (the metric is rarely "
-        "linear in log2 B).",
+        f"with G-1 df) with 'falls'/'rises'/'flat' (TOST, margin {margins.margin:.4g} per doubling, "
+        f"{margins.margin_source}) Holm-adjusted over corrected and baseline methods (the 'trend'), the per-seed "
+        "differential slopes, the lack-of-fit test of linearity, the noise decomposition, Page's L and the "
+        "bootstrap (the metric is rarely linear in log2 B).",
     ])
 
 
 # --------------------------------------------------------------------------------------- fitting
-def _rng(seed: int, *labels: str) -> np.random.Generator:
-    """A generator that depends on the labels, not on the order in which methods are analysed."""
-    return np.random.default_rng([seed, *(zlib.crc32(label.encode()) for label in labels)])
-
-
 def _cells(rows, metric, level) -> list[dict]:
-    by_batch = defaultdict(list)
-    for row in rows:
-        by_batch[row["batch_size"]].append(row[metric])
     cells = []
-    for batch_size in sorted(by_batch):
-        values = np.asarray(by_batch[batch_size])
+    for batch_size, runs in by_batch_size(rows).items():
+        values = np.asarray([row[metric] for row in runs])
         with np.errstate(all="ignore"):  # a sum that overflows is reported as null, and the fit says why
             cell = {"batch_size": batch_size, "n": int(values.size), "mean": float(values.mean()),
                     "sd": None, "ci_low": None, "ci_high": None}
@@ -187,7 +180,7 @@ def _fit_method(rows, *, metric, sign, margin, alpha, n_boot, seed, group, metho
     result["tests"] = {name: {"p": p} for name, p in tests.items()}
     if sensitivity:
         result.update(_sensitivity(x, y, codes, batch_sizes, [row["batch_size"] for row in rows], sign=sign,
-                                   margin=margin, alpha=alpha, rng=_rng(seed, group, method), n_boot=n_boot,
+                                   margin=margin, alpha=alpha, rng=rng(seed, group, method), n_boot=n_boot,
                                    progress=progress, label=f"{method} in group {group}"))
     return result
 
@@ -249,7 +242,7 @@ def _fit_differential(corrected_rows, baseline_rows, *, metric, sign, alpha, n_b
         return {"status": _non_finite(stats.NonFiniteError(
                     f"non-finite arithmetic in the per-seed slopes of the differences (magnitude up to "
                     f"{np.abs(differences).max():.3g})")), "n_seeds": int(values.size)}
-    boot = stats.bootstrap_means(values, n_boot, _rng(seed, *labels))
+    boot = stats.bootstrap_means(values, n_boot, rng(seed, *labels))
     low, high = estimate.ci(1 - alpha)
     boot_low, boot_high = stats.percentile_ci(boot, 1 - alpha)
     return {"status": "ok", "n_seeds": int(values.size), "slope": estimate.estimate, "se": estimate.se,
@@ -269,17 +262,6 @@ def _trend(result: Mapping, alpha: float) -> str:
         if _significant(tests.get(name), alpha):
             return name
     return UNCLEAR
-
-
-def _overall(verdicts: Sequence[str]) -> str:
-    """A method's verdict across groups (the rule's last clause)."""
-    if verdicts and len(set(verdicts)) == 1:
-        return verdicts[0]  # the same in every group: supported, no prediction, not tested, ...
-    if verdicts and all(v == SUPPORTED for v in verdicts):
-        return SUPPORTED
-    if CONTRADICTED in verdicts:
-        return MIXED if SUPPORTED in verdicts else CONTRADICTED
-    return INCONCLUSIVE
 
 
 def _apply_holm(groups: Mapping[str, Mapping], roles: Mapping[str, str]) -> dict[str, int]:
@@ -307,6 +289,9 @@ class Analysis:
     primary_group: str
     overall: dict
     family_sizes: dict
+
+    design = FIXED_BUDGET  # a class attribute, not a field
+    primary_target = None  # one budget, no targets
 
     @property
     def methods(self) -> dict:
@@ -347,121 +332,9 @@ class Analysis:
         })
 
 
-#: The keyword arguments of :func:`analyse` a preset's ``[analysis]`` table may set.
-SETTINGS = ("metric", "higher_is_better", "corrected", "baselines", "group_by", "alpha", "margin", "n_boot", "seed",
-            "primary_group", "sensitivity", "contrast_margin", "test_baselines", "primary_target")
-
-
-def check_settings(settings: Mapping, *, methods: Sequence[str] | None = None, where: str = "analysis") -> None:
-    """Refuse analysis settings :func:`analyse` would refuse, before any work: unknown keys, alpha
-    outside (0, 0.5), a margin or contrast_margin that is not a finite number > 0,
-    higher_is_better, sensitivity or test_baselines not a bool, metric, group_by or primary_group
-    not a name, a seed that is not an integer >= 0, n_boot < 100, a method both
-    corrected and baseline, and, when ``methods`` is given, names in ``corrected``/``baselines``
-    that are not among them. Raises ValueError naming ``where``, the setting and the value."""
-    unknown = sorted(set(settings) - set(SETTINGS))
-    if unknown:
-        raise ValueError(f"{where}: unknown setting(s) {unknown}; expected among {list(SETTINGS)}")
-    alpha = settings.get("alpha", 0.05)
-    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0 < alpha < 0.5:
-        raise ValueError(f"{where}: alpha must lie in (0, 0.5), got {alpha!r}")
-    for key in ("margin", "contrast_margin"):
-        margin = settings.get(key)
-        if margin is not None and (isinstance(margin, bool) or not isinstance(margin, int | float)
-                                   or not (math.isfinite(margin) and margin > 0)):
-            raise ValueError(f"{where}: {key} must be a finite number > 0, got {margin!r}")
-    primary_target = settings.get("primary_target")
-    if primary_target is not None and (isinstance(primary_target, bool) or not isinstance(primary_target, int | float)
-                                       or not 0 < primary_target <= 1):
-        raise ValueError(f"{where}: primary_target must be a validation accuracy in (0, 1], got {primary_target!r}")
-    for key in ("higher_is_better", "sensitivity", "test_baselines"):
-        value = settings.get(key)
-        if value is not None and not isinstance(value, bool):
-            raise ValueError(f"{where}: {key} must be true or false (a TOML boolean, unquoted), got {value!r}")
-    for key in ("metric", "group_by", "primary_group"):
-        value = settings.get(key)
-        if value is not None and (not isinstance(value, str) or not value):
-            raise ValueError(f"{where}: {key} must be a non-empty name (a string), got {value!r}")
-    seed = settings.get("seed", 0)
-    check_int(f"{where}: seed (of the bootstrap)", seed, minimum=0)
-    n_boot = settings.get("n_boot", 2000)
-    check_int(f"{where}: n_boot (draws of a percentile CI)", n_boot, minimum=100)
-    names = {}
-    for role in ("corrected", "baselines"):
-        value = settings.get(role, DEFAULT_CORRECTED if role == "corrected" else DEFAULT_BASELINES)
-        if isinstance(value, str) or not isinstance(value, Sequence) or not all(isinstance(m, str) for m in value):
-            raise ValueError(f"{where}: {role} must be a list of method names, got {value!r}")
-        names[role] = list(value)
-        if methods is not None and role in settings:
-            missing = sorted(set(value) - set(methods))
-            if missing:
-                raise ValueError(f"{where}: {role}: unknown method(s) {missing}; the methods are {sorted(methods)}")
-    both = sorted(set(names["corrected"]) & set(names["baselines"]))
-    if both:
-        raise ValueError(f"{where}: a method cannot be both corrected and baseline: {both}")
-
-
-def _role(method: str, corrected: Sequence[str], baselines: Sequence[str]) -> str:
-    return "corrected" if method in corrected else "baseline" if method in baselines else "other"
-
-
-def analyse(records: Sequence[Mapping], *, metric: str = "metric", higher_is_better: bool = True,
-            corrected: Sequence[str] = DEFAULT_CORRECTED, baselines: Sequence[str] = DEFAULT_BASELINES,
-            group_by: str | None = "lr_rule", alpha: float = 0.05, margin: float | None = None,
-            n_boot: int = 2000, seed: int = 0, primary_group: str | None = None,
-            sensitivity: bool = True, progress: Callable[[str], None] | None = None,
-            contrast_margin: float | None = None, test_baselines: bool | None = None,
-            primary_target: float | None = None):
-    """Test the batch-size prediction on ``records`` (see the module docstring for the tests).
-
-    group_by: the column whose values split the records into independent analyses (the LR rule);
-    None, or a column that no record has, analyses everything as one group named "all".
-    margin: equivalence margin per doubling of B in metric units (None: :func:`default_margin`).
-    primary_group: the group whose joint verdict is the study's (default:
-    :func:`~affdiv.experiments.analysis.groups.default_primary_group`: among the groups with the most
-    seeds, "tuned" if it is one, else the first in sorted order); the others are sensitivity analyses.
-    contrast_margin: equivalence margin of the contrasts in metric units (None:
-    :func:`~affdiv.experiments.analysis.contrast.default_contrast_margin`).
-    test_baselines: whether the baselines' own contrast is tested (stage 2 of the joint verdict);
-    None: yes unless every record has ``budget`` = "epochs" (where fewer steps at larger B make
-    every method fall).
-
-    ``metric = "steps_to_target"`` runs the critical-batch analysis instead and returns its
-    :class:`~affdiv.experiments.analysis.critical_batch.TargetAnalysis`, at every target of the
-    records, ``primary_target`` deciding (the fixed-budget design ignores it).
-    sensitivity: False skips the bootstrap and Page's L (they do not enter the verdicts; the
-    calibration of the whole rule runs without them).
-    progress: called with a line before each method's fits.
-
-    Arithmetic that leaves the floats (metrics such as ±1e308 whose sums overflow) makes that
-    method's status, and so its verdict, "inconclusive" with the reason; it never yields a test.
-    """
-    check_settings({"alpha": alpha, "margin": margin, "n_boot": n_boot, "corrected": corrected,
-                    "baselines": baselines, "primary_target": primary_target}, where="analyse")
-    from affdiv.experiments.analysis import critical_batch
-
-    if metric == TARGET_METRIC:
-        return critical_batch.analyse_target(records, metric=metric, corrected=corrected, baselines=baselines,
-                                             group_by=group_by, alpha=alpha, n_boot=max(n_boot, 200), seed=seed,
-                                             primary_group=primary_group, primary_target=primary_target)
-    if contrast_margin is not None and not (isinstance(contrast_margin, int | float) and
-                                            math.isfinite(contrast_margin) and contrast_margin > 0):
-        raise ValueError(f"contrast_margin must be a finite number > 0, got {contrast_margin!r}")
-    rows = validate_records(records, metric=metric)
-    if not rows:
-        raise ValueError("no records to analyse")
-    if margin is None:
-        margin, margin_source = default_margin([r[metric] for r in rows], higher_is_better)
-    else:
-        margin_source = "given"
-    if contrast_margin is None:
-        contrast_margin, contrast_margin_source = contrast.default_contrast_margin([r[metric] for r in rows],
-                                                                                   higher_is_better)
-    else:
-        contrast_margin_source = "given"
-    if test_baselines is None:
-        test_baselines = not all(r.get("budget") == "epochs" for r in rows)
-
+def _grouped(rows: Sequence[Mapping], group_by: str | None) -> tuple[dict, bool]:
+    """{group: {method: rows sorted by (batch size, seed)}} and whether ``group_by`` split them;
+    ValueError on a record without a group value or a second run in a cell."""
     grouped = defaultdict(lambda: defaultdict(list))
     has_group = group_by is not None and any(group_by in r for r in rows)
     seen = set()
@@ -479,57 +352,115 @@ def analyse(records: Sequence[Mapping], *, metric: str = "metric", higher_is_bet
     for methods in grouped.values():  # a canonical order: the numbers never depend on the input order
         for rows_of_method in methods.values():
             rows_of_method.sort(key=lambda r: (r["batch_size"], r["seed"]))
+    return grouped, has_group
 
-    sign = 1.0 if higher_is_better else -1.0
-    roles = {m: _role(m, corrected, baselines) for g in grouped.values() for m in g}
-    order = {"corrected": 0, "baseline": 1, "other": 2}
-    fit = dict(metric=metric, sign=sign, alpha=alpha, n_boot=n_boot, seed=seed)
-    groups = {}
-    for group in sorted(grouped):
-        methods = {}
-        for method in sorted(grouped[group], key=lambda m: (order[roles[m]], m)):
-            if progress is not None:
-                progress(f"fitting {method} in group {group} ({len(grouped[group][method])} runs) ...")
-            result = {"role": roles[method], **_fit_method(grouped[group][method], margin=margin, group=group,
-                                                           method=method, sensitivity=sensitivity,
-                                                           progress=progress, **fit)}
-            if roles[method] == "corrected":
-                result["differential"] = {
-                    base: _fit_differential(grouped[group][method], grouped[group][base],
-                                            labels=(group, method, base), **fit)
-                    for base in baselines if base in grouped[group]}
-            methods[method] = result
-        groups[group] = {"methods": methods}
 
-    family_sizes = _apply_holm(groups, roles)
+def _margins(rows: Sequence[Mapping], settings: AnalysisSettings) -> Margins:
+    """The given margins, or the defaults from the metric's scale, with where each comes from."""
+    values = [r[settings.metric] for r in rows]
+    if settings.margin is None:
+        margin, margin_source = default_margin(values, settings.higher_is_better)
+    else:
+        margin, margin_source = settings.margin, "given"
+    if settings.contrast_margin is None:
+        contrast_margin, contrast_source = contrast.default_contrast_margin(values, settings.higher_is_better)
+    else:
+        contrast_margin, contrast_source = settings.contrast_margin, "given"
+    return Margins(margin, margin_source, contrast_margin, contrast_source)
+
+
+def _fit_group(group: str, by_method: Mapping[str, list], roles: Mapping[str, str], settings: AnalysisSettings,
+               margins: Margins, progress: Callable[[str], None] | None) -> dict:
+    """The fits of every method of one group (slopes, sensitivity, differential tests)."""
+    fit = dict(metric=settings.metric, sign=1.0 if settings.higher_is_better else -1.0, alpha=settings.alpha,
+               n_boot=settings.n_boot, seed=settings.seed)
+    methods = {}
+    for method in in_role_order({m: roles[m] for m in by_method}):
+        if progress is not None:
+            progress(f"fitting {method} in group {group} ({len(by_method[method])} runs) ...")
+        result = {"role": roles[method], **_fit_method(by_method[method], margin=margins.margin, group=group,
+                                                       method=method, sensitivity=settings.sensitivity,
+                                                       progress=progress, **fit)}
+        if roles[method] == "corrected":
+            result["differential"] = {
+                base: _fit_differential(by_method[method], by_method[base], labels=(group, method, base), **fit)
+                for base in settings.baselines if base in by_method}
+        methods[method] = result
+    return {"methods": methods}
+
+
+def _decide(groups: Mapping[str, dict], grouped: Mapping, settings: AnalysisSettings, margins: Margins,
+            progress: Callable[[str], None] | None) -> None:
+    """The trends and the verdicts of every group, in place: the cross-fitted contrasts and their
+    differences (module contrast) decide."""
     for name, group in groups.items():
         for result in group["methods"].values():
-            result["trend"] = _trend(result, alpha)
-        # The verdicts: the cross-fitted contrasts and their differences (module contrast).
+            result["trend"] = _trend(result, settings.alpha)
         if progress is not None:
             progress(f"contrasts of group {name} ({len(grouped[name])} methods) ...")
-        contrast.group_contrasts(group["methods"], grouped[name], metric=metric, sign=sign, alpha=alpha,
-                                 margin=contrast_margin, baselines=baselines)
+        contrast.group_contrasts(group["methods"], grouped[name], metric=settings.metric,
+                                 sign=1.0 if settings.higher_is_better else -1.0, alpha=settings.alpha,
+                                 margin=margins.contrast_margin, baselines=settings.baselines)
         for result in group["methods"].values():
             if result["status"] != "ok" and result["status"].startswith("non-finite"):
                 result["contrast"] = {"status": result["status"]}
-        group["prediction"] = contrast.assign_verdicts(group["methods"], alpha=alpha, test_baselines=test_baselines)
-    overall = {m: _overall([g["methods"][m]["verdict"] for g in groups.values() if m in g["methods"]])
-               for m in sorted(roles, key=lambda m: (order[roles[m]], m))}
+        group["prediction"] = contrast.assign_verdicts(group["methods"], alpha=settings.alpha,
+                                                       test_baselines=settings.test_baselines)
 
-    if primary_group is None:
+
+def _primary_group(settings: AnalysisSettings, grouped: Mapping, groups: Mapping) -> str:
+    if settings.primary_group is None:
         seeds = {g: {r["seed"] for rows_of_method in grouped[g].values() for r in rows_of_method} for g in groups}
-        primary_group = default_primary_group(seeds)
-    elif primary_group not in groups:
-        raise ValueError(f"primary_group {primary_group!r} is not among the groups {sorted(groups)}")
-    settings = {"metric": metric, "higher_is_better": higher_is_better, "alpha": alpha, "margin": margin,
-                "margin_source": margin_source, "corrected": list(corrected), "baselines": list(baselines),
-                "group_by": group_by if has_group else None, "n_boot": n_boot, "seed": seed,
-                "sensitivity": sensitivity, "contrast_margin": contrast_margin,
-                "contrast_margin_source": contrast_margin_source, "test_baselines": test_baselines,
-                "design": FIXED_BUDGET, "n_records": len(rows)}
-    rule = decision_rule(alpha=alpha, margin=margin, margin_source=margin_source,
-                         higher_is_better=higher_is_better, corrected=corrected, baselines=baselines,
-                         contrast_margin=contrast_margin, contrast_margin_source=contrast_margin_source,
-                         test_baselines=test_baselines)
-    return Analysis(settings, rule, groups, primary_group, overall, family_sizes)
+        return default_primary_group(seeds)
+    if settings.primary_group not in groups:
+        raise ValueError(f"primary_group {settings.primary_group!r} is not among the groups {sorted(groups)}")
+    return settings.primary_group
+
+
+def analyse(records: Sequence[Mapping], settings: AnalysisSettings, *,
+            progress: Callable[[str], None] | None = None) -> Analysis:
+    """Test the batch-size prediction on ``records`` under a fixed budget (see the module docstring
+    for the tests), by ``settings`` (:class:`~affdiv.experiments.analysis.settings.AnalysisSettings`;
+    steps to a target are :func:`~affdiv.experiments.analysis.critical_batch.analyse_target`'s).
+
+    ``settings.group_by`` splits the records into independent analyses (None, or a column no
+    record has: one group "all"); a ``margin`` or ``contrast_margin`` of None comes from the
+    metric's scale (:func:`default_margin`, :func:`~affdiv.experiments.analysis.contrast.default_contrast_margin`);
+    ``test_baselines`` None: yes unless every record has ``budget`` = "epochs" (where fewer steps
+    at larger B make every method fall); ``sensitivity`` False skips the bootstrap and Page's L
+    (they do not enter the verdicts). ``progress``: called with a line before each method's fits.
+
+    Arithmetic that leaves the floats (metrics such as ±1e308 whose sums overflow) makes that
+    method's status, and so its verdict, "inconclusive" with the reason; it never yields a test.
+    """
+    if settings.design != FIXED_BUDGET:
+        raise ValueError(f"settings: metric {settings.metric!r} is the {settings.design} design; analyse it with "
+                         "critical_batch.analyse_target")
+    if settings.n_boot < MIN_BOOT:
+        raise ValueError(f"n_boot (draws of a percentile CI) must be >= {MIN_BOOT} for a fixed budget, "
+                         f"got {settings.n_boot}")
+    if settings.metric is None:
+        settings = settings.replace(metric="metric")
+    rows = validate_records(records, metric=settings.metric)
+    if not rows:
+        raise ValueError("no records to analyse")
+    margins = _margins(rows, settings)
+    if settings.test_baselines is None:
+        settings = settings.replace(test_baselines=not all(r.get("budget") == "epochs" for r in rows))
+    grouped, has_group = _grouped(rows, settings.group_by)
+    roles = {m: role_of(m, settings) for g in grouped.values() for m in g}
+    groups = {group: _fit_group(group, grouped[group], roles, settings, margins, progress)
+              for group in sorted(grouped)}
+    family_sizes = _apply_holm(groups, roles)
+    _decide(groups, grouped, settings, margins, progress)
+    verdicts = {m: overall([g["methods"][m]["verdict"] for g in groups.values() if m in g["methods"]])
+                for m in in_role_order(roles)}
+    primary_group = _primary_group(settings, grouped, groups)
+    summary = {"metric": settings.metric, "higher_is_better": settings.higher_is_better, "alpha": settings.alpha,
+               "margin": margins.margin, "margin_source": margins.margin_source,
+               "corrected": list(settings.corrected), "baselines": list(settings.baselines),
+               "group_by": settings.group_by if has_group else None, "n_boot": settings.n_boot,
+               "seed": settings.seed, "sensitivity": settings.sensitivity,
+               "contrast_margin": margins.contrast_margin, "contrast_margin_source": margins.contrast_margin_source,
+               "test_baselines": settings.test_baselines, "design": FIXED_BUDGET, "n_records": len(rows)}
+    return Analysis(summary, decision_rule(settings, margins), groups, primary_group, verdicts, family_sizes)

@@ -543,5 +543,5 @@ def _build_ratio_forest(analysis) -> Figure:
 
 
 def _at_primary(analysis) -> str:
-    target = getattr(analysis, "primary_target", None)
+    target = analysis.primary_target
     return "" if target is None else f" at the primary target {target:g}"

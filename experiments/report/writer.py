@@ -80,7 +80,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from affdiv.atomic import atomic_write
+from affdiv.experiments.analysis.calibration import VerdictCalibration
 from affdiv.experiments.analysis.critical_batch import target_key
+from affdiv.experiments.analysis.design import StudyAnalysis, design_of
 from affdiv.experiments.records import write_csv
 from affdiv.experiments.report import figures
 from affdiv.reporting import (
@@ -706,25 +708,19 @@ def verdict_table(summary: Mapping) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(out_dir, analysis, *, records: Sequence[Mapping], curves: Sequence[Mapping] | None = None,
-                 provenance: Mapping, calibration=None) -> dict[str, Path]:
-    """Write the report files (see the module docstring); returns {name: path}."""
+def write_report(out_dir: str | Path, analysis: StudyAnalysis, *, records: Sequence[Mapping],
+                 curves: Sequence[Mapping] | None = None, provenance: Mapping,
+                 calibration: VerdictCalibration | None = None) -> dict[str, Path]:
+    """Write the report files (see the module docstring); returns {name: path}. The figures are
+    those of the analysis's design (:func:`~affdiv.experiments.analysis.design.design_of`)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    target = getattr(analysis, "design", FIXED_BUDGET) == STEPS_TO_TARGET
+    target = analysis.design == STEPS_TO_TARGET
     paths = {"records": write_csv(out_dir / "records.csv", records, metric=analysis.settings["metric"])}
-    if target:
-        paths["steps_vs_batch"] = figures.steps_vs_batch(analysis, out_dir / "steps_vs_batch.png")
-        paths["examples_vs_steps"] = figures.examples_vs_steps(analysis, out_dir / "examples_vs_steps.png")
-        paths["bcrit_forest"] = figures.bcrit_forest(analysis, out_dir / "bcrit_forest.png")
-        paths["ratio_forest"] = figures.ratio_forest(analysis, out_dir / "ratio_forest.png")
-        if len(analysis.settings.get("targets") or []) > 1:
-            paths["bcrit_vs_target"] = figures.bcrit_vs_target(analysis, out_dir / "bcrit_vs_target.png")
-            paths["ratio_vs_target"] = figures.ratio_vs_target(analysis, out_dir / "ratio_vs_target.png")
-    else:
-        paths["metric_vs_batch"] = figures.metric_vs_batch(analysis, out_dir / "metric_vs_batch.png")
-        paths["contrast_forest"] = figures.contrast_forest(analysis, out_dir / "contrast_forest.png")
-        paths["slope_forest"] = figures.slope_forest(analysis, out_dir / "slope_forest.png")
+    design = design_of(analysis.design)
+    names = design.figures + (design.ladder_figures if len(analysis.settings.get("targets") or []) > 1 else ())
+    for name in names:
+        paths[name] = getattr(figures, name)(analysis, out_dir / f"{name}.png")
     if curves:
         paths["training_curves"] = figures.training_curves(
             curves, out_dir / "training_curves.png", group_by=analysis.settings["group_by"],

@@ -9,7 +9,7 @@ override them (one report each):
                  ``data_seed = "seed"`` gives every run the data split of its own seed (each seed
                  then replicates the split as well as the init and the shuffles)
     [grid]       axes: lists of values, crossed (method, batch_size, seed, lr_rule, ...)
-    [analysis]   metric, corrected, baselines, margin, ... (keyword arguments of ``analyse``)
+    [analysis]   metric, corrected, baselines, margin, ... (the fields of ``AnalysisSettings``)
     [measure]    optional, for every study: measurements taken along every run, each an interval
                  in steps (an integer >= 1; absent: not measured), as ``affdiv falsify``'s options:
                    noise_scale_every = N   the gradient noise scale B_simple (``--noise-scale-every``)
@@ -85,7 +85,7 @@ def available_presets() -> list[str]:
 
 @dataclass
 class Study:
-    """One analysed family of runs: its configs and the keyword arguments of ``analyse``."""
+    """One analysed family of runs: its configs and its ``[analysis]`` table (``AnalysisSettings`` keys)."""
 
     name: str
     configs: list[RunConfig]

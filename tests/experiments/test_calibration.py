@@ -7,6 +7,7 @@ from scipy.stats import binomtest
 
 from affdiv.experiments.analysis.calibration import (
     TARGET_RATIOS,
+    CalibrationOptions,
     Layout,
     MethodModel,
     StudyLayout,
@@ -28,7 +29,13 @@ from affdiv.experiments.analysis.critical_batch import (
     simulate_target_records,
 )
 from affdiv.experiments.analysis.decision import analyse
+from affdiv.experiments.analysis.settings import AnalysisSettings
 from affdiv.vocabulary import RATIO_CLASSES, TARGET_METRIC
+
+#: The fixed-budget analysis by learning-rate rule (its settings otherwise at their defaults).
+BY_RULE = AnalysisSettings(group_by="lr_rule")
+#: The steps-to-target analysis (its settings otherwise at their defaults).
+TARGET = AnalysisSettings(metric=TARGET_METRIC)
 
 ALPHA = 0.05
 N_SIMS = 2000  # Monte-Carlo s.e. of a rate near 0.05: sqrt(0.05 · 0.95 / 2000) = 0.0049
@@ -36,7 +43,8 @@ N_SIMS = 2000  # Monte-Carlo s.e. of a rate near 0.05: sqrt(0.05 · 0.95 / 2000)
 
 # ------------------------------------------------------------------------ slope tests (descriptive)
 def test_false_positive_rates_of_the_slope_tests_are_alpha_within_monte_carlo_error():
-    calibration = calibrate([0.0], n_sims=N_SIMS, alpha=ALPHA, tests=("falls", "differential", "page"))
+    calibration = calibrate([0.0], CalibrationOptions(n_sims=N_SIMS, alpha=ALPHA,
+                                                   tests=("falls", "differential", "page")))
     for test, (rate,) in calibration.rates.items():
         hits = round(rate * N_SIMS)
         # Exact binomial test of "the rejection rate is alpha": a calibrated test fails this with
@@ -49,7 +57,8 @@ def test_tost_size_at_the_margin_and_power_at_zero():
     # At slope 0 the 'flat' rate is the TOST's power (the truth is flat), not a false positive; its
     # size is read at slope = ±margin, the boundary of its null.
     margin = 0.005
-    calibration = calibrate([-margin, 0.0, margin], n_sims=1000, alpha=ALPHA, margin=margin, tests=("flat",))
+    calibration = calibrate([-margin, 0.0, margin],
+                            CalibrationOptions(n_sims=1000, alpha=ALPHA, margin=margin, tests=("flat",)))
     for edge in (-margin, margin):
         rate = calibration.rate("flat", edge)
         assert binomtest(round(rate * 1000), 1000, ALPHA, alternative="greater").pvalue > 1e-3, (edge, rate)
@@ -57,8 +66,8 @@ def test_tost_size_at_the_margin_and_power_at_zero():
 
 
 def test_rates_do_not_depend_on_which_tests_or_slopes_run():
-    one = calibrate([0.0], n_sims=50, tests=("falls",))
-    more = calibrate([-0.01, 0.0], n_sims=50, tests=("page", "falls", "bootstrap"))
+    one = calibrate([0.0], CalibrationOptions(n_sims=50, tests=("falls",)))
+    more = calibrate([-0.01, 0.0], CalibrationOptions(n_sims=50, tests=("page", "falls", "bootstrap")))
     assert one.rate("falls", 0.0) == more.rate("falls", 0.0)
 
 
@@ -69,13 +78,13 @@ def test_simulated_sweep_layout_and_bad_layouts():
     np.testing.assert_allclose(table, 0.5 - 0.01 * np.log2([[8, 16, 32]] * 3), rtol=1e-15)
     records = simulate_records(layout, {"affine": 0.0, "norm_l2": -0.01}, rng, lr_rule="linear")
     assert len(records) == 18 and {r["lr_rule"] for r in records} == {"linear"}
-    assert analyse(records, margin=0.001).methods["norm_l2"]["slope"] == pytest.approx(-0.01, rel=1e-9)
+    assert analyse(records, BY_RULE.replace(margin=0.001)).methods["norm_l2"]["slope"] == pytest.approx(-0.01, rel=1e-9)
     with pytest.raises(ValueError, match="3 distinct"):
         Layout(batch_sizes=(8, 16))
     with pytest.raises(ValueError, match="seeds"):
         Layout(n_seeds=1)
     with pytest.raises(ValueError, match="unknown test"):
-        calibrate([0.0], n_sims=1, tests=("mixed",))  # the mixed model is gone
+        calibrate([0.0], CalibrationOptions(n_sims=1, tests=("mixed",)))  # the mixed model is gone
 
 
 # ------------------------------------------------------------------------------- verdict level
@@ -91,7 +100,7 @@ def fixed_study(seed=3, effect=0.0):
 
 def test_the_layout_of_a_real_analysis_is_its_own():
     records, planted = fixed_study()
-    analysis = analyse(records)
+    analysis = analyse(records, BY_RULE)
     layout = fixed_budget_layout(analysis)
     assert layout.batch_sizes == (16, 64, 256, 1024) and layout.n_seeds == 8 and layout.test_baselines is False
     assert layout.margin == analysis.settings["contrast_margin"] == 0.01
@@ -106,7 +115,7 @@ def test_the_layout_of_a_real_analysis_is_its_own():
 
 def test_fixed_budget_verdict_calibration_in_the_studys_layout():
     records, _ = fixed_study()
-    calibration = calibrate_for(analyse(records), n_sims=40)
+    calibration = calibrate_for(analyse(records, BY_RULE), n_sims=40)
     assert calibration.design == "fixed budget"
     assert calibration.effects == (0.0, 0.01, 0.02, 0.03) and calibration.null_effect == 0.0
     totals = np.sum([rates for rates in calibration.joint.values()], axis=0)
@@ -122,7 +131,7 @@ def test_target_verdict_calibration_in_the_studys_layout():
     records = simulate_target_records({"affine_like": (300, 128), "affine": (200, 256), "batchnorm": (150, 512)},
                                       batch_sizes=(16, 64, 256, 1024), seeds=range(6), sigma=0.15, seed_sd=0.05,
                                       max_steps=5000, rng=rng)
-    analysis = analyse_target(records, n_boot=0)
+    analysis = analyse_target(records, TARGET.replace(n_boot=0))
     layout = target_layout(analysis)
     assert layout.reference_b_crit == pytest.approx(np.sqrt(analysis.primary["critical_batch"]["affine"]["b_crit"] *
                                                             analysis.primary["critical_batch"]["batchnorm"]["b_crit"]))
@@ -198,8 +207,8 @@ def test_the_calibration_decides_each_study_as_the_analysis_does():
         for _ in range(n):
             study = simulate_target_study(layout, ratio, rng)
             censored += any(r["censored"] for r in study)
-            result = analyse_group(study, metric=TARGET_METRIC, corrected=["affine_like"],
-                                   baselines=["affine", "batchnorm"], alpha=ALPHA, n_boot=0, seed=0)
+            result = analyse_group(study, TARGET.replace(corrected=["affine_like"], baselines=["affine", "batchnorm"],
+                                                         alpha=ALPHA, n_boot=0, seed=0))
             joint[result["prediction"]["verdict"]] = joint.get(result["prediction"]["verdict"], 0) + 1
             for b, pair in result["ratios"]["affine_like"].items():
                 classes.setdefault(f"affine_like vs {b}", {}).setdefault(pair["class"], 0)
@@ -213,6 +222,6 @@ def test_the_calibration_decides_each_study_as_the_analysis_does():
 
 def test_layouts_without_a_corrected_method_are_refused():
     records, _ = fixed_study()
-    analysis = analyse([r for r in records if r["method"] != "affine_like"])
+    analysis = analyse([r for r in records if r["method"] != "affine_like"], BY_RULE)
     with pytest.raises(ValueError, match="no corrected method"):
         fixed_budget_layout(analysis)

@@ -212,15 +212,14 @@ def test_analyse_a_csv_without_the_metric_column(tmp_path, capsys):
 
 
 def test_the_defaults_analyses_help_states_are_the_analysis_defaults(capsys):
-    import inspect
-
     from affdiv.experiments.analysis import contrast, decision
+    from affdiv.experiments.analysis.settings import AnalysisSettings
 
     with pytest.raises(SystemExit):
         main(["analyse", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     for role in ("corrected", "baselines"):
-        default = inspect.signature(decision.analyse).parameters[role].default
+        default = getattr(AnalysisSettings(), role)
         assert f"(default: {' '.join(default)})" in text, (role, default)
     # --help: 0.005 per doubling and a contrast margin of 0.01 for a score in [0, 1]; 1% and 2% of the median else
     assert decision.default_margin([0.5, 0.9], True)[0] == 0.005

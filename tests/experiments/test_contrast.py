@@ -10,6 +10,10 @@ from scipy.stats import binomtest
 from affdiv.experiments.analysis import contrast
 from affdiv.experiments.analysis.calibration import MethodModel, StudyLayout, simulate_study, verdict_calibration
 from affdiv.experiments.analysis.decision import analyse
+from affdiv.experiments.analysis.settings import AnalysisSettings
+
+#: The fixed-budget analysis by learning-rate rule (its settings otherwise at their defaults).
+BY_RULE = AnalysisSettings(group_by="lr_rule")
 
 ALPHA = 0.05
 BATCH_SIZES = (16, 32, 64, 128, 256, 512)
@@ -55,10 +59,10 @@ def test_planted_inverted_u_with_and_without_the_predicted_fall():
     # the baselines (contradicted), not supported; with an extra fall of 3 points at B = 512 they are
     # supported, and the estimate of each DiD covers -0.03 (curvature does not bias the contrast).
     clear = layout(noise=0.002)  # clear-cut verdicts; the calibration tests below use realistic noise
-    none = analyse(records(clear, 0.0, seed=1), contrast_margin=0.01)
+    none = analyse(records(clear, 0.0, seed=1), BY_RULE.replace(contrast_margin=0.01))
     assert none.prediction["verdict"] == "contradicted"
     assert {none.methods[m]["verdict"] for m in ("affine_like", "norm_l2")} == {"contradicted"}
-    planted = analyse(records(clear, 0.03, seed=2), contrast_margin=0.01)
+    planted = analyse(records(clear, 0.03, seed=2), BY_RULE.replace(contrast_margin=0.01))
     assert planted.prediction["verdict"] == "contradicted"  # the baselines' own fall: stage 2 of the rule
     for m in ("affine_like", "norm_l2"):
         assert planted.methods[m]["verdict"] == "supported", planted.methods[m]["reason"]
@@ -73,19 +77,19 @@ def test_planted_inverted_u_with_and_without_the_predicted_fall():
 def test_stage_two_reads_flat_baselines_as_supported():
     # The prediction's world: baselines flat after their peak, corrected layers fall 3 points more.
     peaked = tuple(min(v, 0.0) if i < 2 else 0.0 for i, v in enumerate(INVERTED_U))
-    analysis = analyse(records(layout(shape=peaked, noise=0.002), 0.03, seed=3), contrast_margin=0.01)
+    analysis = analyse(records(layout(shape=peaked, noise=0.002), 0.03, seed=3), BY_RULE.replace(contrast_margin=0.01))
     assert analysis.prediction["verdict"] == "supported", analysis.prediction
     assert analysis.prediction["stage2"] == ["supported", "supported"]
 
 
 def test_an_epoch_budget_does_not_test_the_baselines():
     rows = records(layout(), 0.03, seed=2, budget="epochs")
-    analysis = analyse(rows, contrast_margin=0.01)
+    analysis = analyse(rows, BY_RULE.replace(contrast_margin=0.01))
     assert analysis.settings["test_baselines"] is False
     assert analysis.methods["affine"]["verdict"] == "not tested"
     assert analysis.prediction["verdict"] == "supported" and analysis.prediction["stage2"] is None
     assert "Baselines: not tested" in analysis.decision_rule
-    steps = analyse(records(layout(), 0.03, seed=2, budget="steps"), contrast_margin=0.01)
+    steps = analyse(records(layout(), 0.03, seed=2, budget="steps"), BY_RULE.replace(contrast_margin=0.01))
     assert steps.settings["test_baselines"] is True
 
 
@@ -156,7 +160,7 @@ def test_an_lr_on_the_grid_edge_counts_like_a_diverged_run():
     rows = records(layout(), 0.03, seed=2)
     rows = [{**r, "lr_at_grid_edge": int(r["method"] == "affine" and r["batch_size"] == 16 and r["seed"] == 0)}
             for r in rows]
-    analysis = analyse(rows, contrast_margin=0.01)
+    analysis = analyse(rows, BY_RULE.replace(contrast_margin=0.01))
     assert analysis.methods["affine"]["verdict"] == "inconclusive"
     assert "chose a learning rate on the edge of the grid" in analysis.methods["affine"]["reason"]
     for m in ("affine_like", "norm_l2"):
@@ -167,7 +171,7 @@ def test_an_lr_on_the_grid_edge_counts_like_a_diverged_run():
 
 def test_too_few_seeds_for_the_contrast():
     rows = [r for r in records(layout(), 0.03, seed=2) if r["seed"] < 2]
-    analysis = analyse(rows, contrast_margin=0.01)
+    analysis = analyse(rows, BY_RULE.replace(contrast_margin=0.01))
     for m in ("affine_like", "affine"):
         assert analysis.methods[m]["contrast"]["status"].startswith("insufficient data: needs >= 3 seeds")
     assert analysis.methods["affine_like"]["verdict"] == "inconclusive"

@@ -21,6 +21,11 @@ from affdiv.experiments.analysis.critical_batch import (
     fit_curves,
     simulate_target_records,
 )
+from affdiv.experiments.analysis.settings import AnalysisSettings
+from affdiv.vocabulary import TARGET_METRIC
+
+#: The steps-to-target analysis (its settings otherwise at their defaults).
+TARGET = AnalysisSettings(metric=TARGET_METRIC)
 
 BATCH_SIZES = (16, 32, 64, 128, 256, 512, 1024)
 ALPHA = 0.05
@@ -94,7 +99,8 @@ def test_planted_b_crit_is_covered_by_its_ci_at_the_nominal_rate():
     for _ in range(n_sims):
         records = simulate_target_records({"affine": (200, 256)}, batch_sizes=BATCH_SIZES, seeds=range(g),
                                           sigma=0.15, seed_sd=0.1, max_steps=4000, rng=rng)
-        result = analyse_target(records, n_boot=0, corrected=(), baselines=("affine",)).primary["critical_batch"]
+        analysis = analyse_target(records, TARGET.replace(n_boot=0, corrected=(), baselines=("affine",)))
+        result = analysis.primary["critical_batch"]
         fit = result["affine"]
         assert fit["resolved"]
         for name, value in truth.items():
@@ -136,7 +142,7 @@ def test_planted_prediction_supported_and_absent_effect_contradicted():
     curves = {"affine_like": (300, 64), "norm_l2": (250, 128), "affine": (200, 512), "batchnorm": (150, 512)}
     records = simulate_target_records(curves, batch_sizes=BATCH_SIZES, seeds=range(8), sigma=0.1, seed_sd=0.05,
                                       max_steps=6000, rng=rng)
-    analysis = analyse_target(records, n_boot=200)
+    analysis = analyse_target(records, TARGET.replace(n_boot=200))
     summary = analysis.to_dict()
     assert summary["prediction"]["verdict"] == "supported"
     for method, (_s_min, b_crit) in curves.items():
@@ -152,7 +158,7 @@ def test_planted_prediction_supported_and_absent_effect_contradicted():
     same = {m: (s, 256) for m, (s, _) in curves.items()}
     records = simulate_target_records(same, batch_sizes=BATCH_SIZES, seeds=range(8), sigma=0.05, seed_sd=0.02,
                                       max_steps=6000, rng=rng)
-    null = analyse_target(records, n_boot=0)
+    null = analyse_target(records, TARGET.replace(n_boot=0))
     assert null.primary["prediction"]["verdict"] == "contradicted"
     assert null.primary["ratios"]["norm_l2"]["batchnorm"]["class"] == "equivalent"
 
@@ -164,7 +170,7 @@ def test_unresolved_b_crit_is_a_bound_and_decides_nothing():
     rng = np.random.default_rng(1)
     records = simulate_target_records({"affine_like": (200, 128), "affine": (200, 1e6)}, batch_sizes=BATCH_SIZES,
                                       seeds=range(6), sigma=0.1, rng=rng)
-    result = analyse_target(records, n_boot=0, baselines=("affine",)).primary
+    result = analyse_target(records, TARGET.replace(n_boot=0, baselines=("affine",))).primary
     fit = result["critical_batch"]["affine"]
     assert fit["resolved"] is False and "ci_low" not in fit and "not resolved" in fit["ci_status"]
     assert fit["b_crit"] == pytest.approx(fit["search_range"][1], rel=1e-9)
@@ -200,7 +206,7 @@ def good_records(n_seeds=4):
 ])
 def test_malformed_records_are_refused_with_the_reason(mutate, message):
     with pytest.raises(ValueError, match=message):
-        analyse_target(mutate(good_records()), n_boot=0)
+        analyse_target(mutate(good_records()), TARGET.replace(n_boot=0))
 
 
 @pytest.mark.parametrize("mutate, message", [
@@ -211,7 +217,7 @@ def test_malformed_records_are_refused_with_the_reason(mutate, message):
 def test_data_that_cannot_give_a_curve_is_inconclusive_with_the_reason(mutate, message):
     # Never a fitted number from too little data, and a report that says why (a sweep that ran
     # must still get its report): every method without a fit, the verdict "inconclusive: ...".
-    result = analyse_target(mutate(good_records()), n_boot=0)
+    result = analyse_target(mutate(good_records()), TARGET.replace(n_boot=0))
     prediction = result.primary["prediction"]
     assert prediction["verdict"] == "inconclusive" and prediction["reason"].startswith("inconclusive: ")
     assert message in prediction["reason"]
@@ -225,7 +231,7 @@ def test_methods_without_enough_data_are_inconclusive_with_the_reason():
     records = [{**r, "steps_to_target": None, "censored": 1} if r["method"] == "affine_like" else r for r in records]
     records = [{**r, "steps_to_target": None, "censored": 1}
                if r["method"] == "affine" and r["batch_size"] <= 64 else r for r in records]
-    result = analyse_target(records, n_boot=0).primary
+    result = analyse_target(records, TARGET.replace(n_boot=0)).primary
     for method, reason in (("affine_like", "every one of the 16 runs was censored"),
                            ("affine", "needs >= 3 batch sizes at which some run reached the target")):
         fit = result["critical_batch"][method]
@@ -238,7 +244,7 @@ def test_a_diverged_or_lr_edge_run_makes_its_pairs_inconclusive():
     records = good_records(n_seeds=6)
     records = [{**r, "lr_at_grid_edge": int(r["method"] == "affine" and r["batch_size"] == 16 and r["seed"] == 0)}
                for r in records]
-    result = analyse_target(records, n_boot=0).primary
+    result = analyse_target(records, TARGET.replace(n_boot=0)).primary
     assert result["ratios"]["affine_like"]["affine"]["class"] == "smaller"  # the estimate is still reported
     assert result["critical_batch"]["affine_like"]["verdict"] == "inconclusive"
     assert "LR on the grid edge" in result["critical_batch"]["affine_like"]["reason"]

@@ -16,10 +16,15 @@ from matplotlib.lines import Line2D
 from affdiv.experiments import probe
 from affdiv.experiments.analysis.calibration import calibrate_for
 from affdiv.experiments.analysis.critical_batch import RATIO_MARGIN, analyse_target, simulate_target_records
+from affdiv.experiments.analysis.settings import AnalysisSettings
 from affdiv.experiments.data.dataset import load_dataset
 from affdiv.experiments.report import figures
 from affdiv.experiments.report.writer import write_report
+from affdiv.vocabulary import TARGET_METRIC
 from tests.experiments.test_report import PROVENANCE, ladder, study  # noqa: F401  (the small reports' fixtures)
+
+#: The steps-to-target analysis (its settings otherwise at their defaults).
+TARGET = AnalysisSettings(metric=TARGET_METRIC)
 
 # column and key names that must never stand on an axis in place of words
 RAW_NAMES = ("test_accuracy", "batch_size", "val_metric", "train_loss", "lr_rule", "steps_to_target",
@@ -183,7 +188,7 @@ def test_every_figure_of_a_small_steps_to_target_report(captured, tmp_path):
                                       batch_sizes=(16, 64, 256, 1024), seeds=range(5), sigma=0.1, max_steps=5000,
                                       rng=rng)
     records = [{**r, "lr_rule": "tuned"} for r in records]
-    analysis = analyse_target(records, n_boot=0, group_by="lr_rule")
+    analysis = analyse_target(records, TARGET.replace(n_boot=0, group_by="lr_rule"))
     curves = [{"method": r["method"], "batch_size": r["batch_size"], "seed": r["seed"], "lr_rule": "tuned",
                "epoch": 1 + step // 100, "step": step, "train_loss": 2.0 / (1 + step / r["batch_size"]),
                "val_metric": 0.1 + 0.8 * step / 400} for r in records for step in (0, 100, 200, 300, 400)]

@@ -18,10 +18,15 @@ from affdiv.experiments.analysis.critical_batch import (
     analyse_target,
     simulate_target_records,
 )
+from affdiv.experiments.analysis.settings import AnalysisSettings
 from affdiv.experiments.runs import reads
 from affdiv.experiments.runs.config import RunConfig, config_hash
 from affdiv.experiments.runs.store import ResultStore
 from affdiv.experiments.runs.training import train_run, train_runs
+from affdiv.vocabulary import TARGET_METRIC
+
+#: The steps-to-target analysis (its settings otherwise at their defaults).
+TARGET = AnalysisSettings(metric=TARGET_METRIC)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -333,8 +338,8 @@ def _planted(ratios: dict[str, float], seeds: int = 10, sigma: float = 0.04) -> 
 
 
 def test_planted_ratios_are_recovered_and_classified_along_the_ladder():
-    analysis = analyse_target(_planted({"small": 0.81, "half": 0.5}), corrected=["small", "half"],
-                              baselines=["base"], n_boot=0)
+    analysis = analyse_target(_planted({"small": 0.81, "half": 0.5}), TARGET.replace(corrected=["small", "half"],
+                              baselines=["base"], n_boot=0))
     summary = analysis.to_dict()
     assert summary["primary_target"] == 0.84 and set(summary["by_target"]) == {"0.78", "0.8", "0.82", "0.84"}
     for key, content in summary["by_target"].items():
@@ -362,7 +367,8 @@ def test_a_ratio_that_moves_along_the_ladder_has_a_trend():
         records += [{**r, "target": target} for r in simulate_target_records(
             curves, batch_sizes=[8, 16, 32, 64, 128, 256, 512, 1024], seeds=range(8), sigma=0.04, seed_sd=0.0,
             rng=rng)]
-    trend = analyse_target(records, corrected=["c"], baselines=["base"], n_boot=0).to_dict()["trends"]["c"]["base"]
+    analysis = analyse_target(records, TARGET.replace(corrected=["c"], baselines=["base"], n_boot=0))
+    trend = analysis.to_dict()["trends"]["c"]["base"]
     planted = math.log(0.8) / 2  # per 0.01 of target
     assert trend["ci_low"] < planted < trend["ci_high"] and trend["ci_high"] < 0 and trend["p"] < 0.05
 
@@ -370,8 +376,8 @@ def test_a_ratio_that_moves_along_the_ladder_has_a_trend():
 def test_equivalence_no_longer_hides_a_real_reduction():
     # A planted 0.81 with tight data: shown below 1 AND inside the band -> "smaller_within_margin",
     # where the equivalence-first rule said "equivalent" (a contradiction).
-    analysis = analyse_target(_planted({"small": 0.81}, seeds=16, sigma=0.02), corrected=["small"],
-                              baselines=["base"], n_boot=0, primary_target=0.8)
+    analysis = analyse_target(_planted({"small": 0.81}, seeds=16, sigma=0.02), TARGET.replace(corrected=["small"],
+                              baselines=["base"], n_boot=0, primary_target=0.8))
     pair = analysis.to_dict()["ratios"]["small"]["base"]
     assert RATIO_MARGIN < pair["ci_low_one_sided"] and pair["ci_high_one_sided"] < 1
     assert pair["class"] == "smaller_within_margin" and analysis.to_dict()["primary_target"] == 0.8
@@ -379,8 +385,8 @@ def test_equivalence_no_longer_hides_a_real_reduction():
 
 def test_a_primary_target_not_in_the_records_is_refused():
     with pytest.raises(ValueError, match=r"primary_target 0.9 is not among the records' targets"):
-        analyse_target(_planted({"c": 0.5}, seeds=4), corrected=["c"], baselines=["base"], n_boot=0,
-                       primary_target=0.9)
+        analyse_target(_planted({"c": 0.5}, seeds=4), TARGET.replace(corrected=["c"], baselines=["base"], n_boot=0,
+                       primary_target=0.9))
 
 
 def test_the_trend_pairs_targets_by_seed_not_by_position():
@@ -391,7 +397,8 @@ def test_the_trend_pairs_targets_by_seed_not_by_position():
         records += [{**r, "target": target} for r in simulate_target_records(
             curves, batch_sizes=[8, 16, 32, 64, 128, 256, 512, 1024], seeds=range(8 * i, 8 * i + 8), sigma=0.04,
             seed_sd=0.05, rng=np.random.default_rng(i))]
-    trend = analyse_target(records, corrected=["c"], baselines=["base"], n_boot=0).to_dict()["trends"]["c"]["base"]
+    analysis = analyse_target(records, TARGET.replace(corrected=["c"], baselines=["base"], n_boot=0))
+    trend = analysis.to_dict()["trends"]["c"]["base"]
     assert trend == {"status": "no trend: 0 seed(s) common to every target, needs >= 3"}
 
 

@@ -595,7 +595,7 @@ def test_bad_input_has_no_traceback_in_a_real_process(tmp_path):
     done = subprocess.run([sys.executable, "-m", "affdiv", "analyse", "--input", str(path), "--out",
                            str(tmp_path / "out"), "--margin", "inf"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines() == ["affdiv analyse: error: analyse: margin must be a finite number > 0, "
+    assert done.stderr.strip().splitlines() == ["affdiv analyse: error: --margin must be a finite number > 0, "
                                                 "got inf"]
 
 
@@ -647,7 +647,7 @@ def test_falsify_probe_every_keeps_divergence_measurements_and_their_record_colu
 @pytest.mark.parametrize("setting, value", [("contrast_margin", 0.0), ("contrast_margin", float("inf")),
                                             ("test_baselines", "yes")])
 def test_bad_contrast_settings_are_refused_before_work(setting, value):
-    from affdiv.experiments.analysis.decision import check_settings
+    from affdiv.experiments.analysis.settings import check_settings
 
     with pytest.raises(ValueError, match=f"analyse: {setting} must be"):
         check_settings({setting: value}, where="analyse")

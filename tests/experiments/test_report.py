@@ -18,10 +18,16 @@ from affdiv.experiments.analysis.calibration import (
 )
 from affdiv.experiments.analysis.critical_batch import analyse_target, simulate_target_records
 from affdiv.experiments.analysis.decision import analyse
+from affdiv.experiments.analysis.settings import AnalysisSettings
 from affdiv.experiments.records import read_csv
 from affdiv.experiments.report import figures
 from affdiv.experiments.report.writer import reads_sentence, summary_tex, verdict_table, write_report
-from affdiv.vocabulary import RATIO_CLASSES
+from affdiv.vocabulary import RATIO_CLASSES, TARGET_METRIC
+
+#: The fixed-budget analysis by learning-rate rule (its settings otherwise at their defaults).
+BY_RULE = AnalysisSettings(group_by="lr_rule")
+#: The steps-to-target analysis (its settings otherwise at their defaults).
+TARGET = AnalysisSettings(metric=TARGET_METRIC)
 
 PNG = b"\x89PNG\r\n\x1a\n"
 PROVENANCE = {"command": "affdiv analyse --input x.csv", "seeds": [0, 1, 2, 3, 4], "config_hash": "abc",
@@ -44,7 +50,7 @@ def study():
                "train_loss": np.exp(-e / r["batch_size"]), "val_metric": r["metric"] * (1 - np.exp(-e))}
               for r in records for e in (1, 2, 3)]
     calibration = verdict_calibration(LAYOUT, (0.0, 0.01), n_sims=4)
-    return records, curves, analyse(records, n_boot=500), calibration
+    return records, curves, analyse(records, BY_RULE.replace(n_boot=500)), calibration
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +144,7 @@ def test_training_curves_need_a_metric(tmp_path):
 
 
 def test_forest_plots_without_sensitivity_analyses(tmp_path, study):
-    analysis = analyse(study[0], sensitivity=False)
+    analysis = analyse(study[0], BY_RULE.replace(sensitivity=False))
     assert figures.slope_forest(analysis, tmp_path / "forest.png").read_bytes().startswith(PNG)
     assert figures.contrast_forest(analysis, tmp_path / "contrast.png").read_bytes().startswith(PNG)
 
@@ -149,7 +155,7 @@ def test_a_diverged_method_is_reported_inconclusive_under_the_stated_rule(tmp_pa
     for r in records:  # the largest batches blew up (the harness records chance accuracy and diverged = 1)
         r["diverged"] = int(r["method"] == "affine_like" and r["batch_size"] == 256)
         r["metric"] = 0.1 if r["diverged"] else r["metric"]
-    paths = write_report(tmp_path, analyse(records, n_boot=200, sensitivity=False), records=records,
+    paths = write_report(tmp_path, analyse(records, BY_RULE.replace(n_boot=200, sensitivity=False)), records=records,
                          provenance={"command": "x"})
     text = paths["report_md"].read_text()
     rule_line = text.index("a method with a diverged run in a group is inconclusive there")
@@ -169,7 +175,7 @@ def test_steps_to_target_report(tmp_path):
                                       rng=rng)
     for r in records:
         r["b_simple"] = 50.0 + r["batch_size"] / 10
-    analysis = analyse_target(records, n_boot=200)
+    analysis = analyse_target(records, TARGET.replace(n_boot=200))
     paths = write_report(tmp_path, analysis, records=records, provenance=PROVENANCE)
     assert {"steps_vs_batch", "examples_vs_steps"} <= set(paths) and "metric_vs_batch" not in paths
     summary = json.loads(paths["summary_json"].read_text())
@@ -198,7 +204,8 @@ def test_a_target_report_gives_the_measured_off_diagonal_share_beside_each_b_cri
             continue  # a run without the measurement counts for nothing
         r["off_diagonal_share_init"] = r["batch_size"] / 100 + r["seed"] / 1000
         r["off_diagonal_share_last"] = 2 * r["batch_size"] / 100 + r["seed"] / 1000
-    paths = write_report(tmp_path, analyse_target(records, n_boot=0), records=records, provenance=PROVENANCE)
+    paths = write_report(tmp_path, analyse_target(records, TARGET.replace(n_boot=0)), records=records,
+                         provenance=PROVENANCE)
     cells = {c["batch_size"]: c for c in json.loads(paths["summary_json"].read_text())
              ["critical_batch"]["affine"]["cells"]}
     assert cells[64]["off_diagonal_share_init"] == pytest.approx(0.642) and cells[64]["off_diagonal_share_init_n"] == 5
@@ -225,7 +232,7 @@ def ladder():
                                        seeds=range(5), sigma=0.1, max_steps=20000, rng=rng)
         records += [{**r, "target": target, "primary_target": 0.9, "read_spacing": 0.05, "lr_rule": "tuned"}
                     for r in rows]
-    analysis = analyse_target(records, n_boot=0, group_by="lr_rule")
+    analysis = analyse_target(records, TARGET.replace(n_boot=0, group_by="lr_rule"))
     return records, analysis, calibrate_for(analysis, n_sims=20)
 
 
@@ -329,7 +336,8 @@ def test_the_per_batch_table_comes_collapsed_after_the_figures_without_its_empty
     rng = np.random.default_rng(3)
     records = simulate_target_records({"affine_like": (300, 100), "affine": (200, 400)}, batch_sizes=(16, 64, 256),
                                       seeds=range(4), sigma=0.1, max_steps=5000, rng=rng)
-    paths = write_report(tmp_path, analyse_target(records, n_boot=0), records=records, provenance=PROVENANCE)
+    paths = write_report(tmp_path, analyse_target(records, TARGET.replace(n_boot=0)), records=records,
+                         provenance=PROVENANCE)
     text = paths["report_md"].read_text()
     table = text.index("| method | batch size | runs | censored | median steps | max_steps | B_crit (fit) |")
     opened = text.index("<details><summary>Runs per method and batch size, group all</summary>")

@@ -12,8 +12,13 @@ import numpy as np
 import pytest
 
 from affdiv.experiments.analysis.critical_batch import analyse_target, simulate_target_records
+from affdiv.experiments.analysis.settings import AnalysisSettings
 from affdiv.experiments.report.writer import write_report
+from affdiv.vocabulary import TARGET_METRIC
 from tests.experiments.test_report import PROVENANCE
+
+#: The steps-to-target analysis (its settings otherwise at their defaults).
+TARGET = AnalysisSettings(metric=TARGET_METRIC)
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 WIDTHS = (800, 1280)
@@ -75,7 +80,7 @@ def report_html(tmp_path_factory):
                                       batch_sizes=(16, 64, 256, 1024, 4096), seeds=range(4), sigma=0.1,
                                       max_steps=200000, rng=rng)
     out = tmp_path_factory.mktemp("browser")
-    analysis = analyse_target(records, n_boot=0, corrected=("affine_like", "norm_l2"))
+    analysis = analyse_target(records, TARGET.replace(n_boot=0, corrected=("affine_like", "norm_l2")))
     return write_report(out, analysis, records=records, provenance=PROVENANCE)["report_html"]
 
 
