@@ -181,7 +181,7 @@ def load_data(data: str, *, data_dir: str | None, seed: int):
 
 
 def per_sample_loss(name: str, dataset):
-    """ℓ(out, y) -> (B,) for ``--loss name``: ``cross_entropy`` −log softmax(out_i)[y_i];
+    """ℓ(out, y) -> (B,) for the loss ``name``: ``cross_entropy`` −log softmax(out_i)[y_i];
     ``mse`` the mean over sample i's outputs of (out_i − t_i)², t_i its target (the one-hot label
     where the data hold class labels)."""
     import torch.nn.functional as F
@@ -192,7 +192,7 @@ def per_sample_loss(name: str, dataset):
     if name == "cross_entropy":
         if not labels:
             raise ValueError(f"loss cross_entropy needs integer class labels; {dataset.name} holds real targets "
-                             "(use --loss mse)")
+                             "(use loss mse)")
         return lambda out, y: F.cross_entropy(out, y, reduction="none")
     classes = dataset.num_classes
 
@@ -221,10 +221,10 @@ def check_output(spec: str, model, dataset, loss: str, dtype) -> None:
     if not isinstance(out, torch.Tensor):
         raise ValueError(f"model {spec!r} must return one tensor, got {type(out).__name__}")
     if loss == "cross_entropy" and (out.dim() != 2 or out.shape[0] != len(x) or out.shape[1] < k):
-        raise ValueError(f"model {spec!r} with --loss cross_entropy must return logits of shape (B, {k}) "
+        raise ValueError(f"model {spec!r} with loss cross_entropy must return logits of shape (B, {k}) "
                          f"(B = {len(x)}), got {tuple(out.shape)}")
     if loss == "mse" and (out.dim() == 0 or out.shape[0] != len(x) or out[0].numel() != k):
-        raise ValueError(f"model {spec!r} with --loss mse must return {k} value(s) per sample (B = {len(x)}), got "
+        raise ValueError(f"model {spec!r} with loss mse must return {k} value(s) per sample (B = {len(x)}), got "
                          f"shape {tuple(out.shape)}")
 
 

@@ -335,7 +335,7 @@ def test_an_npz_dataset_with_the_mse_loss(tmp_path, monkeypatch):
     ({"x_test": [[1.0, 2.0]]}, [], "x_test's sample shape must be x_train's (2, 4), got (2,)"),
     ({}, ["--loss", "cross_entropy"], "--loss cross_entropy needs integer class labels"),
     ({"y_train": [[0.0]] * 30, "y_test": [[0.0]] * 6}, ["--model", "m.py:three_outputs"],
-     "model 'm.py:three_outputs' with --loss mse must return 1 value(s) per sample (B = 2), got shape (2, 3)"),
+     "model 'm.py:three_outputs' with loss mse must return 1 value(s) per sample (B = 2), got shape (2, 3)"),
 ])
 def test_a_bad_npz_dataset_is_one_line(tmp_path, monkeypatch, capsys, arrays, argv, message):
     (tmp_path / "m.py").write_text(MODELS)
