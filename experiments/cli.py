@@ -267,13 +267,13 @@ def analyse_command(args) -> int:
 
 def probe_command(args) -> int:
     from affdiv.atomic import cleanup_on_error
-    from affdiv.experiments.probe import probe
+    from affdiv.experiments.probe import ProbeOptions, probe
 
     with cleanup_on_error(args.out):
-        written = probe(args.out, models=args.model, data=args.data, data_dir=args.data_dir,
-                        batch_sizes=args.batch_sizes, seeds=args.seeds, seed=args.seed, batches=args.batches,
-                        scope=args.scope, lr=args.lr, dtype=args.dtype, per_sample=not args.no_per_sample,
-                        masked_limit=args.masked_limit, loss=args.loss)
+        options = ProbeOptions(batch_sizes=args.batch_sizes, seeds=args.seeds, seed=args.seed, batches=args.batches,
+                               scope=args.scope, lr=args.lr, dtype=args.dtype, per_sample=not args.no_per_sample,
+                               masked_limit=args.masked_limit, loss=args.loss)
+        written = probe(args.out, models=args.model, data=args.data, data_dir=args.data_dir, options=options)
     _print_paths(written)
     return 0
 

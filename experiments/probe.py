@@ -66,13 +66,14 @@ import math
 import os
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from affdiv.atomic import atomic_write
 from affdiv.checks import check_int, is_int
 from affdiv.provenance import relative_path
-from affdiv.reporting import provenance_markdown, write_json
+from affdiv.reporting import write_json
 
 SCOPES = ("layer", "network")
 DTYPES = ("float64", "float32")
@@ -180,7 +181,7 @@ def load_data(data: str, *, data_dir: str | None, seed: int):
 
 
 def per_sample_loss(name: str, dataset):
-    """ℓ(out, y) -> (B,) for ``--loss name``: ``cross_entropy`` −log softmax(out_i)[y_i];
+    """ℓ(out, y) -> (B,) for the loss ``name``: ``cross_entropy`` −log softmax(out_i)[y_i];
     ``mse`` the mean over sample i's outputs of (out_i − t_i)², t_i its target (the one-hot label
     where the data hold class labels)."""
     import torch.nn.functional as F
@@ -191,7 +192,7 @@ def per_sample_loss(name: str, dataset):
     if name == "cross_entropy":
         if not labels:
             raise ValueError(f"loss cross_entropy needs integer class labels; {dataset.name} holds real targets "
-                             "(use --loss mse)")
+                             "(use loss mse)")
         return lambda out, y: F.cross_entropy(out, y, reduction="none")
     classes = dataset.num_classes
 
@@ -220,41 +221,93 @@ def check_output(spec: str, model, dataset, loss: str, dtype) -> None:
     if not isinstance(out, torch.Tensor):
         raise ValueError(f"model {spec!r} must return one tensor, got {type(out).__name__}")
     if loss == "cross_entropy" and (out.dim() != 2 or out.shape[0] != len(x) or out.shape[1] < k):
-        raise ValueError(f"model {spec!r} with --loss cross_entropy must return logits of shape (B, {k}) "
+        raise ValueError(f"model {spec!r} with loss cross_entropy must return logits of shape (B, {k}) "
                          f"(B = {len(x)}), got {tuple(out.shape)}")
     if loss == "mse" and (out.dim() == 0 or out.shape[0] != len(x) or out[0].numel() != k):
-        raise ValueError(f"model {spec!r} with --loss mse must return {k} value(s) per sample (B = {len(x)}), got "
+        raise ValueError(f"model {spec!r} with loss mse must return {k} value(s) per sample (B = {len(x)}), got "
                          f"shape {tuple(out.shape)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# options
+
+
+@dataclass(frozen=True)
+class ProbeOptions:
+    """What ``affdiv probe`` measures and how; every field is checked when the options are made
+    (a one-line ValueError naming the field).
+
+    Args:
+        batch_sizes: the batch sizes B, a sequence of ints or ``"8,32,128"``; kept sorted and distinct.
+        seeds: how many seeds (fresh model initialisations), starting at ``seed``.
+        seed: the first seed (>= 0); it also seeds the split of a built-in dataset.
+        batches: random training batches per seed and batch size.
+        scope: ``"layer"`` (only the module's own parameters step) or ``"network"`` (all do).
+        lr: η > 0 of the SGD step (the metrics do not depend on it).
+        dtype: ``"float64"`` or ``"float32"``, of the models and the batches.
+        per_sample: also each sample's own update d_i (diagonal scale, off-diagonal share).
+        masked_limit: in network scope, the largest B for which the masked route runs (None: no limit).
+        loss: ``"cross_entropy"`` (class labels) or ``"mse"``.
+    """
+
+    batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
+    seeds: int = 3
+    seed: int = 0
+    batches: int = 2
+    scope: str = "layer"
+    lr: float = DEFAULT_LR
+    dtype: str = "float64"
+    per_sample: bool = True
+    masked_limit: int | None = 128
+    loss: str = "cross_entropy"
+
+    def __post_init__(self):
+        object.__setattr__(self, "batch_sizes", tuple(parse_int_list(self.batch_sizes, "batch_sizes")))
+        for name, minimum in (("seeds", 1), ("seed", 0), ("batches", 1)):
+            object.__setattr__(self, name, check_int(name, getattr(self, name), minimum=minimum))
+        for name, valid in (("scope", SCOPES), ("dtype", DTYPES), ("loss", LOSSES)):
+            if getattr(self, name) not in valid:
+                raise ValueError(f"{name} must be one of {', '.join(valid)}, got {getattr(self, name)!r}")
+        if not (isinstance(self.lr, (int, float)) and not isinstance(self.lr, bool) and math.isfinite(self.lr)
+                and self.lr > 0):
+            raise ValueError(f"lr must be a finite number > 0, got {self.lr!r}")
+        if not isinstance(self.per_sample, bool):
+            raise ValueError(f"per_sample must be True or False, got {self.per_sample!r}")
+        if self.masked_limit is not None:
+            object.__setattr__(self, "masked_limit", check_int("masked_limit", self.masked_limit))
+
+    @property
+    def seed_list(self) -> list[int]:
+        """The seeds: ``seeds`` consecutive integers from ``seed``."""
+        return list(range(self.seed, self.seed + self.seeds))
 
 
 # ---------------------------------------------------------------------------------------------
 # measuring
 
 
-def measure(dataset, models: Sequence[str], batch_sizes: Sequence[int], *, seeds: Sequence[int], batches: int,
-            scope: str, lr: float = DEFAULT_LR, dtype: str = "float64", per_sample: bool = True,
-            masked_limit: int | None = 128, loss: str = "cross_entropy",
-            progress=None) -> tuple[list[dict], list[dict]]:
-    """Every (model, seed, batch size, batch): one :func:`affdiv.meter.divergence` report.
+def measure(dataset, models: Sequence[str], options: ProbeOptions = ProbeOptions(),
+            progress: Callable[[str, int, int, float], None] | None = None) -> tuple[list[dict], list[dict]]:
+    """Every (model, seed, batch size, batch) of ``options``: one :func:`affdiv.meter.divergence`
+    report; ``progress(model, seed, batch_size, seconds)`` after each model, seed and batch size.
 
     Returns (measurements, samples): one row per module and measurement with its summary, and the
     per-sample (‖x_i‖, diagonal scale) of every module of the models the scatter figure draws
     (``SCATTER_PAIRS``; else the first four models) at one batch size (the first seed's first
     batch at the largest B ≤ ``SAMPLES_MAX_BATCH``)."""
-    import numpy as np
     import torch
 
-    from affdiv.meter import MeterOptions, divergence
-
-    torch_dtype = {"float64": torch.float64, "float32": torch.float32}[dtype]
-    split = dataset.train
-    n_train = len(split)
+    if not isinstance(options, ProbeOptions):
+        raise TypeError(f"options must be a ProbeOptions, got {type(options).__name__}")
+    torch_dtype = {"float64": torch.float64, "float32": torch.float32}[options.dtype]
+    batch_sizes, seeds = options.batch_sizes, options.seed_list
+    n_train = len(dataset.train)
     too_big = [b for b in batch_sizes if b > n_train]
     if too_big:
         raise ValueError(f"batch size {too_big[0]} exceeds the {n_train} training samples of {dataset.name}")
-    criterion = per_sample_loss(loss, dataset)
+    criterion = per_sample_loss(options.loss, dataset)
     for name in models:  # every model must build on this data, and fit the loss, before any measurement
-        check_output(name, build_model(name, dataset).to(torch_dtype), dataset, loss, torch_dtype)
+        check_output(name, build_model(name, dataset).to(torch_dtype), dataset, options.loss, torch_dtype)
     scatter_batch = max([b for b in batch_sizes if b <= SAMPLES_MAX_BATCH] or [min(batch_sizes)])
     paired = {m for pair in SCATTER_PAIRS for m in pair[:2]} & set(models)
     scatter_models = paired or set(models[:4])
@@ -264,34 +317,49 @@ def measure(dataset, models: Sequence[str], batch_sizes: Sequence[int], *, seeds
             torch.manual_seed(seed)
             model = build_model(name, dataset).to(torch_dtype).train()
             for batch_size in batch_sizes:
-                rng = np.random.default_rng([seed, batch_size])
                 start = time.perf_counter()
-                for b in range(batches):
-                    index = torch.from_numpy(rng.choice(n_train, size=batch_size, replace=False))
-                    x, y = split.x[index].to(torch_dtype), split.y[index]
-                    report = divergence(
-                        model, x, lambda out, y=y: criterion(out, y), lr=lr, scope=scope, per_sample=per_sample,
-                        options=MeterOptions(masked_limit=masked_limit),
-                    )
-                    for record in report.records():
-                        rows.append({"model": name, "seed": seed, "batch": b, **record,
-                                     "skipped": len(report.skipped)})
-                    for layer, reason in report.skipped.items():
-                        rows.append({"model": name, "seed": seed, "batch": b, "layer": layer, "skipped_reason": reason,
-                                     "batch_size": batch_size})
-                    if b == 0 and seed == seeds[0] and batch_size == scatter_batch and name in scatter_models:
-                        for layer_name, layer in report.layers.items():
-                            if layer.diagonal_scale is None:
-                                continue
-                            samples.append({
-                                "model": name, "layer": layer_name, "kind": layer.kind, "batch_size": batch_size,
-                                "scope": scope,
-                                "input_norm": [_round(v) for v in layer.input_norm.tolist()],
-                                "diagonal_scale": [_round(v) for v in layer.diagonal_scale.tolist()],
-                            })
+                scatter = seed == seeds[0] and batch_size == scatter_batch and name in scatter_models
+                _measure_batches(model, dataset, criterion, (name, seed, batch_size), options,
+                                 rows, samples if scatter else None)
                 if progress:
                     progress(name, seed, batch_size, time.perf_counter() - start)
     return rows, samples
+
+
+def _measure_batches(model, dataset, criterion, where: tuple[str, int, int], options: ProbeOptions,
+                     rows: list[dict], samples: list[dict] | None) -> None:
+    """The ``options.batches`` batches of one (model name, seed, batch size) = ``where``: their
+    rows appended to ``rows``, and the first batch's per-sample scatter to ``samples`` (unless None)."""
+    import numpy as np
+    import torch
+
+    from affdiv.meter import MeterOptions, divergence
+
+    name, seed, batch_size = where
+    split, torch_dtype = dataset.train, next(model.parameters()).dtype
+    rng = np.random.default_rng([seed, batch_size])
+    for b in range(options.batches):
+        index = torch.from_numpy(rng.choice(len(split), size=batch_size, replace=False))
+        x, y = split.x[index].to(torch_dtype), split.y[index]
+        report = divergence(
+            model, x, lambda out, y=y: criterion(out, y), lr=options.lr, scope=options.scope,
+            per_sample=options.per_sample, options=MeterOptions(masked_limit=options.masked_limit),
+        )
+        for record in report.records():
+            rows.append({"model": name, "seed": seed, "batch": b, **record, "skipped": len(report.skipped)})
+        for layer, reason in report.skipped.items():
+            rows.append({"model": name, "seed": seed, "batch": b, "layer": layer, "skipped_reason": reason,
+                         "batch_size": batch_size})
+        if b == 0 and samples is not None:
+            for layer_name, layer in report.layers.items():
+                if layer.diagonal_scale is None:
+                    continue
+                samples.append({
+                    "model": name, "layer": layer_name, "kind": layer.kind, "batch_size": batch_size,
+                    "scope": options.scope,
+                    "input_norm": [_round(v) for v in layer.input_norm.tolist()],
+                    "diagonal_scale": [_round(v) for v in layer.diagonal_scale.tolist()],
+                })
 
 
 def _round(value: float) -> float | None:
@@ -301,30 +369,109 @@ def _round(value: float) -> float | None:
 # ---------------------------------------------------------------------------------------------
 # aggregating: per seed over batches, then over seeds
 
+GROUP_KEYS = ("model", "layer", "kind", "batch_size")
 
-def _interval(values: list[float], positive: bool = False) -> tuple[float | None, float | None, float | None]:
-    """(mean, low, high) of a 95% t interval over ``values`` (None where undefined). ``positive``:
-    a quantity that cannot be negative; where every value is > 0, the geometric mean and the t
-    interval of log(values) mapped back by exp (so inside (0, ∞)); where one is 0, the plain
-    interval with its lower end cut at 0."""
-    from scipy.stats import t
+
+@dataclass(frozen=True)
+class Cell:
+    """One metric of a group over seeds: ``value`` (None where undefined) and its 95% interval
+    ``ci`` = (low, high) (None with one seed)."""
+
+    value: float | None
+    ci: tuple[float, float] | None = None
+
+
+@dataclass(frozen=True)
+class Group:
+    """The measurements that share ``keys`` (some of ``GROUP_KEYS``, in the order given), summed up
+    over seeds: ``seeds`` (how many measured it) and one :class:`Cell` per metric of
+    ``SUMMARY_METRICS`` in ``cells``. ``kind`` is set with ``layer`` (the layer's kind)."""
+
+    keys: tuple[str, ...]
+    model: str | None = None
+    layer: str | None = None
+    kind: str | None = None
+    batch_size: int | None = None
+    seeds: int = 0
+    cells: Mapping[str, Cell] = field(default_factory=dict)
+
+    def value(self, metric: str) -> float | None:
+        return self.cells[metric].value
+
+    def ci(self, metric: str) -> tuple[float, float] | None:
+        return self.cells[metric].ci
+
+    def to_json(self) -> dict:
+        """The group as a probe.json row: its keys, its kind (with ``layer``), ``seeds``, and per
+        metric ``<metric>`` and ``<metric>_ci`` ([low, high] or null)."""
+        row = {key: getattr(self, key) for key in self.keys}
+        if "layer" in self.keys and "kind" not in self.keys:
+            row["kind"] = self.kind
+        row["seeds"] = self.seeds
+        for metric in SUMMARY_METRICS:
+            cell = self.cells[metric]
+            row[metric], row[f"{metric}_ci"] = cell.value, (None if cell.ci is None else list(cell.ci))
+        return row
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What ``affdiv probe`` reports: ``by_kind`` (per layer kind and batch size), ``by_layer``
+    (per model, layer and batch size), ``skipped`` ((model, layer) -> why it was not measured),
+    ``routes`` (kind -> how its updates were computed) and ``samples`` (the per-sample scatter)."""
+
+    by_kind: tuple[Group, ...]
+    by_layer: tuple[Group, ...]
+    skipped: Mapping[tuple[str, str], str]
+    routes: Mapping[str, str]
+    samples: tuple[dict, ...] = ()
+
+    @classmethod
+    def of(cls, rows: Sequence[dict], samples: Sequence[dict] = ()) -> Summary:
+        """The summary of :func:`measure`'s (rows, samples)."""
+        skipped = {(r["model"], r["layer"]): r["skipped_reason"] for r in rows if "skipped_reason" in r}
+        routes: dict[str, str] = {}
+        for r in rows:
+            if "kind" in r:
+                routes.setdefault(r["kind"], f"{r['route']}; diagonal: {r['diagonal_route']}")
+        return cls(tuple(aggregate(rows, ("kind", "batch_size"))),
+                   tuple(aggregate(rows, ("model", "layer", "batch_size"))), skipped, routes, tuple(samples))
+
+    def layers_per_kind(self) -> dict[str, int]:
+        """Kind -> how many (model, layer) of that kind were measured."""
+        layers: dict[str, set] = defaultdict(set)
+        for g in self.by_layer:
+            layers[g.kind].add((g.model, g.layer))
+        return {kind: len(names) for kind, names in layers.items()}
+
+    def to_json(self) -> dict:
+        return {"by_kind": [g.to_json() for g in self.by_kind], "rows": [g.to_json() for g in self.by_layer],
+                "skipped": [{"model": m, "layer": layer, "reason": why}
+                            for (m, layer), why in sorted(self.skipped.items())],
+                "samples": list(self.samples)}
+
+
+def interval(values: Sequence[float | None], positive: bool = False) -> Cell:
+    """The mean of ``values`` with its 95% t interval (:func:`affdiv.experiments.analysis.stats.t_interval`;
+    None where undefined; non-finite values left out). ``positive``: a quantity that cannot be
+    negative; where every value is > 0, the geometric mean and the t interval of log(values)
+    mapped back by exp (so inside (0, ∞)); where one is 0, the plain interval with its lower end
+    cut at 0."""
+    from affdiv.experiments.analysis.stats import t_interval
 
     values = [v for v in values if v is not None and math.isfinite(v)]
     if not values:
-        return None, None, None
+        return Cell(None)
+    if len(values) < 2:
+        return Cell(values[0])
     log_scale = positive and all(v > 0 for v in values)
-    points = [math.log(v) for v in values] if log_scale else values
-    mean = sum(points) / len(points)
-    if len(points) < 2:
-        return values[0], None, None
-    sd = math.sqrt(sum((v - mean) ** 2 for v in points) / (len(points) - 1))
-    half = float(t.ppf(0.975, len(points) - 1)) * sd / math.sqrt(len(points))
+    mean, low, high = t_interval([math.log(v) for v in values] if log_scale else values, 0.95)
     if log_scale:
-        return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
-    return mean, (max(mean - half, 0.0) if positive else mean - half), mean + half
+        return Cell(math.exp(mean), (math.exp(low), math.exp(high)))
+    return Cell(mean, (max(low, 0.0) if positive else low, high))
 
 
-def _seed_means(rows: list[dict], keys: tuple[str, ...]) -> dict[tuple, dict[int, dict[str, float]]]:
+def _seed_means(rows: Sequence[dict], keys: tuple[str, ...]) -> dict[tuple, dict[int, dict[str, float]]]:
     """(group key) -> seed -> metric -> mean over that seed's measurements (layers and batches)."""
     acc: dict[tuple, dict[int, dict[str, list[float]]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
     for row in rows:
@@ -338,22 +485,25 @@ def _seed_means(rows: list[dict], keys: tuple[str, ...]) -> dict[tuple, dict[int
             for key, by_seed in acc.items()}
 
 
-def aggregate(rows: list[dict], keys: tuple[str, ...]) -> list[dict]:
-    """One row per distinct ``keys``: for every metric its mean over seeds and 95% CI."""
+def aggregate(rows: Sequence[dict], keys: tuple[str, ...]) -> list[Group]:
+    """One :class:`Group` per distinct ``keys`` (some of ``GROUP_KEYS``), ordered by them: for
+    every metric its mean over seeds and 95% interval (:func:`interval`)."""
+    unknown = [k for k in keys if k not in GROUP_KEYS]
+    if unknown or not keys:
+        raise ValueError(f"keys must be some of {', '.join(GROUP_KEYS)}, got {keys!r}")
     kinds = {(r["model"], r["layer"]): r.get("kind") for r in rows if "kind" in r}
-    out = []
+
     def order(item):  # numbers (batch sizes) as numbers, names as text
         return tuple((0, k, "") if isinstance(k, (int, float)) else (1, 0, str(k)) for k in item[0])
 
+    out = []
     for key, by_seed in sorted(_seed_means(rows, keys).items(), key=order):
-        row = dict(zip(keys, key))
+        fields = dict(zip(keys, key))
         if "layer" in keys and "kind" not in keys:
-            row["kind"] = kinds.get((row["model"], row["layer"]))
-        row["seeds"] = len(by_seed)
-        for metric in SUMMARY_METRICS:
-            mean, low, high = _interval([s.get(metric) for s in by_seed.values()], metric in POSITIVE_METRICS)
-            row[metric], row[f"{metric}_ci"] = mean, (None if low is None else [low, high])
-        out.append(row)
+            fields["kind"] = kinds.get((fields["model"], fields["layer"]))
+        cells = {metric: interval([s.get(metric) for s in by_seed.values()], metric in POSITIVE_METRICS)
+                 for metric in SUMMARY_METRICS}
+        out.append(Group(keys=tuple(keys), seeds=len(by_seed), cells=cells, **fields))
     return out
 
 
@@ -361,64 +511,53 @@ def aggregate(rows: list[dict], keys: tuple[str, ...]) -> list[dict]:
 # writing
 
 
-def _fmt(value, ci=None) -> str:
-    if value is None:
-        return "—"
-    text = f"{value:.3g}"
-    if ci:
-        text += f" [{ci[0]:.3g}, {ci[1]:.3g}]"
-    return text
+def _cell(cell: Cell, with_ci: bool = False) -> str:
+    from affdiv.experiments.report.writer import format_interval, format_number
+
+    if cell.value is None or not with_ci or cell.ci is None:
+        return format_number(cell.value)
+    return f"{format_number(cell.value)} {format_interval(*cell.ci)}"
 
 
-def to_markdown(meta: dict, by_kind: list[dict], by_layer: list[dict], skipped: dict) -> str:
-    lines = [
-        f"# affdiv probe — {meta['data']}, {meta['scope']} scope",
-        "",
-        f"Models: {', '.join(meta['models'])}. Batch sizes {meta['batch_sizes']}, {len(meta['seeds'])} seeds × "
-        f"{meta['batches']} batches, {meta['dtype']}, fresh models in train mode, loss: mean "
-        f"{meta.get('loss', 'cross_entropy')}, η = {meta['lr']}. "
-        "Each cell: mean over seeds of the per-seed mean over batches [95% t interval over seeds]. "
-        "The quantities that cannot be negative (diagonal scale, off-diagonal share, their spreads) are "
-        "averaged on the log scale: the geometric mean over seeds and the t interval of the logarithms, "
-        "transformed back, so the interval stays positive.",
-        "",
-        "## Per layer kind",
-        "",
-        "| kind | B | layers | off-diagonal share, median | cosine | diagonal scale | diagonal scale CV "
-        "| site diagonal scale (CV) | corr(diag, ‖x‖) |",
-        "|---|---|---|---|---|---|---|---|---|",
+def to_markdown(summary: Summary, *, data: str, models: Sequence[str], options: ProbeOptions,
+                provenance: Mapping) -> str:
+    """probe.md: the tables per layer kind and per model and layer, what was not measured, how
+    each kind was computed, and the provenance (:func:`affdiv.experiments.report.writer.markdown_document`)."""
+    from affdiv.experiments.report.writer import markdown_document
+
+    intro = (f"Models: {', '.join(models)}. Batch sizes {list(options.batch_sizes)}, {options.seeds} seeds × "
+             f"{options.batches} batches, {options.dtype}, fresh models in train mode, loss: mean "
+             f"{options.loss}, η = {options.lr}. Each cell: mean over seeds of the per-seed mean over batches "
+             "[95% t interval over seeds]. The quantities that cannot be negative (diagonal scale, off-diagonal "
+             "share, their spreads) are averaged on the log scale: the geometric mean over seeds and the t interval "
+             "of the logarithms, transformed back, so the interval stays positive.")
+    layers = summary.layers_per_kind()
+    by_kind = [[g.kind, g.batch_size, layers.get(g.kind, 0), _cell(g.cells["off_diagonal_share_median"], True),
+                _cell(g.cells["cosine_mean"], True), _cell(g.cells["diagonal_scale_mean"]),
+                _cell(g.cells["diagonal_scale_cv"]),
+                f"{_cell(g.cells['site_diagonal_scale_mean'])} ({_cell(g.cells['site_diagonal_scale_cv'])})",
+                _cell(g.cells["diagonal_norm_correlation"])] for g in summary.by_kind]
+    by_layer = [[g.model, f"`{g.layer}`", g.kind, g.batch_size,
+                 f"{_cell(g.cells['off_diagonal_share_mean'], True)} ({_cell(g.cells['off_diagonal_share_median'])})",
+                 *[_cell(g.cells[m]) for m in ("cosine_mean", "scale_mean", "diagonal_scale_mean",
+                                                "diagonal_scale_cv", "batch_cosine", "diagonal_norm_correlation")]]
+                for g in summary.by_layer]
+    blocks = [
+        ("h", 1, f"affdiv probe — {data}, {options.scope} scope"), ("p", intro),
+        ("h", 2, "Per layer kind"),
+        ("table", ["kind", "B", "layers", "off-diagonal share, median", "cosine", "diagonal scale",
+                   "diagonal scale CV", "site diagonal scale (CV)", "corr(diag, ‖x‖)"], by_kind),
+        ("h", 2, "Per model and layer"),
+        ("table", ["model", "layer", "kind", "B", "off-diagonal share (median)", "cosine", "scale",
+                   "diagonal scale", "diagonal scale CV", "batch cosine", "corr(diag, ‖x‖)"], by_layer),
     ]
-    layers_per_kind = defaultdict(set)
-    for r in by_layer:
-        layers_per_kind[r["kind"]].add((r["model"], r["layer"]))
-    for r in by_kind:
-        lines.append(
-            f"| {r['kind']} | {r['batch_size']} | {len(layers_per_kind[r['kind']])} | "
-            f"{_fmt(r['off_diagonal_share_median'], r['off_diagonal_share_median_ci'])} | "
-            f"{_fmt(r['cosine_mean'], r['cosine_mean_ci'])} | {_fmt(r['diagonal_scale_mean'])} | "
-            f"{_fmt(r['diagonal_scale_cv'])} | {_fmt(r['site_diagonal_scale_mean'])} "
-            f"({_fmt(r['site_diagonal_scale_cv'])}) | {_fmt(r['diagonal_norm_correlation'])} |"
-        )
-    lines += ["", "## Per model and layer", "",
-              "| model | layer | kind | B | off-diagonal share (median) | cosine | scale | diagonal scale "
-              "| diagonal scale CV | batch cosine | corr(diag, ‖x‖) |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in by_layer:
-        lines.append(
-            f"| {r['model']} | `{r['layer']}` | {r['kind']} | {r['batch_size']} | "
-            f"{_fmt(r['off_diagonal_share_mean'], r['off_diagonal_share_mean_ci'])} "
-            f"({_fmt(r['off_diagonal_share_median'])}) | {_fmt(r['cosine_mean'])} | {_fmt(r['scale_mean'])} | "
-            f"{_fmt(r['diagonal_scale_mean'])} | {_fmt(r['diagonal_scale_cv'])} | {_fmt(r['batch_cosine'])} | "
-            f"{_fmt(r['diagonal_norm_correlation'])} |"
-        )
-    if skipped:
-        lines += ["", "## Not measured", ""]
-        lines += [f"- {model} `{layer}`: {reason}" for (model, layer), reason in sorted(skipped.items())]
-    if meta.get("routes"):
-        lines += ["", "## How each kind was computed", ""]
-        lines += [f"- {kind}: {route}" for kind, route in sorted(meta["routes"].items())]
-    lines += ["", provenance_markdown(meta["provenance"])]
-    return "\n".join(lines)
+    if summary.skipped:
+        blocks += [("h", 2, "Not measured"),
+                   ("list", [f"{model} `{layer}`: {why}" for (model, layer), why in sorted(summary.skipped.items())])]
+    if summary.routes:
+        blocks += [("h", 2, "How each kind was computed"),
+                   ("list", [f"{kind}: {route}" for kind, route in sorted(summary.routes.items())])]
+    return markdown_document([*blocks, ("provenance", provenance)])
 
 
 # The figures: matplotlib (imported when a figure is drawn) through the report's figure helpers,
@@ -431,26 +570,26 @@ _SHARE_PANELS = (
 _BATCH_WORDS = "batch size B (samples per step; log₂ scale)"
 
 
-def figure_share_vs_batch(by_kind: list[dict], meta: dict, path: Path) -> Path:
+def figure_share_vs_batch(by_kind: Sequence[Group], path: Path, *, data: str, options: ProbeOptions) -> Path:
     """Off-diagonal share and cosine against batch size, one line (marker, line style) per kind."""
     from affdiv.experiments.report import figures
 
-    return figures._save(_build_share_vs_batch(by_kind, meta), path)
+    return figures._save(_build_share_vs_batch(by_kind, data, options), path)
 
 
-def _build_share_vs_batch(by_kind: list[dict], meta: dict):
+def _build_share_vs_batch(by_kind: Sequence[Group], data: str, options: ProbeOptions):
     from affdiv.experiments.report import figures
 
     figure, axes = figures._grid(2, 5.0, 3.8)
-    kinds = list(dict.fromkeys(r["kind"] for r in by_kind))
+    kinds = list(dict.fromkeys(g.kind for g in by_kind))
     for ax, (metric, label) in zip(axes, _SHARE_PANELS):
         for k, kind in enumerate(kinds):
-            mine = [r for r in by_kind if r["kind"] == kind and r[metric] is not None]
+            mine = [g for g in by_kind if g.kind == kind and g.value(metric) is not None]
             if not mine:
                 continue
-            xs, ys = [r["batch_size"] for r in mine], [r[metric] for r in mine]
-            low = [y - r[f"{metric}_ci"][0] if r[f"{metric}_ci"] else 0.0 for y, r in zip(ys, mine)]
-            high = [r[f"{metric}_ci"][1] - y if r[f"{metric}_ci"] else 0.0 for y, r in zip(ys, mine)]
+            xs, ys = [g.batch_size for g in mine], [g.value(metric) for g in mine]
+            low = [y - g.ci(metric)[0] if g.ci(metric) else 0.0 for y, g in zip(ys, mine)]
+            high = [g.ci(metric)[1] - y if g.ci(metric) else 0.0 for y, g in zip(ys, mine)]
             ax.errorbar(xs, ys, yerr=[low, high], ms=5, capsize=2, label=kind, **figures._style(k))
         ax.set_xscale("log", base=2)
         if metric.startswith("off"):
@@ -461,12 +600,12 @@ def _build_share_vs_batch(by_kind: list[dict], meta: dict):
                      else "alignment with the ideal update", fontsize=9)
         ax.grid(alpha=0.3)
     axes[-1].legend(fontsize=7, title="layer kind", title_fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
-    figure.suptitle(f"{meta['data']}, {meta['scope']} scope: mean over the layers of each kind, "
-                    f"95% interval over {len(meta['seeds'])} seeds", fontsize=9)
+    figure.suptitle(f"{data}, {options.scope} scope: mean over the layers of each kind, "
+                    f"95% interval over {options.seeds} seeds", fontsize=9)
     return figure
 
 
-def _scatter_panels(samples: list[dict]) -> list[tuple[str, list[dict]]]:
+def _scatter_panels(samples: Sequence[dict]) -> list[tuple[str, list[dict]]]:
     index = {(s["model"], s["layer"]): s for s in samples}
     panels = [(what, [index[(a, layer)], index[(b, layer)]]) for a, b, layer, what in SCATTER_PAIRS
               if (a, layer) in index and (b, layer) in index]
@@ -478,14 +617,14 @@ def _scatter_panels(samples: list[dict]) -> list[tuple[str, list[dict]]]:
     return [(f"{s['model']} `{s['layer']}`", [s]) for s in list(firsts.values())[:4]]
 
 
-def figure_diagonal_vs_norm(samples: list[dict], meta: dict, path: Path) -> Path:
+def figure_diagonal_vs_norm(samples: Sequence[dict], path: Path, *, data: str, options: ProbeOptions) -> Path:
     """Each sample's diagonal scale against the norm of the layer's input, plain vs corrected."""
     from affdiv.experiments.report import figures
 
-    return figures._save(_build_diagonal_vs_norm(samples, meta), path)
+    return figures._save(_build_diagonal_vs_norm(samples, data, options), path)
 
 
-def _build_diagonal_vs_norm(samples: list[dict], meta: dict):
+def _build_diagonal_vs_norm(samples: Sequence[dict], data: str, options: ProbeOptions):
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     from affdiv.experiments.report import figures
@@ -510,70 +649,52 @@ def _build_diagonal_vs_norm(samples: list[dict], meta: dict):
         ax.set_title(f"{what}, B = {series[0]['batch_size']}", fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    figure.suptitle(f"{meta['data']}, {meta['scope']} scope: one point per sample of one batch", fontsize=9)
+    figure.suptitle(f"{data}, {options.scope} scope: one point per sample of one batch", fontsize=9)
     return figure
 
 
-def probe(out: str | Path, *, models: str | Sequence[str], data: str = "digits", data_dir: str | None = None,
-          batch_sizes: str | Sequence[int] = DEFAULT_BATCH_SIZES, seeds: int = 3, seed: int = 0, batches: int = 2,
-          scope: str = "layer", lr: float = DEFAULT_LR, dtype: str = "float64", per_sample: bool = True,
-          masked_limit: int | None = 128, loss: str = "cross_entropy", quiet: bool = False) -> dict[str, Path]:
-    """Measure every model at every batch size; write probe.json, probe.md and the two figures
-    under ``out``; returns the written paths. Bad input raises a one-line ValueError before any
-    measurement (the data are loaded first, to check the batch sizes and the models against them)."""
-    batch_sizes = parse_int_list(batch_sizes, "batch_sizes")
-    names = [_cwd_relative_spec(name) for name in model_list(models)]  # as recorded: no absolute path
-    data = relative_path(data, os.getcwd()) if str(data).endswith(".npz") else data
-    if scope not in SCOPES:
-        raise ValueError(f"scope must be one of {', '.join(SCOPES)}, got {scope!r}")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    check_int("seeds", seeds)
-    check_int("batches", batches)
-    check_int("seed", seed, minimum=0)
-    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
-        raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
-    if masked_limit is not None:
-        check_int("masked_limit", masked_limit)
-    if loss not in LOSSES:
-        raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
-    from affdiv.provenance import provenance
-
-    start = time.perf_counter()
-    dataset = load_data(data, data_dir=data_dir, seed=seed)
-    seed_list = list(range(seed, seed + seeds))
-
-    def progress(name, s, batch_size, seconds):
-        if not quiet:
-            print(f"{name:<32} seed {s} B={batch_size:<5} {seconds:7.2f} s", flush=True)
-
-    rows, samples = measure(dataset, names, batch_sizes, seeds=seed_list, batches=batches, scope=scope, lr=lr,
-                            dtype=dtype, per_sample=per_sample, masked_limit=masked_limit, loss=loss,
-                            progress=progress)
-    by_layer = aggregate(rows, ("model", "layer", "batch_size"))
-    by_kind = aggregate(rows, ("kind", "batch_size"))
-    skipped = {(r["model"], r["layer"]): r["skipped_reason"] for r in rows if "skipped_reason" in r}
-    routes = {}
-    for r in rows:
-        if "kind" in r:
-            routes.setdefault(r["kind"], f"{r['route']}; diagonal: {r['diagonal_route']}")
-    meta = {
-        "data": data, "models": names, "batch_sizes": batch_sizes, "seeds": seed_list, "batches": batches,
-        "scope": scope, "lr": lr, "dtype": dtype, "per_sample": per_sample, "masked_limit": masked_limit,
-        "loss": loss, "ci": CI_TEXT,
-        "routes": routes,
-        "provenance": provenance(seed=seed, data_fingerprint=dataset.fingerprint,
-                                 wall_time_s=round(time.perf_counter() - start, 2)),
-    }
+def write_probe(out: str | Path, summary: Summary, *, data: str, models: Sequence[str], options: ProbeOptions,
+                provenance: Mapping) -> dict[str, Path]:
+    """probe.json, probe.md and the two figures under ``out``; returns the written paths."""
     out = Path(out)
-    record = {"schema_version": 3, **meta, "by_kind": by_kind, "rows": by_layer,
-              "skipped": [{"model": m, "layer": layer, "reason": why} for (m, layer), why in sorted(skipped.items())],
-              "samples": samples}
+    record = {
+        "schema_version": 3, "data": data, "models": list(models), "batch_sizes": list(options.batch_sizes),
+        "seeds": options.seed_list, "batches": options.batches, "scope": options.scope, "lr": options.lr,
+        "dtype": options.dtype, "per_sample": options.per_sample, "masked_limit": options.masked_limit,
+        "loss": options.loss, "ci": CI_TEXT, "routes": dict(summary.routes), "provenance": dict(provenance),
+        **summary.to_json(),
+    }
+    markdown = to_markdown(summary, data=data, models=models, options=options, provenance=provenance)
     paths = {"json": write_json(out / "probe.json", record, indent=1),
-             "markdown": atomic_write(out / "probe.md", to_markdown(meta, by_kind, by_layer, skipped))}
-    paths["share_figure"] = figure_share_vs_batch(by_kind, meta, out / "share_vs_batch.png")
-    if samples:
-        paths["diagonal_figure"] = figure_diagonal_vs_norm(samples, meta, out / "diagonal_vs_norm.png")
+             "markdown": atomic_write(out / "probe.md", markdown)}
+    paths["share_figure"] = figure_share_vs_batch(summary.by_kind, out / "share_vs_batch.png", data=data,
+                                                  options=options)
+    if summary.samples:
+        paths["diagonal_figure"] = figure_diagonal_vs_norm(summary.samples, out / "diagonal_vs_norm.png", data=data,
+                                                           options=options)
     return paths
 
 
+def _print_progress(name: str, seed: int, batch_size: int, seconds: float) -> None:
+    print(f"{name:<32} seed {seed} B={batch_size:<5} {seconds:7.2f} s", flush=True)
+
+
+def probe(out: str | Path, *, models: str | Sequence[str], data: str = "digits", data_dir: str | None = None,
+          options: ProbeOptions = ProbeOptions(), quiet: bool = False) -> dict[str, Path]:
+    """Measure every model at every batch size of ``options`` (:class:`ProbeOptions`); write
+    probe.json, probe.md and the two figures under ``out``; returns the written paths. Bad input
+    raises a one-line ValueError before any measurement (the data are loaded first, to check the
+    batch sizes and the models against them)."""
+    if not isinstance(options, ProbeOptions):
+        raise TypeError(f"options must be a ProbeOptions, got {type(options).__name__}")
+    names = [_cwd_relative_spec(name) for name in model_list(models)]  # as recorded: no absolute path
+    data = relative_path(data, os.getcwd()) if str(data).endswith(".npz") else data
+    from affdiv.provenance import provenance
+
+    start = time.perf_counter()
+    dataset = load_data(data, data_dir=data_dir, seed=options.seed)
+    rows, samples = measure(dataset, names, options, None if quiet else _print_progress)
+    summary = Summary.of(rows, samples)
+    written = provenance(seed=options.seed, data_fingerprint=dataset.fingerprint,
+                         wall_time_s=round(time.perf_counter() - start, 2))
+    return write_probe(out, summary, data=data, models=names, options=options, provenance=written)

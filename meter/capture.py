@@ -17,6 +17,7 @@ from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from affdiv.meter.kinds import linear_in_parameters
+from affdiv.verify.functional import ModuleFunction
 
 
 @dataclass
@@ -211,6 +212,27 @@ class MeasuredModule:
         """z of the module alone on (args, kwargs) with ``values`` as its parameters."""
         leaves = output_leaves(_call_alone(self.module, values, args, kwargs, rng_state))
         return joined_output(leaves, self.record.selected)
+
+
+@dataclass
+class CapturePass:
+    """What the capture pass gives, and what every later pass of the same measurement reuses: the
+    network as a function of its parameters (``function``, its module ``function.module``), the
+    ``hooks`` on it and its inputs (``args``, batch first), the measurable ``modules`` (those that
+    cannot be measured are dropped from it as they are found), the step −η ∇θL of every parameter
+    (``step``, by its name in ``function.params``), ∂L/∂out (``grad_out``) and η (``lr``)."""
+
+    function: ModuleFunction
+    hooks: Hooks
+    args: tuple
+    modules: dict[str, MeasuredModule]
+    step: dict[str, Tensor]
+    grad_out: Tensor
+    lr: float
+
+    @property
+    def batch(self) -> int:
+        return self.args[0].shape[0]
 
 
 def error_reason(error: BaseException) -> str:

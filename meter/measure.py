@@ -7,7 +7,6 @@ from __future__ import annotations
 import sys
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -15,6 +14,7 @@ import torch.autograd.forward_ad as fwAD
 from torch import Tensor, nn
 
 from affdiv.meter.capture import (
+    CapturePass,
     Hooks,
     MeasuredModule,
     absorbed_children,
@@ -29,7 +29,7 @@ from affdiv.meter.capture import (
 )
 from affdiv.meter.options import REDUCTIONS, SCOPES, MeterOptions, UnmeasuredModuleWarning, UnsupportedModuleError
 from affdiv.meter.report import DivergenceReport, layer_metrics
-from affdiv.meter.routes import layer_diagonal, layer_update, network_diagonals
+from affdiv.meter.routes import Update, layer_diagonal, layer_update, network_diagonals
 from affdiv.verify.functional import ModuleFunction, as_inputs, check_lr
 
 
@@ -82,29 +82,26 @@ def divergence(
         raise ValueError(f"{type(model).__name__} has no trainable parameters: there is no step to measure")
     function = ModuleFunction(model, args)
     with Hooks(model, measured) as hooks, differentiable_kernels():
-        pass_ = _capture(function, hooks, measured, args, loss, lr, reduction, unsupported)
-        modules = pass_.modules
-        effective, routes = _batch_updates(modules, scope, function, hooks, args, pass_.step, unsupported)
-        diagonals, diagonal_routes, network_route = {}, {}, None
+        captured = _capture(function, hooks, measured, args, loss, lr, reduction, unsupported)
+        modules = captured.modules
+        effective = _batch_updates(captured, scope, unsupported)
+        diagonals, network_route = {}, None
         if per_sample:
-            layer_diagonals, layer_routes = {}, {}
+            layer_diagonals: dict[str, Update] = {}
             for name, m in list(modules.items()):
                 try:
-                    layer_diagonals[name], layer_routes[name] = layer_diagonal(m, lr, batch, options.memory_budget)
+                    layer_diagonals[name] = layer_diagonal(m, lr, batch, options.memory_budget)
                 except Exception as error:  # torch.func cannot run it: in layer scope, named, never a number
                     if scope == "layer":
                         unsupported(name, error_reason(error))
                         del modules[name]
             if scope == "layer":
-                diagonals, diagonal_routes = layer_diagonals, layer_routes
+                diagonals = layer_diagonals
             else:
-                diagonals, network_route = network_diagonals(
-                    model, function, hooks, args, modules, layer_diagonals, unsupported.skipped, pass_.step,
-                    pass_.grad_out, lr, batch, options.memory_budget, options.masked_limit,
-                )
-                diagonal_routes = dict.fromkeys(diagonals, network_route)
-    layers = {name: layer_metrics(name, m, scope, lr, effective[name], diagonals.get(name), routes[name],
-                                  diagonal_routes.get(name), options.keep_updates)
+                values, network_route = network_diagonals(
+                    captured, {n: d.value for n, d in layer_diagonals.items()}, unsupported.skipped, options)
+                diagonals = {n: Update(t, network_route) for n, t in values.items()}
+    layers = {name: layer_metrics(m, scope, lr, effective[name], diagonals.get(name), options.keep_updates)
               for name, m in modules.items()}
     return DivergenceReport(layers, unsupported.skipped, scope, lr, reduction, batch, per_sample, network_route)
 
@@ -164,17 +161,8 @@ def _outside_the_meter() -> int:
     return level
 
 
-@dataclass
-class _Pass:
-    """What the capture pass gives: the measurable modules, the step −η ∇θL of every parameter (by
-    its name in ``ModuleFunction.params``) and ∂L/∂out."""
-    modules: dict[str, MeasuredModule]
-    step: dict[str, Tensor]
-    grad_out: Tensor
-
-
 def _capture(function: ModuleFunction, hooks: Hooks, measured: Mapping[str, nn.Module], args: tuple, loss,
-             lr: float, reduction: str, unsupported: _Unsupported) -> _Pass:
+             lr: float, reduction: str, unsupported: _Unsupported) -> CapturePass:
     """One forward and one backward: every measured module's inputs, output and output gradient
     (the tensors of its output that reach the loss) and the step; the modules that cannot be
     measured are left to ``unsupported``."""
@@ -221,26 +209,25 @@ def _capture(function: ModuleFunction, hooks: Hooks, measured: Mapping[str, nn.M
             {n: p.detach() for n, p in params.items()},
             joined_output(output_leaves(record.output), record.selected).detach(),
         )
-    return _Pass(modules, step, grads[-1])
+    return CapturePass(function, hooks, args, modules, step, grads[-1], lr)
 
 
-def _batch_updates(modules: dict[str, MeasuredModule], scope: str, function: ModuleFunction, hooks: Hooks,
-                   args: tuple, step: Mapping[str, Tensor], unsupported: _Unsupported) -> tuple[dict, dict]:
-    """({module: u, its effective update of the whole batch}, {module: how it was computed}): in
-    layer scope the module alone under its own step; in network scope one forward-mode pass of the
+def _batch_updates(captured: CapturePass, scope: str, unsupported: _Unsupported) -> dict[str, Update]:
+    """{module: u, its effective update of the whole batch, with how it was computed}: in layer
+    scope the module alone under its own step; in network scope one forward-mode pass of the
     network with the full step as tangent."""
-    effective: dict[str, Tensor] = {}
-    routes: dict[str, str] = {}
+    modules, function, hooks, args = captured.modules, captured.function, captured.hooks, captured.args
+    effective: dict[str, Update] = {}
     if scope == "layer":
         for name, m in list(modules.items()):
             try:
-                effective[name], routes[name] = layer_update(m)
+                effective[name] = layer_update(m)
             except Exception as error:  # torch.func cannot run it: named, never a number
                 unsupported(name, error_reason(error))
                 del modules[name]
-        return effective, routes
+        return effective
     with fwAD.dual_level():
-        dual_params = {n: fwAD.make_dual(t, step[n]) for n, t in function.params.items()}
+        dual_params = {n: fwAD.make_dual(t, captured.step[n]) for n, t in function.params.items()}
         with hooks.active("tangent"):
             try:
                 function(dual_params, args)
@@ -250,6 +237,6 @@ def _batch_updates(modules: dict[str, MeasuredModule], scope: str, function: Mod
             tangents = dict(hooks.seen)
     for name, m in modules.items():
         t = tangents.get(name)
-        effective[name] = t.detach() if t is not None else torch.zeros_like(m.grad)
-        routes[name] = "network jvp (forward-mode AD, full step)"
-    return effective, routes
+        effective[name] = Update(t.detach() if t is not None else torch.zeros_like(m.grad),
+                                 "network jvp (forward-mode AD, full step)")
+    return effective

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from affdiv.meter.capture import MeasuredModule
-from affdiv.meter.routes import site_factors
+from affdiv.meter.routes import Update, site_factors
 from affdiv.verify.metrics import cosine, off_diagonal_share, scale_factor
 
 PER_SAMPLE_METRICS = ("scale", "diagonal_scale", "cosine", "off_diagonal_share")
@@ -161,10 +161,14 @@ def correlation(values: Tensor, norms: Tensor) -> float:
     return float((a * b).sum() / (a.norm() * b.norm()))
 
 
-def layer_metrics(name, m: MeasuredModule, scope, lr, u: Tensor, d: Tensor | None, route, diagonal_route,
-                  keep) -> LayerDivergence:
+def layer_metrics(m: MeasuredModule, scope: str, lr: float, update: Update, diagonal: Update | None,
+                  keep: bool) -> LayerDivergence:
+    """The :class:`LayerDivergence` of module ``m`` in ``scope`` under the step of rate ``lr``:
+    ``update`` its effective update u of the batch, ``diagonal`` its per-sample diagonals d (None
+    where not computed), each with its route; ``keep``: keep u, u* and d in the record."""
     ideal = -lr * m.grad
-    u = u.detach()
+    u = update.value.detach()
+    d = None if diagonal is None else diagonal.value
     x = next((a for a in m.record.args if isinstance(a, Tensor)), None)
     batch = ideal.shape[0]
     if x is not None and x.dim() > 0 and x.shape[0] == batch and x.is_floating_point():
@@ -180,17 +184,17 @@ def layer_metrics(name, m: MeasuredModule, scope, lr, u: Tensor, d: Tensor | Non
         if k is not None:
             site = scale_factor(k * ideal, ideal)
     return LayerDivergence(
-        name=name,
+        name=m.name,
         kind=type(m.module).__name__,
         scope=scope,
         scale=scale_factor(u, ideal),
         cosine=cosine(u, ideal),
         batch_cosine=float(cosine(u.reshape(1, -1), ideal.reshape(1, -1))[0]),
         input_norm=input_norm,
-        route=route,
+        route=update.route,
         diagonal_scale=None if d is None else scale_factor(d, ideal),
         off_diagonal_share=None if d is None else off_diagonal_share(u, d),
-        diagonal_route=diagonal_route,
+        diagonal_route=None if diagonal is None else diagonal.route,
         site_diagonal_scale=site,
         parameters=tuple(m.step),
         effective=u if keep else None,

@@ -7,15 +7,25 @@ masked route over the whole network), in chunks within the memory budget.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import NamedTuple
 
 import torch
 import torch.autograd.forward_ad as fwAD
 from torch import Tensor, nn
 from torch.func import jvp, vjp, vmap
 
-from affdiv.meter.capture import Hooks, MeasuredModule, error_reason, trainable_params
+from affdiv.meter.capture import CapturePass, Hooks, MeasuredModule, error_reason, trainable_params
 from affdiv.meter.kinds import active_dropout, dense_member, is_batchnorm, linear_in_parameters, uses_batch_statistics
-from affdiv.meter.options import UnsupportedModuleError
+from affdiv.meter.options import MeterOptions, UnsupportedModuleError
+
+
+class Update(NamedTuple):
+    """A module's output update (u of the batch, or the per-sample diagonals d) and how it was
+    computed (``route``, in words: closed form, jvp, vmap, masked, ...)."""
+
+    value: Tensor
+    route: str
 
 
 def _batched(t: object, batch: int) -> bool:
@@ -130,34 +140,33 @@ def batchnorm_diagonal(module: nn.Module, x: Tensor, g: Tensor, lr: float) -> Te
     return -lr * out
 
 
-def layer_update(m: MeasuredModule) -> tuple[Tensor, str]:
+def layer_update(m: MeasuredModule) -> Update:
     """u = J_θ Δθ of the module alone (its own parameters stepping)."""
     record = m.record
     if linear_in_parameters(m.module):
         values = {n: m.step.get(n, torch.zeros_like(v)) for n, v in m.values.items()}
         with torch.no_grad():
             u = m(values, record.args, record.kwargs, None)
-        return u, "closed form f(x; Δθ) (linear in θ)"
+        return Update(u, "closed form f(x; Δθ) (linear in θ)")
 
     def f(p):
         return m({**m.values, **p}, record.args, record.kwargs, record.rng_state)
 
     primal = {n: m.values[n] for n in m.step}
     _, u = jvp(f, (primal,), (m.step,))
-    return u.detach(), "jvp (module alone)"
+    return Update(u.detach(), "jvp (module alone)")
 
 
-def layer_diagonal(m: MeasuredModule, lr: float, batch: int, budget: int) -> tuple[Tensor, str]:
+def layer_diagonal(m: MeasuredModule, lr: float, batch: int, budget: int) -> Update:
     """d_i = −η Θ_ii g_i of the module alone, per sample."""
     record, module, g = m.record, m.module, m.grad
     member = dense_member(module)
     if member is not None and record.args and isinstance(record.args[0], Tensor) and not record.kwargs:
-        return dense_diagonal(member, module, record.args[0], g, lr), f"closed form ({member} family kernel)"
+        return Update(dense_diagonal(member, module, record.args[0], g, lr), f"closed form ({member} family kernel)")
     if is_batchnorm(module):
-        return batchnorm_diagonal(module, record.args[0], g, lr), "closed form (BatchNorm, batch statistics)"
+        return Update(batchnorm_diagonal(module, record.args[0], g, lr), "closed form (BatchNorm, batch statistics)")
     if batch == 1:
-        update, _ = layer_update(m)
-        return update, "B = 1: the batch update"
+        return Update(layer_update(m).value, "B = 1: the batch update")
     trainable_values = {n: m.values[n] for n in m.step}
     linear = linear_in_parameters(module)
     params = sum(v.numel() for v in trainable_values.values())
@@ -185,7 +194,7 @@ def layer_diagonal(m: MeasuredModule, lr: float, batch: int, budget: int) -> tup
 
         chunk = _chunk(budget, itemsize, params, sample_size, batch)
         d = vmap(one, in_dims=(0, *in_dims), chunk_size=chunk)(g, *record.args)
-        return d.detach(), f"vmap per-sample vjp→jvp (module alone, chunks of {chunk})"
+        return Update(d.detach(), f"vmap per-sample vjp→jvp (module alone, chunks of {chunk})")
 
     def f(p):
         return m({**m.values, **p}, record.args, record.kwargs, record.rng_state)
@@ -206,7 +215,7 @@ def layer_diagonal(m: MeasuredModule, lr: float, batch: int, budget: int) -> tup
     chunk = _chunk(budget, itemsize, params, size, batch)
     # randomness="same": each pass replays the batch's draws (dropout inside attention), as the batch update did
     d = vmap(masked, chunk_size=chunk, randomness="same")(_onehots(batch, g))
-    return d.detach(), f"masked vjp→jvp over the batch (module couples samples; chunks of {chunk})"
+    return Update(d.detach(), f"masked vjp→jvp over the batch (module couples samples; chunks of {chunk})")
 
 
 def _sub_batch(batch: int) -> list[int]:
@@ -231,9 +240,14 @@ def _independent_module(m: MeasuredModule, batch: int) -> bool:
     return _close(sub, m.output[index])
 
 
-def network_diagonals(model, function, hooks: Hooks, args, modules, layer_diagonals, skipped, step, grad_out,
-                       lr, batch, budget, masked_limit):
-    """d_i at every measured module with only sample i's output gradient kept (network scope)."""
+def network_diagonals(captured: CapturePass, layer_diagonals: Mapping[str, Tensor], skipped: Mapping[str, str],
+                      options: MeterOptions) -> tuple[dict[str, Tensor], str]:
+    """d_i at every measured module with only sample i's output gradient kept (network scope):
+    ({module: d}, how it was computed). ``layer_diagonals``: each module's own diagonal (the
+    layer scope's); ``skipped``: the modules left out; ``options``: the memory budget of the
+    chunked passes and the masked route's batch limit."""
+    model, function, hooks, args = captured.function.module, captured.function, captured.hooks, captured.args
+    modules, step, batch = captured.modules, captured.step, captured.batch
     dropout = active_dropout(model)
     if dropout:
         raise UnsupportedModuleError(
@@ -268,9 +282,16 @@ def network_diagonals(model, function, hooks: Hooks, args, modules, layer_diagon
            "module " + repr(stepping_skipped[0]) + " is not measured" if stepping_skipped else
            "module " + repr(missing[0]) + " has no layer diagonal" if missing else
            "a sub-batch does not reproduce the batch's rows")
-    if masked_limit is not None and batch > masked_limit:
+    if options.masked_limit is not None and batch > options.masked_limit:
         return {}, (f"not computed: the masked route ({why}) needs B = {batch} full-batch passes, above "
-                    f"masked_limit = {masked_limit}")
+                    f"masked_limit = {options.masked_limit}")
+    return _masked_network_diagonals(captured, options.memory_budget, why)
+
+
+def _masked_network_diagonals(captured: CapturePass, budget: int, why: str) -> tuple[dict[str, Tensor], str]:
+    """The masked route over the whole network: B passes, each keeping one sample's output gradient."""
+    function, hooks, args, modules = captured.function, captured.hooks, captured.args, captured.modules
+    grad_out, lr, batch = captured.grad_out, captured.lr, captured.batch
     params = function.params
     n_params = sum(t.numel() for t in params.values())
     activations = sum(m.output.numel() for m in modules.values()) * 2 + sum(a.numel() for a in args)

@@ -9,7 +9,8 @@ one-sided, two-sided and equivalence (TOST) p-values and confidence intervals fo
   small-sample factor G/(G-1)·(N-1)/(N-k) (k = 2), t reference with G-1 df (G = clusters):
   statsmodels' ``OLS(...).fit(cov_type="cluster", use_t=True)``.
 * :func:`per_cluster_slopes` / :func:`mean_estimate` — the OLS slope within each seed, and the
-  one-sample t estimate of their mean (the differential test runs on these).
+  one-sample t estimate of their mean (the differential test runs on these); :func:`t_interval` —
+  the t interval of a mean (``affdiv probe``'s intervals over seeds).
 * :func:`cluster_bootstrap` — percentile CI of the OLS slope from resampling whole seeds;
   :func:`bootstrap_means` — the means of resamples of a sample.
 * :func:`page_trend` — Page's L across batch sizes with seeds as blocks.
@@ -176,6 +177,23 @@ def mean_estimate(values) -> Estimate:
     if values.size < 2:
         raise ValueError(f"a one-sample t test needs >= 2 values, got {values.size}")
     return Estimate(float(values.mean()), float(values.std(ddof=1) / math.sqrt(values.size)), float(values.size - 1))
+
+
+def t_interval(values, level: float = 0.95) -> tuple[float, float, float]:
+    """(mean, low, high): the two-sided t interval of coverage ``level`` of the mean of ``values``
+    (n >= 2, t with n-1 df): mean ± t·sd/√n, with the sums taken left to right and the product in
+    that order, as ``affdiv probe`` has always computed it (``mean_estimate(values).ci(level)``
+    gives the same interval up to the last bit)."""
+    values = [float(v) for v in values]
+    n = len(values)
+    if n < 2:
+        raise ValueError(f"a t interval needs >= 2 values, got {n}")
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level!r}")
+    mean = sum(values) / n
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    half = float(_st.t.ppf(0.5 + level / 2.0, n - 1)) * sd / math.sqrt(n)
+    return mean, mean - half, mean + half
 
 
 def jackknife_se(replicates) -> float:

@@ -99,7 +99,8 @@ from affdiv.vocabulary import FIXED_BUDGET, JOINT_VERDICTS, STEPS_TO_TARGET
 
 
 # --------------------------------------------------------------------------------------- output
-def _number(value, fmt: str = ".3g") -> str:
+def format_number(value, fmt: str = ".3g") -> str:
+    """``value`` in format ``fmt`` (3 significant digits), "—" for None (undefined)."""
     return "—" if value is None else f"{value:{fmt}}"
 
 
@@ -113,7 +114,8 @@ def _p(value) -> str:
     return "<1e-4" if value < 1e-4 else f"{value:.4f}"
 
 
-def _interval(low, high, fmt: str = ".3g") -> str:
+def format_interval(low, high, fmt: str = ".3g") -> str:
+    """``[low, high]`` in format ``fmt``, "—" where either end is None."""
     return "—" if low is None or high is None else f"[{low:{fmt}}, {high:{fmt}}]"
 
 
@@ -202,7 +204,7 @@ def _fixed_group_blocks(name: str, content: Mapping, summary: Mapping) -> list:
         c = r.get("contrast", {})
         chosen = sorted(set((c.get("chosen") or {}).values()))
         rows.append([m, r["role"], f"**{r['verdict']}**", str(r.get("n_seeds", "—")),
-                     _signed(c.get("estimate")), _interval(c.get("ci_low"), c.get("ci_high"), "+.3g"),
+                     _signed(c.get("estimate")), format_interval(c.get("ci_low"), c.get("ci_high"), "+.3g"),
                      " ".join(map(str, chosen)) or "—", _signed(c.get("in_sample")),
                      r.get("contrast_class", "—"), r.get("reason", "")])
     level = f"{1 - settings['alpha']:.0%}"
@@ -212,7 +214,7 @@ def _fixed_group_blocks(name: str, content: Mapping, summary: Mapping) -> list:
                ("table", ["method", "role", "verdict", "seeds", "Δ (cross-fitted)", f"{level} CI",
                           "best B chosen", "Δ in-sample", "Δ class", "reason"], rows, ["method", "verdict"])]
     dids = [[m, b, d.get("class", "—"), _signed(d.get("estimate")),
-             _interval(d.get("ci_low"), d.get("ci_high"), "+.3g"), _p(d.get("p_less")), _p(d.get("p_equivalent")),
+             format_interval(d.get("ci_low"), d.get("ci_high"), "+.3g"), _p(d.get("p_less")), _p(d.get("p_equivalent")),
              d.get("status", "")]
             for m, r in methods.items() for b, d in r.get("did", {}).items()]
     if dids:
@@ -223,16 +225,17 @@ def _fixed_group_blocks(name: str, content: Mapping, summary: Mapping) -> list:
     shape = []
     for m, r in methods.items():
         lof, noise = r.get("lack_of_fit", {}), r.get("noise", {})
-        shape.append([m, _number(lof.get("F")), f"{lof['df1']}, {lof['df2']}" if "df1" in lof else "—",
+        shape.append([m, format_number(lof.get("F")), f"{lof['df1']}, {lof['df2']}" if "df1" in lof else "—",
                       _p(lof.get("p")), lof.get("curvature_sign", lof.get("status", "—")),
-                      _number(noise.get("noise_sd")), _number(noise.get("seed_sd")), _number(noise.get("slope_sd"))])
+                      format_number(noise.get("noise_sd")), format_number(noise.get("seed_sd")),
+                      format_number(noise.get("slope_sd"))])
     blocks += [("p", "Shape and noise (descriptive): the lack-of-fit test of a straight line in log2 B (repeated-"
                      "measures F on the degree ≥ 2 polynomial contrasts), and the noise decomposition the "
                      "calibration simulates (moments around the cell means)."),
                ("table", ["method", "lack-of-fit F", "df", "p", "curvature", "run noise s.d.", "seed s.d.",
                           "seed-slope s.d."], shape)]
-    slopes = [[m, _number(r.get("slope")), _interval(r.get("ci_low"), r.get("ci_high")),
-               _interval(r.get("boot_ci_low"), r.get("boot_ci_high")), _p(r.get("p_value")),
+    slopes = [[m, format_number(r.get("slope")), format_interval(r.get("ci_low"), r.get("ci_high")),
+               format_interval(r.get("boot_ci_low"), r.get("boot_ci_high")), _p(r.get("p_value")),
                *[_p(r.get("tests", {}).get(k, {}).get("p_holm")) for k in ("falls", "rises", "flat")],
                r.get("trend", "—")]
               for m, r in methods.items()]
@@ -251,10 +254,10 @@ def _target_group_blocks(name: str, content: Mapping, summary: Mapping) -> list:
     level = f"{1 - settings['alpha']:.0%}"
     fits = content["critical_batch"]
     rows = [[m, r["role"], f"**{r['verdict']}**", str(r["n_seeds"]), str(r["n_runs"]), str(r["censored"]),
-             _number(r.get("b_crit")), _interval(r.get("ci_low"), r.get("ci_high")),
-             _number(r.get("s_min")), _interval(r.get("s_min_ci_low"), r.get("s_min_ci_high")),
-             _number(r.get("e_min")), _interval(r.get("e_min_ci_low"), r.get("e_min_ci_high")),
-             _number(r.get("sigma")), r.get("ci_status", r["status"] if r["status"] != "ok" else "ok"),
+             format_number(r.get("b_crit")), format_interval(r.get("ci_low"), r.get("ci_high")),
+             format_number(r.get("s_min")), format_interval(r.get("s_min_ci_low"), r.get("s_min_ci_high")),
+             format_number(r.get("e_min")), format_interval(r.get("e_min_ci_low"), r.get("e_min_ci_high")),
+             format_number(r.get("sigma")), r.get("ci_status", r["status"] if r["status"] != "ok" else "ok"),
              r.get("reason", "")]
             for m, r in fits.items()]
     blocks = [("h", 2, title + primary),
@@ -265,9 +268,10 @@ def _target_group_blocks(name: str, content: Mapping, summary: Mapping) -> list:
               ("table", ["method", "role", "verdict", "seeds", "runs", "censored", "B_crit", f"{level} CI",
                          "S_min", "CI", "E_min", "CI", "σ (log steps)", "fit", "reason"], rows,
                ["method", "verdict", "B_crit"])]
-    ratios = [[c, b, r.get("class", "—"), _number(r.get("ratio")), _interval(r.get("ci_low"), r.get("ci_high")),
-               _interval(r.get("ci_low_one_sided"), r.get("ci_high_one_sided")), _p(r.get("p")),
-               _interval(r.get("boot_ci_low"), r.get("boot_ci_high")), r.get("status", "")]
+    ratios = [[c, b, r.get("class", "—"), format_number(r.get("ratio")),
+               format_interval(r.get("ci_low"), r.get("ci_high")),
+               format_interval(r.get("ci_low_one_sided"), r.get("ci_high_one_sided")), _p(r.get("p")),
+               format_interval(r.get("boot_ci_low"), r.get("boot_ci_high")), r.get("status", "")]
               for c, against in content["ratios"].items() for b, r in against.items()]
     if ratios:
         blocks += [("p", "Ratios B_crit(corrected) / B_crit(baseline); p is the one-sided jackknife t test of "
@@ -285,9 +289,10 @@ def _per_batch_blocks(name: str, content: Mapping, summary: Mapping) -> list:
     cells = []
     for m, r in fits.items():
         for c in r["cells"]:
-            cells.append([m, str(c["batch_size"]), str(c["n"]), str(c["censored"]), _number(c.get("median_steps")),
-                          str(c["max_steps"]), _number(c.get("b_simple_init")), _number(c.get("b_simple")),
-                          _number(r.get("b_crit"))])
+            cells.append([m, str(c["batch_size"]), str(c["n"]), str(c["censored"]),
+                          format_number(c.get("median_steps")),
+                          str(c["max_steps"]), format_number(c.get("b_simple_init")), format_number(c.get("b_simple")),
+                          format_number(r.get("b_crit"))])
     by = summary["settings"].get("group_by")
     title = f"Runs per method and batch size, group {name if by is None else f'{by} = {name}'}"
     return [("details", title, [
@@ -312,9 +317,9 @@ def _share_blocks(content: Mapping) -> list:
     rows = []
     for method, r in fits.items():
         by_batch = {c["batch_size"]: c for c in r["cells"]}
-        rows.append([method, r["role"], _number(r.get("b_crit")),
-                     *(f"{_number(by_batch.get(b, {}).get('off_diagonal_share_init'))} / "
-                       f"{_number(by_batch.get(b, {}).get('off_diagonal_share_last'))}" for b in batch_sizes)])
+        rows.append([method, r["role"], format_number(r.get("b_crit")),
+                     *(f"{format_number(by_batch.get(b, {}).get('off_diagonal_share_init'))} / "
+                       f"{format_number(by_batch.get(b, {}).get('off_diagonal_share_last'))}" for b in batch_sizes)])
     return [("p", "Off-diagonal share of each method's network beside its B_crit (descriptive, not part of the "
                   "rule): the divergence meter along the runs, at each run's own batch size, the mean over the "
                   "measured layers of the median over the batch of ‖u_i − d_i‖/‖d_i‖ (what the other samples add "
@@ -373,7 +378,7 @@ def _ladder_blocks(summary: Mapping, reads: str) -> list:
             elif r.get("status", "ok") != "ok":
                 cells.append(f"— {r.get('class', '')} ({r['status'].split(':')[0]})")
             else:
-                cells.append(f"{r['ratio']:.3g} {_interval(r.get('ci_low'), r.get('ci_high'))} {r['class']}")
+                cells.append(f"{r['ratio']:.3g} {format_interval(r.get('ci_low'), r.get('ci_high'))} {r['class']}")
         ratio_rows.append([f"{c} vs {b}", *cells])
     methods = list(dict.fromkeys(m for t in targets for m in at(t).get("critical_batch", {})))
     b_rows = []
@@ -389,7 +394,7 @@ def _ladder_blocks(summary: Mapping, reads: str) -> list:
             elif not r.get("resolved"):
                 cells.append(f"{r['b_crit']:.3g} (a bound: unresolved)")
             else:
-                cells.append(f"{r['b_crit']:.3g} {_interval(r.get('ci_low'), r.get('ci_high'))}")
+                cells.append(f"{r['b_crit']:.3g} {format_interval(r.get('ci_low'), r.get('ci_high'))}")
         b_rows.append([m, role, *cells])
     trend_rows = []
     for c, against in summary.get("trends", {}).items():
@@ -398,7 +403,7 @@ def _ladder_blocks(summary: Mapping, reads: str) -> list:
                 trend_rows.append([f"{c} vs {b}", "—", "—", "—", "—", tr.get("status", "")])
                 continue
             trend_rows.append([f"{c} vs {b}", ", ".join(f"{t:g}" for t in tr["targets"]),
-                               f"{tr['factor']:.3g}", _interval(tr["factor_ci_low"], tr["factor_ci_high"]),
+                               f"{tr['factor']:.3g}", format_interval(tr["factor_ci_low"], tr["factor_ci_high"]),
                                _p(tr["p"]), "ok"])
     step = next((tr["per"] for against in summary.get("trends", {}).values() for tr in against.values()
                  if "per" in tr), 0.01)
@@ -427,7 +432,7 @@ def _calibration_blocks(calibration: Mapping) -> list:
     effects, null = calibration["effects"], calibration["null_effect"]
     target = calibration["design"] == STEPS_TO_TARGET
     verdicts = [v for v in JOINT_VERDICTS if v in calibration["joint"]]
-    rows = [[_number(e), *[f"{calibration['joint'][v][i]:.3f}" for v in verdicts],
+    rows = [[format_number(e), *[f"{calibration['joint'][v][i]:.3f}" for v in verdicts],
              *[f"{calibration['methods'][m][i]:.3f}" for m in calibration["methods"]]]
             for i, e in enumerate(effects)]
     what = ("the planted ratio B_crit(corrected)/B_crit(baselines)" if target else
@@ -437,7 +442,7 @@ def _calibration_blocks(calibration: Mapping) -> list:
         ("h", 2, "Calibration of the decision rule on simulated studies"),
         ("p", f"{n} simulated studies per row, in this study's own layout (its batch sizes and seed count; each "
               "method with its own fitted noise), run through the same decision rule. Rows: "
-              f"{what}. At {_number(null)} the prediction is false: a 'supported' there is a false positive and "
+              f"{what}. At {format_number(null)} the prediction is false: a 'supported' there is a false positive and "
               f"its rate must stay at or below α = {alpha:g}; 'contradicted' there is the right answer, not an error. "
               "At the other rows the prediction is true: 'supported' is the power, 'contradicted' a false "
               f"contradiction. Monte-Carlo s.e. of a rate r: √(r(1−r)/{n}) (0.015 at r = 0.05)."),
@@ -446,8 +451,9 @@ def _calibration_blocks(calibration: Mapping) -> list:
     ]
     if calibration["pairs"]:
         pairs = list(calibration["pairs"])
-        rows = [[_number(e), *[f"{calibration['pairs'][p][i]:.3f}" for p in pairs]] for i, e in enumerate(effects)]
-        blocks += [("p", f"Each pair's own test ({calibration['pair_event']}): at {_number(null)} its rate is "
+        rows = [[format_number(e), *[f"{calibration['pairs'][p][i]:.3f}" for p in pairs]]
+                for i, e in enumerate(effects)]
+        blocks += [("p", f"Each pair's own test ({calibration['pair_event']}): at {format_number(null)} its rate is "
                          "the test's size (α up to Monte-Carlo error); elsewhere its power. A rejection is "
                          "not yet a verdict: a corrected layer needs every pair."
                          + ("" if target else " The equivalence check comes first.")),
@@ -456,18 +462,18 @@ def _calibration_blocks(calibration: Mapping) -> list:
     measured = calibration.get("measured") or {}
     if classes:
         kinds = list(next(iter(classes.values())))
-        rows = [[pair, _number(e, ".4g") + (" (measured)" if measured.get(pair, {}).get("ratio") == e else ""),
+        rows = [[pair, format_number(e, ".4g") + (" (measured)" if measured.get(pair, {}).get("ratio") == e else ""),
                  *[f"{classes[pair][k][i]:.3f}" for k in kinds],
                  f"{calibration['pairs'][pair][i]:.3f}" if pair in calibration["pairs"] else "—"]
                 for pair in classes for i, e in enumerate(effects)]
         blocks += [("p", "The rate of every outcome of each pair at each planted ratio (each row sums to 1). At "
-                         f"ratio {_number(null)} 'smaller' of either kind is a false positive (at most α up to "
+                         f"ratio {format_number(null)} 'smaller' of either kind is a false positive (at most α up to "
                          "Monte-Carlo error); below 1 'smaller' of either kind is the power, 'equivalent' and "
                          "'larger' are errors where the planted ratio lies outside the band, and 'equivalent' is "
                          "right where it lies inside."),
                    ("table", ["pair", "planted ratio", *kinds, "p < α"], rows, ["pair"])]
     if measured:
-        rows = [[pair, _number(m["ratio"], ".4g"), f"{m['power']:.3f}",
+        rows = [[pair, format_number(m["ratio"], ".4g"), f"{m['power']:.3f}",
                  f"{(m['power'] * (1 - m['power']) / n) ** 0.5:.3f}"] for pair, m in measured.items()]
         blocks += [("p", "Power at the measured ratio: each pair's ratio at the primary target, planted in this "
                          "layout; the rate at which the pair's test rejects there (p < α) is the power the study "
@@ -476,7 +482,7 @@ def _calibration_blocks(calibration: Mapping) -> list:
                    ("table", ["pair", "measured ratio", "power (p < α)", "Monte-Carlo s.e."], rows, ["pair"])]
     for name, scenario in (calibration.get("scenarios") or {}).items():
         verdicts = [v for v in JOINT_VERDICTS if v in scenario["joint"]]
-        rows = [[_number(e), *[f"{scenario['joint'][v][i]:.3f}" for v in verdicts],
+        rows = [[format_number(e), *[f"{scenario['joint'][v][i]:.3f}" for v in verdicts],
                  *[f"{scenario['pairs'][p][i]:.3f}" for p in scenario["pairs"]]]
                 for i, e in enumerate(scenario["effects"])]
         blocks += [("p", f"Scenario: {name} (a shock per method and batch size shared by every seed, as a data "
@@ -561,7 +567,10 @@ def _md_row(cells: Sequence[str]) -> str:
     return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
 
 
-def _markdown(blocks: Sequence) -> str:
+def markdown_document(blocks: Sequence) -> str:
+    """Markdown of a list of blocks: ``("h", level, text)``, ``("p", text)``, ``("list", items)``,
+    ``("table", header, rows)`` (columns empty in every row left out), ``("details", summary,
+    blocks)``, ``("image", path, caption)``, ``("provenance", provenance)``."""
     out = []
     for kind, *args in blocks:
         if kind == "h":
@@ -574,7 +583,7 @@ def _markdown(blocks: Sequence) -> str:
             header, rows, _ = _nonempty_columns(args[0], args[1])
             out.append("\n".join([_md_row(header), "|" + "---|" * len(header), *map(_md_row, rows)]))
         elif kind == "details":  # GitHub and most Markdown viewers render it collapsed
-            out.append(f"<details><summary>{args[0]}</summary>\n\n{_markdown(args[1]).rstrip()}\n\n</details>")
+            out.append(f"<details><summary>{args[0]}</summary>\n\n{markdown_document(args[1]).rstrip()}\n\n</details>")
         elif kind == "image":
             out.append(f"![{args[1]}]({args[0]})\n\n*{args[1]}*")
         elif kind == "provenance":
@@ -632,10 +641,10 @@ def summary_tex(summary: Mapping) -> str:
     for group, content in summary["groups"].items():
         for method, r, tests in deciding_tests(summary, content):
             if target:
-                estimate = [r.get("b_crit"), _interval(r.get("ci_low"), r.get("ci_high")), str(r["censored"])]
+                estimate = [r.get("b_crit"), format_interval(r.get("ci_low"), r.get("ci_high")), str(r["censored"])]
             else:
                 c = r.get("contrast", {})
-                estimate = [c.get("estimate"), _interval(c.get("ci_low"), c.get("ci_high"))]
+                estimate = [c.get("estimate"), format_interval(c.get("ci_low"), c.get("ci_high"))]
             decided = "; ".join(_test_words(t) for t in tests) or "---"
             rows.append([group, method, r["role"], *estimate, decided, r["verdict"]])
     if target:
@@ -666,18 +675,18 @@ def deciding_tests(summary: Mapping, content: Mapping) -> list[tuple[str, Mappin
     if _design(summary) == STEPS_TO_TARGET:
         for method, r in content["critical_batch"].items():
             pairs = content["ratios"].get(method, {}) if r["role"] == "corrected" else {}
-            out.append((method, r, [(f"ratio vs {b}", _number(p.get("ratio")),
-                                     _interval(p.get("ci_low"), p.get("ci_high")), _p(p.get("p")),
+            out.append((method, r, [(f"ratio vs {b}", format_number(p.get("ratio")),
+                                     format_interval(p.get("ci_low"), p.get("ci_high")), _p(p.get("p")),
                                      p.get("class", "—")) for b, p in pairs.items()]))
         return out
     for method, r in content["methods"].items():
         dids = r.get("did", {}) if r["role"] == "corrected" else {}
-        tests = [(f"DiD vs {b}", _signed(d.get("estimate")), _interval(d.get("ci_low"), d.get("ci_high")),
+        tests = [(f"DiD vs {b}", _signed(d.get("estimate")), format_interval(d.get("ci_low"), d.get("ci_high")),
                   f"{_p(d.get('p_less'))} / {_p(d.get('p_equivalent'))}", d.get("class", "—"))
                  for b, d in dids.items()]
         c = r.get("contrast", {})
         if not tests and r["role"] != "other":
-            tests = [("Δ", _signed(c.get("estimate")), _interval(c.get("ci_low"), c.get("ci_high")),
+            tests = [("Δ", _signed(c.get("estimate")), format_interval(c.get("ci_low"), c.get("ci_high")),
                       f"{_p(c.get('p_less'))} / {_p(c.get('p_equivalent'))}", r.get("contrast_class", "—"))]
         out.append((method, r, tests))
     return out
@@ -738,7 +747,7 @@ def write_report(out_dir: str | Path, analysis: StudyAnalysis, *, records: Seque
     paths["summary_json"] = atomic_write(out_dir / "summary.json",
                                           json.dumps(summary, indent=2, allow_nan=False, default=str) + "\n")
     paths["summary_tex"] = atomic_write(out_dir / "summary.tex", summary_tex(summary))
-    paths["report_md"] = atomic_write(out_dir / "report.md", _markdown(blocks))
+    paths["report_md"] = atomic_write(out_dir / "report.md", markdown_document(blocks))
     paths["report_html"] = atomic_write(out_dir / "report.html", _html(blocks, out_dir))
     return paths
 

@@ -28,6 +28,7 @@ import functools
 import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -46,28 +47,58 @@ def _mean(values: list) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def measure(model: torch.nn.Module, step: int, data, config, *, batch_sizes: Sequence[int] = (),
-            batches: int = 1, scope: str = "layer", per_sample: bool = True, seed: int = 0,
-            masked_limit: int | None = 128) -> dict:
+@dataclass(frozen=True)
+class MeasurementOptions:
+    """What the divergence measurement measures at each measured step (picklable: it reaches a
+    sweep's workers). Bad settings raise a ValueError when it is made, not in a worker.
+
+    Args:
+        batch_sizes: the batch sizes measured (empty: the run's own).
+        batches: batches drawn per batch size (the metrics are their means).
+        scope: ``"layer"`` or ``"network"`` (:func:`affdiv.meter.divergence`).
+        per_sample: also the per-sample diagonals (``diagonal_scale``, ``off_diagonal_share``).
+        seed: seeds the batches drawn, with the step and the batch size.
+        masked_limit: the meter's :attr:`~affdiv.meter.MeterOptions.masked_limit`.
+    """
+
+    batch_sizes: tuple[int, ...] = ()
+    batches: int = 1
+    scope: str = "layer"
+    per_sample: bool = True
+    seed: int = 0
+    masked_limit: int | None = 128
+
+    def __post_init__(self):
+        if self.scope not in ("layer", "network"):
+            raise ValueError(f"divergence measurement: scope must be 'layer' or 'network', got {self.scope!r}")
+        check_int("divergence measurement: batches", self.batches)
+        check_int("divergence measurement: masked_limit", self.masked_limit, allow_none=True)
+        if isinstance(self.batch_sizes, (str, bytes)) or not all(is_int(b, 1) for b in self.batch_sizes):
+            raise ValueError(f"divergence measurement: batch sizes must be integers >= 1, got {list(self.batch_sizes)}")
+        object.__setattr__(self, "batch_sizes", tuple(self.batch_sizes))
+
+
+def measure(model: torch.nn.Module, step: int, data, config,
+            options: MeasurementOptions = MeasurementOptions()) -> dict:
     """The :class:`Measurement` callback (see the module docstring)."""
     from affdiv.meter import MeterOptions, divergence
 
-    sizes = list(batch_sizes) or [int(config.batch_size)]
+    sizes = list(options.batch_sizes) or [int(config.batch_size)]
     parameter = next(model.parameters())
     x_all = torch.as_tensor(data.train.x, device=parameter.device, dtype=parameter.dtype)
     y_all = torch.as_tensor(data.train.y, device=parameter.device)
+    meter_options = MeterOptions(masked_limit=options.masked_limit)
     out: dict = {}
     for size in sizes:
         if size > len(y_all):
             raise ValueError(f"divergence measurement: batch size {size} exceeds the {len(y_all)} training samples")
-        generator = torch.Generator().manual_seed((seed * 1_000_003 + step) * 100_003 + size)
+        generator = torch.Generator().manual_seed((options.seed * 1_000_003 + step) * 100_003 + size)
         per_layer: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
-        for _ in range(batches):
+        for _ in range(options.batches):
             index = torch.randperm(len(y_all), generator=generator)[:size].to(x_all.device)
             y = y_all[index]
             report = divergence(model, x_all[index], lambda out, y=y: F.cross_entropy(out, y, reduction="none"),
-                                lr=1.0, scope=scope, per_sample=per_sample,
-                                options=MeterOptions(masked_limit=masked_limit))
+                                lr=1.0, scope=options.scope, per_sample=options.per_sample, options=meter_options)
             for row in report.records():
                 for metric in METRICS:
                     per_layer[row["layer"]][metric].append(row.get(metric))
@@ -82,17 +113,13 @@ def measure(model: torch.nn.Module, step: int, data, config, *, batch_sizes: Seq
 def measurement(*, every: int, batch_sizes: Sequence[int] = (), batches: int = 1, scope: str = "layer",
                 per_sample: bool = True, seed: int = 0, masked_limit: int | None = 128):
     """A :class:`~affdiv.experiments.runs.training.Measurement` named ``divergence`` (picklable:
-    it reaches a sweep's workers). Bad settings raise a ValueError now, not in a worker."""
+    it reaches a sweep's workers) with these :class:`MeasurementOptions`. Bad settings raise a
+    ValueError now, not in a worker."""
     from affdiv.experiments.runs.training import Measurement
 
-    if scope not in ("layer", "network"):
-        raise ValueError(f"divergence measurement: scope must be 'layer' or 'network', got {scope!r}")
-    check_int("divergence measurement: batches", batches)
-    if not all(is_int(b, 1) for b in batch_sizes):
-        raise ValueError(f"divergence measurement: batch sizes must be integers >= 1, got {list(batch_sizes)}")
-    return Measurement(NAME, every, functools.partial(
-        measure, batch_sizes=tuple(batch_sizes), batches=batches, scope=scope, per_sample=per_sample, seed=seed,
-        masked_limit=masked_limit))
+    options = MeasurementOptions(batch_sizes=tuple(batch_sizes), batches=batches, scope=scope,
+                                 per_sample=per_sample, seed=seed, masked_limit=masked_limit)
+    return Measurement(NAME, every, functools.partial(measure, options=options))
 
 
 def record_columns(measurements: Sequence[Mapping], batch_size: int | None = None) -> dict:

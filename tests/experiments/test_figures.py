@@ -250,19 +250,21 @@ def probe_measured():
     """A small probe of every scatter pair (four panels) on correlated synthetic data."""
     data = load_dataset("synthetic", seed=0, n_train=300, n_test=50, features=12, classes=3, correlation=0.8)
     models = sorted({m for a, b, _, _ in probe.SCATTER_PAIRS for m in (a, b)})
-    rows, samples = probe.measure(data, models, [4, 16], seeds=[0, 1], batches=1, scope="layer")
-    meta = {"data": "synthetic", "scope": "layer", "seeds": [0, 1]}
-    return probe.aggregate(rows, ("kind", "batch_size")), samples, meta
+    options = probe.ProbeOptions(batch_sizes=(4, 16), seeds=2, batches=1)
+    rows, samples = probe.measure(data, models, options)
+    return probe.Summary.of(rows, samples), options
 
 
 def test_the_probe_figures(probe_measured, captured, tmp_path):
-    by_kind, samples, meta = probe_measured
-    paths = [probe.figure_share_vs_batch(by_kind, meta, tmp_path / "share_vs_batch.png"),
-             probe.figure_diagonal_vs_norm(samples, meta, tmp_path / "diagonal_vs_norm.png")]
+    summary, options = probe_measured
+    by_kind = summary.by_kind
+    paths = [probe.figure_share_vs_batch(by_kind, tmp_path / "share_vs_batch.png", data="synthetic", options=options),
+             probe.figure_diagonal_vs_norm(summary.samples, tmp_path / "diagonal_vs_norm.png", data="synthetic",
+                                           options=options)]
     _check_every_saved_figure(captured, paths)
 
     share = captured["share_vs_batch.png"]
-    kinds = sorted({r["kind"] for r in by_kind})
+    kinds = sorted({g.kind for g in by_kind})
     for ax in share.axes:
         assert "batch size" in ax.get_xlabel() and "samples per step" in ax.get_xlabel()  # the unit
         assert sorted(ax.get_legend_handles_labels()[1]) == kinds  # one line per layer kind

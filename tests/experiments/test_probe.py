@@ -11,7 +11,7 @@ import pytest
 
 from affdiv import cli
 from affdiv.experiments.data.dataset import load_dataset
-from affdiv.experiments.probe import aggregate, measure, parse_int_list
+from affdiv.experiments.probe import ProbeOptions, Summary, aggregate, measure, parse_int_list
 from affdiv.experiments.runs.config import VIT_METHODS
 from affdiv.meter import UnmeasuredModuleWarning
 
@@ -22,34 +22,35 @@ def correlated():
 
 
 def _by(rows):
-    return {(r["model"], r["batch_size"]): r for r in aggregate(rows, ("model", "batch_size"))}
+    return {(g.model, g.batch_size): g for g in aggregate(rows, ("model", "batch_size"))}
 
 
 def test_corrections_equalise_the_diagonal_and_leave_the_cross_terms(correlated):
     models = ["layer-affine", "layer-affine_like", "layer-norm_l2"]
-    rows, samples = measure(correlated, models, [1, 8, 64], seeds=[0, 1], batches=1, scope="layer")
+    rows, samples = measure(correlated, models, ProbeOptions(batch_sizes=(1, 8, 64), seeds=2, batches=1))
     by = _by(rows)
     for model in ("layer-affine_like", "layer-norm_l2"):
         # K_ii is constant for the corrections: the spread is rounding only (float64, ~1e-16)
-        assert by[(model, 64)]["diagonal_scale_cv"] < 1e-12
-        assert by[(model, 64)]["diagonal_norm_correlation"] is None  # nothing to correlate
-    assert by[("layer-affine_like", 64)]["diagonal_scale_mean"] == pytest.approx(1.0, abs=1e-12)
-    assert by[("layer-norm_l2", 64)]["diagonal_scale_mean"] == pytest.approx(2.0, abs=1e-12)
-    assert by[("layer-affine", 64)]["diagonal_scale_cv"] > 1e-3  # ‖x‖² + 1 varies from sample to sample
-    assert by[("layer-affine", 64)]["diagonal_norm_correlation"] > 0.9
+        assert by[(model, 64)].value("diagonal_scale_cv") < 1e-12
+        assert by[(model, 64)].value("diagonal_norm_correlation") is None  # nothing to correlate
+    assert by[("layer-affine_like", 64)].value("diagonal_scale_mean") == pytest.approx(1.0, abs=1e-12)
+    assert by[("layer-norm_l2", 64)].value("diagonal_scale_mean") == pytest.approx(2.0, abs=1e-12)
+    assert by[("layer-affine", 64)].value("diagonal_scale_cv") > 1e-3  # ‖x‖² + 1 varies from sample to sample
+    assert by[("layer-affine", 64)].value("diagonal_norm_correlation") > 0.9
     for model in models:
-        assert by[(model, 1)]["off_diagonal_share_mean"] < 1e-12  # no other sample: rounding only
-        assert by[(model, 1)]["cosine_mean"] == pytest.approx(1.0, abs=1e-12)
+        assert by[(model, 1)].value("off_diagonal_share_mean") < 1e-12  # no other sample: rounding only
+        assert by[(model, 1)].value("cosine_mean") == pytest.approx(1.0, abs=1e-12)
         # correlated inputs: the cross-sample part grows with the batch
-        assert by[(model, 64)]["off_diagonal_share_median"] > by[(model, 8)]["off_diagonal_share_median"] > 0
+        share = {b: by[(model, b)].value("off_diagonal_share_median") for b in (8, 64)}
+        assert share[64] > share[8] > 0
     scatter = {s["model"]: s for s in samples}
     assert set(scatter) == set(models) and all(len(s["input_norm"]) == 64 for s in samples)
 
 
 def test_network_scope_of_a_one_layer_model_is_its_layer_scope(correlated):
-    kwargs = dict(seeds=[0], batches=1)
-    layer, _ = measure(correlated, ["layer-affine"], [16], scope="layer", **kwargs)
-    network, _ = measure(correlated, ["layer-affine"], [16], scope="network", **kwargs)
+    layer, _ = measure(correlated, ["layer-affine"], ProbeOptions(batch_sizes=(16,), seeds=1, batches=1))
+    network, _ = measure(correlated, ["layer-affine"], ProbeOptions(batch_sizes=(16,), seeds=1, batches=1,
+                                                                    scope="network"))
     for metric in ("scale_mean", "diagonal_scale_mean", "off_diagonal_share_mean", "cosine_mean"):
         assert network[0][metric] == pytest.approx(layer[0][metric], rel=1e-10)
 
@@ -58,12 +59,12 @@ def test_the_interval_is_over_seeds():
     rows = [{"model": "m", "layer": "0", "kind": "Linear", "batch_size": 8, "seed": s, "batch": b,
              "cosine_mean": v} for s, b, v in [(0, 0, 0.1), (0, 1, 0.3), (1, 0, 0.6), (2, 0, 0.5)]]
     (row,) = aggregate(rows, ("model", "layer", "batch_size"))
-    assert row["seeds"] == 3 and row["cosine_mean"] == pytest.approx((0.2 + 0.6 + 0.5) / 3)
-    low, high = row["cosine_mean_ci"]
-    assert low < row["cosine_mean"] < high and (high - low) / 2 == pytest.approx(
+    assert row.seeds == 3 and row.value("cosine_mean") == pytest.approx((0.2 + 0.6 + 0.5) / 3)
+    low, high = row.ci("cosine_mean")
+    assert low < row.value("cosine_mean") < high and (high - low) / 2 == pytest.approx(
         4.302652729911275 * math.sqrt(((0.2 - 13 / 30) ** 2 + (0.6 - 13 / 30) ** 2 + (0.5 - 13 / 30) ** 2) / 2 / 3))
     (one,) = aggregate(rows[:2], ("model", "layer", "batch_size"))
-    assert one["cosine_mean_ci"] is None and one["scale_mean"] is None
+    assert one.ci("cosine_mean") is None and one.value("scale_mean") is None
 
 
 def test_the_meter_measures_every_vit_method_of_the_harness(digits):
@@ -72,7 +73,7 @@ def test_the_meter_measures_every_vit_method_of_the_harness(digits):
     AffineLike's is 1; an nn.Linear after a LayerNorm at init (gain 1, bias 0) sees tokens of
     ‖x‖² = d·σ²/(σ² + ε) and so has ‖x‖² + 1 in (d, d + 1], d = 32 (ε = 1e-5 moves it by < 1e-3
     for token variances σ² > 1e-2)."""
-    rows, _ = measure(digits, list(VIT_METHODS), [4], seeds=[0], batches=1, scope="layer")
+    rows, _ = measure(digits, list(VIT_METHODS), ProbeOptions(batch_sizes=(4,), seeds=1, batches=1))
     assert {r["model"] for r in rows} == set(VIT_METHODS)
     assert not [r for r in rows if r.get("skipped") or "skipped_reason" in r]  # nothing left unmeasured
     by = {(r["model"], r["layer"]): r for r in rows}
@@ -153,6 +154,48 @@ def test_a_model_given_as_a_factory_path(tmp_path, monkeypatch):
     assert {r["model"] for r in record["rows"]} == {"my_models:tiny", "my_models:no_arguments"}
 
 
+def test_the_summary_is_typed_and_writes_the_rows_of_probe_json():
+    rows = [{"model": "m", "layer": "0", "kind": "Linear", "batch_size": b, "seed": s, "batch": 0,
+             "route": "r", "diagonal_route": "d", "cosine_mean": 0.5 + s / 10} for s in (0, 1) for b in (8, 4)]
+    rows.append({"model": "m", "layer": "1", "batch_size": 4, "seed": 0, "batch": 0, "skipped_reason": "why"})
+    summary = Summary.of(rows)
+    assert [(g.kind, g.batch_size) for g in summary.by_kind] == [("Linear", 4), ("Linear", 8)]  # B as a number
+    assert summary.layers_per_kind() == {"Linear": 1} and summary.routes == {"Linear": "r; diagonal: d"}
+    assert summary.skipped == {("m", "1"): "why"}
+    row = summary.to_json()["rows"][0]
+    assert list(row)[:5] == ["model", "layer", "batch_size", "kind", "seeds"]
+    assert row["cosine_mean"] == pytest.approx(0.55) and len(row["cosine_mean_ci"]) == 2
+    assert row["scale_mean"] is None and row["scale_mean_ci"] is None
+    with pytest.raises(ValueError, match="keys must be some of model, layer, kind, batch_size"):
+        aggregate(rows, ("seed",))
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("batch_sizes", "8,0", "batch_sizes must be comma-separated positive integers"),
+    ("seeds", 0, "seeds must be an integer >= 1, got 0"),
+    ("seed", -1, "seed must be an integer >= 0, got -1"),
+    ("batches", 1.5, "batches must be an integer >= 1"),
+    ("scope", "model", "scope must be one of layer, network, got 'model'"),
+    ("dtype", "float16", "dtype must be one of float64, float32"),
+    ("lr", math.inf, "lr must be a finite number > 0, got inf"),
+    ("per_sample", "yes", "per_sample must be True or False"),
+    ("masked_limit", 0, "masked_limit must be an integer >= 1, got 0"),
+    ("loss", "hinge", "loss must be one of cross_entropy, mse"),
+])
+def test_probe_options_refuse_bad_fields_in_one_line_naming_them(field, value, message):
+    with pytest.raises(ValueError) as error:
+        ProbeOptions(**{field: value})
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+def test_probe_options_keep_sorted_distinct_batch_sizes_and_list_the_seeds():
+    options = ProbeOptions(batch_sizes="512, 8,32,8", seeds=3, seed=5, masked_limit=None)
+    assert options.batch_sizes == (8, 32, 512) and options.seed_list == [5, 6, 7]
+    assert ProbeOptions(batch_sizes=[4, 2]).batch_sizes == (2, 4)
+    with pytest.raises(TypeError, match="options must be a ProbeOptions"):
+        measure(None, ["layer-affine"], {"seeds": 1})
+
+
 def test_batch_sizes_parse():
     assert parse_int_list("512, 8,32,8", "batch_sizes") == [8, 32, 512]
     with pytest.raises(ValueError, match="comma-separated positive integers"):
@@ -203,19 +246,34 @@ def test_the_divergence_measurement_rides_along_a_training_run():
         divergence_measurement.measurement(every=2, scope="model")
 
 
+def test_the_divergence_measurement_is_picklable_and_checks_its_options():
+    import pickle
+
+    from affdiv.experiments.runs import divergence_measurement as dm
+
+    probe = dm.measurement(every=3, batch_sizes=[8, 16], scope="network", masked_limit=None)
+    back = pickle.loads(pickle.dumps(probe))  # it reaches a sweep's workers
+    assert back.fn.keywords["options"] == dm.MeasurementOptions(batch_sizes=(8, 16), scope="network",
+                                                                masked_limit=None)
+    with pytest.raises(ValueError, match="batch sizes must be integers >= 1"):
+        dm.MeasurementOptions(batch_sizes=(8, 0))
+    with pytest.raises(ValueError, match="masked_limit must be None or an integer >= 1"):
+        dm.MeasurementOptions(masked_limit=0)
+
+
 def test_positive_quantities_get_a_positive_interval_from_the_log_scale():
     values = [(0, 4.0), (1, 0.25)]  # two seeds far apart: the plain t interval would reach below 0
     rows = [{"model": "m", "layer": "0", "kind": "Linear", "batch_size": 8, "seed": s, "batch": 0,
              "diagonal_scale_mean": v, "cosine_mean": v - 1} for s, v in values]
     (row,) = aggregate(rows, ("model", "layer", "batch_size"))
     half = 12.706204736174707 * abs(math.log(4.0) - math.log(0.25)) / 2  # t(0.975, 1)·sd/√n, sd = |a − b|/√2
-    assert row["diagonal_scale_mean"] == pytest.approx(1.0)  # the geometric mean of 4 and 1/4
-    assert row["diagonal_scale_mean_ci"] == pytest.approx([math.exp(-half), math.exp(half)])
-    assert row["cosine_mean"] == pytest.approx((3.0 - 0.75) / 2)  # a signed quantity: the plain mean
-    assert row["cosine_mean_ci"][0] < 0
+    assert row.value("diagonal_scale_mean") == pytest.approx(1.0)  # the geometric mean of 4 and 1/4
+    assert row.ci("diagonal_scale_mean") == pytest.approx((math.exp(-half), math.exp(half)))
+    assert row.value("cosine_mean") == pytest.approx((3.0 - 0.75) / 2)  # a signed quantity: the plain mean
+    assert row.ci("cosine_mean")[0] < 0
     rows[1]["diagonal_scale_mean"] = 0.0  # a zero has no logarithm: the plain interval, cut at 0
     (row,) = aggregate(rows, ("model", "layer", "batch_size"))
-    assert row["diagonal_scale_mean"] == pytest.approx(2.0) and row["diagonal_scale_mean_ci"][0] == 0.0
+    assert row.value("diagonal_scale_mean") == pytest.approx(2.0) and row.ci("diagonal_scale_mean")[0] == 0.0
 
 
 MODELS = """
@@ -277,7 +335,7 @@ def test_an_npz_dataset_with_the_mse_loss(tmp_path, monkeypatch):
     ({"x_test": [[1.0, 2.0]]}, [], "x_test's sample shape must be x_train's (2, 4), got (2,)"),
     ({}, ["--loss", "cross_entropy"], "--loss cross_entropy needs integer class labels"),
     ({"y_train": [[0.0]] * 30, "y_test": [[0.0]] * 6}, ["--model", "m.py:three_outputs"],
-     "model 'm.py:three_outputs' with --loss mse must return 1 value(s) per sample (B = 2), got shape (2, 3)"),
+     "model 'm.py:three_outputs' with loss mse must return 1 value(s) per sample (B = 2), got shape (2, 3)"),
 ])
 def test_a_bad_npz_dataset_is_one_line(tmp_path, monkeypatch, capsys, arrays, argv, message):
     (tmp_path / "m.py").write_text(MODELS)

@@ -276,3 +276,16 @@ def test_bootstrap_means_drawn_block_by_block_equal_one_draw():
     values = np.random.default_rng(0).normal(size=999)
     whole = values[np.random.default_rng(1).integers(0, values.size, size=(700, values.size))].mean(axis=1)
     np.testing.assert_array_equal(stats.bootstrap_means(values, 700, np.random.default_rng(1), chunk=64), whole)
+
+
+def test_t_interval_is_the_one_sample_t_interval():
+    values = [0.2, 0.6, 0.5, 0.45]
+    mean, low, high = stats.t_interval(values, 0.95)
+    assert mean == sum(values) / 4
+    assert (low, high) == pytest.approx(stats.mean_estimate(values).ci(0.95), rel=1e-15)
+    half = 3.182446305284263 * float(np.std(values, ddof=1)) / 2  # t(0.975, 3)·sd/√4
+    assert (low, high) == pytest.approx((mean - half, mean + half), rel=1e-14)
+    with pytest.raises(ValueError, match="needs >= 2 values, got 1"):
+        stats.t_interval([1.0])
+    with pytest.raises(ValueError, match="level must be in"):
+        stats.t_interval(values, 95)
