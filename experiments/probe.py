@@ -26,11 +26,12 @@ under --scope layer (only the module's own parameters step: the theory's quantit
 --scope network (every parameter steps; the update is read at the module's output). Every number in
 probe.json is the mean over seeds of the per-seed mean over batches, with a 95% t interval over
 seeds (seeds are the independent units: batches of one seed share its initialisation); null
-where undefined (one seed, or a metric undefined in every batch). The quantities that cannot be
-negative (diagonal scale, off-diagonal share, their spreads, the site diagonal scale) are
-averaged on the log scale: the geometric mean over seeds and the t interval of the logarithms,
-transformed back, so that the interval stays positive (where a seed's value is exactly 0: the
-plain mean, its interval cut at 0).
+where undefined (one seed, or a metric undefined in every batch). The diagonal scales, the
+off-diagonal shares and their spreads are averaged on the log scale where every seed's value is
+> 0: the geometric mean over seeds and the t interval of the logarithms, transformed back, so that
+the interval stays positive. Otherwise they get the plain mean and t interval: cut at 0 for the
+shares and spreads, which cannot be negative (a seed's value of exactly 0); uncut for a diagonal
+scale, which is signed at network scope (another parameter's step can oppose a sample's own).
 
 Written to --out: probe.json (rows per model, layer and batch size; per layer kind and batch
 size; per-sample diagonal scales and input norms at one batch size for the scatter figure;
@@ -85,13 +86,21 @@ SUMMARY_METRICS = (
     "off_diagonal_share_median", "batch_cosine", "diagonal_norm_correlation", "site_diagonal_scale_mean",
     "site_diagonal_scale_cv",
 )
-# the summaries that cannot be negative: averaged over seeds on the log scale (the module docstring)
-POSITIVE_METRICS = frozenset({
+# the summaries averaged over seeds on the log scale where every seed's value is > 0 (the module
+# docstring): the spreads and shares, which cannot be negative, and the diagonal scales, which are
+# positive at layer scope but signed at network scope (another parameter's step can oppose a
+# sample's own)
+LOG_SCALE_METRICS = frozenset({
     "diagonal_scale_mean", "diagonal_scale_cv", "off_diagonal_share_mean", "off_diagonal_share_median",
     "site_diagonal_scale_mean", "site_diagonal_scale_cv",
 })
-CI_TEXT = ("95% t interval over seeds of the per-seed means over batches; for the quantities that cannot be "
-           "negative, the geometric mean and the t interval of the logarithms, transformed back")
+# of those, the ones that cannot be negative: where a seed's value is 0, their interval is cut at 0
+NON_NEGATIVE_METRICS = frozenset({
+    "diagonal_scale_cv", "off_diagonal_share_mean", "off_diagonal_share_median", "site_diagonal_scale_cv",
+})
+CI_TEXT = ("95% t interval over seeds of the per-seed means over batches; for the diagonal scales, shares and "
+           "spreads where every seed's value is > 0, the geometric mean and the t interval of the logarithms, "
+           "transformed back")
 SAMPLES_MAX_BATCH = 128  # the per-sample scatter is stored at the largest batch size up to this
 
 # (plain model, corrected model, layer, what): the pairs the scatter figure draws when measured
@@ -451,12 +460,12 @@ class Summary:
                 "samples": list(self.samples)}
 
 
-def interval(values: Sequence[float | None], positive: bool = False) -> Cell:
+def interval(values: Sequence[float | None], *, log_scale: bool = False, non_negative: bool = False) -> Cell:
     """The mean of ``values`` with its 95% t interval (:func:`affdiv.experiments.analysis.stats.t_interval`;
-    None where undefined; non-finite values left out). ``positive``: a quantity that cannot be
-    negative; where every value is > 0, the geometric mean and the t interval of log(values)
-    mapped back by exp (so inside (0, ∞)); where one is 0, the plain interval with its lower end
-    cut at 0."""
+    None where undefined; non-finite values left out). ``log_scale``: where every value is > 0,
+    the geometric mean and the t interval of log(values) mapped back by exp (so inside (0, ∞));
+    otherwise the plain mean and interval, its lower end cut at 0 for a ``non_negative``
+    quantity."""
     from affdiv.experiments.analysis.stats import t_interval
 
     values = [v for v in values if v is not None and math.isfinite(v)]
@@ -464,11 +473,11 @@ def interval(values: Sequence[float | None], positive: bool = False) -> Cell:
         return Cell(None)
     if len(values) < 2:
         return Cell(values[0])
-    log_scale = positive and all(v > 0 for v in values)
-    mean, low, high = t_interval([math.log(v) for v in values] if log_scale else values, 0.95)
-    if log_scale:
+    if log_scale and all(v > 0 for v in values):
+        mean, low, high = t_interval([math.log(v) for v in values], 0.95)
         return Cell(math.exp(mean), (math.exp(low), math.exp(high)))
-    return Cell(mean, (max(low, 0.0) if positive else low, high))
+    mean, low, high = t_interval(values, 0.95)
+    return Cell(mean, (max(low, 0.0) if non_negative else low, high))
 
 
 def _seed_means(rows: Sequence[dict], keys: tuple[str, ...]) -> dict[tuple, dict[int, dict[str, float]]]:
@@ -501,7 +510,8 @@ def aggregate(rows: Sequence[dict], keys: tuple[str, ...]) -> list[Group]:
         fields = dict(zip(keys, key))
         if "layer" in keys and "kind" not in keys:
             fields["kind"] = kinds.get((fields["model"], fields["layer"]))
-        cells = {metric: interval([s.get(metric) for s in by_seed.values()], metric in POSITIVE_METRICS)
+        cells = {metric: interval([s.get(metric) for s in by_seed.values()], log_scale=metric in LOG_SCALE_METRICS,
+                                   non_negative=metric in NON_NEGATIVE_METRICS)
                  for metric in SUMMARY_METRICS}
         out.append(Group(keys=tuple(keys), seeds=len(by_seed), cells=cells, **fields))
     return out
@@ -528,9 +538,10 @@ def to_markdown(summary: Summary, *, data: str, models: Sequence[str], options: 
     intro = (f"Models: {', '.join(models)}. Batch sizes {list(options.batch_sizes)}, {options.seeds} seeds × "
              f"{options.batches} batches, {options.dtype}, fresh models in train mode, loss: mean "
              f"{options.loss}, η = {options.lr}. Each cell: mean over seeds of the per-seed mean over batches "
-             "[95% t interval over seeds]. The quantities that cannot be negative (diagonal scale, off-diagonal "
-             "share, their spreads) are averaged on the log scale: the geometric mean over seeds and the t interval "
-             "of the logarithms, transformed back, so the interval stays positive.")
+             "[95% t interval over seeds]. The diagonal scales, off-diagonal shares and their spreads are "
+             "averaged on the log scale where every seed's value is > 0: the geometric mean over seeds and the t "
+             "interval of the logarithms, transformed back, so the interval stays positive (otherwise the plain "
+             "mean; a network-scope diagonal scale can be negative).")
     layers = summary.layers_per_kind()
     by_kind = [[g.kind, g.batch_size, layers.get(g.kind, 0), _cell(g.cells["off_diagonal_share_median"], True),
                 _cell(g.cells["cosine_mean"], True), _cell(g.cells["diagonal_scale_mean"]),

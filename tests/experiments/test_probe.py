@@ -271,9 +271,15 @@ def test_positive_quantities_get_a_positive_interval_from_the_log_scale():
     assert row.ci("diagonal_scale_mean") == pytest.approx((math.exp(-half), math.exp(half)))
     assert row.value("cosine_mean") == pytest.approx((3.0 - 0.75) / 2)  # a signed quantity: the plain mean
     assert row.ci("cosine_mean")[0] < 0
-    rows[1]["diagonal_scale_mean"] = 0.0  # a zero has no logarithm: the plain interval, cut at 0
+    for row_ in rows:  # a share cannot be negative: with a zero (no logarithm), the plain interval cut at 0
+        row_["off_diagonal_share_mean"] = 4.0 * row_["seed"]
+    rows[1]["diagonal_scale_mean"] = -0.5  # a network-scope diagonal scale is signed: the plain interval, uncut
     (row,) = aggregate(rows, ("model", "layer", "batch_size"))
-    assert row.value("diagonal_scale_mean") == pytest.approx(2.0) and row.ci("diagonal_scale_mean")[0] == 0.0
+    assert row.value("off_diagonal_share_mean") == pytest.approx(2.0)
+    assert row.ci("off_diagonal_share_mean")[0] == 0.0
+    low, high = row.ci("diagonal_scale_mean")
+    assert row.value("diagonal_scale_mean") == pytest.approx(1.75)
+    assert low == pytest.approx(1.75 - 12.706204736174707 * 4.5 / 2) and low < 0 < 1.75 < high
 
 
 MODELS = """
