@@ -42,12 +42,14 @@ from affdiv.vocabulary import TARGET_METRIC
 
 if TYPE_CHECKING:
     from affdiv.experiments.runs.options import SweepOptions
+    from affdiv.experiments.runs.presets import Preset
     from affdiv.experiments.runs.store import ResultStore
     from affdiv.experiments.runs.sweep import SweepOutcome
 
 #: From this many records on, the analysis prints a line before each long step.
 PROGRESS_FROM = 5000
-_option_named = option_named
+_option_named = option_named  # (its name here before it moved to plan)
+
 
 def _check_calibration_sims(n: int) -> None:
     check_int("calibration_sims", n, minimum=0)
@@ -110,7 +112,7 @@ def _hardware(outcome, devices: set[str]) -> dict:
 
 
 def falsify(
-    preset: str | Path,
+    preset: str | Path | Preset,
     out: str | Path,
     *,
     db: str | Path | None = None,
@@ -123,7 +125,7 @@ def falsify(
     analyse each of its studies and write its report under ``out``.
 
     Args:
-        preset: ``smoke``, ``fashion``, ``paper``, ... or a path to a TOML preset.
+        preset: ``smoke``, ``fashion``, ``paper``, ..., a path to a TOML preset, or a loaded preset.
         out: report folder (one sub-folder per study when the preset has several).
         db: results store (default ``out/results.sqlite``); re-running resumes it.
         data_dir: folder holding the dataset files (default: each loader's own search path).
@@ -152,7 +154,7 @@ def falsify(
     # Every setting and output path is checked before the first run trains, and the store is
     # created only then: a refused sweep leaves no results database behind.
     _check_calibration_sims(calibration_sims)
-    plan = plan_study(str(preset), overrides, options)
+    plan = plan_study(preset, overrides, options)
     check_executor(plan.options)
     checked = preflight(plan, out, db=db, data_dir=data_dir)
     print(f"affdiv falsify: preset {plan.preset.name}: {len(plan.runs)} runs -> {checked.db}", file=sys.stderr)

@@ -121,7 +121,7 @@ def default_metric(budgets: set[str], *, database: bool, where: str) -> str:
     return "test_accuracy" if database else "metric"
 
 
-def plan_study(preset: str | Preset, overrides: StudyOverrides | None = None,
+def plan_study(preset: str | Path | Preset, overrides: StudyOverrides | None = None,
                options: SweepOptions | None = None) -> StudyPlan:
     """The plan of ``preset`` (a packaged name, a TOML path, or a loaded preset) under
     ``overrides``, with ``options`` (default: the defaults) completed by the preset's [sweep] and
@@ -130,7 +130,7 @@ def plan_study(preset: str | Preset, overrides: StudyOverrides | None = None,
     from affdiv.experiments.runs.presets import Preset, load_preset
 
     overrides = overrides or StudyOverrides()
-    preset = preset if isinstance(preset, Preset) else load_preset(preset)
+    preset = preset if isinstance(preset, Preset) else load_preset(str(preset))
     _check_preset_finite(preset)
     try:
         studies = preset.studies(seeds=_listed(overrides.seeds), batch_sizes=_listed(overrides.batch_sizes),

@@ -311,7 +311,7 @@ def _check_allowed_failures(client: distributed.Client, retries: int) -> None:
         return
     if allowed != retries:
         log.warning("the scheduler at %s retries a task %d time(s) after a worker died under it (its "
-                    "distributed.scheduler.allowed-failures), not --retries %d; --retries still applies to "
+                    "distributed.scheduler.allowed-failures), not retries %d; retries still applies to "
                     "exceptions. Start the scheduler with DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES=%d to match",
                     client.scheduler.address, allowed, retries, retries)
 

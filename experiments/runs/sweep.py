@@ -441,7 +441,7 @@ def _run_on_dask(units: list[tuple], options: SweepOptions, measurements: Sequen
     if cuda and options.dask.scheduler is None and workers > 1:
         # Every in-process worker would see the same device: one worker, so one unit on the GPU at a
         # time. For several GPUs, start one worker per GPU (CUDA_VISIBLE_DEVICES, --resources GPU=1).
-        log.warning("--device cuda with the in-process cluster: 1 worker instead of %d (one GPU)", workers)
+        log.warning("device cuda with the in-process cluster: 1 worker instead of %d (one GPU)", workers)
         workers = 1
     work = functools.partial(_run_unit, stack=stack, measurements=tuple(measurements), data_dir=data_dir)
     setup = functools.partial(_init_dask_worker, options.threads, data_dir)
@@ -515,7 +515,7 @@ def _after_worker_death(lost: list[int], units: list[tuple], attempts: collectio
                           for i in exhausted for c in units[i])
         raise RuntimeError(f"a worker process died {max_attempts} times while training these runs (exit codes "
                            f"{died}; -9 is SIGKILL, which the out-of-memory killer sends): {names}. Lower "
-                           "--ensemble-memory or --workers, or train them with --stack off")
+                           "ensemble_memory or workers, or train them without stack")
     log.warning("a worker process died (exit codes %s; -9 is SIGKILL, as sent by the out-of-memory killer) with "
                 "%d run(s) in flight; restarting the workers and training them again (attempt %d of %d)",
                 died, runs, max(attempts[i] for i in lost) + 1, max_attempts)
