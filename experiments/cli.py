@@ -1,14 +1,17 @@
 """``affdiv falsify``, ``affdiv analyse``, ``affdiv probe`` and ``affdiv map``: parsers, and commands that turn the
 parsed options into calls of :mod:`affdiv.experiments.pipeline` and :mod:`affdiv.experiments.probe`.
 
-Only argparse is imported here: the work (torch, numpy, matplotlib) is imported when a command
-runs, so that ``affdiv --help`` stays fast.
+Only the standard library is imported here: the work (torch, numpy, matplotlib) is imported when
+a command runs, so that ``affdiv --help`` stays fast. The commands build the library's values from
+the options once (:func:`_study_overrides`, :func:`_sweep_options`) and say the library's
+messages with the options that set each parameter (:func:`_in_flags`).
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import json
 import re
 import tomllib
@@ -253,13 +256,9 @@ def falsify_command(args) -> int:
     from affdiv.experiments.pipeline import falsify
 
     overrides, options = _study_overrides(args), _sweep_options(args)
-    with cleanup_on_error(args.out, *([args.db.parent] if args.db else [])):  # a refused sweep leaves no folder
-        try:
-            written = falsify(args.preset, args.out, db=args.db, data_dir=args.data_dir, overrides=overrides,
-                              options=options, calibration_sims=args.calibration_sims)
-        except ValueError as error:
-            error.args = (_in_flags(str(error.args[0] if error.args else error)), *error.args[1:])
-            raise
+    with cleanup_on_error(args.out, *([args.db.parent] if args.db else [])), _in_flags("falsify"):
+        written = falsify(args.preset, args.out, db=args.db, data_dir=args.data_dir, overrides=overrides,
+                          options=options, calibration_sims=args.calibration_sims)  # a refused sweep leaves no folder
     from affdiv.experiments.report.writer import verdict_table
 
     for name, paths in written.items():
@@ -293,27 +292,38 @@ def _sweep_options(args):
                         dask=dask)
 
 
-#: Run settings and measurement intervals that the library names in the middle of a message, as
-#: ``affdiv falsify`` sets them (a name that leads a message is the root cli's ``flag_named``'s).
-_IN_FLAGS = ((re.compile(r"^device ('(?:[^'\\]|\\.)*'|\S+): not a torch device"),
-              r"device \1 (--device or --set device=...): not a torch device"),
-             (re.compile(r"; use device 'cpu'"), "; use --device cpu"),
-             (re.compile(r"\b(with|without) (probe|noise_scale)_every\b"),
-              lambda match: f"{match.group(1)} --{match.group(2).replace('_', '-')}-every"))
+#: Parameters the library names in the middle of a message, as each command's options set them (a
+#: name that leads a message is the root cli's ``flag_named``'s): {command: ((pattern, replacement), ...)}.
+_IN_FLAGS = {
+    "falsify": ((re.compile(r"^device ('(?:[^'\\]|\\.)*'|\S+): not a torch device"),
+                 r"device \1 (--device or --set device=...): not a torch device"),
+                (re.compile(r"; use device 'cpu'"), "; use --device cpu"),
+                (re.compile(r"\b(with|without) (probe|noise_scale)_every\b"),
+                 lambda match: f"{match.group(1)} --{match.group(2).replace('_', '-')}-every")),
+    "analyse": ((re.compile(r"; name the metric \("), "; pass --metric ("),),
+}
 
 
-def _in_flags(message: str) -> str:
-    """A library message of ``falsify`` in the command line's words (:data:`_IN_FLAGS`)."""
-    for pattern, replacement in _IN_FLAGS:
-        message = pattern.sub(replacement, message)
-    return message
+@contextlib.contextmanager
+def _in_flags(command: str):
+    """Within the block, a ValueError's message is said in ``command``'s options (:data:`_IN_FLAGS`)."""
+    try:
+        yield
+    except ValueError as error:
+        if isinstance(error, UnicodeError) or not error.args or not isinstance(error.args[0], str):
+            raise  # (a UnicodeError's first argument is its encoding)
+        message = error.args[0]
+        for pattern, replacement in _IN_FLAGS[command]:
+            message = pattern.sub(replacement, message)
+        error.args = (message, *error.args[1:])
+        raise
 
 
 def analyse_command(args) -> int:
     from affdiv.atomic import cleanup_on_error
     from affdiv.experiments.pipeline import analyse_file
 
-    with cleanup_on_error(args.out):
+    with cleanup_on_error(args.out), _in_flags("analyse"):
         written = analyse_file(
             args.input, args.out, metric=args.metric, higher_is_better=not args.lower_is_better,
             corrected=args.corrected, baselines=args.baselines, margin=args.margin,

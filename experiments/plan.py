@@ -116,7 +116,7 @@ def default_metric(budgets: set[str], *, database: bool, where: str) -> str:
         return TARGET_METRIC
     if "target" in budgets:
         others = sorted(b or "(empty)" for b in budgets - {"target"})
-        raise ValueError(f"{where}: records of budget 'target' mixed with budget(s) {others}; pass --metric (e.g. "
+        raise ValueError(f"{where}: records of budget 'target' mixed with budget(s) {others}; name the metric (e.g. "
                          f"{TARGET_METRIC} or {'test_accuracy' if database else 'metric'}) to choose what to analyse")
     return "test_accuracy" if database else "metric"
 
