@@ -24,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from affdiv.experiments.runs.options import DaskOptions, SweepOptions
 from affdiv.experiments.runs.presets import load_preset
 from affdiv.experiments.runs.store import ResultStore
 from affdiv.experiments.runs.sweep import run_sweep
@@ -43,7 +44,8 @@ def _configs(seeds: int | None):
 def _time(executor: str, configs, workers: int, folder: Path) -> tuple[float, list]:
     store = ResultStore(folder / f"{executor}.sqlite")
     start = time.perf_counter()
-    outcome = run_sweep(configs, store, executor=executor, workers=workers, threads=1, progress=None)
+    options = SweepOptions(workers=workers, threads=1, dask=DaskOptions() if executor == "dask" else None)
+    outcome = run_sweep(configs, store, options, progress=None)
     seconds = time.perf_counter() - start
     if outcome.ran != len(configs) or getattr(outcome, "failed", []):
         raise SystemExit(f"{executor}: {outcome.ran} of {len(configs)} runs trained, failures {outcome.failed}")

@@ -1,15 +1,19 @@
 """``affdiv falsify``, ``affdiv analyse``, ``affdiv probe`` and ``affdiv map``: parsers, and commands that turn the
 parsed options into calls of :mod:`affdiv.experiments.pipeline` and :mod:`affdiv.experiments.probe`.
 
-Only argparse is imported here: the work (torch, numpy, matplotlib) is imported when a command
-runs, so that ``affdiv --help`` stays fast.
+Only the standard library is imported here: the work (torch, numpy, matplotlib) is imported when
+a command runs, so that ``affdiv --help`` stays fast. The commands build the library's values from
+the options once (:func:`_study_overrides`, :func:`_sweep_options`) and say the library's
+messages with the options that set each parameter (:func:`_in_flags`).
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import json
+import re
 import tomllib
 from pathlib import Path
 
@@ -19,6 +23,14 @@ COMMANDS = ("falsify", "analyse", "probe", "map")
 
 
 def register(subparsers) -> None:
+    """Add ``falsify``, ``analyse``, ``probe`` and ``map`` to ``subparsers``."""
+    _register_falsify(subparsers)
+    _register_analyse(subparsers)
+    _register_probe(subparsers)
+    _register_map(subparsers)
+
+
+def _register_falsify(subparsers) -> None:
     falsify = subparsers.add_parser(
         "falsify",
         help="run (or resume) a preset's sweep and write its falsification report",
@@ -41,18 +53,25 @@ def register(subparsers) -> None:
                          "(default: the preset's)")
     falsify.add_argument("--device", metavar="DEV",
                          help="torch device of every run: cpu, cuda, cuda:1, ... (default: the preset's, else cpu)")
+    falsify.add_argument(
+        "--set", action="append", default=[], dest="settings", metavar="KEY=VALUE",
+        help="set a run setting of every run, e.g. --set length=3 (VALUE is read as TOML; "
+        "for a grid axis, a value or a list replaces the axis, e.g. --set \"lr_rule=['sqrt']\"); "
+        "repeatable (default: the preset's settings)",
+    )
+    _add_sweep_options(falsify)
+    _add_calibration_option(falsify)
+    falsify.set_defaults(func=falsify_command)
+
+
+def _add_sweep_options(falsify) -> None:
+    """The options of :class:`~affdiv.experiments.runs.options.SweepOptions` (how the runs train)."""
     falsify.add_argument("--stack", choices=("on", "off"), default="on", metavar="on|off",
                          help="train the runs that differ only in seed, data split and learning rate as one "
                          "vmapped ensemble; off: one run at a time (default on)")
     falsify.add_argument("--ensemble-memory", metavar="SIZE",
                          help="memory budget of one stacked ensemble (each worker trains one at a time), e.g. "
                          "512MiB (default: the preset's [sweep] ensemble_memory, else 2GiB)")
-    falsify.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE",
-        help="set a run setting of every run, e.g. --set length=3 (VALUE is read as TOML; "
-        "for a grid axis, a value or a list replaces the axis, e.g. --set \"lr_rule=['sqrt']\"); "
-        "repeatable (default: the preset's settings)",
-    )
     falsify.add_argument("--executor", choices=("local", "dask"), default="local", metavar="local|dask",
                          help="where the runs train: local worker processes, or tasks on a Dask scheduler "
                          "(pip install 'affdiv[dask]'; default local)")
@@ -71,9 +90,9 @@ def register(subparsers) -> None:
                          "2018; batches of 32 and 1024 from the training split, 8 draws) at step 0 and every N "
                          "steps (kept in the database; the records gain b_simple_init and b_simple, shown beside "
                          "the fitted B_crit; default: the preset's [measure] noise_scale_every, else off)")
-    _add_calibration_option(falsify)
-    falsify.set_defaults(func=falsify_command)
 
+
+def _register_analyse(subparsers) -> None:
     analyse = subparsers.add_parser(
         "analyse",
         help="analyse a CSV (method, batch_size, seed, metric) or a results database",
@@ -105,6 +124,9 @@ def register(subparsers) -> None:
     _add_calibration_option(analyse)
     analyse.set_defaults(func=analyse_command)
 
+
+
+def _register_probe(subparsers) -> None:
     probe_doc = ast.get_docstring(ast.parse(Path(__file__).with_name("probe.py").read_text(encoding="utf-8")))
     probe = subparsers.add_parser(
         "probe", help="measure the update alignment behind the batch-size prediction, per layer, on real data",
@@ -143,6 +165,9 @@ def register(subparsers) -> None:
                        help="folder for probe.json, probe.md and the figures (default reports/probe)")
     probe.set_defaults(func=probe_command)
 
+
+
+def _register_map(subparsers) -> None:
     verdicts = subparsers.add_parser(
         "map",
         help="the verdict map: every pair's B_crit ratio at every target of ladder studies",
@@ -205,7 +230,7 @@ def parse_settings(pairs: list[str]) -> dict:
     return settings
 
 
-MAX_SEED = 2**64 - 1  # torch's seed range (affdiv.experiments.pipeline.MAX_SEED; not imported: --help stays fast)
+MAX_SEED = 2**64 - 1  # torch's seed range (affdiv.experiments.runs.config.MAX_SEED; not imported: --help stays fast)
 
 
 def _seed_list(args) -> list[int] | None:
@@ -230,17 +255,10 @@ def falsify_command(args) -> int:
     from affdiv.atomic import cleanup_on_error
     from affdiv.experiments.pipeline import falsify
 
-    settings = parse_settings(args.set)
-    if args.device:
-        settings["device"] = args.device
-    with cleanup_on_error(args.out, *([args.db.parent] if args.db else [])):  # a refused sweep leaves no folder
-        written = falsify(
-            args.preset, args.out, data_dir=args.data_dir, workers=args.workers, db=args.db, seeds=_seed_list(args),
-            batch_sizes=args.batch_sizes, methods=args.methods, settings=settings,
-            calibration_sims=args.calibration_sims, stack=args.stack == "on", ensemble_memory=args.ensemble_memory,
-            probe_every=args.probe_every, noise_scale_every=args.noise_scale_every, executor=args.executor,
-            scheduler=args.scheduler, retries=args.retries,
-        )
+    overrides, options = _study_overrides(args), _sweep_options(args)
+    with cleanup_on_error(args.out, *([args.db.parent] if args.db else [])), _in_flags("falsify"):
+        written = falsify(args.preset, args.out, db=args.db, data_dir=args.data_dir, overrides=overrides,
+                          options=options, calibration_sims=args.calibration_sims)  # a refused sweep leaves no folder
     from affdiv.experiments.report.writer import verdict_table
 
     for name, paths in written.items():
@@ -248,6 +266,57 @@ def falsify_command(args) -> int:
     for name, paths in written.items():  # the verdicts last, where a reader of the log looks first
         print(f"\n{name}:\n{verdict_table(json.loads(paths['summary_json'].read_text()))}")
     return 0
+
+
+def _study_overrides(args):
+    """The study options of ``affdiv falsify`` as :class:`~affdiv.experiments.plan.StudyOverrides`."""
+    from affdiv.experiments.plan import StudyOverrides
+
+    settings = parse_settings(args.settings)
+    if args.device:
+        settings["device"] = args.device
+    return StudyOverrides(seeds=_seed_list(args), batch_sizes=args.batch_sizes, methods=args.methods,
+                          settings=settings)
+
+
+def _sweep_options(args):
+    """The sweep options of ``affdiv falsify`` as :class:`~affdiv.experiments.runs.options.SweepOptions`
+    (its ``dask`` with ``--executor dask``)."""
+    from affdiv.experiments.runs.options import DaskOptions, SweepOptions
+
+    if args.scheduler is not None and args.executor != "dask":
+        raise ValueError(f"--scheduler {args.scheduler} needs executor 'dask' (the local executor has no scheduler)")
+    dask = DaskOptions(scheduler=args.scheduler) if args.executor == "dask" else None
+    return SweepOptions(workers=args.workers, stack=args.stack == "on", ensemble_memory=args.ensemble_memory,
+                        probe_every=args.probe_every, noise_scale_every=args.noise_scale_every, retries=args.retries,
+                        dask=dask)
+
+
+#: Parameters the library names in the middle of a message, as each command's options set them (a
+#: name that leads a message is the root cli's ``flag_named``'s): {command: ((pattern, replacement), ...)}.
+_IN_FLAGS = {
+    "falsify": ((re.compile(r"^device ('(?:[^'\\]|\\.)*'|\S+): not a torch device"),
+                 r"device \1 (--device or --set device=...): not a torch device"),
+                (re.compile(r"; use device 'cpu'"), "; use --device cpu"),
+                (re.compile(r"\b(with|without) (probe|noise_scale)_every\b"),
+                 lambda match: f"{match.group(1)} --{match.group(2).replace('_', '-')}-every")),
+    "analyse": ((re.compile(r"; name the metric \("), "; pass --metric ("),),
+}
+
+
+@contextlib.contextmanager
+def _in_flags(command: str):
+    """Within the block, a ValueError's message is said in ``command``'s options (:data:`_IN_FLAGS`)."""
+    try:
+        yield
+    except ValueError as error:
+        if isinstance(error, UnicodeError) or not error.args or not isinstance(error.args[0], str):
+            raise  # (a UnicodeError's first argument is its encoding)
+        message = error.args[0]
+        for pattern, replacement in _IN_FLAGS[command]:
+            message = pattern.sub(replacement, message)
+        error.args = (message, *error.args[1:])
+        raise
 
 
 def analyse_command(args) -> int:
@@ -259,7 +328,7 @@ def analyse_command(args) -> int:
              "baselines": args.baselines, "margin": args.margin, "contrast_margin": args.contrast_margin,
              "alpha": args.alpha, "primary_target": args.primary_target}
     settings = AnalysisSettings(**{key: value for key, value in given.items() if value is not None})
-    with cleanup_on_error(args.out):
+    with cleanup_on_error(args.out), _in_flags("analyse"):
         written = analyse_file(args.input, args.out, settings, calibration_sims=args.calibration_sims)
     _print_paths(written)
     return 0

@@ -53,6 +53,8 @@ BUDGETS = ("epochs", "steps", "target")
 DTYPES = ("float32", "float64")
 #: Largest ratio between neighbouring lrs of a tuned grid under the target budget.
 MAX_GRID_RATIO = 2.0
+#: torch's seed range (``torch.manual_seed``; a negative seed s is taken as s + 2**64, so it is refused).
+MAX_SEED = 2**64 - 1
 
 @dataclass(frozen=True)
 class RunConfig:
@@ -140,6 +142,28 @@ class RunConfig:
         if self.budget == "target":
             self._check_target()
 
+    def check(self) -> RunConfig:
+        """Refuse what the constructor lets through (configs read back from a store keep loading)
+        but a run, or its key, cannot take: a seed outside torch's range (:data:`MAX_SEED`), a
+        non-finite number anywhere (a key is JSON, which has no inf or nan), a learning rate that is
+        not a finite number > 0, a momentum outside [0, 1), ``data_options`` that are not a table, a
+        ``device`` that is not a string. Returns the config; raises ValueError naming the setting."""
+        for name in ("seed", "data_seed"):
+            check_int(f"run setting {name} (torch's seed range)", getattr(self, name), minimum=0, maximum=MAX_SEED)
+        check_finite(dataclasses.asdict(self), "run setting ")
+        for name, low, high, text in (("base_lr", 0, None, "a finite number > 0"),
+                                      ("momentum", 0, 1, "a number in [0, 1)")):
+            value = getattr(self, name)
+            number = not isinstance(value, bool) and isinstance(value, int | float)
+            if not (number and low <= value and (high is None or value < high)):
+                raise ValueError(f"{name} must be {text}, got {value!r}")
+        if not isinstance(self.data_options, dict):
+            raise ValueError(f"data_options must be a table of dataset options (e.g. {{standardize = \"none\"}}), "
+                             f"got {self.data_options!r}")
+        if not isinstance(self.device, str):
+            raise ValueError(f"device must be a string such as 'cpu' or 'cuda:0', got {self.device!r}")
+        return self
+
     @property
     def ladder(self) -> tuple[float, ...]:
         """The targets a run of the target budget reads, increasing: ``target`` and ``targets``."""
@@ -224,6 +248,21 @@ _UNUSED = {
     ("budget", "epochs"): ("target", "eval_every", "grid_extensions", "targets", "read_spacing", "sparse_spacing"),
     ("budget", "steps"): ("target", "eval_every", "grid_extensions", "targets", "read_spacing", "sparse_spacing"),
 }
+
+
+def check_finite(settings: Mapping, where: str) -> None:
+    """Refuse inf and nan anywhere in run ``settings`` (nested tables and lists too): ValueError
+    naming ``where`` and the setting's path, e.g. ``settings data_options.noise[1]: nan is not a
+    finite number``."""
+    def walk(value, name):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{where}{name}: {value!r} is not a finite number")
+        for key, item in (value.items() if isinstance(value, Mapping) else
+                          enumerate(value) if isinstance(value, list | tuple) else ()):
+            walk(item, f"{name}.{key}" if isinstance(value, Mapping) else f"{name}[{key}]")
+
+    for key, value in settings.items():
+        walk(value, key)
 
 
 def architecture(method: str) -> str:

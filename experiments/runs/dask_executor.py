@@ -68,6 +68,7 @@ from typing import Any
 
 from affdiv._extras import require
 from affdiv.checks import check_int
+from affdiv.experiments.runs.options import DaskOptions
 
 #: What needs the ``dask`` extra (named in the error when it is missing).
 FEATURE = "the dask executor (affdiv falsify --executor dask)"
@@ -204,7 +205,7 @@ def check_scheduler(address: str, timeout: float | None = None) -> None:
             return
         reason = f"it answered, but not as a Dask scheduler ({str(reply)[:80]!r})"
     raise ValueError(f"scheduler {address}: cannot connect to a Dask scheduler there ({reason}); check the address, "
-                     "or leave --scheduler out to start a local cluster")
+                     "or leave the scheduler out to start a local cluster")
 
 
 def _workers(client: distributed.Client) -> dict:
@@ -252,13 +253,12 @@ def run_units(
     units: Iterable[Any],
     fn: Callable[[Any], Any],
     on_done: Callable[[Any, Any], None],
+    options: DaskOptions | None = None,
     *,
-    scheduler: str | None = None,
     workers: int = 2,
     setup: Callable[[], None] | None = None,
     retries: int = 2,
     resources: Mapping[str, float] | None = None,
-    max_in_flight: int | None = None,
     name: str = "affdiv-unit",
 ) -> DaskOutcome:
     """Run ``fn(unit)`` for every unit on a Dask cluster; ``on_done(unit, result)`` here as each
@@ -269,17 +269,19 @@ def run_units(
         fn: a picklable top-level function (or ``functools.partial`` of one); the workers import it.
         on_done: called in this process, one unit at a time, in the order they complete. An
             exception from it cancels the units in flight and propagates.
-        scheduler: a scheduler's address; None starts a LocalCluster of ``workers`` processes.
+        options: where the units go (:class:`~affdiv.experiments.runs.options.DaskOptions`):
+            its ``scheduler``'s address (None, the default: a LocalCluster of ``workers``
+            processes started here) and ``max_in_flight``, the units submitted and not yet
+            finished (None: the cluster's task slots).
         setup: run once in each worker process before its first unit (see the module docstring).
         retries: attempts after the first, for a worker's death and for an exception each.
         resources: what each task needs of the workers' resources, e.g. ``{"GPU": 1}``; the
             in-process cluster's workers then offer that much each.
-        max_in_flight: units submitted and not yet finished (default: the cluster's task slots).
         name: the prefix of the task keys (what the dashboard shows).
     """
     check_int("retries", retries, minimum=0)
-    if max_in_flight is not None:
-        check_int("max_in_flight", max_in_flight)
+    options = options or DaskOptions()
+    scheduler, max_in_flight = options.scheduler, options.max_in_flight
     units = list(units)
     resources = dict(resources or {})
     with connect(scheduler, workers=workers, retries=retries, worker_resources=resources) as client:
@@ -309,7 +311,7 @@ def _check_allowed_failures(client: distributed.Client, retries: int) -> None:
         return
     if allowed != retries:
         log.warning("the scheduler at %s retries a task %d time(s) after a worker died under it (its "
-                    "distributed.scheduler.allowed-failures), not --retries %d; --retries still applies to "
+                    "distributed.scheduler.allowed-failures), not retries %d; retries still applies to "
                     "exceptions. Start the scheduler with DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES=%d to match",
                     client.scheduler.address, allowed, retries, retries)
 

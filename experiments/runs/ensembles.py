@@ -13,18 +13,14 @@ budget only, never of the worker count, so a sweep's numbers do not depend on ho
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Sequence
 
 import torch
 
-from affdiv.checks import is_int
 from affdiv.experiments.runs.config import RunConfig, candidates, canonical_json, config_hash
 from affdiv.experiments.runs.models import build_network
+from affdiv.experiments.runs.options import DEFAULT_ENSEMBLE_MEMORY, parse_memory  # noqa: F401  (their home before)
 from affdiv.experiments.runs.stacked import eval_chunk, layer_outputs
-
-#: Default memory budget of one ensemble (each worker trains one at a time).
-DEFAULT_ENSEMBLE_MEMORY = 2 * 2**30
 
 # Settings in which runs of one ensemble may differ.
 _FREE = ("seed", "data_seed", "lr_rule", "base_lr", "ref_batch_size", "lr_grid", "momentum", "momentum_grid",
@@ -33,25 +29,6 @@ _FREE = ("seed", "data_seed", "lr_rule", "base_lr", "ref_batch_size", "lr_grid",
 # Tensors of the size of the parameters per model while it trains: the parameters, their
 # gradients, and the optimiser's state.
 _PARAMETER_COPIES = {"sgd": 2, "momentum": 3, "adam": 4}
-
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_memory(value: int | str, setting: str = "ensemble_memory") -> int:
-    """Bytes from an int or a size such as "2GiB", "512MiB", "1.5GB", "100000"; > 0."""
-    if is_int(value):
-        number, unit = value, ""
-    else:
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
-        if not match or match.group(2).lower() not in _UNITS:
-            raise ValueError(f"{setting} must be a size such as 2GiB, 512MiB or 100000 (bytes), got {value!r}")
-        number, unit = float(match.group(1)), match.group(2).lower()
-    size = int(number * _UNITS[unit])
-    if size <= 0:
-        raise ValueError(f"{setting} must be more than 0 bytes, got {value!r}")
-    return size
 
 
 def ensemble_key(config: RunConfig) -> str:

@@ -48,16 +48,15 @@ from pathlib import Path
 from affdiv.checks import check_choice, check_int, is_int
 from affdiv.experiments.runs import divergence_measurement, noise_scale
 from affdiv.experiments.runs.config import METHODS, RunConfig, architecture, expand_grid, run_order
-from affdiv.experiments.runs.ensembles import parse_memory
+from affdiv.experiments.runs.options import parse_memory
 
 _SECTIONS = {"description", "caveats", "run", "grid", "analysis", "measure", "method", "sweep", "study"}
 #: ``data_seed = SEED`` in a preset's run settings: every run's data split is drawn from its own seed.
 SEED = "seed"
-#: The keys of a preset's [measure] table (also ``falsify``'s keywords): the ``affdiv falsify``
-#: option that sets each, and the module of its measurement (its ``NAME`` in the store, its
-#: ``measurement(every=N)``).
-MEASURE = {"noise_scale_every": ("--noise-scale-every", noise_scale),
-           "probe_every": ("--probe-every", divergence_measurement)}
+#: The keys of a preset's [measure] table (also the intervals of ``SweepOptions``,
+#: :data:`~affdiv.experiments.runs.options.INTERVALS`): the module of each one's measurement (its
+#: ``NAME`` in the store, its ``measurement(every=N)``).
+MEASURE = {"noise_scale_every": noise_scale, "probe_every": divergence_measurement}
 #: Settings a [method.NAME] table may not set: a run's identity and its replication, and what the
 #: harness records itself.
 _SAME_FOR_EVERY_METHOD = ("method", "seed", "batch_size", "data_seed", "model_digest")

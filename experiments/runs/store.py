@@ -61,7 +61,8 @@ import math
 import sqlite3
 import urllib.parse
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from affdiv.experiments.records import is_sqlite, write_csv
@@ -281,6 +282,31 @@ def _connect_read_only(path: Path) -> sqlite3.Connection:
                            isolation_level=None)
 
 
+@dataclass(frozen=True)
+class StoredRun:
+    """What a finished run leaves in the store (:meth:`ResultStore.put`), besides its config.
+
+    ``metrics``, ``curves`` (validation reads), ``seconds`` (its training time) and
+    ``data_fingerprint`` (of the split it trained on); ``measurements``: its measurement dicts
+    (``RunResult.measurements``), kept as JSON (non-finite numbers as null; None or [] stores
+    null); ``candidates``: likewise, every candidate's lr and curve (``RunResult.candidates``; the
+    first run with candidates adds their column to a store of an earlier version);
+    ``raw_sha256``: the SHA-256 of the raw data it trained on (``Dataset.config["raw_sha256"]``),
+    checked against and added to the ``raw_data`` table; ``code``: ``{"version", "git_commit",
+    "git_dirty"}`` of the process that trained it (None: this process's,
+    :func:`affdiv.provenance.code_identity`).
+    """
+
+    metrics: Mapping
+    curves: Sequence[Mapping]
+    seconds: float
+    data_fingerprint: str
+    measurements: Sequence[Mapping] | None = None
+    candidates: Sequence[Mapping] | None = None
+    raw_sha256: str | None = None
+    code: Mapping | None = None
+
+
 class ResultStore:
     """Finished runs in an SQLite file. ``put`` commits one run; everything else reads.
 
@@ -470,29 +496,9 @@ class ResultStore:
         runs = self.finished() if hashes is None else set(hashes) & self.finished()
         return {key: known.get(key) for key in sorted(runs)}
 
-    def put(
-        self,
-        config: dict,
-        *,
-        metrics: dict,
-        curves: list[dict],
-        seconds: float,
-        data_fingerprint: str,
-        measurements: list[dict] | None = None,
-        candidates: list[dict] | None = None,
-        raw_sha256: str | None = None,
-        code: Mapping | None = None,
-    ) -> str:
-        """Commit one finished run in one transaction; returns its config hash.
-
-        ``measurements``: the run's measurement dicts (``RunResult.measurements``), kept as JSON
-        (non-finite numbers as null); None or [] stores null. ``candidates``: likewise, every
-        candidate's lr and curve (``RunResult.candidates``); the first run with candidates adds
-        their column to a store of an earlier version. ``raw_sha256``: the SHA-256 of the
-        raw data the run trained on (``Dataset.config["raw_sha256"]``), checked against and added
-        to the ``raw_data`` table. ``code``: ``{"version", "git_commit", "git_dirty"}`` of the
-        process that trained the run (default: this process's,
-        :func:`affdiv.provenance.code_identity`).
+    def put(self, config: dict, run: StoredRun) -> str:
+        """Commit one finished run (``config``: its config dict, ``run``: what it produced) in one
+        transaction; returns its config hash.
 
         A run already present (same hash) is left as it is: a finished run is never overwritten.
         A run whose data fingerprint differs from that of the stored runs with the same data
@@ -503,26 +509,28 @@ class ResultStore:
             raise PermissionError(f"{self.path}: opened read-only")
         from affdiv.provenance import code_identity
 
+        if not isinstance(run, StoredRun):
+            raise ValueError(f"run must be a StoredRun, got {type(run).__name__}")
         key = config_hash(config)
         data = data_key(config)
-        self.check_fingerprints({data: data_fingerprint})
-        code = dict(code or code_identity())
+        self.check_fingerprints({data: run.data_fingerprint})
+        code = dict(run.code or code_identity())
         row = (
             key,
             canonical_json(config),
-            canonical_json({k: _finite_or_none(v) for k, v in metrics.items()}),
-            canonical_json([{k: _finite_or_none(v) for k, v in c.items()} for c in curves]),
-            float(seconds),
-            data_fingerprint,
+            canonical_json({k: _finite_or_none(v) for k, v in run.metrics.items()}),
+            canonical_json([{k: _finite_or_none(v) for k, v in c.items()} for c in run.curves]),
+            float(run.seconds),
+            run.data_fingerprint,
             _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-            canonical_json(_finite_json(list(measurements))) if measurements else None,
-            zlib.compress(canonical_json(_finite_json(list(candidates))).encode(), 9) if candidates else None,
+            canonical_json(_finite_json(list(run.measurements))) if run.measurements else None,
+            zlib.compress(canonical_json(_finite_json(list(run.candidates))).encode(), 9) if run.candidates else None,
         )
         try:
-            self._commit_run(key, config, row, raw_sha256, code)
+            self._commit_run(key, config, row, run.raw_sha256, code)
         except sqlite3.DatabaseError as error:  # a full disk, a lock held too long: the transaction rolled back
             raise _database_error(self.path, error) from None
-        self.fingerprints().setdefault(data, data_fingerprint)
+        self.fingerprints().setdefault(data, run.data_fingerprint)
         return key
 
     def _commit_run(self, key: str, config: dict, row: tuple, raw_sha256: str | None, code: Mapping) -> None:

@@ -22,12 +22,13 @@ Workers never outlive the parent: on Linux each asks the kernel for SIGKILL when
 (``prctl(PR_SET_PDEATHSIG)``), elsewhere a watchdog thread polls the parent's pid; a SIGTERM to
 the parent raises SystemExit there, and leaving the pool on any exception kills the workers.
 
-With ``executor="dask"`` the same units go to a Dask distributed scheduler instead
-(:mod:`~affdiv.experiments.runs.dask_executor`: a ``LocalCluster`` started here, or the scheduler
-at ``scheduler``). The parent is still the only writer: each unit's results come back and are
-committed here as it completes. A unit whose worker died, or which raised, is retried up to
-``retries`` times; after the last attempt its runs are recorded as failed
-(:meth:`ResultStore.put_failure`) and the sweep goes on (``SweepOutcome.failed`` lists them).
+With :class:`~affdiv.experiments.runs.options.DaskOptions` (``SweepOptions.dask``) the same units
+go to a Dask distributed scheduler instead (:mod:`~affdiv.experiments.runs.dask_executor`: a
+``LocalCluster`` started here, or the scheduler at its ``scheduler``). The parent is still the
+only writer: each unit's results come back and are committed here as it completes. A unit whose
+worker died, or which raised, is retried up to ``retries`` times; after the last attempt its runs
+are recorded as failed (:meth:`ResultStore.put_failure`) and the sweep goes on
+(``SweepOutcome.failed`` lists them).
 
 Workers are sized to the machine: by default one worker per usable CPU, each with one torch
 thread. One thread per run is deliberate: the numbers of a run then do not depend on how many
@@ -41,8 +42,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import dataclasses
 import functools
-import inspect
 import logging
 import multiprocessing
 import os
@@ -59,10 +60,10 @@ from typing import TextIO
 import torch
 
 from affdiv._extras import require
-from affdiv.checks import check_int
 from affdiv.experiments.runs.config import RunConfig, config_hash
-from affdiv.experiments.runs.ensembles import DEFAULT_ENSEMBLE_MEMORY, plan_ensembles
-from affdiv.experiments.runs.store import ResultStore
+from affdiv.experiments.runs.ensembles import plan_ensembles
+from affdiv.experiments.runs.options import DEFAULT_ENSEMBLE_MEMORY, EXECUTORS, SweepOptions
+from affdiv.experiments.runs.store import ResultStore, StoredRun
 from affdiv.experiments.runs.training import Measurement, train_group
 
 log = logging.getLogger(__name__)
@@ -162,8 +163,8 @@ _SET_UP = object()  # _run_unit's default data folder: the one _init_worker set 
 
 
 def _run_unit(unit: Sequence[RunConfig], stack: bool, measurements: Sequence[Measurement],
-              data_dir: str | None | object = _SET_UP) -> list[tuple]:
-    """Train one unit (runs of one ensemble key); returns (config, store fields) per run, with the
+              data_dir: str | None | object = _SET_UP) -> list[tuple[RunConfig, StoredRun]]:
+    """Train one unit (runs of one ensemble key); returns (config, what to store) per run, with the
     raw data's hash and the code identity of the process that trained it. ``data_dir`` travels with
     a Dask task (a worker may serve several sweeps); pool workers use their own."""
     from affdiv.provenance import code_identity
@@ -171,17 +172,10 @@ def _run_unit(unit: Sequence[RunConfig], stack: bool, measurements: Sequence[Mea
     folder = _DATA_DIR if data_dir is _SET_UP else data_dir
     datasets = [dataset_for(c, folder) for c in unit]
     results = train_group(unit, datasets, stack=stack, measurements=measurements)
-    out = []
-    for config, data, result in zip(unit, datasets, results):
-        fields = {"metrics": result.metrics, "curves": result.curves, "seconds": result.seconds,
-                  "data_fingerprint": result.data_fingerprint, "raw_sha256": data.config.get("raw_sha256"),
-                  "code": code_identity()}
-        if result.measurements:
-            fields["measurements"] = result.measurements
-        if result.candidates:
-            fields["candidates"] = result.candidates
-        out.append((config, fields))
-    return out
+    return [(config, StoredRun(result.metrics, result.curves, result.seconds, result.data_fingerprint,
+                               measurements=result.measurements or None, candidates=result.candidates or None,
+                               raw_sha256=data.config.get("raw_sha256"), code=code_identity()))
+            for config, data, result in zip(unit, datasets, results)]
 
 
 # ----------------------------------------------------------------------------- parent side
@@ -306,67 +300,55 @@ class SweepOutcome:
     failed: list[dict] = field(default_factory=list)
 
 
-EXECUTORS = ("local", "dask")
-
-
-def check_executor(executor: str, scheduler: str | None = None, retries: int = 2) -> None:
-    """Refuse an unknown executor, a ``scheduler`` without the dask executor, ``retries`` that is not
-    an integer >= 0 (ValueError naming the parameter), and the dask executor without its extra
-    (MissingExtra)."""
-    if executor not in EXECUTORS:
-        raise ValueError(f"executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
-    if scheduler is not None and executor != "dask":
-        raise ValueError(f"scheduler {scheduler} needs executor 'dask' (the local executor has no scheduler)")
-    check_int("retries", retries, minimum=0)
-    if executor == "dask":
+def check_executor(options: SweepOptions) -> None:
+    """Refuse the dask executor without its extra (MissingExtra, naming it); the options' values
+    are checked when they are made."""
+    if options.executor not in EXECUTORS:  # (a subclass's executor)
+        raise ValueError(f"executor must be one of {', '.join(EXECUTORS)}, got {options.executor!r}")
+    if options.executor == "dask":
         require("dask", "distributed", extra="dask", feature="affdiv falsify --executor dask")
 
 
 def run_sweep(
     configs: Sequence[RunConfig],
     store: ResultStore,
+    options: SweepOptions | None = None,
     *,
     data_dir: str | None = None,
-    workers: int | None = None,
-    threads: int | None = None,
     progress: TextIO | None = sys.stderr,
     on_result: Callable[[RunConfig], None] | None = None,
-    stack: bool = True,
-    ensemble_memory: int = DEFAULT_ENSEMBLE_MEMORY,
     measurements: Sequence[Measurement] = (),
-    executor: str = "local",
-    scheduler: str | None = None,
-    retries: int = 2,
 ) -> SweepOutcome:
     """Train every config not yet in ``store``; commit each as it finishes.
 
-    ``workers`` defaults to the usable CPUs, ``threads`` (torch threads per worker) to 1.
+    ``options`` (:class:`~affdiv.experiments.runs.options.SweepOptions`; default: its defaults):
+    ``workers`` defaults to the usable CPUs, ``threads`` (torch threads per worker) to 1;
     ``workers=1`` trains in this process (no pool). ``stack``: train the runs that can share an
     ensemble stacked (:func:`~affdiv.experiments.runs.training.train_group`), each ensemble
-    within ``ensemble_memory`` bytes; ``measurements`` are taken along every run (stacked or
-    not) and kept with it. A unit is tried at most ``retries`` + 1 times when workers die under it;
-    then the sweep stops with an error naming its runs.
+    within ``ensemble_memory`` bytes; the measurements its intervals turn on, and
+    ``measurements``, are taken along every run (stacked or not) and kept with it. A unit is tried
+    at most ``retries`` + 1 times when workers die under it; then the sweep stops with an error
+    naming its runs.
 
-    ``executor="dask"``: the units run on the Dask scheduler at ``scheduler`` (None: a LocalCluster
-    of ``workers`` processes started here); each is tried ``retries`` + 1 times for worker deaths
-    and for exceptions alike, then its runs are recorded as failed and the sweep goes on.
+    With ``options.dask``, the units run on the Dask scheduler at its ``scheduler`` (None: a
+    LocalCluster of ``workers`` processes started here); each is tried ``retries`` + 1 times for
+    worker deaths and for exceptions alike, then its runs are recorded as failed and the sweep
+    goes on.
     """
-    check_executor(executor, scheduler, retries)
-    workers = available_cpus() if workers is None else workers
-    threads = 1 if threads is None else threads
-    if workers < 1 or threads < 1:
-        raise ValueError(f"workers and threads must be >= 1, got workers={workers}, threads={threads}")
-    if measurements and "measurements" not in inspect.signature(store.put).parameters:
-        raise ValueError(f"measurements {[m.name for m in measurements]} need a results store that keeps them; "
-                         f"{type(store).__name__}.put takes no 'measurements'")
+    options = options or SweepOptions()
+    check_executor(options)
+    workers = available_cpus() if options.workers is None else options.workers
+    threads = 1 if options.threads is None else options.threads
+    measurements = [*_measurements(options), *measurements]
     hashes = [config_hash(c.to_dict()) for c in configs]
     done = store.finished()
     pending = [c for c, h in zip(configs, hashes) if h not in done]
-    units = _units(pending, stack, ensemble_memory, data_dir)
+    memory = DEFAULT_ENSEMBLE_MEMORY if options.ensemble_memory is None else options.ensemble_memory
+    units = _units(pending, options.stack, memory, data_dir)
     bar = Progress(len(pending), len(configs) - len(pending), progress, runs=pending)
 
-    def commit(config: RunConfig, result: dict) -> None:
-        store.put(config.to_dict(), **result)
+    def commit(config: RunConfig, result: StoredRun) -> None:
+        store.put(config.to_dict(), result)
         bar.advance(config=config)
         if on_result is not None:
             on_result(config)
@@ -381,29 +363,38 @@ def run_sweep(
                        "attempts": failure.attempts})
         bar.advance(failed=True, config=config)
 
-    workers = min(workers, max(1, len(units)))
+    resolved = dataclasses.replace(options, workers=min(workers, max(1, len(units))), threads=threads)
     try:  # the bar is closed however the sweep ends, so that an error's line starts a line of its own
-        workers, restarts, address = _execute(units, executor, workers, threads, (stack, measurements), commit, fail,
-                                              failed, scheduler=scheduler, data_dir=data_dir, retries=retries)
+        workers, restarts, address = _execute(units, resolved, measurements, (commit, fail, failed), data_dir)
     finally:
         bar.close()
     return SweepOutcome(hashes, len(pending), len(configs) - len(pending), workers, threads, len(units), restarts,
-                        executor, address, failed)
+                        options.executor, address, failed)
 
 
-def _execute(units: list[tuple], executor: str, workers: int, threads: int, run: tuple, commit, fail, failed: list,
-             *, scheduler: str | None, data_dir: str | None, retries: int) -> tuple[int, int, str | None]:
-    """Train ``units`` with ``executor`` (``run``: (stack, measurements)), committing each finished
-    run; returns (workers, worker restarts, the Dask scheduler's address or None)."""
-    stack, measurements = run
-    max_attempts = retries + 1
+def _measurements(options: SweepOptions) -> list[Measurement]:
+    """The measurements ``options``' intervals turn on (:data:`~affdiv.experiments.runs.presets.MEASURE`)."""
+    if all(every is None for every in options.intervals.values()):
+        return []
+    from affdiv.experiments.runs.presets import MEASURE
+
+    return [MEASURE[key].measurement(every=every) for key, every in options.intervals.items() if every is not None]
+
+
+def _execute(units: list[tuple], options: SweepOptions, measurements: Sequence[Measurement], sinks: tuple,
+             data_dir: str | None) -> tuple[int, int, str | None]:
+    """Train ``units`` as ``options`` say (its ``workers`` and ``threads`` resolved), committing
+    each finished run (``sinks``: commit, fail and the list of failed runs); returns (workers,
+    worker restarts, the Dask scheduler's address or None)."""
+    commit, fail, failed = sinks
+    stack, workers, threads = options.stack, options.workers, options.threads
     restarts = 0
     address = None
+    executor = options.executor
     if executor == "dask":
         if units:
             with _sigterm_exits():
-                ran = _run_on_dask(units, stack, measurements, commit, fail, scheduler=scheduler, workers=workers,
-                                   threads=threads, data_dir=data_dir, retries=retries)
+                ran = _run_on_dask(units, options, measurements, (commit, fail), data_dir)
             address, workers = ran.scheduler, workers if ran.in_process else ran.slots
         if failed:
             log.warning("%d run(s) failed on every attempt, recorded as failed (a resumed sweep tries them again): %s",
@@ -423,16 +414,20 @@ def _execute(units: list[tuple], executor: str, workers: int, threads: int, run:
     elif units:
         with _sigterm_exits():
             restarts = _run_in_pools(units, (stack, measurements), commit, workers, (threads, data_dir, os.getpid()),
-                                     max_attempts)
+                                     options.retries + 1)
     return workers, restarts, address
 
 
-def _run_on_dask(units: list[tuple], stack: bool, measurements: Sequence[Measurement], commit, fail, *,
-                 scheduler: str | None, workers: int, threads: int, data_dir: str | None, retries: int):
-    """Run ``units`` with :func:`~affdiv.experiments.runs.dask_executor.run_units`; ``commit`` each
-    finished run here, ``fail`` each run of a unit that failed on its last attempt. Units of CUDA
-    runs each take one ``GPU`` of the workers' resources."""
+def _run_on_dask(units: list[tuple], options: SweepOptions, measurements: Sequence[Measurement], sinks: tuple,
+                 data_dir: str | None):
+    """Run ``units`` with :func:`~affdiv.experiments.runs.dask_executor.run_units` as ``options``
+    say; ``commit`` each finished run here, ``fail`` each run of a unit that failed on its last
+    attempt (``sinks``: commit, fail). Units of CUDA runs each take one ``GPU`` of the workers'
+    resources."""
     from affdiv.experiments.runs.dask_executor import UnitFailed, run_units
+
+    commit, fail = sinks
+    workers, stack = options.workers, options.stack
 
     def on_done(unit, result) -> None:
         if isinstance(result, UnitFailed):
@@ -443,15 +438,15 @@ def _run_on_dask(units: list[tuple], stack: bool, measurements: Sequence[Measure
                 commit(config, fields)
 
     cuda = any(str(config.device).startswith("cuda") for unit in units for config in unit)
-    if cuda and scheduler is None and workers > 1:
+    if cuda and options.dask.scheduler is None and workers > 1:
         # Every in-process worker would see the same device: one worker, so one unit on the GPU at a
         # time. For several GPUs, start one worker per GPU (CUDA_VISIBLE_DEVICES, --resources GPU=1).
-        log.warning("--device cuda with the in-process cluster: 1 worker instead of %d (one GPU)", workers)
+        log.warning("device cuda with the in-process cluster: 1 worker instead of %d (one GPU)", workers)
         workers = 1
     work = functools.partial(_run_unit, stack=stack, measurements=tuple(measurements), data_dir=data_dir)
-    setup = functools.partial(_init_dask_worker, threads, data_dir)
-    return run_units(units, work, on_done, scheduler=scheduler, workers=workers, setup=setup, retries=retries,
-                     resources={"GPU": 1} if cuda else None, name="affdiv-unit")
+    setup = functools.partial(_init_dask_worker, options.threads, data_dir)
+    return run_units(units, work, on_done, options.dask, workers=workers, setup=setup, retries=options.retries,
+                     resources={"GPU": 1} if cuda else None)
 
 
 def _units(pending: Sequence[RunConfig], stack: bool, memory: int, data_dir: str | None) -> list[tuple]:
@@ -520,7 +515,7 @@ def _after_worker_death(lost: list[int], units: list[tuple], attempts: collectio
                           for i in exhausted for c in units[i])
         raise RuntimeError(f"a worker process died {max_attempts} times while training these runs (exit codes "
                            f"{died}; -9 is SIGKILL, which the out-of-memory killer sends): {names}. Lower "
-                           "--ensemble-memory or --workers, or train them with --stack off")
+                           "ensemble_memory or workers, or train them without stack")
     log.warning("a worker process died (exit codes %s; -9 is SIGKILL, as sent by the out-of-memory killer) with "
                 "%d run(s) in flight; restarting the workers and training them again (attempt %d of %d)",
                 died, runs, max(attempts[i] for i in lost) + 1, max_attempts)

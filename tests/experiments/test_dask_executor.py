@@ -1,5 +1,5 @@
-"""The sweep on a Dask cluster (``run_sweep(executor="dask")``, ``affdiv falsify --executor dask``):
-the same stored numbers as the local executor, a worker killed mid-sweep, units that fail every
+"""The sweep on a Dask cluster (``run_sweep`` with ``SweepOptions(dask=DaskOptions())``, ``affdiv falsify
+--executor dask``): the same stored numbers as the local executor, a worker killed mid-sweep, units that fail every
 attempt, and the submitting process interrupted (SIGINT, kill -9) then resumed.
 
 Real ``LocalCluster``s of two one-thread worker processes, tiny sweeps on digits (width 8)."""
@@ -19,6 +19,7 @@ import pytest
 from affdiv._extras import available
 from affdiv.cli import main
 from affdiv.experiments.runs.config import config_hash, expand_grid
+from affdiv.experiments.runs.options import DaskOptions, SweepOptions
 from affdiv.experiments.runs.store import ResultStore
 from affdiv.experiments.runs.sweep import run_sweep
 
@@ -37,7 +38,7 @@ def local(tmp_path_factory):
     stores = {}
     for stack in (True, False):
         stores[stack] = ResultStore(folder / f"stack-{stack}.sqlite")
-        run_sweep(CONFIGS, stores[stack], workers=1, threads=1, progress=None, stack=stack)
+        run_sweep(CONFIGS, stores[stack], SweepOptions(workers=1, threads=1, stack=stack), progress=None)
     return stores
 
 
@@ -125,7 +126,7 @@ def cluster(helpers):
 def test_a_dask_sweep_stores_the_numbers_of_the_local_executor(tmp_path, local, sweep_util):
     # the in-process LocalCluster (no --scheduler): two worker processes, one torch thread each
     store = ResultStore(tmp_path / "dask.sqlite")
-    outcome = run_sweep(CONFIGS, store, executor="dask", workers=2, threads=1, progress=None)
+    outcome = run_sweep(CONFIGS, store, SweepOptions(workers=2, threads=1, dask=DaskOptions()), progress=None)
     assert (outcome.ran, outcome.skipped, outcome.failed) == (len(CONFIGS), 0, [])
     assert sweep_util.counts(store) == (len(CONFIGS), len(CONFIGS))
     assert sweep_util.records(store) == sweep_util.records(local[True])  # number for number
@@ -150,8 +151,9 @@ def test_a_worker_killed_mid_sweep_is_retried_and_nothing_is_lost(tmp_path, loca
             time.sleep(0.01)
 
     store = ResultStore(tmp_path / "killed.sqlite")
-    outcome = run_sweep(CONFIGS, store, executor="dask", scheduler=client.scheduler.address, retries=RETRIES,
-                        threads=1, progress=None, stack=False, on_result=kill_a_busy_worker)
+    options = SweepOptions(retries=RETRIES, threads=1, stack=False,
+                           dask=DaskOptions(scheduler=client.scheduler.address))
+    outcome = run_sweep(CONFIGS, store, options, progress=None, on_result=kill_a_busy_worker)
     assert killed, "no busy worker to kill"
     assert outcome.failed == [] and outcome.ran == len(CONFIGS)
     assert sweep_util.counts(store) == (len(CONFIGS), len(CONFIGS))  # nothing lost, nothing twice
@@ -172,8 +174,8 @@ def test_units_that_fail_every_attempt_are_recorded_and_the_sweep_goes_on(tmp_pa
     store = ResultStore(tmp_path / "failing.sqlite")
     client.register_plugin(affdiv_dask_test_helpers.Sabotage(), name="sabotage")
     try:
-        outcome = run_sweep(configs, store, executor="dask", scheduler=client.scheduler.address, retries=RETRIES,
-                            progress=None)
+        options = SweepOptions(retries=RETRIES, dask=DaskOptions(scheduler=client.scheduler.address))
+        outcome = run_sweep(configs, store, options, progress=None)
     finally:
         client.unregister_worker_plugin("sabotage")
     by_method = {c.method: config_hash(c.to_dict()) for c in configs}
@@ -221,8 +223,8 @@ def test_a_worker_runs_at_most_its_share_of_gpu_units(helpers):
         assert (task_slots(client), task_slots(client, {"GPU": 1}), task_slots(client, {"GPU": 2})) == (2, 1, 0)
         spans = []
         outcome = run_units([0.3] * 4, affdiv_dask_test_helpers.hold, lambda _unit, span: spans.append(span),
-                            scheduler=local_cluster.scheduler_address, retries=0, resources={"GPU": 1},
-                            max_in_flight=4)
+                            DaskOptions(scheduler=local_cluster.scheduler_address, max_in_flight=4), retries=0,
+                            resources={"GPU": 1})
     assert outcome.submitted == 4 and outcome.failed == 0 and len({pid for pid, _, _ in spans}) == 1
     spans.sort(key=lambda span: span[1])
     assert all(end <= start for (_, _, end), (_, start, _) in zip(spans, spans[1:])), spans  # never two at once
@@ -335,7 +337,7 @@ def test_an_unreachable_scheduler_is_named(monkeypatch):
 
     monkeypatch.setattr(dask_executor, "CONNECT_TIMEOUT", 1.0)
     with pytest.raises(ValueError, match="^scheduler tcp://127.0.0.1:9: cannot connect to a Dask scheduler there"):
-        dask_executor.run_units([1], abs, lambda *_: None, scheduler="tcp://127.0.0.1:9")
+        dask_executor.run_units([1], abs, lambda *_: None, DaskOptions(scheduler="tcp://127.0.0.1:9"))
 
 
 def test_an_unreachable_scheduler_is_refused_before_the_store_exists(tmp_path, capsys, monkeypatch):

@@ -21,7 +21,7 @@ from affdiv.experiments.analysis.critical_batch import (
 from affdiv.experiments.analysis.settings import AnalysisSettings
 from affdiv.experiments.runs import reads
 from affdiv.experiments.runs.config import RunConfig, config_hash
-from affdiv.experiments.runs.store import ResultStore
+from affdiv.experiments.runs.store import ResultStore, StoredRun
 from affdiv.experiments.runs.training import train_run, train_runs
 from affdiv.vocabulary import TARGET_METRIC
 
@@ -259,8 +259,8 @@ def test_a_ladder_run_gives_one_record_per_target(tmp_path, digits):
     config = _ladder()
     result = train_run(config, digits)
     with ResultStore(tmp_path / "r.sqlite") as store:
-        store.put(config.to_dict(), metrics=result.metrics, curves=result.curves, seconds=1.0,
-                  data_fingerprint=result.data_fingerprint, candidates=result.candidates)
+        store.put(config.to_dict(), StoredRun(metrics=result.metrics, curves=result.curves, seconds=1.0,
+                                              data_fingerprint=result.data_fingerprint, candidates=result.candidates))
     with ResultStore(tmp_path / "r.sqlite", read_only=True) as store:
         records = store.records(metric="steps_to_target")
         runs = store.records(metric="test_accuracy")
@@ -280,8 +280,8 @@ def test_candidates_are_stored_compressed_and_a_plain_json_row_still_reads(tmp_p
     result = train_run(config, digits)
     key = config_hash(config.to_dict())
     with ResultStore(tmp_path / "r.sqlite") as store:
-        store.put(config.to_dict(), metrics=result.metrics, curves=result.curves, seconds=1.0,
-                  data_fingerprint=result.data_fingerprint, candidates=result.candidates)
+        store.put(config.to_dict(), StoredRun(metrics=result.metrics, curves=result.curves, seconds=1.0,
+                                              data_fingerprint=result.data_fingerprint, candidates=result.candidates))
     db = sqlite3.connect(tmp_path / "r.sqlite")
     (cell,) = db.execute("SELECT candidates FROM runs").fetchone()
     text = zlib.decompress(cell).decode()

@@ -9,7 +9,7 @@ import affdiv.experiments
 
 ROOT = Path(affdiv.experiments.__file__).parent
 # The stages in pipeline order; a module may import its own stage and earlier ones only.
-STAGES = ["data", "records", "runs", "analysis", "report", "probe", "pipeline", "cli"]
+STAGES = ["data", "records", "runs", "analysis", "report", "probe", "plan", "pipeline", "cli"]
 
 
 def _stage(module: str) -> str | None:

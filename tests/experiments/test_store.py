@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from affdiv.experiments.records import is_sqlite
 from affdiv.experiments.runs.config import canonical_json, config_hash
-from affdiv.experiments.runs.store import GENERATED_FROM_SEED, ResultStore, raw_key
+from affdiv.experiments.runs.store import GENERATED_FROM_SEED, ResultStore, StoredRun, raw_key
 
 
 def test_config_hash_is_sha256_of_the_canonical_json():
@@ -48,8 +48,8 @@ def _put(store, seed, accuracy, **extra):
     config = {"method": "affine", "batch_size": 32, "seed": seed, "lr_rule": "sqrt", **extra}
     curves = [{"epoch": 1, "train_loss": 2.0, "val_metric": 0.5},
               {"epoch": 2, "train_loss": math.inf, "val_metric": 0.6}]
-    key = store.put(config, metrics={"test_accuracy": accuracy, "test_loss": math.nan},
-                    curves=curves, seconds=1.5, data_fingerprint="abc")
+    key = store.put(config, StoredRun(metrics={"test_accuracy": accuracy, "test_loss": math.nan}, curves=curves,
+                                      seconds=1.5, data_fingerprint="abc"))
     return config, key
 
 
@@ -280,15 +280,15 @@ def test_put_refuses_a_second_version_of_the_data(tmp_path):
     config = {"method": "affine", "batch_size": 32, "seed": 0, "dataset": "digits", "data_seed": 0,
               "val_fraction": 0.1, "data_options": {}}
     with ResultStore(path) as store:
-        store.put(config, metrics={"test_accuracy": 0.5}, curves=[], seconds=1.0, data_fingerprint="a" * 64)
+        store.put(config, StoredRun(metrics={"test_accuracy": 0.5}, curves=[], seconds=1.0, data_fingerprint="a" * 64))
         # Other data settings are other data: a different fingerprint is expected there.
-        store.put({**config, "data_seed": 1}, metrics={"test_accuracy": 0.5}, curves=[], seconds=1.0,
-                  data_fingerprint="c" * 64)
+        store.put({**config, "data_seed": 1}, StoredRun(metrics={"test_accuracy": 0.5}, curves=[], seconds=1.0,
+                                                        data_fingerprint="c" * 64))
         before = store.finished()
         with pytest.raises(ValueError, match=f"holds runs on dataset 'digits' .*data_seed=0.* with data fingerprint "
                                              f"{'a' * 64}, but the data now gives {'b' * 64}"):
-            store.put({**config, "seed": 1}, metrics={"test_accuracy": 0.5}, curves=[], seconds=1.0,
-                      data_fingerprint="b" * 64)
+            store.put({**config, "seed": 1}, StoredRun(metrics={"test_accuracy": 0.5}, curves=[], seconds=1.0,
+                                                       data_fingerprint="b" * 64))
         assert store.finished() == before
     with ResultStore(path, read_only=True) as store:
         store.check_fingerprints({data_key(config): "a" * 64})
@@ -309,8 +309,8 @@ def test_measurements_round_trip_and_give_the_divergence_record_columns(tmp_path
     with ResultStore(path) as store:
         _, plain = _put(store, seed=0, accuracy=0.5)
         config = {"method": "affine", "batch_size": 32, "seed": 1, "lr_rule": "sqrt"}
-        key = store.put(config, metrics={"test_accuracy": 0.6}, curves=[], seconds=1.0, data_fingerprint="abc",
-                        measurements=measurements)
+        key = store.put(config, StoredRun(metrics={"test_accuracy": 0.6}, curves=[], seconds=1.0,
+                                          data_fingerprint="abc", measurements=measurements))
     with ResultStore(path, read_only=True) as store:
         assert store.verify() == 2
         got = store.measurements()
@@ -342,8 +342,8 @@ def test_a_store_without_the_measurements_column_reads_read_only_and_a_writer_ad
     assert _sha256(path) == before
     with ResultStore(path) as store:
         config = {"method": "l2", "batch_size": 32, "seed": 7, "dataset": "digits"}
-        key = store.put(config, metrics={"test_accuracy": 0.9}, curves=[], seconds=1.0, data_fingerprint="fp",
-                        measurements=[_measured(0)])
+        key = store.put(config, StoredRun(metrics={"test_accuracy": 0.9}, curves=[], seconds=1.0,
+                                          data_fingerprint="fp", measurements=[_measured(0)]))
     assert identify(path) == "affdiv"
     with ResultStore(path, read_only=True) as store:
         assert list(store.measurements()) == [key] and store.verify() == 4
@@ -356,8 +356,8 @@ def test_records_carry_the_noise_scale_columns_of_measured_runs(tmp_path):
     measurements = [{"measurement": "noise_scale", "step": 0, "b_simple": 12.5},
                     {"measurement": "noise_scale", "step": 50, "b_simple": 40.0}]
     with ResultStore(tmp_path / "r.sqlite") as store:
-        store.put(config, metrics={"test_accuracy": 0.5}, curves=[], seconds=1.0, data_fingerprint="abc",
-                  measurements=measurements)
+        store.put(config, StoredRun(metrics={"test_accuracy": 0.5}, curves=[], seconds=1.0, data_fingerprint="abc",
+                                    measurements=measurements))
         (record,) = store.records()
     assert (record["b_simple_init"], record["b_simple"], record["b_simple_step"]) == (12.5, 40.0, 50)
 
@@ -369,7 +369,8 @@ def test_budgets_are_read_from_the_configs_alone(tmp_path):
         assert store.budgets() == set()
         for seed, budget in enumerate(("target", "epochs", None)):
             config = {**base, "seed": seed, **({"budget": budget} if budget else {})}
-            store.put(config, metrics={"test_accuracy": 0.5}, curves=[], seconds=1.0, data_fingerprint="a" * 64)
+            store.put(config, StoredRun(metrics={"test_accuracy": 0.5}, curves=[], seconds=1.0,
+                                        data_fingerprint="a" * 64))
     with ResultStore(path, read_only=True) as store:
         assert store.budgets() == {"target", "epochs", ""}
 
@@ -380,8 +381,8 @@ DIGITS = {"method": "affine", "batch_size": 32, "seed": 0, "dataset": "digits", 
 
 
 def _put_run(store, config, **extra):
-    return store.put(config, metrics={"test_accuracy": 0.5}, curves=[], seconds=1.0,
-                     data_fingerprint=f"{config['data_seed']}" * 64, **extra)
+    return store.put(config, StoredRun(metrics={"test_accuracy": 0.5}, curves=[], seconds=1.0,
+                                       data_fingerprint=f"{config['data_seed']}" * 64, **extra))
 
 
 def test_put_refuses_a_run_on_other_raw_data_whatever_its_split(tmp_path):
@@ -483,8 +484,8 @@ def test_a_full_disk_is_an_oserror_and_keeps_the_committed_runs(tmp_path):
         pages = store._db.execute("PRAGMA page_count").fetchone()[0]
         store._db.execute(f"PRAGMA max_page_count = {pages}")  # SQLite's "database or disk is full" from here
         with pytest.raises(OSError, match="no space left for the results store .*database or disk is full") as caught:
-            store.put({**DIGITS, "seed": 1}, metrics={"test_accuracy": 0.5}, curves=[{"x": "y" * 100_000}],
-                      seconds=1.0, data_fingerprint="0" * 64)
+            store.put({**DIGITS, "seed": 1}, StoredRun(metrics={"test_accuracy": 0.5}, curves=[{"x": "y" * 100_000}],
+                                                       seconds=1.0, data_fingerprint="0" * 64))
         assert caught.value.errno == errno.ENOSPC and caught.value.filename == str(path)
     with ResultStore(path, read_only=True) as store:
         assert store.finished() == {first} and store.verify() == 1
