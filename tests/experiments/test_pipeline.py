@@ -9,32 +9,15 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from affdiv.cli import main
 from affdiv.experiments.pipeline import REPORT_FILES
 
-# A grid that trains in a few seconds: 1 method x 2 batch sizes x 2 seeds, one epoch, constant lr
-# (its own preset, so that changes to the packaged ones do not change these tests).
-PRESET = """
-[run]
-dataset = "digits"
-depth = 1
-width = 8
-activation = "tanh"
-optimizer = "sgd"
-base_lr = 0.1
-lr_rule = "constant"
-budget = "epochs"
-length = 1
-[grid]
-method = ["affine"]
-batch_size = [16, 32]
-seed = [0, 1]
-[analysis]
-metric = "test_accuracy"
-"""
+# A grid that trains in a few seconds (tests/presets/quick.toml).
+PRESET = (Path(__file__).parents[1] / "presets" / "quick.toml").read_text()
 
 
 @pytest.fixture(scope="module")

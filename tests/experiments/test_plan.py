@@ -5,6 +5,7 @@ moves one would orphan the runs of every results store written before it."""
 import dataclasses
 import hashlib
 import sqlite3
+from pathlib import Path
 
 import pytest
 
@@ -53,20 +54,8 @@ KEYS = {
               "ddcc1fd7d378a7e8d39687e2c51f9c0eb4417d17e0f70e79a14c62069c4dfe67", {"smoke": "steps_to_target"}),
 }
 
-# A grid that trains in a few seconds (as tests/experiments/test_pipeline.py's).
-PRESET = """
-[run]
-dataset = "digits"
-depth = 1
-width = 8
-base_lr = 0.1
-budget = "epochs"
-length = 1
-[grid]
-method = ["affine"]
-batch_size = [16, 32]
-seed = [0, 1]
-"""
+# A grid that trains in a few seconds (tests/presets/quick.toml).
+PRESET = (Path(__file__).parents[1] / "presets" / "quick.toml").read_text()
 
 
 def _digest(keys) -> str:
@@ -182,7 +171,7 @@ def test_the_plan_refuses_settings_the_runs_cannot_take(tmp_path):
     with pytest.raises(ValueError, match="^preset 'quick': a run setting has the wrong type") as error:
         plan_study(str(preset), StudyOverrides(settings={"base_lr": "fast"}))
     one_line(error)
-    preset.write_text(PRESET + "[analysis]\ngroup_by = \"nosuch\"\n")
+    preset.write_text(PRESET + "group_by = \"nosuch\"\n")  # in its [analysis] table
     with pytest.raises(ValueError, match="^preset 'quick' \\[analysis\\] of study 'quick': group_by 'nosuch' is not"):
         plan_study(str(preset))
     preset.write_text(PRESET.replace("length = 1", "length = inf"))

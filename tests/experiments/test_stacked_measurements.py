@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import sqlite3
+from pathlib import Path
 
 import pytest
 import torch
@@ -295,27 +296,8 @@ def test_a_method_table_merges_before_its_runs_are_built(tmp_path):
 
 # ----------------------------------------------------------------------------- affdiv falsify
 
-# A steps-to-target grid that trains in seconds (its own preset: the packaged ones may change).
-PRESET = """
-[run]
-dataset = "digits"
-depth = 1
-width = 8
-activation = "tanh"
-optimizer = "sgd"
-base_lr = 0.2
-budget = "target"
-target = 0.6
-eval_every = 2
-length = 60
-[grid]
-method = ["affine"]
-batch_size = [16, 64]
-seed = [0, 1]
-[analysis]
-corrected = []
-baselines = ["affine"]
-"""
+# A steps-to-target grid that trains in seconds (tests/presets/quick-target.toml).
+PRESET = (Path(__file__).parents[1] / "presets" / "quick-target.toml").read_text()
 
 
 @pytest.fixture(scope="module")
