@@ -55,7 +55,8 @@ import torch.nn.functional as F
 
 from affdiv.experiments.data.dataset import load_dataset
 from affdiv.experiments.runs.config import VIT_METHODS, RunConfig
-from affdiv.experiments.runs.ensembles import DEFAULT_ENSEMBLE_MEMORY, member_bytes
+from affdiv.experiments.runs.ensembles import member_bytes
+from affdiv.experiments.runs.options import DEFAULT_ENSEMBLE_MEMORY
 from affdiv.experiments.runs.stacked import StackedEnsemble
 from affdiv.experiments.runs.sweep import keep_freed_memory
 from affdiv.experiments.runs.training import OneAtATime, build_member, stacked_engine

@@ -125,7 +125,6 @@ def _register_analyse(subparsers) -> None:
     analyse.set_defaults(func=analyse_command)
 
 
-
 def _register_probe(subparsers) -> None:
     probe_doc = ast.get_docstring(ast.parse(Path(__file__).with_name("probe.py").read_text(encoding="utf-8")))
     probe = subparsers.add_parser(
@@ -164,7 +163,6 @@ def _register_probe(subparsers) -> None:
     probe.add_argument("--out", default="reports/probe", metavar="DIR",
                        help="folder for probe.json, probe.md and the figures (default reports/probe)")
     probe.set_defaults(func=probe_command)
-
 
 
 def _register_map(subparsers) -> None:
@@ -230,10 +228,9 @@ def parse_settings(pairs: list[str]) -> dict:
     return settings
 
 
-MAX_SEED = 2**64 - 1  # torch's seed range (affdiv.experiments.runs.config.MAX_SEED; not imported: --help stays fast)
-
-
 def _seed_list(args) -> list[int] | None:
+    from affdiv.experiments.runs.config import MAX_SEED
+
     if not 0 <= args.seed <= MAX_SEED:
         raise ValueError(f"--seed must be in [0, 2**64 - 1] (torch's seed range), got {args.seed}")
     if args.seeds is None:
@@ -327,7 +324,7 @@ def analyse_command(args) -> int:
     given = {"metric": args.metric, "higher_is_better": not args.lower_is_better, "corrected": args.corrected,
              "baselines": args.baselines, "margin": args.margin, "contrast_margin": args.contrast_margin,
              "alpha": args.alpha, "primary_target": args.primary_target}
-    settings = AnalysisSettings(**{key: value for key, value in given.items() if value is not None})
+    settings = AnalysisSettings.from_mapping({key: value for key, value in given.items() if value is not None})
     with cleanup_on_error(args.out), _in_flags("analyse"):
         written = analyse_file(args.input, args.out, settings, calibration_sims=args.calibration_sims)
     _print_paths(written)

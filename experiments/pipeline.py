@@ -25,8 +25,7 @@ from affdiv.experiments.analysis.calibration import calibrate_for
 from affdiv.experiments.analysis.design import analyse_study
 from affdiv.experiments.analysis.groups import label_curves, label_groups
 from affdiv.experiments.analysis.settings import AnalysisSettings, fixed_budget_only
-from affdiv.experiments.plan import (  # noqa: F401  (REPORT_FILES: also this module's, as before)
-    REPORT_FILES,
+from affdiv.experiments.plan import (
     Preflight,
     StudyOverrides,
     StudyPlan,
@@ -122,7 +121,7 @@ def falsify(
     options: SweepOptions | None = None,
     calibration_sims: int = 500,
 ) -> dict[str, dict[str, Path]]:
-    """Run every run of ``preset`` (a packaged name or a TOML path) not yet in the store, then
+    """Run every run of ``preset`` (a packaged name, a TOML path or a loaded preset) not yet in the store, then
     analyse each of its studies and write its report under ``out``.
 
     Args:
@@ -235,6 +234,8 @@ def _read_store(path: Path, metric: str | None) -> tuple[list[dict], list[dict],
                                                   if str(r.get("dataset")) == dataset})
                                  for dataset in sorted({str(r.get("dataset")) for r in records})}
     return records, curves, metric, extra
+
+
 def _read_csv_input(path: Path, data: bytes, metric: str | None) -> tuple[list[dict], str]:
     """(records, metric) of a record CSV (``data``: its bytes, parsed once)."""
     table = read_csv_rows(path, data)  # parsed once: the budgets choose the default metric
@@ -246,6 +247,8 @@ def _read_csv_input(path: Path, data: bytes, metric: str | None) -> tuple[list[d
             budgets = {"target"} if TARGET_METRIC in header and "metric" not in header else set()
         metric = default_metric(budgets, database=False, where=f"input {path}")
     return read_csv(path, metric=metric, table=table), metric
+
+
 def _check_input_settings(path: Path, records: Sequence[Mapping], settings: AnalysisSettings) -> None:
     """Refuse ``corrected``/``baselines`` names that are no method of the records, and settings of the
     fixed-budget analysis given for steps to a target."""
@@ -258,6 +261,8 @@ def _check_input_settings(path: Path, records: Sequence[Mapping], settings: Anal
     if idle:
         raise ValueError(f"{idle[0]} applies to the fixed-budget analysis only; input {path} holds steps to a target "
                          "(fewer steps are better; no slopes or margins): leave it out")
+
+
 def analyse_file(path: str | Path, out: str | Path, settings: AnalysisSettings | None = None, *,
                  calibration_sims: int = 500) -> dict[str, Path]:
     """Test the batch-size prediction on existing results: a record CSV or a results store;

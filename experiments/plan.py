@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from affdiv.atomic import check_writable_file, check_writable_folder
 from affdiv.experiments.analysis.groups import label_groups
-from affdiv.experiments.analysis.settings import AnalysisSettings, check_settings, fixed_budget_only
+from affdiv.experiments.analysis.settings import AnalysisSettings, fixed_budget_only
 from affdiv.experiments.runs.config import METHODS, RunConfig, check_finite, config_hash
 from affdiv.experiments.runs.options import SweepOptions
 from affdiv.vocabulary import TARGET_METRIC
@@ -139,12 +139,12 @@ def plan_study(preset: str | Path | Preset, overrides: StudyOverrides | None = N
     for study in studies:
         configs = tuple(config.check() for config in study.configs)
         where = f"preset {preset.name!r} [analysis] of study {study.name!r}"
-        check_settings(study.analysis, methods=sorted({*METHODS, *(c.method for c in configs)}), where=where)
-        metric = study.analysis.get("metric") or default_metric({c.budget for c in configs}, database=True,
-                                                                 where=where)
+        methods = sorted({*METHODS, *(c.method for c in configs)})
+        analysis = AnalysisSettings.from_mapping(study.analysis, methods=methods, where=where)
+        metric = analysis.metric or default_metric({c.budget for c in configs}, database=True, where=where)
         check_study_analysis(configs, study.analysis, metric=metric, where=where)
         hashes = tuple(sorted(config_hash(c.to_dict()) for c in configs))
-        analysis = AnalysisSettings.from_mapping({"metric": metric, **study.analysis})
+        analysis = analysis.replace(metric=metric)
         planned.append(PlannedStudy(study.name, configs, hashes, analysis, metric))
     runs = {config_hash(c.to_dict()): c for study in planned for c in study.configs}
     given = options or SweepOptions()
@@ -218,7 +218,8 @@ class Preflight:
 
 def preflight(plan: StudyPlan, out: str | Path, *, db: str | Path | None = None,
               data_dir: str | None = None) -> Preflight:
-    """Check ``plan`` against this machine and its paths before anything is written: each run's
+    """Check ``plan`` against this machine and its paths before any run trains (the report folders
+    are created; no store is written): each run's
     device (:func:`check_device`), the report folders under ``out`` (writable, replacing no input),
     the results store ``db`` (default ``out/results.sqlite``: writable, and when it exists, an
     affdiv store, intact, holding runs on the same data and measured at the plan's intervals), and

@@ -26,12 +26,12 @@ under --scope layer (only the module's own parameters step: the theory's quantit
 --scope network (every parameter steps; the update is read at the module's output). Every number in
 probe.json is the mean over seeds of the per-seed mean over batches, with a 95% t interval over
 seeds (seeds are the independent units: batches of one seed share its initialisation); null
-where undefined (one seed, or a metric undefined in every batch). The diagonal scales, the
-off-diagonal shares and their spreads are averaged on the log scale where every seed's value is
-> 0: the geometric mean over seeds and the t interval of the logarithms, transformed back, so that
-the interval stays positive. Otherwise they get the plain mean and t interval: cut at 0 for the
-shares and spreads, which cannot be negative (a seed's value of exactly 0); uncut for a diagonal
-scale, which is signed at network scope (another parameter's step can oppose a sample's own).
+where undefined (one seed, or a metric undefined in every batch). The off-diagonal shares, the
+spreads and, at layer scope, the diagonal scales are averaged on the log scale where every seed's
+value is > 0: the geometric mean over seeds and the t interval of the logarithms, transformed back,
+so that the interval stays positive (where a seed's value is exactly 0: the plain mean, its interval
+cut at 0). At network scope a diagonal scale is signed (another parameter's step can oppose a
+sample's own): there it is averaged on the plain scale, in every cell.
 
 Written to --out: probe.json (rows per model, layer and batch size; per layer kind and batch
 size; per-sample diagonal scales and input norms at one batch size for the scatter figure;
@@ -89,18 +89,19 @@ SUMMARY_METRICS = (
 # the summaries averaged over seeds on the log scale where every seed's value is > 0 (the module
 # docstring): the spreads and shares, which cannot be negative, and the diagonal scales, which are
 # positive at layer scope but signed at network scope (another parameter's step can oppose a
-# sample's own)
+# sample's own), so averaged there on the plain scale (SIGNED_AT_NETWORK_SCOPE)
 LOG_SCALE_METRICS = frozenset({
     "diagonal_scale_mean", "diagonal_scale_cv", "off_diagonal_share_mean", "off_diagonal_share_median",
     "site_diagonal_scale_mean", "site_diagonal_scale_cv",
 })
+SIGNED_AT_NETWORK_SCOPE = frozenset({"diagonal_scale_mean", "site_diagonal_scale_mean"})
 # of those, the ones that cannot be negative: where a seed's value is 0, their interval is cut at 0
 NON_NEGATIVE_METRICS = frozenset({
     "diagonal_scale_cv", "off_diagonal_share_mean", "off_diagonal_share_median", "site_diagonal_scale_cv",
 })
-CI_TEXT = ("95% t interval over seeds of the per-seed means over batches; for the diagonal scales, shares and "
-           "spreads where every seed's value is > 0, the geometric mean and the t interval of the logarithms, "
-           "transformed back")
+CI_TEXT = ("95% t interval over seeds of the per-seed means over batches; for the shares, the spreads and the "
+           "layer-scope diagonal scales where every seed's value is > 0, the geometric mean and the t interval of "
+           "the logarithms, transformed back")
 SAMPLES_MAX_BATCH = 128  # the per-sample scatter is stored at the largest batch size up to this
 
 # (plain model, corrected model, layer, what): the pairs the scatter figure draws when measured
@@ -274,6 +275,11 @@ class ProbeOptions:
         object.__setattr__(self, "batch_sizes", tuple(parse_int_list(self.batch_sizes, "batch_sizes")))
         for name, minimum in (("seeds", 1), ("seed", 0), ("batches", 1)):
             object.__setattr__(self, name, check_int(name, getattr(self, name), minimum=minimum))
+        from affdiv.experiments.runs.config import MAX_SEED
+
+        if self.seed + self.seeds - 1 > MAX_SEED:
+            raise ValueError(f"seed must be <= {MAX_SEED} - seeds + 1 (the last seed in torch's seed range), "
+                             f"got {self.seed} with seeds {self.seeds}")
         for name, valid in (("scope", SCOPES), ("dtype", DTYPES), ("loss", LOSSES)):
             if getattr(self, name) not in valid:
                 raise ValueError(f"{name} must be one of {', '.join(valid)}, got {getattr(self, name)!r}")
@@ -501,6 +507,8 @@ def aggregate(rows: Sequence[dict], keys: tuple[str, ...]) -> list[Group]:
     if unknown or not keys:
         raise ValueError(f"keys must be some of {', '.join(GROUP_KEYS)}, got {keys!r}")
     kinds = {(r["model"], r["layer"]): r.get("kind") for r in rows if "kind" in r}
+    network = any(r.get("scope") == "network" for r in rows)
+    log_scale = LOG_SCALE_METRICS - (SIGNED_AT_NETWORK_SCOPE if network else frozenset())
 
     def order(item):  # numbers (batch sizes) as numbers, names as text
         return tuple((0, k, "") if isinstance(k, (int, float)) else (1, 0, str(k)) for k in item[0])
@@ -510,7 +518,7 @@ def aggregate(rows: Sequence[dict], keys: tuple[str, ...]) -> list[Group]:
         fields = dict(zip(keys, key))
         if "layer" in keys and "kind" not in keys:
             fields["kind"] = kinds.get((fields["model"], fields["layer"]))
-        cells = {metric: interval([s.get(metric) for s in by_seed.values()], log_scale=metric in LOG_SCALE_METRICS,
+        cells = {metric: interval([s.get(metric) for s in by_seed.values()], log_scale=metric in log_scale,
                                    non_negative=metric in NON_NEGATIVE_METRICS)
                  for metric in SUMMARY_METRICS}
         out.append(Group(keys=tuple(keys), seeds=len(by_seed), cells=cells, **fields))
@@ -538,10 +546,10 @@ def to_markdown(summary: Summary, *, data: str, models: Sequence[str], options: 
     intro = (f"Models: {', '.join(models)}. Batch sizes {list(options.batch_sizes)}, {options.seeds} seeds × "
              f"{options.batches} batches, {options.dtype}, fresh models in train mode, loss: mean "
              f"{options.loss}, η = {options.lr}. Each cell: mean over seeds of the per-seed mean over batches "
-             "[95% t interval over seeds]. The diagonal scales, off-diagonal shares and their spreads are "
-             "averaged on the log scale where every seed's value is > 0: the geometric mean over seeds and the t "
-             "interval of the logarithms, transformed back, so the interval stays positive (otherwise the plain "
-             "mean; a network-scope diagonal scale can be negative).")
+             "[95% t interval over seeds]. The off-diagonal shares, the spreads and, at layer scope, the diagonal "
+             "scales are averaged on the log scale where every seed's value is > 0: the geometric mean over seeds "
+             "and the t interval of the logarithms, transformed back, so the interval stays positive. At network "
+             "scope a diagonal scale is signed and averaged on the plain scale.")
     layers = summary.layers_per_kind()
     by_kind = [[g.kind, g.batch_size, layers.get(g.kind, 0), _cell(g.cells["off_diagonal_share_median"], True),
                 _cell(g.cells["cosine_mean"], True), _cell(g.cells["diagonal_scale_mean"]),

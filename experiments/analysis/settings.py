@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from affdiv.checks import check_int
 from affdiv.vocabulary import DEFAULT_BASELINES, DEFAULT_CORRECTED, FIXED_BUDGET, STEPS_TO_TARGET, TARGET_METRIC
@@ -62,6 +62,9 @@ class AnalysisSettings:
     contrast_margin: float | None = None
     test_baselines: bool | None = None
     primary_target: float | None = None
+    #: the settings a caller named (:meth:`from_mapping` records its mapping's keys): :meth:`given`
+    #: counts them even where they equal the default
+    named: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for role in ("corrected", "baselines"):  # any sequence of names is kept as a tuple
@@ -78,7 +81,7 @@ class AnalysisSettings:
     @classmethod
     def keys(cls) -> tuple[str, ...]:
         """The names of the settings, in the order of the fields."""
-        return tuple(f.name for f in fields(cls))
+        return tuple(f.name for f in fields(cls) if f.name != "named")
 
     @classmethod
     def from_mapping(cls, mapping: Mapping, *, methods: Sequence[str] | None = None,
@@ -93,7 +96,7 @@ class AnalysisSettings:
         if unknown:
             raise ValueError(f"{prefix}unknown setting(s) {unknown}; expected among {list(cls.keys())}")
         try:
-            settings = cls(**mapping)
+            settings = cls(**mapping, named=frozenset(mapping))
         except ValueError as error:
             raise ValueError(f"{prefix}{error}") from None
         if methods is not None:
@@ -108,9 +111,9 @@ class AnalysisSettings:
         return dataclasses.replace(self, **changes)
 
     def given(self) -> list[str]:
-        """The names of the settings that differ from their defaults."""
+        """The names of the settings a caller named (:meth:`from_mapping`) or that differ from their defaults."""
         default = AnalysisSettings()
-        return [k for k in self.keys() if getattr(self, k) != getattr(default, k)]
+        return [k for k in self.keys() if k in self.named or getattr(self, k) != getattr(default, k)]
 
 
 def _number(value) -> bool:
@@ -142,6 +145,10 @@ def _check(settings: AnalysisSettings) -> None:
     if 0 < settings.n_boot < MIN_BOOT:
         raise ValueError(f"n_boot (draws of a percentile CI) must be 0 (no bootstrap) or >= {MIN_BOOT}, "
                          f"got {settings.n_boot}")
+    if settings.metric is not None and settings.design == FIXED_BUDGET and settings.n_boot < MIN_BOOT:
+        # (with no metric the design is not known yet: the analysis checks it once it is)
+        raise ValueError(f"n_boot (draws of a percentile CI) must be >= {MIN_BOOT} for a fixed budget "
+                         f"(metric {settings.metric!r}), got {settings.n_boot}")
     for role in ("corrected", "baselines"):
         value = getattr(settings, role)
         if not isinstance(value, tuple) or not all(isinstance(m, str) for m in value):
@@ -149,13 +156,6 @@ def _check(settings: AnalysisSettings) -> None:
     both = sorted(set(settings.corrected) & set(settings.baselines))
     if both:
         raise ValueError(f"a method cannot be both corrected and baseline: {both}")
-
-
-def check_settings(settings: Mapping, *, methods: Sequence[str] | None = None, where: str = "analysis") -> None:
-    """Refuse analysis settings (a preset's ``[analysis]`` table) before any work: what
-    :meth:`AnalysisSettings.from_mapping` refuses. Raises ValueError naming ``where``, the setting
-    and the value."""
-    AnalysisSettings.from_mapping(settings, methods=methods, where=where)
 
 
 def fixed_budget_only(given: Iterable[str]) -> list[str]:

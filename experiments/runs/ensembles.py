@@ -19,7 +19,7 @@ import torch
 
 from affdiv.experiments.runs.config import RunConfig, candidates, canonical_json, config_hash
 from affdiv.experiments.runs.models import build_network
-from affdiv.experiments.runs.options import DEFAULT_ENSEMBLE_MEMORY, parse_memory  # noqa: F401  (their home before)
+from affdiv.experiments.runs.options import DEFAULT_ENSEMBLE_MEMORY
 from affdiv.experiments.runs.stacked import eval_chunk, layer_outputs
 
 # Settings in which runs of one ensemble may differ.

@@ -11,7 +11,7 @@ from affdiv.cli import main
 from affdiv.experiments.analysis import calibration, critical_batch, decision
 from affdiv.experiments.analysis.calibration import CalibrationOptions, Layout, calibrate, simulate_records
 from affdiv.experiments.analysis.design import StudyAnalysis, analyse_study, design_of, designs, joint, overall
-from affdiv.experiments.analysis.settings import FIXED_BUDGET_ONLY, AnalysisSettings, check_settings
+from affdiv.experiments.analysis.settings import FIXED_BUDGET_ONLY, AnalysisSettings
 from affdiv.vocabulary import FIXED_BUDGET, STEPS_TO_TARGET, TARGET_METRIC
 
 
@@ -66,8 +66,8 @@ def test_bad_settings_are_one_line_naming_the_key(table, message):
 
 def test_names_of_the_roles_are_checked_against_the_methods():
     with pytest.raises(ValueError, match=r"^x: baselines: unknown method\(s\) \['afine'\]; the methods are"):
-        check_settings({"baselines": ["afine"]}, methods=["affine", "norm_l2"], where="x")
-    check_settings({"baselines": ["affine"]}, methods=["affine", "norm_l2"], where="x")
+        AnalysisSettings.from_mapping({"baselines": ["afine"]}, methods=["affine", "norm_l2"], where="x")
+    AnalysisSettings.from_mapping({"baselines": ["affine"]}, methods=["affine", "norm_l2"], where="x")
 
 
 def test_both_results_have_the_shape_of_a_study_analysis():
@@ -100,6 +100,11 @@ def test_each_design_refuses_the_others_settings():
         critical_batch.analyse_target(fixed_records(), AnalysisSettings())
     with pytest.raises(ValueError, match=r"n_boot .* must be >= 100 for a fixed budget, got 0"):
         decision.analyse(fixed_records(), AnalysisSettings(n_boot=0))
+    # with the metric known, the settings refuse it themselves (a preset's, before any run trains)
+    with pytest.raises(ValueError,
+                       match=r"^n_boot .* must be >= 100 for a fixed budget \(metric 'test_accuracy'\), got 0$"):
+        AnalysisSettings(metric="test_accuracy", n_boot=0)
+    AnalysisSettings(metric=TARGET_METRIC, n_boot=0)  # steps to a target: no bootstrap is allowed
 
 
 def test_the_verdict_across_groups_is_one_rule_for_both_designs():

@@ -9,7 +9,7 @@ import torch
 
 from affdiv.cli import main
 from affdiv.experiments.data.dataset import load_dataset
-from affdiv.experiments.pipeline import REPORT_FILES
+from affdiv.experiments.plan import REPORT_FILES
 from affdiv.experiments.runs.config import RunConfig, config_hash
 from affdiv.experiments.runs.factories import resolve
 from affdiv.experiments.runs.models import build_network

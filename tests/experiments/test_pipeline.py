@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from affdiv.cli import main
-from affdiv.experiments.pipeline import REPORT_FILES
+from affdiv.experiments.plan import REPORT_FILES
 
 # A grid that trains in a few seconds (tests/presets/quick.toml).
 PRESET = (Path(__file__).parents[1] / "presets" / "quick.toml").read_text()
@@ -328,6 +328,13 @@ def test_analyse_refuses_method_names_not_in_the_records(tmp_path, capsys, optio
             "the methods in", "are ['affine', 'norm_l2']")
 
 
+def test_analyse_refuses_named_method_names_even_when_they_are_the_defaults(tmp_path, capsys):
+    path = planted_csv(tmp_path / "runs.csv")  # methods affine and norm_l2: no affine_like, no patchnorm
+    refused(capsys, ["analyse", "--input", str(path), "--out", str(tmp_path / "out"), "--corrected", "affine_like",
+                     "norm_l2", "patchnorm"],
+            "--corrected: unknown method(s) ['affine_like', 'patchnorm']", "are ['affine', 'norm_l2']")
+
+
 def test_analyse_refuses_to_overwrite_its_input(tmp_path, capsys):
     folder = tmp_path / "report"
     folder.mkdir()
@@ -630,10 +637,10 @@ def test_falsify_probe_every_keeps_divergence_measurements_and_their_record_colu
 @pytest.mark.parametrize("setting, value", [("contrast_margin", 0.0), ("contrast_margin", float("inf")),
                                             ("test_baselines", "yes")])
 def test_bad_contrast_settings_are_refused_before_work(setting, value):
-    from affdiv.experiments.analysis.settings import check_settings
+    from affdiv.experiments.analysis.settings import AnalysisSettings
 
     with pytest.raises(ValueError, match=f"analyse: {setting} must be"):
-        check_settings({setting: value}, where="analyse")
+        AnalysisSettings.from_mapping({setting: value}, where="analyse")
 
 
 def test_a_preset_path_that_is_missing_or_not_toml_is_named(tmp_path, capsys):

@@ -174,6 +174,8 @@ def test_the_summary_is_typed_and_writes_the_rows_of_probe_json():
     ("batch_sizes", "8,0", "batch_sizes must be comma-separated positive integers"),
     ("seeds", 0, "seeds must be an integer >= 1, got 0"),
     ("seed", -1, "seed must be an integer >= 0, got -1"),
+    ("seed", 2**64 - 2, "seed must be <= 18446744073709551615 - seeds + 1 (the last seed in torch's seed range), "
+                        "got 18446744073709551614 with seeds 3"),
     ("batches", 1.5, "batches must be an integer >= 1"),
     ("scope", "model", "scope must be one of layer, network, got 'model'"),
     ("dtype", "float16", "dtype must be one of float64, float32"),
@@ -280,6 +282,12 @@ def test_positive_quantities_get_a_positive_interval_from_the_log_scale():
     low, high = row.ci("diagonal_scale_mean")
     assert row.value("diagonal_scale_mean") == pytest.approx(1.75)
     assert low == pytest.approx(1.75 - 12.706204736174707 * 4.5 / 2) and low < 0 < 1.75 < high
+    for row_ in rows:  # at network scope a diagonal scale is averaged on the plain scale in every cell
+        row_["scope"] = "network"
+    rows[1]["diagonal_scale_mean"] = 0.25
+    (row,) = aggregate(rows, ("model", "layer", "batch_size"))
+    assert row.value("diagonal_scale_mean") == pytest.approx(2.125)  # the plain mean of 4 and 1/4, all > 0
+    assert row.value("off_diagonal_share_mean") == pytest.approx(2.0)
 
 
 MODELS = """

@@ -14,9 +14,10 @@ from affdiv.experiments.data.dataset import load_dataset
 from affdiv.experiments.runs import training
 from affdiv.experiments.runs.batched import BatchedEnsemble, batched_layers
 from affdiv.experiments.runs.config import METHODS, RunConfig, architecture, config_hash
-from affdiv.experiments.runs.ensembles import ensemble_key, member_bytes, parse_memory, plan_ensembles
+from affdiv.experiments.runs.ensembles import ensemble_key, member_bytes, plan_ensembles
 from affdiv.experiments.runs.models import build_model
 from affdiv.experiments.runs.optimizers import StackedOptimizer, make_optimizer
+from affdiv.experiments.runs.options import parse_memory
 from affdiv.experiments.runs.stacked import StackedEnsemble, stack_failure
 from affdiv.experiments.runs.training import Measurement, train_group, train_run, train_runs
 
