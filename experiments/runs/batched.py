@@ -1,7 +1,7 @@
 """K models of one plain architecture trained as one: batched layers over stacked weights.
 
-For an ``nn.Sequential`` of the layers in :data:`LAYER_NAMES` (every MLP method and the conv and
-conv+batchnorm CNNs of :mod:`~affdiv.experiments.runs.models`), :class:`BatchedEnsemble` runs the
+For an ``nn.Sequential`` of the layers in :data:`LAYER_NAMES` (every MLP method and the conv,
+conv+batchnorm and patchnorm CNNs of :mod:`~affdiv.experiments.runs.models`), :class:`BatchedEnsemble` runs the
 K stacked models as one ordinary autograd graph, without ``torch.func``: the activations of an
 MLP are (K, B, F) and a linear layer is one batched product, z_kᵀ = W_k x_kᵀ + b_k
 (``baddbmm``); the activations of a CNN are (B, K·C, H, W) in channels-last memory order, so a
@@ -23,9 +23,10 @@ Checks evaluate one chunk of validation samples for all the models on that split
 linear layer is then one GEMM with the K weights side by side (a first convolution one dense
 convolution), and models on different splits of one size are evaluated in one pass per chunk.
 
-AffineLike and NormLike are written here with torch operations (their formulas,
+AffineLike, NormLike and PatchNormConv2d are written here with torch operations (their formulas,
 :mod:`affdiv.layers.functional`), not their fused kernels. Any other layer, or a layer setting
-not listed (a strided or dilated convolution, a normalisation over more than the last dimension),
+not listed (a strided or dilated convolution, a grouped PatchNorm convolution, a normalisation
+over more than the last dimension),
 makes :func:`batched_layers` return None: such a model trains on the vmapped engine.
 """
 
@@ -130,6 +131,21 @@ def _conv2d(module: nn.Conv2d) -> Layer:
     return layer
 
 
+def _patchnorm_conv2d(module: nn.Conv2d) -> Layer:
+    """PatchNormConv2d, z = (W ⋆ x + b)/√(‖patch‖² + 1) at each output position: the grouped
+    convolution of :func:`_conv2d`, divided by the norms of each model's patches, ‖patch‖² = 1 ⋆ x²
+    (one more grouped convolution, of x² with a kernel of ones per model; zero padding adds 0)."""
+    convolve = _conv2d(module)
+
+    def layer(x: Tensor, p: Stacked, k: int, training: bool) -> Tensor:
+        x = _to_channels(x, k)
+        z = convolve(x, p, k, training)
+        ones = x.new_ones(k, x.shape[1] // k, *module.kernel_size)
+        squared = F.conv2d(x.square(), ones, None, module.stride, module.padding, module.dilation, k)
+        return z / (squared + 1).sqrt().repeat_interleave(z.shape[1] // k, dim=1)
+    return layer
+
+
 def _elementwise(module: nn.Module) -> Layer:
     return lambda x, _p, _k, _training: module(x)
 
@@ -144,7 +160,7 @@ def _flatten(x: Tensor, _p: Stacked, k: int, _training: bool) -> Tensor:
 
 def _layer(module: nn.Module) -> Layer | None:
     """The batched form of ``module``, or None where there is none."""
-    from affdiv.layers import AffineLike, NormLike
+    from affdiv.layers import AffineLike, NormLike, PatchNormConv2d
 
     kind = type(module)
     if kind is nn.Linear:
@@ -164,9 +180,12 @@ def _layer(module: nn.Module) -> Layer | None:
         return _layer_norm(module)
     if kind is nn.RMSNorm and len(module.normalized_shape) == 1:
         return _rms_norm(module)
-    if kind is nn.Conv2d and module.padding_mode == "zeros" and module.stride == (1, 1) \
+    if kind in (nn.Conv2d, PatchNormConv2d) and module.padding_mode == "zeros" and module.stride == (1, 1) \
             and module.dilation == (1, 1) and not isinstance(module.padding, str):
-        return _conv2d(module)
+        if kind is nn.Conv2d:
+            return _conv2d(module)
+        if module.groups == 1:  # (a grouped PatchNorm convolution's patch is its group's channels)
+            return _patchnorm_conv2d(module)
     if kind is nn.MaxPool2d or (kind is nn.AdaptiveAvgPool2d and module.output_size in (1, (1, 1))):
         return _pool(module)
     return None
@@ -291,4 +310,4 @@ def _loss_sums(logits: Tensor, y: Tensor) -> Tensor:
 
 #: The layer types :func:`batched_layers` takes (some only in the settings it checks).
 LAYER_NAMES = ("Linear", "AffineLike", "NormLike", "Tanh", "ReLU", "GELU", "Identity", "Flatten", "BatchNorm1d",
-               "BatchNorm2d", "LayerNorm", "RMSNorm", "Conv2d", "MaxPool2d", "AdaptiveAvgPool2d")
+               "BatchNorm2d", "LayerNorm", "RMSNorm", "Conv2d", "PatchNormConv2d", "MaxPool2d", "AdaptiveAvgPool2d")

@@ -216,10 +216,10 @@ def test_runs_on_different_data_splits_stack(digits, engine):
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_every_mlp_and_cnn_method_but_patchnorm_takes_the_batched_engine(method):
+def test_every_mlp_and_cnn_method_takes_the_batched_engine(method):
     # The vit methods' attention has no batched form: they train vmapped.
     model = build_model(method, input_shape=(1, 8, 8), num_classes=10, depth=2, width=4, activation="gelu")
-    vmapped = method == "patchnorm" or architecture(method) == "vit"
+    vmapped = architecture(method) == "vit"
     assert training.stacked_engine(model) is (StackedEnsemble if vmapped else BatchedEnsemble)
 
 
@@ -374,7 +374,7 @@ def test_a_run_counts_its_seconds_in_checks(digits, monkeypatch, stacked):
 
 
 @pytest.mark.parametrize("activation", ["gelu", "tanh"])
-@pytest.mark.parametrize("method", [m for m in METHODS if m != "patchnorm" and architecture(m) != "vit"])
+@pytest.mark.parametrize("method", [m for m in METHODS if architecture(m) != "vit"])
 def test_batched_logits_are_each_models_own(method, activation):
     # float64, one forward: the same formulas summed in other orders, 2γ_n·κ with n ≤ 64 and κ ≤ 10²
     # per layer, two hidden layers and the read-out: ≤ 3 · 1.5e-14 · 100 ≈ 5e-12 relative.
