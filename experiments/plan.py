@@ -140,11 +140,12 @@ def plan_study(preset: str | Path | Preset, overrides: StudyOverrides | None = N
         configs = tuple(config.check() for config in study.configs)
         where = f"preset {preset.name!r} [analysis] of study {study.name!r}"
         methods = sorted({*METHODS, *(c.method for c in configs)})
-        analysis = AnalysisSettings.from_mapping(study.analysis, methods=methods, where=where)
-        metric = analysis.metric or default_metric({c.budget for c in configs}, database=True, where=where)
+        given_metric = AnalysisSettings.from_mapping(study.analysis, methods=methods, where=where).metric
+        metric = given_metric or default_metric({c.budget for c in configs}, database=True, where=where)
+        # checked again with the metric it is analysed by (a fixed budget's n_boot, ...)
+        analysis = AnalysisSettings.from_mapping({**study.analysis, "metric": metric}, methods=methods, where=where)
         check_study_analysis(configs, study.analysis, metric=metric, where=where)
         hashes = tuple(sorted(config_hash(c.to_dict()) for c in configs))
-        analysis = analysis.replace(metric=metric)
         planned.append(PlannedStudy(study.name, configs, hashes, analysis, metric))
     runs = {config_hash(c.to_dict()): c for study in planned for c in study.configs}
     given = options or SweepOptions()

@@ -29,9 +29,10 @@ seeds (seeds are the independent units: batches of one seed share its initialisa
 where undefined (one seed, or a metric undefined in every batch). The off-diagonal shares, the
 spreads and, at layer scope, the diagonal scales are averaged on the log scale where every seed's
 value is > 0: the geometric mean over seeds and the t interval of the logarithms, transformed back,
-so that the interval stays positive (where a seed's value is exactly 0: the plain mean, its interval
-cut at 0). At network scope a diagonal scale is signed (another parameter's step can oppose a
-sample's own): there it is averaged on the plain scale, in every cell.
+so that the interval stays positive (where a seed's value is ≤ 0: the plain mean, its interval cut
+at 0 for the shares and spreads, which cannot be negative). At network scope a diagonal scale is
+signed (another parameter's step can oppose a sample's own): there it is averaged on the plain
+scale, in every cell.
 
 Written to --out: probe.json (rows per model, layer and batch size; per layer kind and batch
 size; per-sample diagonal scales and input norms at one batch size for the scatter figure;

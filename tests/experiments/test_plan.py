@@ -177,9 +177,10 @@ def test_the_plan_refuses_settings_the_runs_cannot_take(tmp_path):
     preset.write_text(PRESET.replace("length = 1", "length = inf"))
     with pytest.raises(ValueError, match=r"^preset 'quick' \[run\] length: inf is not a finite number"):
         plan_study(str(preset))
-    preset.write_text(PRESET + "n_boot = 0\n")  # a fixed budget's intervals need a bootstrap: refused before any run
-    with pytest.raises(ValueError, match=r"^preset 'quick' \[analysis\] of study 'quick': n_boot .* >= 100 for"):
-        plan_study(str(preset))
+    for text in (PRESET + "n_boot = 0\n", PRESET.replace('metric = "test_accuracy"', "n_boot = 0")):
+        preset.write_text(text)  # a fixed budget's intervals need a bootstrap: refused before any run, the metric
+        with pytest.raises(ValueError, match=r"^preset 'quick' \[analysis\] of study 'quick': n_boot .* >= 100 for"):
+            plan_study(str(preset))  # named or not
 
 
 def test_preflight_checks_before_anything_is_written(tmp_path):
