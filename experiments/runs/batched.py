@@ -132,9 +132,11 @@ def _conv2d(module: nn.Conv2d) -> Layer:
 
 
 def _patchnorm_conv2d(module: nn.Conv2d) -> Layer:
-    """PatchNormConv2d, z = (W ⋆ x + b)/√(‖patch‖² + 1) at each output position: the grouped
-    convolution of :func:`_conv2d`, divided by the norms of each model's patches, ‖patch‖² = 1 ⋆ x²
-    (one more grouped convolution, of x² with a kernel of ones per model; zero padding adds 0)."""
+    """PatchNormConv2d, z = (W ⋆ x + b)·r with r = 1/√(‖patch‖² + 1) at each output position: the
+    grouped convolution of :func:`_conv2d` times the inverse norms of each model's patches,
+    ‖patch‖² = 1 ⋆ x² (one more grouped convolution, of x² with a kernel of ones per model; zero
+    padding adds 0). Model k's r (B, H, W) scales its C_out channels as a broadcast over the
+    (B, K, C_out, H, W) view of z, in z's channels-last order (no copy of r per channel)."""
     convolve = _conv2d(module)
 
     def layer(x: Tensor, p: Stacked, k: int, training: bool) -> Tensor:
@@ -142,7 +144,7 @@ def _patchnorm_conv2d(module: nn.Conv2d) -> Layer:
         z = convolve(x, p, k, training)
         ones = x.new_ones(k, x.shape[1] // k, *module.kernel_size)
         squared = F.conv2d(x.square(), ones, None, module.stride, module.padding, module.dilation, k)
-        return z / (squared + 1).sqrt().repeat_interleave(z.shape[1] // k, dim=1)
+        return (z.unflatten(1, (k, -1)) * (squared + 1).rsqrt().unsqueeze(2)).flatten(1, 2)
     return layer
 
 
@@ -216,7 +218,9 @@ def _shared_input(x: Tensor, module: nn.Module, p: Stacked, k: int) -> tuple[Ten
     for all), or None where it has no such form (the input is then repeated per model). A linear
     layer is one matrix product with the K stacked weights side by side, x [W_1; ...; W_K]ᵀ, and a
     convolution one dense convolution with K·C_out output channels, the (B, K·C, H, W) layout of a
-    batched CNN; a flatten keeps the input shared."""
+    batched CNN (not on one input channel: the output would then come out in NCHW order, not
+    channels-last, and the layers after it run several times slower on it; the input is repeated
+    instead); a flatten keeps the input shared."""
     if type(module) is nn.Flatten:
         return x.flatten(1), True
     w = p.get("weight")
@@ -224,7 +228,7 @@ def _shared_input(x: Tensor, module: nn.Module, p: Stacked, k: int) -> tuple[Ten
         w = w.reshape(-1, w.shape[2])
         z = torch.addmm(p["bias"].reshape(-1), x, w.t()) if "bias" in p else x @ w.t()
         return z.view(x.shape[0], k, -1).transpose(0, 1), False
-    if type(module) is nn.Conv2d and module.groups == 1:
+    if type(module) is nn.Conv2d and module.groups == 1 and x.shape[1] > 1:
         z = F.conv2d(x.contiguous(memory_format=torch.channels_last), w.reshape(-1, *w.shape[2:]),
                      p["bias"].reshape(-1) if "bias" in p else None, module.stride, module.padding, module.dilation)
         return z, False

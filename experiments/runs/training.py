@@ -330,20 +330,26 @@ class _Run:
         self.candidates += fresh
         return fresh
 
-    def result(self, tensors: _Tensors) -> RunResult:
-        """The primary target's chosen candidate's metrics and curves, its test split evaluated
-        once (seconds: 0), every candidate's curve under the target budget. The metrics are those
-        of the model at its last read, or, when it trained on towards a higher target after
-        reaching the primary one, at the read that reached it (its model kept then)."""
+    def tested(self) -> tuple[torch.nn.Module | None, dict]:
+        """The model whose test split :meth:`result` reports (None: it diverged, nothing to
+        evaluate) and the read its metrics come from: the primary target's chosen candidate at its
+        last read, or, when it trained on towards a higher target after reaching the primary one,
+        at the read that reached it (its model kept then)."""
         config, best = self.config, self.best()
         model, last = best.model, best.curves[-1]
         if best.at_primary is not None:
             model = best.at_primary
             last = next(p for p in best.curves if p["step"] == best.reached[config.target])
-        if model is best.model and best.diverged:
+        return (None if model is best.model and best.diverged else model), last
+
+    def result(self, test: dict | None) -> RunResult:
+        """The chosen candidate's metrics and curves (seconds: 0), every candidate's curve under
+        the target budget; ``test`` is its model's test loss and accuracy (None where it diverged:
+        loss nan, accuracy at chance)."""
+        config, best = self.config, self.best()
+        _model, last = self.tested()
+        if test is None:
             test = {"loss": float("nan"), "accuracy": 1.0 / self.data.num_classes}
-        else:
-            test = evaluate(model, *tensors(self.data, "test"))
         lrs = self.lrs()
         metrics = {
             "test_accuracy": test["accuracy"],
@@ -351,7 +357,7 @@ class _Run:
             "val_accuracy": last["val_metric"],
             "val_loss": last["val_loss"],
             "train_loss": last["train_loss"],
-            "diverged": int(best.diverged and model is best.model),
+            "diverged": int(best.diverged and best.at_primary is None),
             "lr": best.lr,
             # A tuned LR on the edge of the lrs tried may not be the optimum.
             "lr_at_grid_edge": int(config.lr_rule == "tuned" and best.lr in (lrs[0], lrs[-1])),
@@ -541,7 +547,7 @@ def train_runs(configs: Sequence[RunConfig], datasets: Sequence, *, stacked: boo
     """Train ``configs`` (one :func:`~affdiv.experiments.runs.ensembles.ensemble_key`; each on its
     dataset) in lockstep, all candidates as one stacked ensemble or as separate modules; one
     result per config. A run's seconds are the training time in proportion to its model-steps,
-    plus its own test evaluation."""
+    plus an equal share of the test evaluation (one pass for all the runs when stacked)."""
     if len({ensemble_key(c) for c in configs}) > 1:
         raise ValueError("train_runs needs runs that differ only in seed, data split and learning-rate settings; "
                          f"got {len({ensemble_key(c) for c in configs})} kinds")
@@ -554,14 +560,35 @@ def train_runs(configs: Sequence[RunConfig], datasets: Sequence, *, stacked: boo
         pending = [cand for run in runs for cand in run.extend()]
     trained = time.perf_counter() - start
     model_steps = [sum(c.curves[-1]["step"] for c in run.candidates) for run in runs]
+    begin = time.perf_counter()
+    tests = _test(runs, tensors, stacked)
+    tested = (time.perf_counter() - begin) / len(runs)
     results = []
-    for run, steps in zip(runs, model_steps):
-        begin = time.perf_counter()
-        result = run.result(tensors)
-        result.seconds = trained * steps / sum(model_steps) + time.perf_counter() - begin
+    for run, steps, test in zip(runs, model_steps, tests):
+        result = run.result(test)
+        result.seconds = trained * steps / sum(model_steps) + tested
         result.check_seconds = sum(c.check_seconds for c in run.candidates)
         results.append(result)
     return results
+
+
+def _test(runs: Sequence[_Run], tensors: _Tensors, stacked: bool) -> list[dict | None]:
+    """Each run's tested model (:meth:`_Run.tested`) evaluated on its test split, None where it
+    diverged: stacked, the models of all the runs in one evaluation by the stacked engine (its
+    checks' code; the optimiser it is built with never steps), else one at a time."""
+    models = [run.tested()[0] for run in runs]
+    index = [i for i, model in enumerate(models) if model is not None]
+    splits = [tensors(runs[i].data, "test") for i in index]
+    if stacked and len(index) > 1:
+        picked = [models[i] for i in index]
+        engine = _stacked(picked, "sgd", [0.0] * len(picked), [None] * len(picked), splits, splits)
+        metrics = engine.evaluate()
+    else:
+        metrics = [evaluate(models[i], *split) for i, split in zip(index, splits)]
+    tests: list[dict | None] = [None] * len(runs)
+    for i, metric in zip(index, metrics):
+        tests[i] = metric
+    return tests
 
 
 def train_run(config: RunConfig, data, measurements: Sequence[Measurement] = ()) -> RunResult:

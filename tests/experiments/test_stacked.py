@@ -365,7 +365,8 @@ def test_a_run_counts_its_seconds_in_checks(digits, monkeypatch, stacked):
                 eval_every=5, length=20, grid_extensions=0)
     configs = [RunConfig(**base, seed=0), RunConfig(**base, seed=1, lr_rule="tuned", lr_grid=(0.05, 0.1))]
     results = train_runs(configs, [digits] * 2, stacked=stacked)
-    assert [len(r.curves) for r in results] == [4, 4] and waits == [3] * 4
+    # (4 checks of the 3 models; stacked, the 2 runs' test splits are then evaluated in one pass too)
+    assert [len(r.curves) for r in results] == [4, 4] and waits == [3] * 4 + [2] * stacked
     for result, models in zip(results, (1, 2)):
         assert 0.05 * 4 * models / 3 <= result.check_seconds <= result.seconds, (result.check_seconds, result.seconds)
     no_val = train_runs([RunConfig(**{**base, "budget": "steps", "val_fraction": 0.0}, seed=0)],
