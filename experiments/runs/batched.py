@@ -19,9 +19,10 @@ alone (or by the vmapped :class:`~affdiv.experiments.runs.stacked.StackedEnsembl
 order of summation inside those kernels, within the bound the tests state for the vmapped
 engine. In float32 they may differ from the vmapped engine's at rounding level.
 
-Checks evaluate one chunk of validation samples for all the models on that split: the first
-linear layer is then one GEMM with the K weights side by side (a first convolution one dense
-convolution), and models on different splits of one size are evaluated in one pass per chunk.
+Checks, and the runs' test splits after training, evaluate one chunk of samples for all the
+models on that split: the first linear layer is then one GEMM with the K weights side by side (a
+first convolution on more than one input channel one dense convolution), and models on different
+splits of one size are evaluated in one pass per chunk.
 
 AffineLike, NormLike and PatchNormConv2d are written here with torch operations (their formulas,
 :mod:`affdiv.layers.functional`), not their fused kernels. Any other layer, or a layer setting

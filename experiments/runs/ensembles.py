@@ -55,7 +55,7 @@ def member_bytes(config: RunConfig, input_shape: Sequence[int], num_classes: int
     params = sum(p.numel() for p in model.parameters())
     sample = math.prod(input_shape)
     train = 3 * sum(outputs) * config.batch_size + config.batch_size * sample
-    chunk = eval_chunk(outputs)
+    chunk = eval_chunk(outputs, config.device)
     evaluation = (2 * max(outputs) + sample) * chunk
     element = torch.finfo(getattr(torch, config.dtype)).bits // 8
     return element * (_PARAMETER_COPIES[config.optimizer] * params + max(train, evaluation))

@@ -342,13 +342,12 @@ class _Run:
             last = next(p for p in best.curves if p["step"] == best.reached[config.target])
         return (None if model is best.model and best.diverged else model), last
 
-    def result(self, test: dict | None) -> RunResult:
+    def result(self, last: dict, test: dict | None) -> RunResult:
         """The chosen candidate's metrics and curves (seconds: 0), every candidate's curve under
-        the target budget; ``test`` is its model's test loss and accuracy (None where it diverged:
-        loss nan, accuracy at chance)."""
-        config, best = self.config, self.best()
-        _model, last = self.tested()
-        if test is None:
+        the target budget, from :meth:`tested`'s read ``last`` and its model's test loss and
+        accuracy ``test`` (None where it diverged: loss nan, accuracy at chance)."""
+        config, best, diverged = self.config, self.best(), test is None
+        if diverged:
             test = {"loss": float("nan"), "accuracy": 1.0 / self.data.num_classes}
         lrs = self.lrs()
         metrics = {
@@ -357,7 +356,7 @@ class _Run:
             "val_accuracy": last["val_metric"],
             "val_loss": last["val_loss"],
             "train_loss": last["train_loss"],
-            "diverged": int(best.diverged and best.at_primary is None),
+            "diverged": int(diverged),
             "lr": best.lr,
             # A tuned LR on the edge of the lrs tried may not be the optimum.
             "lr_at_grid_edge": int(config.lr_rule == "tuned" and best.lr in (lrs[0], lrs[-1])),
@@ -547,7 +546,8 @@ def train_runs(configs: Sequence[RunConfig], datasets: Sequence, *, stacked: boo
     """Train ``configs`` (one :func:`~affdiv.experiments.runs.ensembles.ensemble_key`; each on its
     dataset) in lockstep, all candidates as one stacked ensemble or as separate modules; one
     result per config. A run's seconds are the training time in proportion to its model-steps,
-    plus an equal share of the test evaluation (one pass for all the runs when stacked)."""
+    plus an equal share of the test evaluation (one pass for all the runs when stacked) unless it
+    diverged (then it has no test evaluation)."""
     if len({ensemble_key(c) for c in configs}) > 1:
         raise ValueError("train_runs needs runs that differ only in seed, data split and learning-rate settings; "
                          f"got {len({ensemble_key(c) for c in configs})} kinds")
@@ -560,32 +560,33 @@ def train_runs(configs: Sequence[RunConfig], datasets: Sequence, *, stacked: boo
         pending = [cand for run in runs for cand in run.extend()]
     trained = time.perf_counter() - start
     model_steps = [sum(c.curves[-1]["step"] for c in run.candidates) for run in runs]
+    chosen = [run.tested() for run in runs]
     begin = time.perf_counter()
-    tests = _test(runs, tensors, stacked)
-    tested = (time.perf_counter() - begin) / len(runs)
+    tests = _test([model for model, _last in chosen], [run.data for run in runs], tensors, stacked)
+    share = (time.perf_counter() - begin) / max(1, sum(test is not None for test in tests))
     results = []
-    for run, steps, test in zip(runs, model_steps, tests):
-        result = run.result(test)
-        result.seconds = trained * steps / sum(model_steps) + tested
+    for run, steps, (_model, last), test in zip(runs, model_steps, chosen, tests):
+        result = run.result(last, test)
+        result.seconds = trained * steps / sum(model_steps) + (0.0 if test is None else share)
         result.check_seconds = sum(c.check_seconds for c in run.candidates)
         results.append(result)
     return results
 
 
-def _test(runs: Sequence[_Run], tensors: _Tensors, stacked: bool) -> list[dict | None]:
-    """Each run's tested model (:meth:`_Run.tested`) evaluated on its test split, None where it
-    diverged: stacked, the models of all the runs in one evaluation by the stacked engine (its
-    checks' code; the optimiser it is built with never steps), else one at a time."""
-    models = [run.tested()[0] for run in runs]
+def _test(models: Sequence[torch.nn.Module | None], datasets: Sequence, tensors: _Tensors,
+          stacked: bool) -> list[dict | None]:
+    """Each model (:meth:`_Run.tested`'s) evaluated on its dataset's test split, None for None (a
+    diverged run): stacked, all of them in one evaluation by the stacked engine (its checks' code;
+    the optimiser it is built with never steps), else one at a time."""
     index = [i for i, model in enumerate(models) if model is not None]
-    splits = [tensors(runs[i].data, "test") for i in index]
-    if stacked and len(index) > 1:
+    splits = [tensors(datasets[i], "test") for i in index]
+    if stacked and index:
         picked = [models[i] for i in index]
         engine = _stacked(picked, "sgd", [0.0] * len(picked), [None] * len(picked), splits, splits)
         metrics = engine.evaluate()
     else:
         metrics = [evaluate(models[i], *split) for i, split in zip(index, splits)]
-    tests: list[dict | None] = [None] * len(runs)
+    tests: list[dict | None] = [None] * len(models)
     for i, metric in zip(index, metrics):
         tests[i] = metric
     return tests

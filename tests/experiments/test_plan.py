@@ -20,6 +20,7 @@ from affdiv.experiments.plan import (
     preflight,
 )
 from affdiv.experiments.runs.config import MAX_SEED, RunConfig
+from affdiv.experiments.runs.ensembles import plan_ensembles
 from affdiv.experiments.runs.options import DEFAULT_ENSEMBLE_MEMORY, DaskOptions, SweepOptions
 from affdiv.experiments.runs.presets import available_presets, load_preset
 from affdiv.experiments.runs.store import ResultStore, StoredRun
@@ -83,6 +84,17 @@ def test_the_run_keys_of_every_packaged_preset_are_unchanged(name):
         assert study.analysis.metric == study.metric
         assert study.digest == hashlib.sha256("".join(study.hashes).encode()).hexdigest()
         assert list(study.hashes) == sorted(study.hashes) and set(study.hashes) <= set(plan.runs)
+
+
+@pytest.mark.parametrize("name", ["fashion-cnn", "cnn-ladder", "fashion-ladder", "fashion-vit"])
+def test_the_presets_that_say_so_train_one_run_per_unit_of_work(name):
+    # Their [sweep] budget is below every run's estimated size, so a stopped sweep loses at most the
+    # runs in flight and no run's float32 numbers depend on another's (a change to the memory
+    # estimate that lets two runs share an ensemble fails here)
+    preset = load_preset(name)
+    configs = [config for study in preset.studies() for config in study.configs]
+    units = plan_ensembles(configs, lambda _config: ((1, 28, 28), 10), preset.ensemble_memory)
+    assert len(units) == len(configs) and "one run per unit of work" in preset.description
 
 
 def test_overrides_replace_the_grid_axes_and_settings_with_the_keys_of_before():

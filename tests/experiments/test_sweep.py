@@ -366,7 +366,7 @@ def test_a_resumed_stacked_sweep_trains_only_the_missing_runs(tmp_path, sweep_ut
     assert (outcome.ran, outcome.skipped, outcome.units) == (2, 1, 1) and seen == configs[1:]
     # an MLP member's numbers do not depend on its ensemble: its steps, accuracies and training losses
     # bit for bit; its validation and test losses to float32 rounding (a validation or test pass over
-    # 1 or 3 models is one batched matrix product whose blocking, so whose float32 rounding (u = 6e-8
+    # 1, 2 or 3 models is one batched matrix product whose blocking, so whose float32 rounding (u = 6e-8
     # per operation), may depend on the number of models: over the width-8 layers, 1e-6 relative bounds it)
     def split(store):
         rows = [dict(r) for r in store.records()]
