@@ -507,8 +507,11 @@ def aggregate(rows: Sequence[dict], keys: tuple[str, ...]) -> list[Group]:
     unknown = [k for k in keys if k not in GROUP_KEYS]
     if unknown or not keys:
         raise ValueError(f"keys must be some of {', '.join(GROUP_KEYS)}, got {keys!r}")
+    scopes = {r["scope"] for r in rows if "scope" in r}
+    if len(scopes) > 1:  # (which scale a diagonal scale is averaged on depends on the scope)
+        raise ValueError(f"rows of one scope only, got rows of scopes {sorted(scopes)}")
     kinds = {(r["model"], r["layer"]): r.get("kind") for r in rows if "kind" in r}
-    network = any(r.get("scope") == "network" for r in rows)
+    network = scopes == {"network"}
     log_scale = LOG_SCALE_METRICS - (SIGNED_AT_NETWORK_SCOPE if network else frozenset())
 
     def order(item):  # numbers (batch sizes) as numbers, names as text

@@ -288,6 +288,9 @@ def test_positive_quantities_get_a_positive_interval_from_the_log_scale():
     (row,) = aggregate(rows, ("model", "layer", "batch_size"))
     assert row.value("diagonal_scale_mean") == pytest.approx(2.125)  # the plain mean of 4 and 1/4, all > 0
     assert row.value("off_diagonal_share_mean") == pytest.approx(2.0)
+    rows[0]["scope"] = "layer"  # rows of two scopes would need two scales: refused
+    with pytest.raises(ValueError, match=r"rows of one scope only, got rows of scopes \['layer', 'network'\]"):
+        aggregate(rows, ("model", "layer", "batch_size"))
 
 
 MODELS = """
