@@ -54,8 +54,8 @@ from affdiv.experiments.runs.optimizers import StackedOptimizer
 #: other devices. On a CPU a stacked pass's pooling and activations are bound by memory traffic,
 #: and smaller chunks measured faster: fashion-cnn's network, 8 models stacked, 3,000 samples,
 #: one thread, took 0.51-0.57 s in chunks of 32-128 samples, 0.79 s of 256 and 1.19 s of 668 (the
-#: chunk at 2^22). The chunks depend on the architecture and device only, never on how many
-#: models are stacked.
+#: chunk at 2^22; at 2^20 it is 167, between the fast ones and 256). The chunks depend on the
+#: architecture and device only, never on how many models are stacked.
 EVAL_CHUNK = 1024
 EVAL_ELEMENTS = {"cpu": 2**20, "other": 2**22}
 
