@@ -32,6 +32,15 @@ rounds of stacked time / floor time (1 would be every FLOP at the rate of one la
 convolution; above it: memory traffic, small-GEMM inefficiency, elementwise work and Python/dispatch
 overhead). Target: ≤ 1.5.
 
+The step's kernels: the matrix products and convolutions one stacked step ran (every op that
+``torch.utils.flop_counter`` counts, recorded with their shapes, strides and arguments by a
+dispatch mode during one step), replayed on random tensors of the same layouts and timed in every
+round: "kernels ms" per model-step. stacked / kernels is what the step spends outside those
+kernels (elementwise work, the optimiser's update, memory traffic between them, Python and
+dispatch); kernels / floor is the rate of the library's kernels at the step's own shapes against
+the large GEMM's and convolution's. The replay reuses its inputs, warm in cache, so it is a lower
+bound on what the kernels cost inside the step.
+
 Checks: ``--checks B ...`` also trains, stacked, one steps-to-target ensemble per batch size B as
 the fashion-ladder preset runs it (an affine MLP of width 128, one seed, its tuned grid with
 extensions, the ladder's targets, geometric reads at ``--read-spacing``, default 0.05) and prints
@@ -115,6 +124,42 @@ def _step_flops(config, data) -> dict[str, int]:
     return {"gemm": counter.get_total_flops() - conv, "conv": conv}
 
 
+def kernel_replay(engine, orders, batch: int):
+    """A function that runs the matrix products and convolutions of one step of ``engine`` (the
+    ops ``torch.utils.flop_counter`` counts, as the step called them, recorded during one step from
+    batch number 0) on random tensors of the same shapes, strides and dtypes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_map
+    from torch.utils.flop_counter import flop_registry
+
+    calls = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func.overloadpacket in flop_registry:
+                calls.append((func, *tree_map(_like, (args, kwargs))))
+            return func(*args, **kwargs)
+
+    with Record():
+        engine.step(orders[:, :batch])
+
+    def replay():
+        for func, args, kwargs in calls:
+            func(*args, **kwargs)
+
+    return replay
+
+
+def _like(value):
+    """A random tensor laid out as ``value`` (its shape, strides, dtype; over a storage of its own
+    extent), or ``value`` itself if it is no tensor."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    extent = 1 + sum((n - 1) * s for n, s in zip(value.shape, value.stride()) if n > 0)
+    return torch.randn(extent if value.numel() else 0, dtype=value.dtype).as_strided(value.shape, value.stride())
+
+
 def _median_seconds(fn, repeats: int = 3) -> float:
     fn()
     times = []
@@ -183,14 +228,17 @@ def measure(arm: str, batch: int, data, rounds: int, seconds: float, members: in
     steps = max(1, round(seconds / max(warm.values())))
     flops = {kind: n * stacked_models for kind, n in _step_flops(config, data).items()}
     timers = {"gemm": gemm_timer(flops["gemm"]), "conv": conv_timer(config, data) if flops["conv"] else None}
+    replay = kernel_replay(*engines["stacked"][:2], batch)
     per_model = {name: [] for name in engines}
     rates = {kind: [] for kind, timer in timers.items() if timer}
+    kernels = []
     for r in range(rounds):
         for name, (engine, orders, k) in engines.items():
             per_model[name].append(_time_steps(engine, orders, batch, steps, 1 + r * steps) / (steps * k))
         for kind in rates:  # the rates in every round too: the floor sees the machine's drifts
             fn, done = timers[kind]
             rates[kind].append(done / _median_seconds(fn))
+        kernels.append(_median_seconds(replay) / stacked_models)
     ratios = [a / s for a, s in zip(per_model["alone"], per_model["stacked"])]
     floors = [sum(flops[kind] / rates[kind][r] for kind in rates) for r in range(rounds)]
     floor = statistics.median(floors)
@@ -214,6 +262,9 @@ def measure(arm: str, batch: int, data, rounds: int, seconds: float, members: in
             t * stacked_models / f for t, f in zip(per_model["stacked"], floors)],
         "alone_over_floor": over_floor["alone"],
         "floor_target": FLOOR_TARGET,
+        "kernels_ms_per_model_step": 1e3 * statistics.median(kernels),
+        "stacked_over_kernels": statistics.median(t / kt for t, kt in zip(per_model["stacked"], kernels)),
+        "kernels_over_floor": statistics.median(kt * stacked_models / f for kt, f in zip(kernels, floors)),
     }
     row["floor_met"] = row["stacked_over_floor"] <= FLOOR_TARGET
     if vmap:
@@ -227,6 +278,8 @@ COLUMNS = (("arm", "4", "arm"), ("B", ">5", "batch_size"), ("engine", "16", "eng
            ("floor ms", ">9.3f", "floor_ms_per_model_step"), ("speed-up", ">8.2f", "speedup"),
            ("GEMM GF/s", ">9.1f", "gemm_gflops_per_s"), ("conv GF/s", ">9.1f", "conv_gflops_per_s"),
            ("stacked/floor", ">13.2f", "stacked_over_floor"), ("alone/floor", ">11.2f", "alone_over_floor"),
+           ("kernels ms", ">10.3f", "kernels_ms_per_model_step"), ("stacked/kernels", ">15.2f", "stacked_over_kernels"),
+           ("kernels/floor", ">13.2f", "kernels_over_floor"),
            ("vmap/stacked", ">12.2f", "vmap_over_stacked"))
 
 
@@ -283,7 +336,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per cell (default 3)")
     parser.add_argument("--seconds", type=float, default=1.5, help="about how long one measurement runs")
     parser.add_argument("--arms", nargs="*", default=list(DEFAULT_ARMS), choices=list(ARMS),
-                        help=f"default: {' '.join(DEFAULT_ARMS)}; the vit methods on request; none: checks only")
+                        help=f"default: {' '.join(DEFAULT_ARMS)}; the vit methods on request; --arms with no "
+                             "name: only the --checks runs")
     parser.add_argument("--batch-sizes", nargs="+", type=int, help="of each arm (default: the arm's, listed above)")
     parser.add_argument("--members", nargs="+", type=int,
                         help="stacked ensemble sizes to time, a row each (default: as many as fit the default "

@@ -198,6 +198,7 @@ def _study_provenance(plan: StudyPlan, checked: Preflight, study, store: ResultS
         hardware=_hardware(outcome, {c.device for c in study.configs}),
         wall_time_s=round(time.monotonic() - started, 1),
         compute_time_s=round(store.seconds(hashes), 1),
+        checks=_checks(store, hashes),
         runs_this_invocation=outcome.ran,
         runs_resumed_from_db=outcome.skipped,
         run_code=code_versions(store, hashes),
@@ -210,6 +211,14 @@ def _study_provenance(plan: StudyPlan, checked: Preflight, study, store: ResultS
     )
 
 
+def _checks(store: ResultStore, hashes: list[str] | None = None) -> dict:
+    """The provenance's ``checks``: the runs' seconds in validation reads and their share of the
+    runs' seconds (:meth:`~affdiv.experiments.runs.store.ResultStore.check_time`), rounded."""
+    checks = store.check_time(hashes)
+    return {**checks, "check_s": round(checks["check_s"], 1),
+            "share": None if checks["share"] is None else round(checks["share"], 4)}
+
+
 def _read_store(path: Path, metric: str | None) -> tuple[list[dict], list[dict], str, dict]:
     """(records, curves, metric, provenance extras) of a results store, opened read-only: the code
     that trained the runs and the data they were trained on, as the store recorded them."""
@@ -220,7 +229,8 @@ def _read_store(path: Path, metric: str | None) -> tuple[list[dict], list[dict],
             if metric is None:
                 metric = default_metric(store.budgets(), database=True, where=f"input {path}")
             records, curves = store.records(metric=metric), store.curves()
-            extra = {"run_code": code_versions(store)}
+            extra = {"run_code": code_versions(store), "compute_time_s": round(store.seconds(), 1),
+                     "checks": _checks(store)}
     except (ValueError, IsADirectoryError) as error:
         raise ValueError(option_named("input", error)) from None
     by_data: dict[str, set[str]] = {}

@@ -27,7 +27,11 @@ Two more cases time the fixed cost of a call, for information (no target): a den
 calls of each variant, on one thread (the Python, autograd and dispatch work of a small model).
 So do the dense layers at the falsification harness's sizes (``HARNESS_DENSE_SIZES``: its MLPs'
 first layer 784→128 and hidden 128→128 at batch sizes 16-1024), each layer's per-call time a
-ratio to nn.Linear's in the same rounds (``OVERHEAD_CALLS``·16/B calls a round, at least 5).
+ratio to nn.Linear's in the same rounds (``OVERHEAD_CALLS``·16/B calls a round, at least 5). The
+dense per-call cases also time a reference, "nn.Linear+Python Function": nn.Linear followed by an
+identity autograd.Function whose forward and backward are Python (as the corrected layers' are,
+around their kernels), so its ratio to nn.Linear is the least a layer written as a Python
+autograd.Function can cost over nn.Linear at that size, whatever its arithmetic.
 """
 
 from __future__ import annotations
@@ -68,7 +72,33 @@ HARNESS_DENSE_SIZES = ((16, 784, 128), (16, 128, 128), (256, 128, 128), (1024, 7
 class Variant:
     name: str
     module: Callable
-    role: str  # "layer", "mode" (a layer's other mode: timed, no target), "plain", "composite" or "compiled"
+    # "layer", "mode" (a layer's other mode: timed, no target), "plain", "composite", "compiled" or
+    # "reference" (timed against the plain layer, no target)
+    role: str
+
+
+class _PythonIdentity(torch.autograd.Function):
+    """z ↦ z with a Python forward and backward: the fixed cost of any Python autograd.Function (in
+    the old style, ``forward(ctx, ...)``, which the corrected layers' eager twins use)."""
+
+    @staticmethod
+    def forward(ctx, z):
+        return z.view_as(z)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _ThenPythonIdentity(nn.Module):
+    """A layer followed by :class:`_PythonIdentity`."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        return _PythonIdentity.apply(self.layer(x))
 
 
 class _Normalize(nn.Module):
@@ -103,8 +133,9 @@ class _Naive(nn.Module):
         return F.linear(k * x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(1e-12), w, b)
 
 
-def dense_variants(m: int, n: int, backend: str | None) -> list[Variant]:
-    """The dense case's variants; ``backend`` None: without the compiled naive composites."""
+def dense_variants(m: int, n: int, backend: str | None, reference: bool = False) -> list[Variant]:
+    """The dense case's variants; ``backend`` None: without the compiled naive composites;
+    ``reference``: with nn.Linear+Python Function (see the module docstring)."""
     affine_like, norm_l2, norm_rms = AffineLike(m, n), NormLike(m, n, mode="l2"), NormLike(m, n, mode="rms")
     variants = [
         Variant("nn.Linear", nn.Linear(m, n), "plain"),
@@ -116,6 +147,8 @@ def dense_variants(m: int, n: int, backend: str | None) -> list[Variant]:
         Variant("NormLike(l2)", norm_l2, "layer"),
         Variant("NormLike(rms)", norm_rms, "layer"),
     ]
+    if reference:
+        variants.append(Variant("nn.Linear+Python Function", _ThenPythonIdentity(nn.Linear(m, n)), "reference"))
     if backend is None:
         return variants
     return variants + [
@@ -155,6 +188,7 @@ OWN = {
     "NormLike(rms)": ("compiled naive NormLike(rms)", "nn.Linear"),
     "PatchNormConv2d": ("compiled naive PatchNormConv2d", "nn.Conv2d"),
     "PatchNormConv2d(recompute)": ("compiled naive PatchNormConv2d", "nn.Conv2d"),
+    "nn.Linear+Python Function": (None, "nn.Linear"),
 }
 
 
@@ -187,9 +221,10 @@ def summarise(case: str, variants: list[Variant], times: dict[str, list[float]],
     composites = [v.name for v in variants if v.role == "composite"]
     fastest = min(composites, key=median.__getitem__)
     rows = []
-    for v in (v for v in variants if v.role in ("layer", "mode")):
+    for v in (v for v in variants if v.role in ("layer", "mode", "reference")):
         compiled, plain = OWN[v.name]
-        checks = [(plain, plain_target if v.name == "AffineLike" else None), (fastest, 1.0), (compiled, 1.0)]
+        checks = [(plain, plain_target if v.name == "AffineLike" else None),
+                  *(((fastest, 1.0), (compiled, 1.0)) if v.role != "reference" else ())]
         checks = [(baseline, target if targets and v.role == "layer" else None)
                   for baseline, target in checks if baseline in times]
         for baseline, target in checks:
@@ -239,13 +274,13 @@ def run(quick: bool = False, threads: int = 2, repeats: int | None = None, warmu
                       torch.randn(batch, c_in, hw, hw).contiguous(memory_format=layout), None, 1, threads))
     calls = 5 if quick else OVERHEAD_CALLS
     (b, m, n), (batch, c_in, c_out, hw, k) = OVERHEAD_DENSE_SIZE, OVERHEAD_CONV_SIZE
-    cases += [(f"per call: dense B={b} {m}->{n}, 1 thread", dense_variants(m, n, None), torch.randn(b, m), None,
-               calls, 1),
+    cases += [(f"per call: dense B={b} {m}->{n}, 1 thread", dense_variants(m, n, None, reference=True),
+               torch.randn(b, m), None, calls, 1),
               (f"per call: conv N={batch} {c_in}->{c_out} {hw}x{hw} k={k}, 1 thread",
                conv_variants(c_in, c_out, k, None), torch.randn(batch, c_in, hw, hw), None, calls, 1)]
     if not quick:
-        cases += [(f"per call: dense B={b} {m}->{n} (harness), 1 thread", dense_variants(m, n, None), torch.randn(b, m),
-                   None, max(5, OVERHEAD_CALLS * 16 // b), 1) for b, m, n in HARNESS_DENSE_SIZES]
+        cases += [(f"per call: dense B={b} {m}->{n} (harness), 1 thread", dense_variants(m, n, None, reference=True),
+                   torch.randn(b, m), None, max(5, OVERHEAD_CALLS * 16 // b), 1) for b, m, n in HARNESS_DENSE_SIZES]
     try:
         for case, variants, x, plain_target, case_calls, case_threads in cases:
             progress(f"timing {case}: {len(variants)} variants x {repeats} rounds ...")

@@ -550,7 +550,25 @@ def _document(summary: Mapping, files: Mapping[str, str], reads: str = "") -> li
         if "calibration" in files:
             blocks.append(("image", files["calibration"], "Verdict rates of the decision rule at each planted effect "
                                                           "simulated (±2 Monte-Carlo s.e.)."))
-    return blocks + [("provenance", summary["provenance"])]
+    return blocks + _cost_blocks(summary["provenance"]) + [("provenance", summary["provenance"])]
+
+
+def _cost_blocks(provenance: Mapping) -> list:
+    """What the runs cost and the share of it their checks (validation reads) took, from the
+    provenance's ``compute_time_s`` and ``checks``; nothing where it has neither."""
+    checks, seconds = provenance.get("checks"), provenance.get("compute_time_s")
+    if not checks or seconds is None:
+        return []
+    text = f"The {checks['runs']} runs took {seconds:,.0f} s of training in all"
+    if checks["share"] is None:
+        text += "; how much of it their checks (validation reads) took was not recorded (stored before affdiv " \
+                "recorded it)."
+    else:
+        part = "" if checks["runs_recorded"] == checks["runs"] else \
+            f" (over the {checks['runs_recorded']} of {checks['runs']} runs that recorded it; the others were stored " \
+            "before affdiv did)"
+        text += f"; their checks (validation reads) took {100 * checks['share']:.1f}% of it{part}."
+    return [("h", 2, "Cost"), ("p", text)]
 
 
 _EMPTY = (None, "", "—")

@@ -27,6 +27,11 @@ number in them is stored as null. Stores written before that column existed lack
 adds it (``ALTER TABLE``), a read-only reader reads such a store as it is (no run has
 measurements). Measurements are not part of a run's key.
 
+Check time: each run keeps, in the nullable ``check_seconds`` column, the seconds of its
+``seconds`` that went to reading its validation split (``RunResult.check_seconds``), so a study can
+say what share of its time its checks took (:meth:`ResultStore.check_time`); runs stored before
+the column existed have none. Like ``seconds``, it is never part of a run's records.
+
 Candidates: a target-budget run keeps every learning-rate candidate's curve in the nullable
 ``candidates`` column, as zlib-compressed canonical JSON (a BLOB: the curves of a run's candidates
 are some hundreds of KB of text and compress about 4.5 times); a row written as plain JSON text
@@ -80,9 +85,10 @@ _COLUMNS = (
     ("data_fingerprint", "TEXT", 1, 0),
     ("finished_utc", "TEXT", 1, 0),
 )
-# Added later, nullable: stores without them are read as they are, and a writer adds them
-# (candidates with the first run that has them, so a store without ladder runs keeps its schema).
-_ADDED_COLUMNS = ("measurements", "candidates")
+# Added later, nullable (name -> declared type): stores without them are read as they are, and a
+# writer adds them (candidates and check_seconds with the first run that has them, so a store of
+# only earlier runs keeps its schema).
+_ADDED_COLUMNS = {"measurements": "TEXT", "candidates": "TEXT", "check_seconds": "REAL"}
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
     config_hash      TEXT PRIMARY KEY,
@@ -93,7 +99,8 @@ CREATE TABLE IF NOT EXISTS runs (
     data_fingerprint TEXT NOT NULL,
     finished_utc     TEXT NOT NULL,
     measurements     TEXT,
-    candidates       TEXT
+    candidates       TEXT,
+    check_seconds    REAL
 )
 """
 
@@ -236,7 +243,7 @@ def identify(path: str | Path) -> str:
     finally:
         db.close()
     expected = tuple((name, kind, notnull, pk) for name, kind, notnull, pk in _COLUMNS)
-    added = {(name, "TEXT", 0, 0) for name in _ADDED_COLUMNS}
+    added = {(name, kind, 0, 0) for name, kind in _ADDED_COLUMNS.items()}
     if columns[:len(expected)] == expected and set(columns[len(expected):]) <= added:
         columns = expected  # the nullable columns added later, those its version had
     if application_id == APPLICATION_ID:
@@ -291,7 +298,8 @@ class StoredRun:
     (``RunResult.measurements``), kept as JSON (non-finite numbers as null; None or [] stores
     null); ``candidates``: likewise, every candidate's lr and curve (``RunResult.candidates``; the
     first run with candidates adds their column to a store of an earlier version);
-    ``raw_sha256``: the SHA-256 of the raw data it trained on (``Dataset.config["raw_sha256"]``),
+    ``check_seconds``: the part of ``seconds`` spent reading the validation split (None: not
+    recorded); ``raw_sha256``: the SHA-256 of the raw data it trained on (``Dataset.config["raw_sha256"]``),
     checked against and added to the ``raw_data`` table; ``code``: ``{"version", "git_commit",
     "git_dirty"}`` of the process that trained it (None: this process's,
     :func:`affdiv.provenance.code_identity`).
@@ -303,6 +311,7 @@ class StoredRun:
     data_fingerprint: str
     measurements: Sequence[Mapping] | None = None
     candidates: Sequence[Mapping] | None = None
+    check_seconds: float | None = None
     raw_sha256: str | None = None
     code: Mapping | None = None
 
@@ -399,6 +408,7 @@ class ResultStore:
         number of runs. Raises ValueError naming the file and the run."""
         self.measurements()
         self.candidates()
+        self.check_time()
         return len(self._rows(None))
 
     def _lists(self, column: str, hashes: Iterable[str] | None) -> dict[str, list[dict]]:
@@ -525,6 +535,7 @@ class ResultStore:
             _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
             canonical_json(_finite_json(list(run.measurements))) if run.measurements else None,
             zlib.compress(canonical_json(_finite_json(list(run.candidates))).encode(), 9) if run.candidates else None,
+            None if run.check_seconds is None else float(run.check_seconds),
         )
         try:
             self._commit_run(key, config, row, run.raw_sha256, code)
@@ -544,12 +555,16 @@ class ResultStore:
                 self._db.execute("INSERT OR IGNORE INTO raw_data VALUES (?, ?, ?)", (raw, raw_sha256, row[6]))
             columns = ["config_hash", "config", "metrics", "curves", "seconds", "data_fingerprint", "finished_utc",
                        "measurements"]
-            if row[8] is not None:  # a run with candidates: the column is added to a store of an earlier version
-                if not self._has_column("candidates"):
-                    self._db.execute("ALTER TABLE runs ADD COLUMN candidates TEXT")
-                columns.append("candidates")
+            values = list(row[:len(columns)])
+            for name, value in zip(("candidates", "check_seconds"), row[len(columns):]):
+                if value is None:
+                    continue
+                if not self._has_column(name):  # a store of an earlier version: the column is added
+                    self._db.execute(f"ALTER TABLE runs ADD COLUMN {name} {_ADDED_COLUMNS[name]}")
+                columns.append(name)
+                values.append(value)
             self._db.execute(f"INSERT OR IGNORE INTO runs ({', '.join(columns)}) "
-                             f"VALUES ({', '.join('?' * len(columns))})", row[:len(columns)])
+                             f"VALUES ({', '.join('?' * len(columns))})", values)
             dirty = code.get("git_dirty")
             self._db.execute("INSERT OR IGNORE INTO run_code VALUES (?, ?, ?, ?)",
                              (key, str(code["version"]), code.get("git_commit"), None if dirty is None else int(dirty)))
@@ -674,6 +689,22 @@ class ResultStore:
     def seconds(self, hashes: Iterable[str] | None = None) -> float:
         """Total compute time of the runs (for provenance, never for a report's numbers)."""
         return sum(row[4] for row in self._rows(hashes))
+
+    def check_time(self, hashes: Iterable[str] | None = None) -> dict:
+        """The runs' time in checks (for provenance, never for a report's numbers): ``check_s``
+        summed over the runs that recorded it (``runs_recorded`` of ``runs``), and ``share``, their
+        check seconds over their seconds (None where no run recorded it or they took no time)."""
+        seconds = {row[0]: row[4] for row in self._rows(hashes)}
+        recorded = {}
+        if not (self.read_only and self._empty) and self._has_column("check_seconds"):
+            recorded = {key: value for key, value in self._query(
+                "SELECT config_hash, check_seconds FROM runs WHERE check_seconds IS NOT NULL") if key in seconds}
+        bad = [key for key, value in recorded.items() if not isinstance(value, int | float) or value < 0]
+        if bad:
+            raise ValueError(f"{self.path}: run {bad[0]}: malformed check_seconds (damaged store)")
+        checks, of = sum(recorded.values()), sum(seconds[key] for key in recorded)
+        return {"check_s": checks, "runs_recorded": len(recorded), "runs": len(seconds),
+                "share": checks / of if recorded and of > 0 else None}
 
     def export_csv(
         self, path: str | Path, hashes: Iterable[str] | None = None, *, metric: str = "test_accuracy"

@@ -174,7 +174,8 @@ def _run_unit(unit: Sequence[RunConfig], stack: bool, measurements: Sequence[Mea
     results = train_group(unit, datasets, stack=stack, measurements=measurements)
     return [(config, StoredRun(result.metrics, result.curves, result.seconds, result.data_fingerprint,
                                measurements=result.measurements or None, candidates=result.candidates or None,
-                               raw_sha256=data.config.get("raw_sha256"), code=code_identity()))
+                               check_seconds=result.check_seconds, raw_sha256=data.config.get("raw_sha256"),
+                               code=code_identity()))
             for config, data, result in zip(unit, datasets, results)]
 
 
@@ -468,18 +469,25 @@ def _run_in_pools(units: list[tuple], options: tuple, commit, workers: int, init
                   max_attempts: int) -> int:
     """Run ``units`` in process pools of ``workers`` workers, at most ``workers`` in flight,
     committing each unit's results as it finishes; after a worker's death, a fresh pool retries
-    the units that were in flight. Returns the number of restarts."""
+    the units that were in flight (a death between units, which the pool reports when the next
+    unit is submitted, costs a fresh pool and no attempt). Returns the number of restarts."""
     queue = collections.deque(range(len(units)))
     attempts = collections.Counter()
     restarts = 0
     while queue:
-        lost, exits = [], []
+        lost, exits, broken = [], [], False
         with _pool(workers, initargs) as executor:
             in_flight: dict = {}
-            while (queue or in_flight) and not lost:
-                while queue and len(in_flight) < workers:
+            while not lost and (in_flight or (queue and not broken)):
+                while queue and len(in_flight) < workers and not broken:
                     index = queue.popleft()
-                    in_flight[executor.submit(_run_unit, units[index], *options)] = index
+                    try:
+                        in_flight[executor.submit(_run_unit, units[index], *options)] = index
+                    except BrokenProcessPool:  # a worker died since the last wait: this pool takes no more
+                        queue.appendleft(index)
+                        broken = True
+                if not in_flight:
+                    continue
                 processes = _worker_processes(executor)
                 finished, _ = wait(in_flight, return_when=FIRST_COMPLETED)
                 if any(isinstance(f.exception(), BrokenProcessPool) for f in finished):
@@ -494,8 +502,8 @@ def _run_in_pools(units: list[tuple], options: tuple, commit, workers: int, init
                         continue
                     for config, result in future.result():
                         commit(config, result)
+        restarts += bool(lost or broken)
         if lost:
-            restarts += 1
             _after_worker_death(lost, units, attempts, exits, max_attempts)
             queue.extendleft(reversed(lost))
     return restarts

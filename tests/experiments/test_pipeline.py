@@ -299,6 +299,24 @@ def test_a_store_of_one_known_version_has_no_version_caveat(quick_run):
     assert "The runs were trained by" not in (quick_run / "report.md").read_text()
 
 
+def test_the_report_states_the_share_of_the_runs_time_in_checks(quick_run, tmp_path):
+    provenance = json.loads((quick_run / "summary.json").read_text())["provenance"]
+    rows = sqlite3.connect(quick_run / "results.sqlite").execute("SELECT seconds, check_seconds FROM runs").fetchall()
+    assert len(rows) == 4 and all(0 < checks < seconds for seconds, checks in rows), rows
+    share = sum(c for _s, c in rows) / sum(s for s, _c in rows)
+    assert provenance["checks"] == {"check_s": round(sum(c for _s, c in rows), 1), "runs_recorded": 4, "runs": 4,
+                                    "share": round(share, 4)}
+    report = " ".join((quick_run / "report.md").read_text().split())
+    assert f"The 4 runs took {sum(s for s, _c in rows):,.0f} s of training in all; their checks (validation " \
+           f"reads) took {100 * share:.1f}% of it." in report
+    db = tmp_path / "old.sqlite"
+    shutil.copyfile(quick_run / "results.sqlite", db)
+    execute_sql(db, "UPDATE runs SET check_seconds = NULL WHERE config_hash IN (SELECT config_hash FROM runs LIMIT 3)")
+    assert main(["analyse", "--input", str(db), "--out", str(tmp_path / "out"), "--calibration-sims", "0"]) == 0
+    report = " ".join((tmp_path / "out" / "report.md").read_text().split())
+    assert "% of it (over the 1 of 4 runs that recorded it; the others were stored before affdiv did)." in report
+
+
 def test_a_store_of_several_versions_lists_them(quick_run, tmp_path):
     db = tmp_path / "mixed.sqlite"
     shutil.copyfile(quick_run / "results.sqlite", db)

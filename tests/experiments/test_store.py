@@ -489,3 +489,32 @@ def test_a_full_disk_is_an_oserror_and_keeps_the_committed_runs(tmp_path):
         assert caught.value.errno == errno.ENOSPC and caught.value.filename == str(path)
     with ResultStore(path, read_only=True) as store:
         assert store.finished() == {first} and store.verify() == 1
+
+
+def test_check_time_sums_the_runs_that_recorded_it_and_an_earlier_store_gains_the_column(tmp_path):
+    path = _legacy_store(tmp_path / "old.sqlite")  # 3 runs of 1 s each, stored before check time was recorded
+    with ResultStore(path, read_only=True) as store:
+        assert store.check_time() == {"check_s": 0, "runs_recorded": 0, "runs": 3, "share": None}
+    with ResultStore(path) as store:
+        keys = [store.put({"method": "l2", "batch_size": 32, "seed": seed, "dataset": "digits"},
+                          StoredRun(metrics={"test_accuracy": 0.9}, curves=[], seconds=seconds,
+                                    data_fingerprint="fp", check_seconds=checks))
+                for seed, seconds, checks in ((7, 4.0, 1.0), (8, 6.0, 0.5))]
+    with ResultStore(path, read_only=True) as store:
+        assert store.verify() == 5
+        assert store.check_time() == {"check_s": 1.5, "runs_recorded": 2, "runs": 5, "share": 1.5 / 10.0}
+        assert store.check_time(keys[:1]) == {"check_s": 1.0, "runs_recorded": 1, "runs": 1, "share": 0.25}
+        assert "check_seconds" not in store.records()[-1]  # timing is never part of the records
+    assert identify(path) == "affdiv"
+
+
+def test_a_negative_check_time_is_named_damaged(tmp_path):
+    path = tmp_path / "r.sqlite"
+    with ResultStore(path) as store:
+        _config, key = _put(store, seed=0, accuracy=0.75)
+    db = sqlite3.connect(path)
+    db.execute("UPDATE runs SET check_seconds = -1")
+    db.commit()
+    db.close()
+    with ResultStore(path, read_only=True) as store, pytest.raises(ValueError, match=f"run {key}: malformed check"):
+        store.verify()

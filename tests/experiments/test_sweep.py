@@ -1,6 +1,7 @@
 """Sweeps: grid expansion, resuming, parallel workers equal to serial, stacked ensembles, presets,
 and the worker processes under faults (a parent or a worker killed)."""
 
+import contextlib
 import io
 import os
 import signal
@@ -312,6 +313,46 @@ def test_a_killed_worker_costs_only_a_retry(tmp_path, sweep_util):
     store = ResultStore(tmp_path / "killed.sqlite")
     outcome = run_sweep(configs, store, SweepOptions(workers=2), progress=None, on_result=kill_a_worker)
     assert killed and outcome.restarts >= 1 and outcome.units == 4
+    assert sweep_util.counts(store) == (len(configs), len(configs))
+    assert sweep_util.records(store) == sweep_util.records(undisturbed)
+
+
+def test_a_worker_that_dies_between_units_costs_a_fresh_pool(tmp_path, sweep_util, monkeypatch):
+    # A worker killed while none of its units is in flight: the pool says so only when the next
+    # unit is submitted (submit raises); the sweep goes on in a fresh pool, every run stored once.
+    from affdiv.experiments.runs import sweep
+
+    configs = expand_grid({**BASE, "budget": "steps", "length": 20},
+                          {"method": ["affine"], "batch_size": [16, 32], "seed": [0, 1]})
+    undisturbed = ResultStore(tmp_path / "undisturbed.sqlite")
+    run_sweep(configs, undisturbed, SweepOptions(workers=1, stack=False), progress=None)
+    pools, killed = [], []
+    real_pool = sweep._pool
+
+    @contextlib.contextmanager
+    def recorded_pool(workers, initargs):
+        with real_pool(workers, initargs) as executor:
+            pools.append(executor)
+            yield executor
+
+    def kill_the_idle_worker(_config) -> None:  # on a finished unit's commit: nothing is in flight
+        if not killed:
+            (worker,) = sweep._worker_processes(pools[-1])
+            worker.kill()
+            worker.join()
+            deadline = time.monotonic() + 60
+            while not pools[-1]._broken and time.monotonic() < deadline:  # the pool's own thread notices
+                time.sleep(0.05)
+            killed.append(worker.pid)
+
+    real_run = sweep._run_in_pools  # a pool of one worker: when a unit is committed, none is in flight
+    monkeypatch.setattr(sweep, "_pool", recorded_pool)
+    monkeypatch.setattr(sweep, "_run_in_pools", lambda units, options, commit, _workers, *rest:
+                        real_run(units, options, commit, 1, *rest))
+    store = ResultStore(tmp_path / "killed.sqlite")
+    outcome = run_sweep(configs, store, SweepOptions(workers=2, stack=False), progress=None,
+                        on_result=kill_the_idle_worker)
+    assert killed and pools[0]._broken and len(pools) == 2 and outcome.restarts == 1
     assert sweep_util.counts(store) == (len(configs), len(configs))
     assert sweep_util.records(store) == sweep_util.records(undisturbed)
 

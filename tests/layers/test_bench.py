@@ -25,7 +25,10 @@ def test_bench_layers_quick_writes_a_table_and_json(tmp_path, capsys):
     assert result["config"]["quick"] is True and result["provenance"]["package"] == "affdiv"
     assert (result["config"]["repeats"], result["config"]["warmup"]) == (2, 0)  # 0 is not "the default"
     layers = {row["layer"] for row in result["rows"]}
-    assert layers == {"AffineLike", "NormLike(l2)", "NormLike(rms)", "PatchNormConv2d", "PatchNormConv2d(recompute)"}
+    assert layers == {"AffineLike", "NormLike(l2)", "NormLike(rms)", "PatchNormConv2d", "PatchNormConv2d(recompute)",
+                      "nn.Linear+Python Function"}
+    assert {row["case"] for row in result["rows"] if row["layer"] == "nn.Linear+Python Function"} == {
+        "per call: dense B=2 8->4, 1 thread"}  # the floor of a Python Function, in the per-call dense cases only
     assert all(row["target"] is None for row in result["rows"] if row["layer"] == "PatchNormConv2d(recompute)")
     assert {row["case"] for row in result["rows"] if row["layer"] == "PatchNormConv2d"} == {
         "conv N=2 4->4 8x8 k=3 pad=1", "conv N=2 4->4 8x8 k=3 pad=1 channels_last",
@@ -115,3 +118,22 @@ def test_rows_say_whether_the_interval_resolves_the_target():
     assert (compiled["ratio"], compiled["met"], compiled["resolved"]) == (0.55, True, True)
     table = benchmark.format_table(list(rows.values()))
     assert "<= 1.05 NOT met\n" in table + "\n" and "<= 1.00 NOT met (within noise)" in table
+
+
+def test_the_python_function_reference_is_nn_linear_and_is_timed_against_it_without_a_target():
+    variants = benchmark.dense_variants(5, 3, None, reference=True)
+    reference = next(v for v in variants if v.role == "reference")
+    linear = reference.module.layer
+    x = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    linear.double()
+    out = reference.module(x)
+    assert out.grad_fn is not None and type(out.grad_fn).__name__ == "_PythonIdentityBackward"
+    grad = torch.randn(4, 3, dtype=torch.float64)
+    (dx,) = torch.autograd.grad(out, x, grad)
+    torch.testing.assert_close(out, linear(x), rtol=0, atol=0)  # the identity: bit for bit
+    torch.testing.assert_close(dx, grad @ linear.weight, rtol=0, atol=0)
+    times = {v.name: [1.0] * 6 for v in variants}
+    times["nn.Linear+Python Function"] = [1.3] * 6
+    rows = [r for r in benchmark.summarise("case", variants, times) if r["layer"] == "nn.Linear+Python Function"]
+    assert [(r["baseline"], r["ratio"], r["target"]) for r in rows] == [("nn.Linear", 1.3, None)]
+    assert not any(v.role == "reference" for v in benchmark.dense_variants(5, 3, None))
