@@ -45,9 +45,13 @@ Checks: ``--checks B ...`` also trains, stacked, one steps-to-target ensemble pe
 the fashion-ladder preset runs it (an affine MLP of width 128, one seed, its tuned grid with
 extensions, the ladder's targets, geometric reads at ``--read-spacing``, default 0.05) and prints
 the share of its training time spent in checks (``RunResult.check_seconds`` over ``seconds``).
-Target: ≤ 10%. ``--sparse-spacing R ...`` trains the same run again with adaptive reads for each
-R (dense at ``--read-spacing``) and prints their check shares and, per target, the relative
-difference of their steps to it from those of the geometric reads.
+Target: ≤ 10%. It also prints what a read costs in training steps of the run (its seconds per
+read over its seconds per model-step) and so how many reads per candidate the target affords: a
+ladder of T targets needs at least T + 1 read steps to bracket its crossings (each a read of every
+candidate still training), even where their places are known in advance, whatever the schedule.
+``--sparse-spacing R ...`` trains the same run again with adaptive reads for each R (dense at
+``--read-spacing``) and prints their check shares and, per target, the relative difference of
+their steps to it from those of the geometric reads.
 """
 
 from __future__ import annotations
@@ -317,9 +321,14 @@ def check_share(batch: int, **reading) -> dict:
     share = result.check_seconds / result.seconds
     best = reads.best_at_targets(result.candidates, config.ladder, max_steps=config.length, interpolate=True,
                                  tuned=True)
+    read_counts = [len(c["curve"]) for c in result.candidates]
+    rest = result.seconds - result.check_seconds  # training (and the test pass)
+    read_s = result.check_seconds / sum(read_counts)
     return {"batch_size": batch, "read_spacing": config.read_spacing, "sparse_spacing": config.sparse_spacing,
-            "seconds": result.seconds, "check_seconds": result.check_seconds,
-            "reads": sum(len(c["curve"]) for c in result.candidates),
+            "seconds": result.seconds, "check_seconds": result.check_seconds, "reads": sum(read_counts),
+            "reads_per_candidate": sum(read_counts) / len(read_counts),
+            "read_in_steps": read_s / (rest / sum(c["curve"][-1]["step"] for c in result.candidates)),
+            "reads_per_candidate_within_target": CHECK_TARGET / (1 - CHECK_TARGET) * rest / read_s / len(read_counts),
             "steps_to_targets": {str(t): best[t]["steps_to_target"] for t in config.ladder},
             "check_share": share, "target": CHECK_TARGET, "met": share <= CHECK_TARGET}
 
@@ -384,7 +393,10 @@ def main(argv=None) -> int:
             differences = " ".join(f"{'—' if v is None else format(100 * v, '+.1f')}%"
                                    for v in c.get("steps_vs_geometric", {}).values())
             print(f"checks B={batch} {reading}: {c['check_seconds']:.1f} s of {c['seconds']:.1f} s in {c['reads']} "
-                  f"reads = {100 * c['check_share']:.1f}% (target <= {100 * CHECK_TARGET:.0f}%); steps {steps}"
+                  f"reads = {100 * c['check_share']:.1f}% (target <= {100 * CHECK_TARGET:.0f}%); a read costs "
+                  f"{c['read_in_steps']:.1f} training steps, so the target affords "
+                  f"{c['reads_per_candidate_within_target']:.1f} reads per candidate, against "
+                  f"{c['reads_per_candidate']:.1f} made; steps {steps}"
                   + (f"; vs geometric {differences}" if differences else ""), flush=True)
     if args.json:
         from affdiv.atomic import atomic_write

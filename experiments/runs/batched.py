@@ -24,15 +24,22 @@ models on that split: the first linear layer is then one GEMM with the K weights
 first convolution on more than one input channel one dense convolution), and models on different
 splits of one size are evaluated in one pass per chunk.
 
+The vision transformer of the vit methods (:mod:`~affdiv.experiments.runs.transformer`) is batched
+too (:func:`batched_vit`): its tokens are rows, (K, B·T, d), so that every projection, LayerNorm,
+activation and QK-norm is one of the layers above, and attention is two batched products over the
+K·B·H (sequence, head) pairs, softmax(Q_h K_hᵀ/√d_h) V_h, as the model computes it per sequence.
+
 AffineLike, NormLike and PatchNormConv2d are written here with torch operations (their formulas,
 :mod:`affdiv.layers.functional`), not their fused kernels. Any other layer, or a layer setting
 not listed (a strided or dilated convolution, a grouped PatchNorm convolution, a normalisation
 over more than the last dimension),
-makes :func:`batched_layers` return None: such a model trains on the vmapped engine.
+makes :func:`is_batched` false: such a model trains on the vmapped engine.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -44,6 +51,9 @@ from affdiv.experiments.runs.stacked import StackedEnsemble
 Stacked = Mapping[str, Tensor]
 #: One layer, batched: (x, its stacked parameters and buffers by local name, K, training) -> output.
 Layer = Callable[[Tensor, Stacked, int, bool], Tensor]
+#: A whole model, batched: (its stacked parameters and buffers by name, inputs (K, B, ...), training)
+#: -> logits (K, B, classes).
+Forward = Callable[[Stacked, Tensor, bool], Tensor]
 
 
 def _to_rows(x: Tensor, k: int) -> Tensor:
@@ -72,10 +82,18 @@ def _linear(x: Tensor, p: Stacked, k: int, _training: bool = True) -> Tensor:
     return torch.bmm(p["weight"], xt).transpose(1, 2)
 
 
-def _affine_like(x: Tensor, p: Stacked, k: int, _training: bool) -> Tensor:
-    """z = (W x + b)/√(‖x‖² + 1)."""
+def _token_linear(x: Tensor, p: Stacked, k: int, _training: bool = True) -> Tensor:
+    """z = x Wᵀ + b with z contiguous: for many rows of few features (a transformer's tokens), whose
+    activations are then split into heads and normalised row by row (the weight's gradient, small,
+    comes out transposed)."""
+    wt = p["weight"].transpose(1, 2)
+    return torch.baddbmm(p["bias"].unsqueeze(1), x, wt) if "bias" in p else torch.bmm(x, wt)
+
+
+def _affine_like(x: Tensor, p: Stacked, k: int, _training: bool, linear: Layer = _linear) -> Tensor:
+    """z = (W x + b)/√(‖x‖² + 1), W x + b by ``linear``."""
     x = _to_rows(x, k)
-    return _linear(x, p, k) / (x.square().sum(2, keepdim=True) + 1).sqrt()
+    return linear(x, p, k, _training) / (x.square().sum(2, keepdim=True) + 1).sqrt()
 
 
 def _norm_like(module: nn.Module) -> Layer:
@@ -214,6 +232,74 @@ def batched_layers(model: nn.Module) -> list[tuple[str, nn.Module, Layer]] | Non
     return None if any(layer is None for _name, _module, layer in layers) else layers
 
 
+def _local(state: Stacked, prefix: str) -> dict[str, Tensor]:
+    """The entries of ``state`` under the module ``prefix``, by their names within it."""
+    start = prefix + "."
+    return {key[len(start):]: t for key, t in state.items() if key.startswith(start)}
+
+
+def batched_vit(model: nn.Module) -> Forward | None:
+    """The batched forward of a :class:`~affdiv.experiments.runs.transformer.VisionTransformer`
+    (None for any other model, or one with a layer that has no batched form): the model's forward
+    on K models' inputs (K, B, C, H, W) with the tokens of all sequences as rows (module docstring)."""
+    from affdiv.experiments.runs.transformer import Patches, PositionEmbedding, VisionTransformer
+
+    if type(model) is not VisionTransformer:
+        return None
+    from affdiv.layers import AffineLike
+
+    leaves = {name: module for name, module in model.named_modules()
+              if name and not any(module.children()) and type(module) not in (Patches, PositionEmbedding, nn.Softmax)}
+    tokens = {nn.Linear: _token_linear, AffineLike: functools.partial(_affine_like, linear=_token_linear)}
+    layers = {name: tokens.get(type(module)) or _layer(module) for name, module in leaves.items()}
+    if any(layer is None for layer in layers.values()):
+        return None
+
+    def forward(state: Stacked, x: Tensor, training: bool) -> Tensor:
+        k, batch = x.shape[:2]
+
+        def run(name: str, h: Tensor) -> Tensor:
+            return layers[name](h, _local(state, name), k, training)
+
+        tokens = model.patches(x.flatten(0, 1))  # (K·B, T, features)
+        count = tokens.shape[1]
+        h = run("embed", tokens.reshape(k, batch * count, -1))
+        h = (h.view(k, batch, count, -1) + state["position.weight"].unsqueeze(1)).flatten(1, 2)
+        for i, block in enumerate(model.blocks):
+            name = f"blocks.{i}"
+            h = h + _attention(run, f"{name}.attn", block.attn, run(f"{name}.norm1", h), (k, batch, count))
+            u = run(f"{name}.norm2", h)
+            for j in range(len(block.mlp)):
+                u = run(f"{name}.mlp.{j}", u)
+            h = h + u
+        return run("head", run("norm", h).view(k, batch, count, -1).mean(2))
+
+    return forward
+
+
+def _attention(run: Callable[[str, Tensor], Tensor], name: str, attn: nn.Module, x: Tensor,
+               shape: tuple[int, int, int]) -> Tensor:
+    """Multi-head self-attention of ``attn`` (its settings; ``run`` applies its batched
+    projections and QK-norms by name) on token rows x (K, B·T, d), ``shape`` = (K, B, T)."""
+    (k, batch, count), heads, size = shape, attn.heads, attn.head_dim
+    q, key, v = (run(f"{name}.{part}", x) for part in "qkv")
+    if attn.q_norm is not None:  # RMSNorm over each head's d_h entries of each token
+        q, key = run(f"{name}.q_norm", q.reshape(k, -1, size)), run(f"{name}.k_norm", key.reshape(k, -1, size))
+
+    def split(t: Tensor) -> Tensor:  # (K·B, H, T, d_h), as the model's _split per sequence
+        return t.reshape(k * batch, count, heads, size).transpose(1, 2)
+
+    q, key, v = split(q), split(key), split(v)
+    y = torch.softmax(q @ key.transpose(-1, -2) / math.sqrt(size), dim=-1) @ v
+    return run(f"{name}.o", y.transpose(1, 2).reshape(k, batch * count, heads * size))
+
+
+def is_batched(model: nn.Module) -> bool:
+    """Whether ``model`` has a batched form: an ``nn.Sequential`` that :func:`batched_layers`
+    takes, or the vision transformer (:func:`batched_vit`)."""
+    return batched_layers(model) is not None or batched_vit(model) is not None
+
+
 def _shared_input(x: Tensor, module: nn.Module, p: Stacked, k: int) -> tuple[Tensor, bool] | None:
     """``module`` on ``x`` (B, ...), one input for all K models: (output, whether it is still one
     for all), or None where it has no such form (the input is then repeated per model). A linear
@@ -237,26 +323,31 @@ def _shared_input(x: Tensor, module: nn.Module, p: Stacked, k: int) -> tuple[Ten
 
 
 class BatchedEnsemble(StackedEnsemble):
-    """The stacked ensemble of models that :func:`batched_layers` takes, one autograd graph for
+    """The stacked ensemble of models that have a batched form (:func:`is_batched`), one autograd graph for
     all; the interface, evaluation chunks, optimiser and state are :class:`StackedEnsemble`'s."""
 
     def __init__(self, models: Sequence[nn.Module], optimizer: str, lrs: Sequence[float],
                  momenta: Sequence[float | None], train: Sequence[tuple[Tensor, Tensor]],
                  val: Sequence[tuple[Tensor, Tensor]]):
-        if batched_layers(models[0]) is None:
-            raise ValueError(f"BatchedEnsemble takes an nn.Sequential of {', '.join(LAYER_NAMES)}, got {models[0]}")
+        if not is_batched(models[0]):
+            raise ValueError(f"BatchedEnsemble takes an nn.Sequential of {', '.join(LAYER_NAMES)}, or the vision "
+                             f"transformer of the vit methods, got {models[0]}")
         super().__init__(models, optimizer, lrs, momenta, train, val)
-        self.layers = batched_layers(self.base)  # the parameter-less copy's modules: they hold settings only
+        # the parameter-less copy's modules: they hold settings only
+        self.layers = batched_layers(self.base)
+        self.vit = batched_vit(self.base) if self.layers is None else None
         self._loss_sum = _loss_sums
 
     def _batched_logits(self, params: Stacked, buffers: Stacked, x: Tensor, training: bool,
                         models: int | None = None) -> Tensor:
         """(K, B, classes) logits of the K models on their inputs ``x`` (K, B, ...), or, given
         ``models`` = K, on one input ``x`` (B, ...) for all (see :func:`_shared_input`)."""
+        everything = {**params, **buffers}
+        if self.vit is not None:  # its first layer takes the input repeated per model
+            return self.vit(everything, x if models is None else x.expand(models, *x.shape), training)
         k, shared = (x.shape[0], False) if models is None else (models, True)
         for name, module, layer in self.layers:
-            prefix = name + "."
-            state = {key[len(prefix):]: t for key, t in (*params.items(), *buffers.items()) if key.startswith(prefix)}
+            state = _local(everything, name)
             if shared:
                 done = _shared_input(x, module, state, k)
                 if done is not None:

@@ -1,7 +1,8 @@
 """K models of one architecture trained as one: stacked parameters, one vmapped step for all.
 
-This is the general stacked engine, the fallback: a model whose every layer has a batched form
-(every MLP and CNN method) trains on :class:`~affdiv.experiments.runs.batched.BatchedEnsemble`
+This is the general stacked engine, the fallback: a model with a batched form (every built-in
+method: the MLPs, CNNs and the vit methods' vision transformer) trains on
+:class:`~affdiv.experiments.runs.batched.BatchedEnsemble`
 instead, a subclass that replaces the vmapped step and forward by batched layers (one autograd
 graph, no ``torch.func``) and keeps everything else here. Both engines compute each model's own
 formulas; float64 numbers agree within the tests' bound, and float32 numbers of runs trained on the

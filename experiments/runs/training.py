@@ -88,7 +88,7 @@ import torch.nn.functional as F
 
 from affdiv.checks import check_int
 from affdiv.experiments.runs import reads
-from affdiv.experiments.runs.batched import BatchedEnsemble, batched_layers
+from affdiv.experiments.runs.batched import BatchedEnsemble, is_batched
 from affdiv.experiments.runs.config import RunConfig, candidates
 from affdiv.experiments.runs.ensembles import ensemble_key
 from affdiv.experiments.runs.models import build_network
@@ -602,10 +602,10 @@ _STACKABLE: dict[tuple, str | None] = {}
 
 
 def stacked_engine(model: torch.nn.Module, input_shape: Sequence[int] | None = None) -> type:
-    """The engine that trains models like ``model`` stacked: batched layers where every layer has
-    one (:func:`~affdiv.experiments.runs.batched.batched_layers`) and a sample is a vector or an
-    image (C, H, W) (``input_shape``; None: assumed so), else the vmapped ensemble."""
-    batched = batched_layers(model) is not None and (input_shape is None or len(input_shape) in (1, 3))
+    """The engine that trains models like ``model`` stacked: batched layers where the model has a
+    batched form (:func:`~affdiv.experiments.runs.batched.is_batched`) and a sample is a vector
+    or an image (C, H, W) (``input_shape``; None: assumed so), else the vmapped ensemble."""
+    batched = is_batched(model) and (input_shape is None or len(input_shape) in (1, 3))
     return BatchedEnsemble if batched else StackedEnsemble
 
 

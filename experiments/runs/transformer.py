@@ -1,9 +1,9 @@
 """Pre-norm transformer blocks written out in matmuls and a softmax, and the small vision
 transformer behind the harness's ``vit`` methods.
 
-Everything here is plain tensor algebra (no fused attention kernel), so ``torch.func`` can vmap
-it: the stacked engine (:mod:`~affdiv.experiments.runs.stacked`) trains these models as it trains
-the MLPs and CNNs.
+Everything here is plain tensor algebra (no fused attention kernel): ``torch.func`` can vmap it,
+and :func:`~affdiv.experiments.runs.batched.batched_vit` writes the same forward for K stacked
+models, on which the stacked engine trains these models as it trains the MLPs and CNNs.
 
 Attention on the tokens X (T, d) of one sequence, H heads of size d_h = d/H, head h:
 

@@ -241,11 +241,9 @@ def test_runs_on_different_data_splits_stack(digits, engine):
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_every_mlp_and_cnn_method_takes_the_batched_engine(method):
-    # The vit methods' attention has no batched form: they train vmapped.
+def test_every_method_takes_the_batched_engine(method):
     model = build_model(method, input_shape=(1, 8, 8), num_classes=10, depth=2, width=4, activation="gelu")
-    vmapped = architecture(method) == "vit"
-    assert training.stacked_engine(model) is (StackedEnsemble if vmapped else BatchedEnsemble)
+    assert training.stacked_engine(model) is BatchedEnsemble
 
 
 @pytest.mark.parametrize("model", [
@@ -403,12 +401,13 @@ def test_a_run_counts_its_seconds_in_checks(digits, monkeypatch, stacked):
 
 
 @pytest.mark.parametrize("activation", ["gelu", "tanh"])
-@pytest.mark.parametrize("method", [m for m in METHODS if architecture(m) != "vit"])
+@pytest.mark.parametrize("method", METHODS)
 def test_batched_logits_are_each_models_own(method, activation):
     # float64, one forward: the same formulas summed in other orders, 2γ_n·κ with n ≤ 64 and κ ≤ 10²
-    # per layer, two hidden layers and the read-out: ≤ 3 · 1.5e-14 · 100 ≈ 5e-12 relative.
+    # per layer, two hidden layers (blocks) and the read-out: ≤ 3 · 1.5e-14 · 100 ≈ 5e-12 relative.
     torch.manual_seed(0)
-    models = [build_model(method, input_shape=(1, 8, 8), num_classes=10, depth=2, width=4, activation=activation)
+    width = 8 if architecture(method) == "vit" else 4  # (the vit's 4 heads of 2)
+    models = [build_model(method, input_shape=(1, 8, 8), num_classes=10, depth=2, width=width, activation=activation)
               .double() for _ in range(3)]
     x, y = torch.randn(3, 5, 1, 8, 8, dtype=torch.float64), torch.zeros(5, dtype=torch.long)
     ensemble = BatchedEnsemble(models, "sgd", [0.1] * 3, [None] * 3, [(x[0], y)] * 3, [(x[0], y)] * 3)
