@@ -38,17 +38,19 @@ dispatch mode during one step), replayed on random tensors of the same layouts a
 round: "kernels ms" per model-step. stacked / kernels is what the step spends outside those
 kernels (elementwise work, the optimiser's update, memory traffic between them, Python and
 dispatch); kernels / floor is the rate of the library's kernels at the step's own shapes against
-the large GEMM's and convolution's. The replay reuses its inputs, warm in cache, so it is a lower
-bound on what the kernels cost inside the step.
+the large GEMM's and convolution's. The replay reuses its inputs, warm in cache, so it typically
+runs faster than the same kernels inside the step.
 
 Checks: ``--checks B ...`` also trains, stacked, one steps-to-target ensemble per batch size B as
 the fashion-ladder preset runs it (an affine MLP of width 128, one seed, its tuned grid with
 extensions, the ladder's targets, geometric reads at ``--read-spacing``, default 0.05) and prints
 the share of its training time spent in checks (``RunResult.check_seconds`` over ``seconds``).
 Target: ≤ 10%. It also prints what a read costs in training steps of the run (its seconds per
-read over its seconds per model-step) and so how many reads per candidate the target affords: a
-ladder of T targets needs at least T + 1 read steps to bracket its crossings (each a read of every
-candidate still training), even where their places are known in advance, whatever the schedule.
+read over its seconds per model-step; the run's other seconds include its test pass and, with
+sparse reads, the stretches trained again, so the figure reads low there) and so how many reads
+per candidate the target affords. For comparison: putting each of a ladder's T crossings between
+two reads of its own, r·s apart, takes T + 1 reads where the crossings are known in advance, and
+reads spaced by r from the start take about log(S)/log(1 + r).
 ``--sparse-spacing R ...`` trains the same run again with adaptive reads for each R (dense at
 ``--read-spacing``) and prints their check shares and, per target, the relative difference of
 their steps to it from those of the geometric reads.
@@ -161,7 +163,8 @@ def _like(value):
     if not isinstance(value, torch.Tensor):
         return value
     extent = 1 + sum((n - 1) * s for n, s in zip(value.shape, value.stride()) if n > 0)
-    return torch.randn(extent if value.numel() else 0, dtype=value.dtype).as_strided(value.shape, value.stride())
+    return torch.randn(extent if value.numel() else 0, dtype=value.dtype, device=value.device).as_strided(
+        value.shape, value.stride())
 
 
 def _median_seconds(fn, repeats: int = 3) -> float:

@@ -30,8 +30,9 @@ first layer 784→128 and hidden 128→128 at batch sizes 16-1024), each layer's
 ratio to nn.Linear's in the same rounds (``OVERHEAD_CALLS``·16/B calls a round, at least 5). The
 dense per-call cases also time a reference, "nn.Linear+Python Function": nn.Linear followed by an
 identity autograd.Function whose forward and backward are Python (as the corrected layers' are,
-around their kernels), so its ratio to nn.Linear is the least a layer written as a Python
-autograd.Function can cost over nn.Linear at that size, whatever its arithmetic.
+around their kernels). Its ratio to nn.Linear is about the least a layer written as a Python
+autograd.Function costs over nn.Linear at that size, whatever its arithmetic (about: it also pays
+a second module call and a ``view``, which a layer need not).
 """
 
 from __future__ import annotations

@@ -559,7 +559,7 @@ def _cost_blocks(provenance: Mapping) -> list:
     checks, seconds = provenance.get("checks"), provenance.get("compute_time_s")
     if not checks or seconds is None:
         return []
-    text = f"The {checks['runs']} runs took {seconds:,.0f} s of training in all"
+    text = f"The {checks['runs']} runs took {seconds:,.0f} s in all"
     if checks["share"] is None:
         text += "; how much of it their checks (validation reads) took was not recorded (stored before affdiv " \
                 "recorded it)."

@@ -250,8 +250,8 @@ def batched_vit(model: nn.Module) -> Forward | None:
 
     leaves = {name: module for name, module in model.named_modules()
               if name and not any(module.children()) and type(module) not in (Patches, PositionEmbedding, nn.Softmax)}
-    tokens = {nn.Linear: _token_linear, AffineLike: functools.partial(_affine_like, linear=_token_linear)}
-    layers = {name: tokens.get(type(module)) or _layer(module) for name, module in leaves.items()}
+    projections = {nn.Linear: _token_linear, AffineLike: functools.partial(_affine_like, linear=_token_linear)}
+    layers = {name: projections.get(type(module)) or _layer(module) for name, module in leaves.items()}
     if any(layer is None for layer in layers.values()):
         return None
 

@@ -298,11 +298,11 @@ class StoredRun:
     (``RunResult.measurements``), kept as JSON (non-finite numbers as null; None or [] stores
     null); ``candidates``: likewise, every candidate's lr and curve (``RunResult.candidates``; the
     first run with candidates adds their column to a store of an earlier version);
-    ``check_seconds``: the part of ``seconds`` spent reading the validation split (None: not
-    recorded); ``raw_sha256``: the SHA-256 of the raw data it trained on (``Dataset.config["raw_sha256"]``),
+    ``raw_sha256``: the SHA-256 of the raw data it trained on (``Dataset.config["raw_sha256"]``),
     checked against and added to the ``raw_data`` table; ``code``: ``{"version", "git_commit",
     "git_dirty"}`` of the process that trained it (None: this process's,
-    :func:`affdiv.provenance.code_identity`).
+    :func:`affdiv.provenance.code_identity`); ``check_seconds``: the part of ``seconds`` spent
+    reading the validation split (None: not recorded).
     """
 
     metrics: Mapping
@@ -311,9 +311,9 @@ class StoredRun:
     data_fingerprint: str
     measurements: Sequence[Mapping] | None = None
     candidates: Sequence[Mapping] | None = None
-    check_seconds: float | None = None
     raw_sha256: str | None = None
     code: Mapping | None = None
+    check_seconds: float | None = None
 
 
 class ResultStore:
@@ -687,19 +687,21 @@ class ResultStore:
         return sorted(out, key=lambda c: (*_record_order(c), c.get("epoch", 0)))
 
     def seconds(self, hashes: Iterable[str] | None = None) -> float:
-        """Total compute time of the runs (for provenance, never for a report's numbers)."""
+        """Total compute time of the runs (for provenance and a report's cost, never for its analysis)."""
         return sum(row[4] for row in self._rows(hashes))
 
     def check_time(self, hashes: Iterable[str] | None = None) -> dict:
-        """The runs' time in checks (for provenance, never for a report's numbers): ``check_s``
-        summed over the runs that recorded it (``runs_recorded`` of ``runs``), and ``share``, their
-        check seconds over their seconds (None where no run recorded it or they took no time)."""
+        """The runs' time in checks (for provenance and a report's cost, never for its analysis):
+        ``check_s`` summed over the runs that recorded it (``runs_recorded`` of ``runs``), and
+        ``share``, their check seconds over their seconds (None where no run recorded it or they
+        took no time)."""
         seconds = {row[0]: row[4] for row in self._rows(hashes)}
         recorded = {}
-        if not (self.read_only and self._empty) and self._has_column("check_seconds"):
-            recorded = {key: value for key, value in self._query(
-                "SELECT config_hash, check_seconds FROM runs WHERE check_seconds IS NOT NULL") if key in seconds}
-        bad = [key for key, value in recorded.items() if not isinstance(value, int | float) or value < 0]
+        if self._has_column("check_seconds"):
+            recorded = {key: value for key, value in sorted(self._query(
+                "SELECT config_hash, check_seconds FROM runs WHERE check_seconds IS NOT NULL")) if key in seconds}
+        bad = [key for key, value in recorded.items()
+               if not isinstance(value, int | float) or not 0 <= value < math.inf]
         if bad:
             raise ValueError(f"{self.path}: run {bad[0]}: malformed check_seconds (damaged store)")
         checks, of = sum(recorded.values()), sum(seconds[key] for key in recorded)

@@ -469,13 +469,15 @@ def _run_in_pools(units: list[tuple], options: tuple, commit, workers: int, init
                   max_attempts: int) -> int:
     """Run ``units`` in process pools of ``workers`` workers, at most ``workers`` in flight,
     committing each unit's results as it finishes; after a worker's death, a fresh pool retries
-    the units that were in flight (a death between units, which the pool reports when the next
-    unit is submitted, costs a fresh pool and no attempt). Returns the number of restarts."""
+    the units that were in flight. A death between units, which the pool may report only when the
+    next unit is submitted, costs a fresh pool and no attempt once the pool has noticed it (a unit
+    submitted before then fails with the pool and counts an attempt, as one in flight does).
+    Returns the number of restarts."""
     queue = collections.deque(range(len(units)))
     attempts = collections.Counter()
     restarts = 0
     while queue:
-        lost, exits, broken = [], [], False
+        lost, exits, broken, processes = [], [], False, []
         with _pool(workers, initargs) as executor:
             in_flight: dict = {}
             while not lost and (in_flight or (queue and not broken)):
@@ -492,9 +494,7 @@ def _run_in_pools(units: list[tuple], options: tuple, commit, workers: int, init
                 finished, _ = wait(in_flight, return_when=FIRST_COMPLETED)
                 if any(isinstance(f.exception(), BrokenProcessPool) for f in finished):
                     finished, _ = wait(in_flight)  # the break fails every unit in flight: collect them all
-                    for process in processes:  # reaped, so that each exit code is known (None until then)
-                        process.join(timeout=10)
-                    exits = [p.exitcode for p in processes]
+                    exits = _exit_codes(processes)
                 for future in finished:
                     index = in_flight.pop(future)
                     if isinstance(future.exception(), BrokenProcessPool):
@@ -506,7 +506,17 @@ def _run_in_pools(units: list[tuple], options: tuple, commit, workers: int, init
         if lost:
             _after_worker_death(lost, units, attempts, exits, max_attempts)
             queue.extendleft(reversed(lost))
+        elif broken:
+            log.warning("a worker process died between units (exit codes %s; -9 is SIGKILL, as sent by the "
+                        "out-of-memory killer); restarting the workers", _exit_codes(processes))
     return restarts
+
+
+def _exit_codes(processes: list) -> list:
+    """The processes' exit codes, each reaped first (its exit code is None until then)."""
+    for process in processes:
+        process.join(timeout=10)
+    return [process.exitcode for process in processes]
 
 
 def _after_worker_death(lost: list[int], units: list[tuple], attempts: collections.Counter, exits: list,

@@ -307,7 +307,7 @@ def test_the_report_states_the_share_of_the_runs_time_in_checks(quick_run, tmp_p
     assert provenance["checks"] == {"check_s": round(sum(c for _s, c in rows), 1), "runs_recorded": 4, "runs": 4,
                                     "share": round(share, 4)}
     report = " ".join((quick_run / "report.md").read_text().split())
-    assert f"The 4 runs took {sum(s for s, _c in rows):,.0f} s of training in all; their checks (validation " \
+    assert f"The 4 runs took {sum(s for s, _c in rows):,.0f} s in all; their checks (validation " \
            f"reads) took {100 * share:.1f}% of it." in report
     db = tmp_path / "old.sqlite"
     shutil.copyfile(quick_run / "results.sqlite", db)

@@ -409,6 +409,10 @@ def test_batched_logits_are_each_models_own(method, activation):
     width = 8 if architecture(method) == "vit" else 4  # (the vit's 4 heads of 2)
     models = [build_model(method, input_shape=(1, 8, 8), num_classes=10, depth=2, width=width, activation=activation)
               .double() for _ in range(3)]
+    with torch.no_grad():  # off their initial values (norm gains 1, biases 0): each model's own parameters count
+        for model in models:
+            for parameter in model.parameters():
+                parameter.add_(0.3 * torch.randn_like(parameter))
     x, y = torch.randn(3, 5, 1, 8, 8, dtype=torch.float64), torch.zeros(5, dtype=torch.long)
     ensemble = BatchedEnsemble(models, "sgd", [0.1] * 3, [None] * 3, [(x[0], y)] * 3, [(x[0], y)] * 3)
     for training_mode in (True, False):

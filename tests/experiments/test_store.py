@@ -495,25 +495,31 @@ def test_check_time_sums_the_runs_that_recorded_it_and_an_earlier_store_gains_th
     path = _legacy_store(tmp_path / "old.sqlite")  # 3 runs of 1 s each, stored before check time was recorded
     with ResultStore(path, read_only=True) as store:
         assert store.check_time() == {"check_s": 0, "runs_recorded": 0, "runs": 3, "share": None}
+    with ResultStore(path) as store:  # a run without check time leaves the column out
+        store.put({"method": "l2", "batch_size": 32, "seed": 6, "dataset": "digits"},
+                  StoredRun(metrics={"test_accuracy": 0.9}, curves=[], seconds=1.0, data_fingerprint="fp"))
+    columns = [row[1] for row in sqlite3.connect(path).execute("PRAGMA table_info(runs)")]
+    assert "check_seconds" not in columns and "measurements" in columns
     with ResultStore(path) as store:
         keys = [store.put({"method": "l2", "batch_size": 32, "seed": seed, "dataset": "digits"},
                           StoredRun(metrics={"test_accuracy": 0.9}, curves=[], seconds=seconds,
                                     data_fingerprint="fp", check_seconds=checks))
                 for seed, seconds, checks in ((7, 4.0, 1.0), (8, 6.0, 0.5))]
     with ResultStore(path, read_only=True) as store:
-        assert store.verify() == 5
-        assert store.check_time() == {"check_s": 1.5, "runs_recorded": 2, "runs": 5, "share": 1.5 / 10.0}
+        assert store.verify() == 6
+        assert store.check_time() == {"check_s": 1.5, "runs_recorded": 2, "runs": 6, "share": 1.5 / 10.0}
         assert store.check_time(keys[:1]) == {"check_s": 1.0, "runs_recorded": 1, "runs": 1, "share": 0.25}
         assert "check_seconds" not in store.records()[-1]  # timing is never part of the records
     assert identify(path) == "affdiv"
 
 
-def test_a_negative_check_time_is_named_damaged(tmp_path):
+@pytest.mark.parametrize("value", ["-1", "9e999", "'soon'"])
+def test_a_check_time_that_is_no_time_is_named_damaged(tmp_path, value):
     path = tmp_path / "r.sqlite"
     with ResultStore(path) as store:
         _config, key = _put(store, seed=0, accuracy=0.75)
     db = sqlite3.connect(path)
-    db.execute("UPDATE runs SET check_seconds = -1")
+    db.execute(f"UPDATE runs SET check_seconds = {value}")  # 9e999: SQLite's infinity
     db.commit()
     db.close()
     with ResultStore(path, read_only=True) as store, pytest.raises(ValueError, match=f"run {key}: malformed check"):

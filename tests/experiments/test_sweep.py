@@ -317,9 +317,10 @@ def test_a_killed_worker_costs_only_a_retry(tmp_path, sweep_util):
     assert sweep_util.records(store) == sweep_util.records(undisturbed)
 
 
-def test_a_worker_that_dies_between_units_costs_a_fresh_pool(tmp_path, sweep_util, monkeypatch):
+def test_a_worker_that_dies_between_units_costs_a_fresh_pool(tmp_path, sweep_util, monkeypatch, caplog):
     # A worker killed while none of its units is in flight: the pool says so only when the next
-    # unit is submitted (submit raises); the sweep goes on in a fresh pool, every run stored once.
+    # unit is submitted (submit raises); the sweep goes on in a fresh pool, every run stored once,
+    # and no unit is charged an attempt (with no retries, a charged attempt would stop the sweep).
     from affdiv.experiments.runs import sweep
 
     configs = expand_grid({**BASE, "budget": "steps", "length": 20},
@@ -350,9 +351,10 @@ def test_a_worker_that_dies_between_units_costs_a_fresh_pool(tmp_path, sweep_uti
     monkeypatch.setattr(sweep, "_run_in_pools", lambda units, options, commit, _workers, *rest:
                         real_run(units, options, commit, 1, *rest))
     store = ResultStore(tmp_path / "killed.sqlite")
-    outcome = run_sweep(configs, store, SweepOptions(workers=2, stack=False), progress=None,
+    outcome = run_sweep(configs, store, SweepOptions(workers=2, stack=False, retries=0), progress=None,
                         on_result=kill_the_idle_worker)
     assert killed and pools[0]._broken and len(pools) == 2 and outcome.restarts == 1
+    assert "a worker process died between units (exit codes [-9]" in caplog.text
     assert sweep_util.counts(store) == (len(configs), len(configs))
     assert sweep_util.records(store) == sweep_util.records(undisturbed)
 
