@@ -309,20 +309,24 @@ def test_the_report_states_the_share_of_the_runs_time_in_checks(quick_run, tmp_p
     report = " ".join((quick_run / "report.md").read_text().split())
     assert f"The 4 runs took {sum(s for s, _c in rows):,.0f} s in all; their checks (validation " \
            f"reads) took {100 * share:.1f}% of it." in report
-    db = tmp_path / "old.sqlite"
-    shutil.copyfile(quick_run / "results.sqlite", db)
-    execute_sql(db, "UPDATE runs SET check_seconds = NULL WHERE config_hash IN (SELECT config_hash FROM runs LIMIT 3)")
-    assert main(["analyse", "--input", str(db), "--out", str(tmp_path / "out"), "--calibration-sims", "0"]) == 0
-    report = " ".join((tmp_path / "out" / "report.md").read_text().split())
+    report = _analysed_copy(quick_run, tmp_path, "UPDATE runs SET check_seconds = NULL WHERE config_hash IN "
+                                                 "(SELECT config_hash FROM runs LIMIT 3)")
     assert "% of it (over the 1 of 4 runs that recorded it; the others were stored before affdiv did)." in report
 
 
-def test_a_store_of_several_versions_lists_them(quick_run, tmp_path):
-    db = tmp_path / "mixed.sqlite"
+def _analysed_copy(quick_run, tmp_path, statement: str) -> str:
+    """The report (its words) of ``affdiv analyse`` on a copy of the quick sweep's store changed by
+    the SQL ``statement``."""
+    db = tmp_path / "changed.sqlite"
     shutil.copyfile(quick_run / "results.sqlite", db)
-    execute_sql(db, "DELETE FROM run_code WHERE config_hash IN (SELECT config_hash FROM run_code LIMIT 1)")
+    execute_sql(db, statement)
     assert main(["analyse", "--input", str(db), "--out", str(tmp_path / "out"), "--calibration-sims", "0"]) == 0
-    report = " ".join((tmp_path / "out" / "report.md").read_text().split())
+    return " ".join((tmp_path / "out" / "report.md").read_text().split())
+
+
+def test_a_store_of_several_versions_lists_them(quick_run, tmp_path):
+    report = _analysed_copy(quick_run, tmp_path,
+                            "DELETE FROM run_code WHERE config_hash IN (SELECT config_hash FROM run_code LIMIT 1)")
     assert "The runs were trained by 2 versions of affdiv (affdiv " in report
     assert "; not recorded (stored before affdiv recorded it): 1 run(s))" in report
 
