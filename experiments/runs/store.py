@@ -521,6 +521,8 @@ class ResultStore:
 
         if not isinstance(run, StoredRun):
             raise ValueError(f"run must be a StoredRun, got {type(run).__name__}")
+        if run.check_seconds is not None and not 0 <= run.check_seconds < math.inf:
+            raise ValueError(f"a run's check_seconds must be a finite number of seconds >= 0, got {run.check_seconds}")
         key = config_hash(config)
         data = data_key(config)
         self.check_fingerprints({data: run.data_fingerprint})

@@ -506,9 +506,10 @@ def _run_in_pools(units: list[tuple], options: tuple, commit, workers: int, init
         if lost:
             _after_worker_death(lost, units, attempts, exits, max_attempts)
             queue.extendleft(reversed(lost))
-        elif broken:
+        elif broken:  # (the pool itself ends the other workers with SIGTERM)
+            died = [code for code in _exit_codes(processes) if code not in (None, 0, -signal.SIGTERM)]
             log.warning("a worker process died between units (exit codes %s; -9 is SIGKILL, as sent by the "
-                        "out-of-memory killer); restarting the workers", _exit_codes(processes))
+                        "out-of-memory killer); restarting the workers", died)
     return restarts
 
 

@@ -513,6 +513,15 @@ def test_check_time_sums_the_runs_that_recorded_it_and_an_earlier_store_gains_th
     assert identify(path) == "affdiv"
 
 
+@pytest.mark.parametrize("value", [-1.0, math.inf, math.nan])
+def test_put_refuses_a_check_time_that_is_no_time(tmp_path, value):
+    with ResultStore(tmp_path / "r.sqlite") as store:
+        with pytest.raises(ValueError, match="check_seconds must be a finite"):
+            store.put({"method": "l2", "batch_size": 32, "seed": 0},
+                      StoredRun(metrics={}, curves=[], seconds=1.0, data_fingerprint="fp", check_seconds=value))
+        assert store.finished() == set()
+
+
 @pytest.mark.parametrize("value", ["-1", "9e999", "'soon'"])
 def test_a_check_time_that_is_no_time_is_named_damaged(tmp_path, value):
     path = tmp_path / "r.sqlite"

@@ -1,5 +1,6 @@
-"""benchmarks/stacked_training.py: the replay of a step's kernels times the step's own matrix
-products and convolutions, and only those, without touching the models."""
+"""benchmarks/stacked_training.py: the replay of a step's kernels (recorded while the engine takes
+one step) runs the step's own matrix products and convolutions, and only those, and replaying
+them does not touch the models."""
 
 import importlib.util
 from pathlib import Path
@@ -19,7 +20,7 @@ _spec.loader.exec_module(roofline)
 
 
 @pytest.mark.parametrize("method, width", [("affine", 8), ("conv", 2), ("vit-affine_like", 8)])
-def test_the_replay_runs_the_steps_counted_kernels_and_leaves_the_models_alone(digits, method, width):
+def test_replaying_runs_the_steps_counted_kernels_and_leaves_the_models_alone(digits, method, width):
     config = RunConfig(dataset="digits", method=method, depth=1, width=width, batch_size=8, seed=0)
     models = [build_member(config, digits, seed) for seed in (0, 1)]
     split = (torch.as_tensor(digits.train.x), torch.as_tensor(digits.train.y))
