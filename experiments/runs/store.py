@@ -690,22 +690,27 @@ class ResultStore:
 
     def seconds(self, hashes: Iterable[str] | None = None) -> float:
         """Total compute time of the runs (for provenance and a report's cost, never for its analysis)."""
-        return sum(row[4] for row in self._rows(hashes))
+        return sum(self._times("seconds", hashes).values())
+
+    def _times(self, column: str, hashes: Iterable[str] | None) -> dict[str, float]:
+        """{config hash: the run's ``column`` (seconds or check_seconds)} of the runs (``hashes``: of
+        these only) where it is not null, read without parsing the runs' JSON; a value that is no
+        finite time >= 0 is named as damage."""
+        wanted = None if hashes is None else set(hashes)
+        rows = sorted(self._query(f"SELECT config_hash, {column} FROM runs WHERE {column} IS NOT NULL"))
+        times = {key: value for key, value in rows if wanted is None or key in wanted}
+        bad = [key for key, value in times.items() if not isinstance(value, int | float) or not 0 <= value < math.inf]
+        if bad:
+            raise ValueError(f"{self.path}: run {bad[0]}: malformed {column} (damaged store)")
+        return times
 
     def check_time(self, hashes: Iterable[str] | None = None) -> dict:
         """The runs' time in checks (for provenance and a report's cost, never for its analysis):
         ``check_s`` summed over the runs that recorded it (``runs_recorded`` of ``runs``), and
         ``share``, their check seconds over their seconds (None where no run recorded it or they
         took no time)."""
-        seconds = {row[0]: row[4] for row in self._rows(hashes)}
-        recorded = {}
-        if self._has_column("check_seconds"):
-            recorded = {key: value for key, value in sorted(self._query(
-                "SELECT config_hash, check_seconds FROM runs WHERE check_seconds IS NOT NULL")) if key in seconds}
-        bad = [key for key, value in recorded.items()
-               if not isinstance(value, int | float) or not 0 <= value < math.inf]
-        if bad:
-            raise ValueError(f"{self.path}: run {bad[0]}: malformed check_seconds (damaged store)")
+        seconds = self._times("seconds", hashes)
+        recorded = self._times("check_seconds", hashes) if self._has_column("check_seconds") else {}
         checks, of = sum(recorded.values()), sum(seconds[key] for key in recorded)
         return {"check_s": checks, "runs_recorded": len(recorded), "runs": len(seconds),
                 "share": checks / of if recorded and of > 0 else None}
