@@ -1,8 +1,12 @@
 """The build's two extras beyond pyproject.toml (where the metadata lives).
 
-1. The one compiled part: the fused CPU passes of the corrected layers (layers/_fused_cpu.c). The
-   extension is optional: without a C compiler (or OpenMP) the install still succeeds and the
-   layers run their plain-torch passes instead (``affdiv.layers._fused.available()`` tells which).
+1. The compiled parts, both optional (without a compiler the install still succeeds and the layers
+   run their Python paths; ``affdiv.layers._fused.available()`` and ``_native.available()`` tell):
+   the fused CPU passes of the corrected layers (layers/_fused_cpu.c), and the dense layers'
+   autograd nodes in C++ (layers/_dense_autograd.cpp), which compile against torch and so are
+   built by torch's ``BuildExtension``, with the torch of the build environment (pyproject.toml's
+   build requirements; a build without isolation uses the installed one, which the extension then
+   matches).
 2. ``build_py`` with two changes. Because the package ``affdiv`` is the repository root, setuptools
    would ship every top-level ``.py`` file as a module of it: this file is left out (it must not
    install as ``affdiv.setup``). And a wheel built from a git checkout records that checkout's
@@ -14,6 +18,7 @@ import subprocess
 from pathlib import Path
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
 
 HERE = Path(__file__).resolve().parent
@@ -62,16 +67,28 @@ class BuildPy(build_py):
         return [*outputs, str(Path(self.build_lib) / "affdiv" / "_build_info.py")]
 
 
-if __name__ == "__main__":  # (setuptools runs this file as __main__; tests import BuildPy)
-    setup(
-        cmdclass={"build_py": BuildPy},
-        ext_modules=[
-            Extension(
-                "affdiv.layers._fused_cpu",
-                sources=["layers/_fused_cpu.c"],
-                extra_compile_args=["-O3", "-fopenmp"],
-                extra_link_args=["-fopenmp"],
-                optional=True,
-            )
-        ],
+def extensions() -> tuple[list, type]:
+    """(the extension modules, the build_ext command): the C passes, and the C++ autograd nodes where
+    torch can be imported here (torch's build_ext then builds both: the C one keeps its own -std, so
+    the C++ flags torch adds elsewhere do not reach it)."""
+    fused = Extension(
+        "affdiv.layers._fused_cpu",
+        sources=["layers/_fused_cpu.c"],
+        extra_compile_args=["-O3", "-fopenmp", "-std=gnu17"],
+        extra_link_args=["-fopenmp"],
+        optional=True,
     )
+    try:
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+    except ImportError:
+        return [fused], build_ext
+    native = CppExtension(
+        "affdiv.layers._dense_autograd", sources=["layers/_dense_autograd.cpp"], extra_compile_args=["-O3"],
+        optional=True,
+    )
+    return [fused, native], BuildExtension.with_options(use_ninja=False)
+
+
+if __name__ == "__main__":  # (setuptools runs this file as __main__; tests import BuildPy)
+    ext_modules, build_ext_command = extensions()
+    setup(cmdclass={"build_py": BuildPy, "build_ext": build_ext_command}, ext_modules=ext_modules)

@@ -17,6 +17,11 @@ formulas are derived in each docstring and checked by the tests against autograd
 closed form (gradcheck, gradgradcheck), central finite differences and the naive composite's
 jvp, in float64. The jvp formulas hold where ‖x‖² is finite in x's dtype (as the backward's).
 Inputs are already validated and 2-D (rows) or (N, C, *spatial) by ``functional``.
+
+AffineLikeFunction and NormLikeFunction have C++ twins (``_dense_autograd.cpp``, loaded by
+``_native``), which plain eager CPU calls take: the same branches and the same ops in the same
+order, so a change to the formulas here must be made there too (the tests compare them bit for
+bit).
 """
 
 from __future__ import annotations

@@ -104,6 +104,16 @@ def available() -> bool:
     return _LIB is not None
 
 
+def library_path() -> str | None:
+    """The loaded library's file (for the C++ nodes of ``_native``, which bind its passes by name)."""
+    return None if _LIB is None else _LIB._name
+
+
+def is_disabled() -> bool:
+    """Whether the calling code runs inside ``disabled``."""
+    return _state["disabled"]
+
+
 @contextlib.contextmanager
 def disabled() -> Iterator[None]:
     """Run the plain-torch passes inside the block (for tests and benchmarks of both paths)."""

@@ -29,10 +29,12 @@ So do the dense layers at the falsification harness's sizes (``HARNESS_DENSE_SIZ
 first layer 784→128 and hidden 128→128 at batch sizes 16-1024), each layer's per-call time a
 ratio to nn.Linear's in the same rounds (``OVERHEAD_CALLS``·16/B calls a round, at least 5). The
 dense per-call cases also time a reference, "nn.Linear+Python Function": nn.Linear followed by an
-identity autograd.Function whose forward and backward are Python (as the corrected layers' are,
-around their kernels). Its ratio to nn.Linear is about the least a layer written as a Python
-autograd.Function costs over nn.Linear at that size, whatever its arithmetic (about: it also pays
-a second module call and a ``view``, which a layer need not).
+identity autograd.Function whose forward and backward are Python. Its ratio to nn.Linear is about
+the least a layer written as a Python autograd.Function costs over nn.Linear at that size, whatever
+its arithmetic (about: it also pays a second module call and a ``view``, which a layer need not).
+Where the dense layers' C++ autograd nodes are built (``affdiv.layers._native``), every dense case
+also times AffineLike and NormLike(l2) on their Python Functions ("… (Python Function)", the path
+taken without the nodes), for information.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ try:
 except ModuleNotFoundError as error:
     raise missing_extra(error, extra="bench", feature="affdiv bench (affdiv.layers.benchmark)") from None
 
-from affdiv.layers import _fused
+from affdiv.layers import _fused, _native
 from affdiv.layers.modules import AffineLike, NormLike, PatchNormConv2d
 from affdiv.reporting import nonfinite_to_null, write_json
 
@@ -100,6 +102,18 @@ class _ThenPythonIdentity(nn.Module):
 
     def forward(self, x):
         return _PythonIdentity.apply(self.layer(x))
+
+
+class _OnPythonFunction(nn.Module):
+    """A dense corrected layer run on its Python autograd.Function (the C++ node disabled)."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        with _native.disabled():
+            return self.layer(x)
 
 
 class _Normalize(nn.Module):
@@ -148,6 +162,9 @@ def dense_variants(m: int, n: int, backend: str | None, reference: bool = False)
         Variant("NormLike(l2)", norm_l2, "layer"),
         Variant("NormLike(rms)", norm_rms, "layer"),
     ]
+    if _native.available():
+        variants += [Variant("AffineLike (Python Function)", _OnPythonFunction(affine_like), "mode"),
+                     Variant("NormLike(l2) (Python Function)", _OnPythonFunction(norm_l2), "mode")]
     if reference:
         variants.append(Variant("nn.Linear+Python Function", _ThenPythonIdentity(nn.Linear(m, n)), "reference"))
     if backend is None:
@@ -189,6 +206,8 @@ OWN = {
     "NormLike(rms)": ("compiled naive NormLike(rms)", "nn.Linear"),
     "PatchNormConv2d": ("compiled naive PatchNormConv2d", "nn.Conv2d"),
     "PatchNormConv2d(recompute)": ("compiled naive PatchNormConv2d", "nn.Conv2d"),
+    "AffineLike (Python Function)": ("compiled naive AffineLike", "nn.Linear"),
+    "NormLike(l2) (Python Function)": ("compiled naive NormLike(l2)", "nn.Linear"),
     "nn.Linear+Python Function": (None, "nn.Linear"),
 }
 
@@ -293,7 +312,8 @@ def run(quick: bool = False, threads: int = 2, repeats: int | None = None, warmu
         torch.set_num_threads(threads)
     config = {"quick": quick, "threads": threads, "repeats": repeats, "warmup": warmup,
               "compile_backend": backend, "dtype": "float32", "what": "forward+backward, x.requires_grad",
-              "overhead_calls_per_round": calls, "fused_cpu_kernels": _fused.available()}
+              "overhead_calls_per_round": calls, "fused_cpu_kernels": _fused.available(),
+              "cpp_autograd_nodes": _native.available()}
     return {"config": config, "medians_ms": medians, "rows": rows}
 
 

@@ -21,8 +21,9 @@ than the largest by more than ~2^96 lose relative precision.
 
 Bad input (shape, dtype, device) raises ValueError/TypeError naming the expected and the
 actual value. On CUDA, with the optional Triton kernel available (``_triton_affine_like``),
-affine_like runs fused there; everywhere else it is the Function in ``_autograd`` (with the
-fused CPU passes of ``_fused`` where they apply).
+affine_like runs fused there. On the CPU in eager mode the dense layers are C++ autograd nodes
+(``_native``, where built); everywhere else they are the Functions in ``_autograd``. Both take
+the fused CPU passes of ``_fused`` where those apply, and give the same numbers to the bit.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from affdiv.checks import check_int, is_int
-from affdiv.layers import _autograd
+from affdiv.layers import _autograd, _native
 from affdiv.layers._scale import plain_eager
 
 NORM_MODES = ("l2", "rms")
@@ -75,6 +76,8 @@ def affine_like(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor
     kernel = _gpu_kernel(rows)
     if kernel is not None:
         z, _ = _TritonAffineLike.apply(rows, weight, bias, kernel)
+    elif _native.usable(rows, weight, bias):
+        z = _native.affine_like(rows, weight, bias)
     else:
         z, _ = _autograd.apply_affine_like(rows, weight, bias)
     return _unrows(z, x)
@@ -112,7 +115,11 @@ def norm_like(
     eps = _check_eps("norm_like", eps)
     x, weight, bias = _prepare_dense("norm_like", x, weight, bias)
     k = 1.0 if mode == "l2" else math.sqrt(x.shape[-1])
-    z, _ = _autograd.apply_norm_like(_rows(x), weight, bias, k, eps)
+    rows = _rows(x)
+    if _native.usable(rows, weight, bias):
+        z = _native.norm_like(rows, weight, bias, k, eps)
+    else:
+        z, _ = _autograd.apply_norm_like(rows, weight, bias, k, eps)
     return _unrows(z, x)
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from affdiv.cli import main
-from affdiv.layers import PatchNormConv2d, benchmark
+from affdiv.layers import PatchNormConv2d, _native, benchmark
 
 
 def test_bench_layers_quick_writes_a_table_and_json(tmp_path, capsys):
@@ -25,8 +25,11 @@ def test_bench_layers_quick_writes_a_table_and_json(tmp_path, capsys):
     assert result["config"]["quick"] is True and result["provenance"]["package"] == "affdiv"
     assert (result["config"]["repeats"], result["config"]["warmup"]) == (2, 0)  # 0 is not "the default"
     layers = {row["layer"] for row in result["rows"]}
+    on_python = {"AffineLike (Python Function)", "NormLike(l2) (Python Function)"}  # where the C++ nodes are built
     assert layers == {"AffineLike", "NormLike(l2)", "NormLike(rms)", "PatchNormConv2d", "PatchNormConv2d(recompute)",
-                      "nn.Linear+Python Function"}
+                      "nn.Linear+Python Function"} | (on_python if _native.available() else set())
+    assert all(row["target"] is None for row in result["rows"] if row["layer"] in on_python)
+    assert result["config"]["cpp_autograd_nodes"] == _native.available()
     assert {row["case"] for row in result["rows"] if row["layer"] == "nn.Linear+Python Function"} == {
         "per call: dense B=2 8->4, 1 thread"}  # the floor of a Python Function, in the per-call dense cases only
     assert all(row["target"] is None for row in result["rows"] if row["layer"] == "PatchNormConv2d(recompute)")

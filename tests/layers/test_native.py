@@ -1,0 +1,199 @@
+"""The dense layers' C++ autograd nodes (``affdiv.layers._native``).
+
+The nodes claim to be the Python Functions of ``_autograd`` branch for branch, so the checks are
+exact: every output, first-order gradient and second-order gradient of a node equals the Python
+Function's to the bit (``torch.equal``), on the fused row passes (node vs Function with the
+passes) and on the plain-torch passes (node without the passes vs Function inside
+``_fused.disabled()``), over hypothesis-drawn shapes (empty batches included), dtypes, biases,
+which inputs need a gradient, and rows whose ‖x‖² overflows or is NaN. Any reordered operation
+breaks bit-equality. gradcheck and gradgradcheck hold the nodes to finite differences in float64
+on their own. The routing checks say which calls take the nodes: plain eager CPU calls, and no
+call the nodes cannot serve (forward-mode AD, torch.func, dispatch modes, half precision), and
+that a backward fed tangents (forward-over-reverse) keeps them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+
+import pytest
+import torch
+from hypothesis import example, given
+from hypothesis import strategies as st
+from torch.utils.flop_counter import FlopCounterMode
+
+from affdiv.layers import AffineLike, NormLike, _fused, _native
+from affdiv.layers import functional as LF
+
+needs_nodes = pytest.mark.skipif(not _native.available(), reason="the C++ autograd nodes were not built for this torch")
+
+DENSE = {
+    "affine_like": lambda x, w, b: LF.affine_like(x, w, b),
+    "norm_l2": lambda x, w, b: LF.norm_like(x, w, b, mode="l2"),
+    "norm_rms": lambda x, w, b: LF.norm_like(x, w, b, mode="rms"),
+    # the constant branch q = k/eps, taken by the rows of norm ≤ eps (k = √m for rms: a "small" row)
+    "norm_l2_large_eps": lambda x, w, b: LF.norm_like(x, w, b, mode="l2", eps=0.5),
+    "norm_rms_large_eps": lambda x, w, b: LF.norm_like(x, w, b, mode="rms", eps=0.5),
+}
+PYTHON = [_native.disabled]  # the Python Functions, with the row passes
+PYTHON_PLAIN = [_native.disabled, _fused.disabled]  # the Python Functions' plain-torch passes
+NODES_PLAIN = [_native.without_row_passes]
+
+
+def test_nodes_were_built_where_required():
+    # tox sets AFFDIV_REQUIRE_CPU_KERNELS=1: there, a silently failed (optional) build is an error
+    if os.environ.get("AFFDIV_REQUIRE_CPU_KERNELS") != "1":
+        pytest.skip("AFFDIV_REQUIRE_CPU_KERNELS is not set: the C++ nodes are optional here")
+    assert _native.available(), "the C++ extension affdiv.layers._dense_autograd was not built for this torch"
+
+
+def _results(fn, x, w, b, grad, contexts):
+    """[z, first-order grads, second-order grads of Σ(first-order)²] of the inputs that need a
+    gradient, and the name of z's grad_fn, with every context of ``contexts`` entered."""
+    inputs = [t for t in (x, w, b) if t is not None and t.requires_grad]
+    with contextlib.ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context())
+        z = fn(x, w, b)
+        first = torch.autograd.grad(z, inputs, grad, allow_unused=True)
+        again = torch.autograd.grad(fn(x, w, b), inputs, grad, create_graph=True, allow_unused=True)
+        total = sum((g * g).sum() for g in again if g is not None and g.requires_grad)
+        second = torch.autograd.grad(total, inputs, allow_unused=True) if torch.is_tensor(total) else ()
+    return [z, *first, *second], type(z.grad_fn).__name__
+
+
+def _assert_bitwise_equal(a, b):
+    assert len(a) == len(b)
+    for p, q in zip(a, b):
+        assert (p is None) == (q is None)
+        if p is not None:
+            assert p.dtype == q.dtype and p.shape == q.shape
+            assert torch.equal(p, q) or (p.isnan() == q.isnan()).all() and torch.equal(p.nan_to_num(), q.nan_to_num())
+
+
+def _case(rows, m, n, dtype, bias, needs, seed, row_kind):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, m, dtype=dtype, generator=g)
+    if rows and row_kind == "zero":
+        x[0] = 0.0
+    elif rows and row_kind == "small":  # ‖x‖ = 0.75: inside eps = 0.5 times k = √m for m ≥ 3
+        x[0] *= 0.75 / x[0].norm()
+    elif rows and row_kind == "huge":  # ‖x‖² overflows: the rescaled forward
+        x[0] = torch.finfo(dtype).max / 4
+    elif rows and row_kind == "nan":
+        x[0, 0] = float("nan")
+    w = torch.randn(n, m, dtype=dtype, generator=g)
+    b = torch.randn(n, dtype=dtype, generator=g) if bias else None
+    for t, need in zip((x, w, b), needs):
+        if t is not None:
+            t.requires_grad_(need)
+    return x, w, b, torch.randn(rows, n, dtype=dtype, generator=g)
+
+
+cases = dict(rows=st.integers(0, 40), m=st.integers(1, 24), n=st.integers(1, 12),
+             dtype=st.sampled_from([torch.float32, torch.float64]), bias=st.booleans(),
+             needs=st.tuples(st.booleans(), st.booleans(), st.booleans()).filter(any), seed=st.integers(0, 2**16),
+             row_kind=st.sampled_from(["normal", "zero", "small", "huge", "nan"]))
+
+
+@needs_nodes
+@pytest.mark.parametrize("member", sorted(DENSE))
+@given(**cases)
+@example(rows=3, m=4, n=2, dtype=torch.float32, bias=True, needs=(True, True, True), seed=0, row_kind="normal")
+@example(rows=3, m=4, n=2, dtype=torch.float64, bias=True, needs=(True, True, True), seed=0, row_kind="small")
+def test_nodes_equal_the_python_functions_bit_for_bit(member, rows, m, n, dtype, bias, needs, seed, row_kind):
+    x, w, b, grad = _case(rows, m, n, dtype, bias, needs, seed, row_kind)
+    if b is None and not any(needs[:2]):
+        return
+    fn = DENSE[member]
+    node, node_fn = _results(fn, x, w, b, grad, [])
+    python, python_fn = _results(fn, x, w, b, grad, PYTHON)
+    assert node_fn == "CppFunction" and python_fn != "CppFunction"  # (each side took the path it names)
+    _assert_bitwise_equal(node, python)
+    node_plain, _ = _results(fn, x, w, b, grad, NODES_PLAIN)
+    python_plain, _ = _results(fn, x, w, b, grad, PYTHON_PLAIN)
+    _assert_bitwise_equal(node_plain, python_plain)
+
+
+@needs_nodes
+@pytest.mark.parametrize("member", sorted(DENSE))
+@pytest.mark.parametrize("contexts", [[], NODES_PLAIN], ids=["row passes", "plain torch"])
+def test_nodes_pass_gradcheck_and_gradgradcheck(member, contexts):
+    x, w, b, _ = _case(6, 5, 3, torch.float64, True, (True, True, True), 7, "normal")
+    with contextlib.ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context())
+        assert type(DENSE[member](x, w, b).grad_fn).__name__ == "CppFunction"
+        assert torch.autograd.gradcheck(DENSE[member], (x, w, b))
+        assert torch.autograd.gradgradcheck(DENSE[member], (x, w, b))
+
+
+@needs_nodes
+@pytest.mark.parametrize("member", sorted(DENSE))
+def test_non_contiguous_inputs_take_the_nodes_plain_passes(member):
+    x, w, b, grad = _case(5, 4, 3, torch.float64, True, (True, True, True), 3, "normal")
+    x_t = x.detach().t().contiguous().t().requires_grad_()  # column-major: not contiguous
+    w_t = w.detach().t().contiguous().t().requires_grad_()
+    node, name = _results(DENSE[member], x_t, w_t, b, grad, [])
+    python, _ = _results(DENSE[member], x_t, w_t, b, grad, PYTHON)
+    assert name == "CppFunction"
+    _assert_bitwise_equal(node, python)
+
+
+@needs_nodes
+@pytest.mark.parametrize("make", [lambda: AffineLike(4, 3), lambda: NormLike(4, 3, mode="rms")])
+def test_eager_cpu_calls_take_the_nodes_and_others_the_python_functions(make):
+    layer, x = make().double(), torch.randn(2, 5, 4, dtype=torch.float64)
+    assert type(layer(x[0]).grad_fn).__name__ == "CppFunction"
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(x[0], torch.ones_like(x[0]))
+        assert "CppFunction" not in type(layer(dual).grad_fn).__name__
+    assert not _native.usable(x[0].half(), layer.weight.half(), None)
+    assert not _native.usable(x[0].to(torch.bfloat16), layer.weight.to(torch.bfloat16), None)
+    seen = []
+    torch.func.vmap(lambda row: seen.append(_native.usable(row[None], layer.weight, layer.bias)) or row)(x[0])
+    assert seen == [False]
+    with FlopCounterMode(display=False):
+        assert not _native.usable(x[0], layer.weight, layer.bias)
+    assert _native.usable(x[0], layer.weight, layer.bias)
+
+
+@needs_nodes
+@pytest.mark.parametrize("member", sorted(DENSE))
+def test_forward_over_reverse_through_a_node_keeps_the_tangents(member):
+    # a backward fed dual gradients: the row passes would drop the tangents, the node must not use them
+    x, w, b, grad = _case(4, 3, 2, torch.float64, True, (True, True, True), 11, "normal")
+    tangent = torch.randn_like(grad)
+
+    def directional(contexts):
+        with contextlib.ExitStack() as stack:
+            for context in contexts:
+                stack.enter_context(context())
+            z = DENSE[member](x, w, b)
+            with torch.autograd.forward_ad.dual_level():
+                dx, = torch.autograd.grad(z, x, torch.autograd.forward_ad.make_dual(grad, tangent))
+                return torch.autograd.forward_ad.unpack_dual(dx).tangent
+
+    node = directional([])
+    assert node is not None and node.abs().sum() > 0
+    torch.testing.assert_close(node, directional(PYTHON_PLAIN), rtol=1e-12, atol=1e-12)
+
+
+@needs_nodes
+def test_saved_tensor_hooks_see_what_the_nodes_save():
+    x, w, b, _ = _case(3, 4, 2, torch.float64, True, (True, True, True), 5, "normal")
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t.shape) or t, lambda t: t):
+        LF.affine_like(x, w, b).sum().backward()
+    assert sorted(packed) == sorted([x.shape, w.shape, b.shape, torch.Size([3, 1])])  # x, W, b and the scale r
+
+
+@needs_nodes
+def test_an_extension_built_for_another_torch_is_not_used(monkeypatch):
+    monkeypatch.setattr(_native, "_running_torch", lambda: (0, 0, 0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert _native._load() is None
+    assert any("built for torch" in str(w.message) for w in caught)
