@@ -366,11 +366,33 @@ public:
     }
 };
 
-Tensor affine_like(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias) {
+// Whether the nodes serve a call on these tensors: x 2-D, all of x's dtype (float32/float64), on the
+// CPU and plain. (The Python side has checked the state: no trace, transform, dispatch mode, tangent.)
+bool servable(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias) {
+    const auto dtype = x.scalar_type();
+    if (x.dim() != 2 || (dtype != at::kFloat && dtype != at::kDouble)) {
+        return false;
+    }
+    for (const Tensor* t : {&x, &weight, bias.has_value() ? &*bias : &x}) {
+        if (!(t->scalar_type() == dtype && t->is_cpu() && plain(*t))) {
+            return false;
+        }
+    }
+    return true;
+}
+
+std::optional<Tensor> affine_like(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias) {
+    if (!servable(x, weight, bias)) {
+        return std::nullopt;
+    }
     return AffineLikeFunction::apply(x, weight, bias)[0];
 }
 
-Tensor norm_like(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias, double k, double eps) {
+std::optional<Tensor> norm_like(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias, double k,
+                                double eps) {
+    if (!servable(x, weight, bias)) {
+        return std::nullopt;
+    }
     return NormLikeFunction::apply(x, weight, bias, k, eps)[0];
 }
 
@@ -378,8 +400,8 @@ Tensor norm_like(const Tensor& x, const Tensor& weight, const std::optional<Tens
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "The dense corrected layers' autograd nodes in C++ (see affdiv.layers._native).";
-    m.def("affine_like", &affine_like, "z = (x Wᵀ + b)/√(‖x‖² + 1) per row of a 2-D x");
-    m.def("norm_like", &norm_like, "z = W·k x/max(‖x‖, eps) + b per row of a 2-D x");
+    m.def("affine_like", &affine_like, "z = (x Wᵀ + b)/√(‖x‖² + 1) per row of a 2-D x (None: not servable)");
+    m.def("norm_like", &norm_like, "z = W·k x/max(‖x‖, eps) + b per row of a 2-D x (None: not servable)");
     m.def("bind_row_passes", &bind_row_passes, "bind the fused row passes of the loaded library at this path "
           "(an empty path unbinds them); returns whether they are bound");
     // an extension only loads into the torch it was compiled against (affdiv.layers._native checks)

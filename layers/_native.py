@@ -10,11 +10,12 @@ backward included.
 
 The extension is optional (built at install where torch's headers and a C++ compiler are
 present) and tied to the torch it was compiled against: it is used only when that is the running
-torch. ``usable`` says whether a call may take it: the extension loaded and neither ``disabled``
-nor ``_fused.disabled`` (which asks for the plain-torch passes: the Python Functions run them), x
-a 2-D plain CPU float32/float64 tensor with weight and bias of its dtype, in eager mode (not
-traced, not under a torch.func transform, no dispatch mode, no forward-mode AD: those need the
-Python Functions' vmap rules and jvp). A graph may be recorded: the nodes' backward is itself
+torch. ``affine_like`` and ``norm_like`` run a call on a node, or return None where it may not take
+one: the extension not loaded, ``disabled`` or ``_fused.disabled`` (which asks for the plain-torch
+passes: the Python Functions run them), not eager mode (traced, under a torch.func transform, a
+dispatch mode or forward-mode AD: those need the Python Functions' vmap rules and jvp), or x not
+a 2-D plain CPU float32/float64 tensor with weight and bias of its dtype (checked in C++, where
+it costs a fraction of a microsecond). A graph may be recorded: the nodes' backward is itself
 differentiable.
 """
 
@@ -31,7 +32,6 @@ import torch
 from torch import Tensor
 
 from affdiv.layers import _fused
-from affdiv.layers._fused import plain
 from affdiv.layers._torch_internals import (
     dispatch_mode_active,
     forward_ad_active,
@@ -39,7 +39,6 @@ from affdiv.layers._torch_internals import (
     is_compiling,
 )
 
-_DTYPES = (torch.float32, torch.float64)
 _state = {"disabled": False}  # process-wide (``disabled`` is for tests and benchmarks)
 
 
@@ -104,25 +103,21 @@ def without_row_passes() -> Iterator[None]:
             _MODULE.bind_row_passes(_fused.library_path())
 
 
-def usable(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
-    """Whether a dense layer's call on (x, weight, bias) may take the C++ node (module docstring)."""
-    if (_MODULE is None or _state["disabled"] or _fused.is_disabled() or is_compiling() or functorch_transforms_active()
-            or dispatch_mode_active() or forward_ad_active()):
-        return False
-    dtype = x.dtype
-    if dtype not in _DTYPES or x.dim() != 2:
-        return False
-    for t in (x, weight, bias):  # (a loop, not all() over a generator: this runs at every call)
-        if t is not None and not (plain(t) and t.dtype == dtype and t.is_cpu):
-            return False
-    return True
+def _eager() -> bool:
+    """Whether the state lets a call take the C++ nodes: built and not disabled; no trace, torch.func
+    transform, dispatch mode or forward-mode AD active."""
+    return not (_MODULE is None or _state["disabled"] or _fused.is_disabled() or is_compiling()
+                or functorch_transforms_active() or dispatch_mode_active() or forward_ad_active())
 
 
-def affine_like(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """z = (x Wᵀ + b)/√(‖x‖² + 1) per row, by the C++ node (``usable`` must hold)."""
-    return _MODULE.affine_like(x, weight, bias)
+def affine_like(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | None:
+    """z = (x Wᵀ + b)/√(‖x‖² + 1) per row by the C++ node; None where it does not serve the call (the
+    state, see ``_eager``; or the tensors: x not 2-D, not all plain CPU tensors of x's dtype,
+    float32 or float64, which the extension checks)."""
+    return _MODULE.affine_like(x, weight, bias) if _eager() else None
 
 
-def norm_like(x: Tensor, weight: Tensor, bias: Tensor | None, k: float, eps: float) -> Tensor:
-    """z = q·(x Wᵀ) + b, q = k/max(‖x‖, eps) per row, by the C++ node (``usable`` must hold)."""
-    return _MODULE.norm_like(x, weight, bias, k, eps)
+def norm_like(x: Tensor, weight: Tensor, bias: Tensor | None, k: float, eps: float) -> Tensor | None:
+    """z = q·(x Wᵀ) + b, q = k/max(‖x‖, eps) per row by the C++ node; None where it does not serve the
+    call (see ``affine_like``)."""
+    return _MODULE.norm_like(x, weight, bias, k, eps) if _eager() else None

@@ -76,9 +76,7 @@ def affine_like(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor
     kernel = _gpu_kernel(rows)
     if kernel is not None:
         z, _ = _TritonAffineLike.apply(rows, weight, bias, kernel)
-    elif _native.usable(rows, weight, bias):
-        z = _native.affine_like(rows, weight, bias)
-    else:
+    elif (z := _native.affine_like(rows, weight, bias)) is None:
         z, _ = _autograd.apply_affine_like(rows, weight, bias)
     return _unrows(z, x)
 
@@ -116,9 +114,7 @@ def norm_like(
     x, weight, bias = _prepare_dense("norm_like", x, weight, bias)
     k = 1.0 if mode == "l2" else math.sqrt(x.shape[-1])
     rows = _rows(x)
-    if _native.usable(rows, weight, bias):
-        z = _native.norm_like(rows, weight, bias, k, eps)
-    else:
+    if (z := _native.norm_like(rows, weight, bias, k, eps)) is None:
         z, _ = _autograd.apply_norm_like(rows, weight, bias, k, eps)
     return _unrows(z, x)
 

@@ -150,14 +150,20 @@ def test_eager_cpu_calls_take_the_nodes_and_others_the_python_functions(make):
     with torch.autograd.forward_ad.dual_level():
         dual = torch.autograd.forward_ad.make_dual(x[0], torch.ones_like(x[0]))
         assert "CppFunction" not in type(layer(dual).grad_fn).__name__
-    assert not _native.usable(x[0].half(), layer.weight.half(), None)
-    assert not _native.usable(x[0].to(torch.bfloat16), layer.weight.to(torch.bfloat16), None)
+    w, b = layer.weight, layer.bias
+    assert _native.affine_like(x[0].half(), w.half(), None) is None
+    assert _native.norm_like(x[0].to(torch.bfloat16), w.to(torch.bfloat16), None, 1.0, 1e-12) is None
+    assert _native.affine_like(x[0], w.float(), None) is None  # (mixed dtypes: the Python path names the error)
+    assert _native.affine_like(x, w, b) is None  # not 2-D
+    assert _native.affine_like(x[0].to("meta"), w.to("meta"), None) is None
+    assert _native.affine_like(x[0], w, b) is not None
     seen = []
-    torch.func.vmap(lambda row: seen.append(_native.usable(row[None], layer.weight, layer.bias)) or row)(x[0])
-    assert seen == [False]
+    torch.func.vmap(lambda row: seen.append(_native.affine_like(row[None], w, b)) or row)(x[0])
+    assert seen == [None]
     with FlopCounterMode(display=False):
-        assert not _native.usable(x[0], layer.weight, layer.bias)
-    assert _native.usable(x[0], layer.weight, layer.bias)
+        assert _native.affine_like(x[0], w, b) is None
+    with _fused.disabled():
+        assert _native.affine_like(x[0], w, b) is None
 
 
 @needs_nodes
