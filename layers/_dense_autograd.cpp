@@ -19,6 +19,7 @@
 
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <dlfcn.h>
+#include <torch/csrc/jit/frontend/tracer.h>
 
 #include <cmath>
 #include <limits>
@@ -367,10 +368,12 @@ public:
 };
 
 // Whether the nodes serve a call on these tensors: x 2-D, all of x's dtype (float32/float64), on the
-// CPU and plain. (The Python side has checked the state: no trace, transform, dispatch mode, tangent.)
+// CPU and plain; and not under torch.jit.trace, which records a C++ node's ops (not the row passes)
+// where it keeps a Python Function as one call. (The Python side has checked the rest of the state:
+// no dynamo trace, torch.func transform, dispatch mode or forward-mode AD.)
 bool servable(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias) {
     const auto dtype = x.scalar_type();
-    if (x.dim() != 2 || (dtype != at::kFloat && dtype != at::kDouble)) {
+    if (torch::jit::tracer::isTracing() || x.dim() != 2 || (dtype != at::kFloat && dtype != at::kDouble)) {
         return false;
     }
     for (const Tensor* t : {&x, &weight, bias.has_value() ? &*bias : &x}) {

@@ -203,3 +203,25 @@ def test_an_extension_built_for_another_torch_is_not_used(monkeypatch):
         warnings.simplefilter("always")
         assert _native._load() is None
     assert any("built for torch" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("make", [lambda: AffineLike(4, 3), lambda: NormLike(4, 3, mode="rms")])
+def test_a_traced_layer_computes_the_layer_on_new_inputs(make):
+    # torch.jit.trace records a C++ node's torch ops but not its row passes: tracing must keep the
+    # Python Functions (recorded as one call), or the traced module would drop the scale
+    layer, x = make(), torch.randn(5, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the tracer's warnings about Python ops)
+        traced = torch.jit.trace(layer, x)
+    fresh = 7 * torch.randn(6, 4)
+    assert torch.equal(traced(fresh), layer(fresh))
+
+
+@pytest.mark.parametrize("make", [lambda: AffineLike(4, 3), lambda: NormLike(4, 3, mode="l2")])
+def test_no_grad_and_inference_mode_give_the_recorded_forward(make):
+    layer, x = make(), torch.randn(5, 4)
+    recorded = layer(x)
+    with torch.no_grad():
+        assert torch.equal(layer(x), recorded)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), recorded)
