@@ -69,22 +69,23 @@ class BuildPy(build_py):
 
 def extensions() -> tuple[list, type]:
     """(the extension modules, the build_ext command): the C passes, and the C++ autograd nodes where
-    torch can be imported here (torch's build_ext then builds both: the C one keeps its own -std, so
-    the C++ flags torch adds elsewhere do not reach it)."""
+    torch can be imported here. torch's build_ext then builds both; of the flags it adds, only its
+    C++ standard would not suit the C file, which names its own (torch adds none where one is given)."""
     fused = Extension(
         "affdiv.layers._fused_cpu",
         sources=["layers/_fused_cpu.c"],
-        extra_compile_args=["-O3", "-fopenmp", "-std=gnu17"],
+        depends=["layers/_fused_cpu.h"],
+        extra_compile_args=["-O3", "-fopenmp", "-std=gnu11"],
         extra_link_args=["-fopenmp"],
         optional=True,
     )
     try:
         from torch.utils.cpp_extension import BuildExtension, CppExtension
-    except ImportError:
+    except Exception:  # (no torch, or one that fails to import: the nodes are optional, the install goes on)
         return [fused], build_ext
     native = CppExtension(
-        "affdiv.layers._dense_autograd", sources=["layers/_dense_autograd.cpp"], extra_compile_args=["-O3"],
-        optional=True,
+        "affdiv.layers._dense_autograd", sources=["layers/_dense_autograd.cpp"], depends=["layers/_fused_cpu.h"],
+        extra_compile_args=["-O3"], optional=True,
     )
     return [fused, native], BuildExtension.with_options(use_ninja=False)
 

@@ -10,10 +10,12 @@
 // the same numbers to the bit as the Python Functions, the same saved tensors (the scale is an
 // output and is saved as one, so a double backward sees its dependence on x through grad_r /
 // grad_q) and the same overflow-safe rescaling as _scale.prepare. The derivations are in those
-// classes' docstrings. x is 2-D (rows, in), every tensor a float32/float64 CPU tensor of one dtype
-// (the Python side checks that before calling). Forward-mode AD and the torch.func transforms stay
-// with the Python Functions, which have jvp and vmap rules; the backward here is differentiable
-// (create_graph records its plain-torch ops).
+// classes' docstrings. A node's backward computes the gradients its backward asks for (a Python
+// Function's, those whose inputs required one at forward time): the same numbers. x is 2-D
+// (rows, in), every tensor a float32/float64 CPU tensor of one dtype (`servable` checks it before
+// a node runs). Forward-mode AD and the torch.func transforms stay with the Python Functions,
+// which have jvp and vmap rules; the backward here is differentiable (create_graph records its
+// plain-torch ops).
 #include <torch/extension.h>
 #include <torch/version.h>
 
@@ -21,19 +23,23 @@
 #include <dlfcn.h>
 #include <torch/csrc/jit/frontend/tracer.h>
 
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <optional>
 #include <string>
+#include <type_traits>
 
-namespace {
+#include "_fused_cpu.h"
+
+namespace affdiv {  // (named: a node's name, CppNode<affdiv::AffineLikeFunction>, is what profilers show)
 
 using torch::Tensor;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 // ------------------------------------------------------------------------------------------
-// the fused row passes (signatures of _fused_cpu.c; _fused.py declares the same for ctypes)
+// the fused row passes (their prototypes in _fused_cpu.h)
 
 template <typename T>
 struct RowPasses {
@@ -42,10 +48,19 @@ struct RowPasses {
     int (*scale_grad)(const T*, const T*, int64_t, int64_t, T*, T*, int, const T*, T*, int) = nullptr;
     void (*minus_radial)(T*, const T*, int64_t, int64_t, const T*, double, double, const T*, int) = nullptr;
 };
+static_assert(std::is_same_v<decltype(RowPasses<float>::scale_outputs), decltype(&scale_outputs_f32)> &&
+              std::is_same_v<decltype(RowPasses<float>::scale_grad), decltype(&scale_grad_f32)> &&
+              std::is_same_v<decltype(RowPasses<float>::minus_radial), decltype(&minus_radial_f32)> &&
+              std::is_same_v<decltype(RowPasses<double>::scale_outputs), decltype(&scale_outputs_f64)> &&
+              std::is_same_v<decltype(RowPasses<double>::scale_grad), decltype(&scale_grad_f64)> &&
+              std::is_same_v<decltype(RowPasses<double>::minus_radial), decltype(&minus_radial_f64)>,
+              "the row passes' types must be those of _fused_cpu.h");
 
 RowPasses<float> passes_f32;
 RowPasses<double> passes_f64;
-bool passes_bound = false;
+// Set by bind_row_passes, which the module's import runs once; the pointers are written before it
+// is set and never change after (unbinding, for tests, only clears the flag).
+std::atomic<bool> passes_bound{false};
 
 template <typename T>
 RowPasses<T>& passes();
@@ -76,12 +91,17 @@ bool bind_row_passes(const std::string& path) {
     return passes_bound;
 }
 
-// A tensor with its own storage: not a Python subclass (FakeTensor, …), not wrapped by torch.func
-// or the legacy vmap, and carrying no forward-mode tangent (which a raw kernel would drop).
+bool row_passes_bound() {
+    return passes_bound;
+}
+
+// A strided tensor with its own storage: not a Python subclass (FakeTensor, …), not wrapped by
+// torch.func or the legacy vmap, and carrying no forward-mode tangent (which a raw kernel would drop).
 bool plain(const Tensor& t) {
     static const c10::DispatchKeySet wrapped({c10::DispatchKey::Python, c10::DispatchKey::FuncTorchGradWrapper,
                                               c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::Batched});
-    return (t.key_set() & wrapped).empty() && !t._fw_grad(/*level=*/0).defined();
+    return (t.key_set() & wrapped).empty() && t.layout() == at::kStrided && t.has_storage()
+           && !t._fw_grad(/*level=*/0).defined();
 }
 
 // _fused.usable: the row passes may run on these tensors (undefined ones ignored; the first is x).
@@ -399,13 +419,17 @@ std::optional<Tensor> norm_like(const Tensor& x, const Tensor& weight, const std
     return NormLikeFunction::apply(x, weight, bias, k, eps)[0];
 }
 
-}  // namespace
+}  // namespace affdiv
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "The dense corrected layers' autograd nodes in C++ (see affdiv.layers._native).";
-    m.def("affine_like", &affine_like, "z = (x Wᵀ + b)/√(‖x‖² + 1) per row of a 2-D x (None: not servable)");
-    m.def("norm_like", &norm_like, "z = W·k x/max(‖x‖, eps) + b per row of a 2-D x (None: not servable)");
-    m.def("bind_row_passes", &bind_row_passes, "bind the fused row passes of the loaded library at this path "
+    // (the GIL released while they run, as torch releases it in its own ops)
+    m.def("affine_like", &affdiv::affine_like, "z = (x Wᵀ + b)/√(‖x‖² + 1) per row of a 2-D x (None: not servable)",
+          pybind11::call_guard<pybind11::gil_scoped_release>());
+    m.def("norm_like", &affdiv::norm_like, "z = W·k x/max(‖x‖, eps) + b per row of a 2-D x (None: not servable)",
+          pybind11::call_guard<pybind11::gil_scoped_release>());
+    m.def("row_passes_bound", &affdiv::row_passes_bound, "whether the fused row passes are bound");
+    m.def("bind_row_passes", &affdiv::bind_row_passes, "bind the fused row passes of the loaded library at this path "
           "(an empty path unbinds them); returns whether they are bound");
     // an extension only loads into the torch it was compiled against (affdiv.layers._native checks)
     m.attr("BUILT_FOR_TORCH") = pybind11::make_tuple(TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR, TORCH_VERSION_PATCH);

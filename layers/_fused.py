@@ -147,13 +147,13 @@ def usable(*tensors: Tensor | None, memory_format: torch.memory_format | None = 
     return True
 
 
-_PLAIN_TYPES = (Tensor, torch.nn.Parameter)
+PLAIN_TYPES = (Tensor, torch.nn.Parameter)  # torch's own tensor types (no subclass)
 
 
 def plain(t: Tensor) -> bool:
     """A tensor with its own storage: not a subclass (FakeTensor, …), not wrapped by torch.func,
     not a batched gradient (``is_grads_batched``, vectorised jacobians)."""
-    return type(t) in _PLAIN_TYPES and not is_functorch_wrapped(t) and not is_legacy_batched(t)
+    return type(t) in PLAIN_TYPES and not is_functorch_wrapped(t) and not is_legacy_batched(t)
 
 
 def layout_of(x: Tensor) -> torch.memory_format:

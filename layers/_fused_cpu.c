@@ -32,6 +32,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "_fused_cpu.h"
+
 #ifdef _OPENMP
 #include <omp.h>
 #endif

@@ -1,22 +1,25 @@
 """The dense corrected layers' autograd nodes in C++ (``_dense_autograd.cpp``).
 
 A Python ``autograd.Function`` costs a small layer's call more than its arithmetic: an identity
-Function after ``nn.Linear`` alone takes 1.1-1.5× the time of ``nn.Linear`` at batch 16 (see
-``affdiv bench layers``). The extension defines AffineLikeFunction and NormLikeFunction of
-``_autograd`` as C++ autograd nodes, branch for branch: the fused row passes of ``_fused`` where
-those may run (the nodes bind them by name from the library ``_fused`` loaded), the plain-torch
-passes, op for op, elsewhere. So the same numbers to the bit as the Python Functions, double
-backward included.
+Function after ``nn.Linear`` alone takes 1.1-1.3× the time of ``nn.Linear`` at batch 16 and 1.4×
+at batch 2 (see ``affdiv bench layers``). The extension defines AffineLikeFunction and
+NormLikeFunction of ``_autograd`` as C++ autograd nodes, branch for branch: the fused row passes of
+``_fused`` where those may run (the nodes bind them by name from the library ``_fused`` loaded),
+the plain-torch passes, op for op, elsewhere. So the same numbers to the bit as the Python
+Functions, double backward included. Two differences that change no number: a node's backward
+computes only the gradients the backward asks for (a Python Function's, those whose inputs
+required one at forward time), and it decides per call whether its row passes may run (by each
+tensor: no forward-mode tangent, not wrapped; it does not see ``_fused.disabled``).
 
 The extension is optional (built at install where torch's headers and a C++ compiler are
 present) and tied to the torch it was compiled against: it is used only when that is the running
 torch. ``affine_like`` and ``norm_like`` run a call on a node, or return None where it may not take
 one: the extension not loaded, ``disabled`` or ``_fused.disabled`` (which asks for the plain-torch
 passes: the Python Functions run them), not eager mode (traced, under a torch.func transform, a
-dispatch mode or forward-mode AD: those need the Python Functions' vmap rules and jvp), or x not
-a 2-D plain CPU float32/float64 tensor with weight and bias of its dtype (checked in C++, where
-it costs a fraction of a microsecond). A graph may be recorded: the nodes' backward is itself
-differentiable.
+dispatch mode or forward-mode AD: those need the Python Functions' vmap rules and jvp), a tensor
+of a subclass (whose overrides a node would skip), or x not a 2-D plain CPU float32/float64 tensor
+with weight and bias of its dtype (checked in C++, where it costs a fraction of a microsecond).
+A graph may be recorded: the nodes' backward is itself differentiable.
 """
 
 from __future__ import annotations
@@ -66,8 +69,9 @@ def _load():
             "--no-build-isolation to build them for this torch)", stacklevel=2,
         )
         return None
-    if _fused.available():
-        module.bind_row_passes(_fused.library_path())
+    if _fused.available() and not module.bind_row_passes(_fused.library_path()):
+        warnings.warn("affdiv.layers: the C++ autograd nodes could not bind the fused row passes; they run "
+                      "their torch ops", stacklevel=2)
     return module
 
 
@@ -77,6 +81,11 @@ _MODULE = _load()
 def available() -> bool:
     """Whether the C++ nodes were built for this torch and loaded."""
     return _MODULE is not None
+
+
+def row_passes_bound() -> bool:
+    """Whether the C++ nodes have the fused row passes (else they run their torch ops)."""
+    return _MODULE is not None and _MODULE.row_passes_bound()
 
 
 @contextlib.contextmanager
@@ -103,21 +112,24 @@ def without_row_passes() -> Iterator[None]:
             _MODULE.bind_row_passes(_fused.library_path())
 
 
-def _eager() -> bool:
-    """Whether the state lets a call take the C++ nodes: built and not disabled; no trace, torch.func
-    transform, dispatch mode or forward-mode AD active."""
+def _servable(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    """Whether the state lets a call take the C++ nodes and the tensors are of torch's own types:
+    built and not disabled; no trace, torch.func transform, dispatch mode or forward-mode AD active;
+    no subclass (the extension checks the rest of the tensors)."""
     return not (_MODULE is None or _state["disabled"] or _fused.is_disabled() or is_compiling()
-                or functorch_transforms_active() or dispatch_mode_active() or forward_ad_active())
+                or functorch_transforms_active() or dispatch_mode_active() or forward_ad_active()
+                or type(x) not in _fused.PLAIN_TYPES or type(weight) not in _fused.PLAIN_TYPES
+                or (bias is not None and type(bias) not in _fused.PLAIN_TYPES))
 
 
 def affine_like(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | None:
-    """z = (x Wᵀ + b)/√(‖x‖² + 1) per row by the C++ node; None where it does not serve the call (the
-    state, see ``_eager``; or the tensors: x not 2-D, not all plain CPU tensors of x's dtype,
-    float32 or float64, which the extension checks)."""
-    return _MODULE.affine_like(x, weight, bias) if _eager() else None
+    """z = (x Wᵀ + b)/√(‖x‖² + 1) per row by the C++ node; None where it does not serve the call
+    (``_servable``; or x not 2-D, not all CPU tensors of x's dtype, float32 or float64, not plain:
+    the extension checks those)."""
+    return _MODULE.affine_like(x, weight, bias) if _servable(x, weight, bias) else None
 
 
 def norm_like(x: Tensor, weight: Tensor, bias: Tensor | None, k: float, eps: float) -> Tensor | None:
     """z = q·(x Wᵀ) + b, q = k/max(‖x‖, eps) per row by the C++ node; None where it does not serve the
     call (see ``affine_like``)."""
-    return _MODULE.norm_like(x, weight, bias, k, eps) if _eager() else None
+    return _MODULE.norm_like(x, weight, bias, k, eps) if _servable(x, weight, bias) else None

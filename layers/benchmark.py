@@ -39,6 +39,7 @@ taken without the nodes), for information.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
@@ -78,6 +79,8 @@ class Variant:
     # "layer", "mode" (a layer's other mode: timed, no target), "plain", "composite", "compiled" or
     # "reference" (timed against the plain layer, no target)
     role: str
+    # entered around each round of the variant's calls (not timed per call)
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
 
 class _PythonIdentity(torch.autograd.Function):
@@ -102,18 +105,6 @@ class _ThenPythonIdentity(nn.Module):
 
     def forward(self, x):
         return _PythonIdentity.apply(self.layer(x))
-
-
-class _OnPythonFunction(nn.Module):
-    """A dense corrected layer run on its Python autograd.Function (the C++ node disabled)."""
-
-    def __init__(self, layer: nn.Module):
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, x):
-        with _native.disabled():
-            return self.layer(x)
 
 
 class _Normalize(nn.Module):
@@ -163,8 +154,8 @@ def dense_variants(m: int, n: int, backend: str | None, reference: bool = False)
         Variant("NormLike(rms)", norm_rms, "layer"),
     ]
     if _native.available():
-        variants += [Variant("AffineLike (Python Function)", _OnPythonFunction(affine_like), "mode"),
-                     Variant("NormLike(l2) (Python Function)", _OnPythonFunction(norm_l2), "mode")]
+        variants += [Variant("AffineLike (Python Function)", affine_like, "mode", _native.disabled),
+                     Variant("NormLike(l2) (Python Function)", norm_l2, "mode", _native.disabled)]
     if reference:
         variants.append(Variant("nn.Linear+Python Function", _ThenPythonIdentity(nn.Linear(m, n)), "reference"))
     if backend is None:
@@ -221,10 +212,11 @@ def time_case(variants: list[Variant], x: torch.Tensor, warmup: int, repeats: in
     for round_ in range(warmup + repeats):
         for v in variants:
             inputs = [x.detach().requires_grad_(True) for _ in range(calls)]
-            start = time.perf_counter()
-            for xi in inputs:
-                v.module(xi).backward(grad)
-            elapsed = (time.perf_counter() - start) / calls
+            with v.context():
+                start = time.perf_counter()
+                for xi in inputs:
+                    v.module(xi).backward(grad)
+                elapsed = (time.perf_counter() - start) / calls
             for p in getattr(v.module, "parameters", lambda: [])():
                 p.grad = None
             if round_ >= warmup:

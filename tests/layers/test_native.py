@@ -47,6 +47,7 @@ def test_nodes_were_built_where_required():
     if os.environ.get("AFFDIV_REQUIRE_CPU_KERNELS") != "1":
         pytest.skip("AFFDIV_REQUIRE_CPU_KERNELS is not set: the C++ nodes are optional here")
     assert _native.available(), "the C++ extension affdiv.layers._dense_autograd was not built for this torch"
+    assert _native.row_passes_bound(), "the C++ nodes did not bind the fused row passes"
 
 
 def _results(fn, x, w, b, grad, contexts):
@@ -220,8 +221,37 @@ def test_a_traced_layer_computes_the_layer_on_new_inputs(make):
 @pytest.mark.parametrize("make", [lambda: AffineLike(4, 3), lambda: NormLike(4, 3, mode="l2")])
 def test_no_grad_and_inference_mode_give_the_recorded_forward(make):
     layer, x = make(), torch.randn(5, 4)
-    recorded = layer(x)
+    with _native.disabled():
+        recorded = layer(x)  # (the Python Function, recording a graph)
     with torch.no_grad():
         assert torch.equal(layer(x), recorded)
     with torch.inference_mode():
         assert torch.equal(layer(x), recorded)
+
+
+@needs_nodes
+@pytest.mark.parametrize("member", sorted(DENSE))
+@pytest.mark.parametrize("wrt", [0, 1, 2], ids=["dx", "dW", "db"])
+def test_a_gradient_of_one_input_equals_the_python_functions(member, wrt):
+    # a node computes what the backward asks for, a Python Function what required a gradient
+    x, w, b, grad = _case(6, 4, 3, torch.float32, True, (True, True, True), 13, "normal")
+    node = torch.autograd.grad(DENSE[member](x, w, b), (x, w, b)[wrt], grad, allow_unused=True)
+    with _native.disabled():
+        python = torch.autograd.grad(DENSE[member](x, w, b), (x, w, b)[wrt], grad, allow_unused=True)
+    _assert_bitwise_equal(node, python)
+
+
+class _Subclass(torch.Tensor):
+    pass
+
+
+@needs_nodes
+def test_tensor_subclasses_keep_the_python_functions():
+    x, w, b, _ = _case(3, 4, 2, torch.float64, True, (False, False, False), 17, "normal")
+    sub = x.as_subclass(_Subclass)
+    assert _native.affine_like(sub, w, b) is None
+    assert _native.norm_like(x, w.as_subclass(_Subclass), b, 1.0, 0.5) is None
+    z = LF.affine_like(sub, w, b)
+    assert type(z) is _Subclass  # (its type survives, as through the Python Function)
+    with _native.disabled(), _fused.disabled():  # (a subclass takes the Python Function's torch ops)
+        assert torch.equal(z.as_subclass(torch.Tensor), LF.affine_like(x, w, b))
