@@ -46,7 +46,8 @@ def available(module: str) -> bool:
 
 def install_hint(extra: str) -> str:
     """How to install ``extra``: by its name, and from a checkout (affdiv is not on a package index)."""
-    return f"pip install 'affdiv[{extra}]' (from a checkout of affdiv: pip install -e '.[{extra}]')"
+    return (f"pip install 'affdiv[{extra}]' "
+            f"(from a checkout of affdiv: pip install --no-build-isolation -e '.[{extra}]')")
 
 
 def require(*modules: str, extra: str, feature: str) -> None:

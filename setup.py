@@ -15,6 +15,7 @@
 """
 
 import subprocess
+import sys
 from pathlib import Path
 
 from setuptools import Extension, setup
@@ -81,7 +82,9 @@ def extensions() -> tuple[list, type]:
     )
     try:
         from torch.utils.cpp_extension import BuildExtension, CppExtension
-    except Exception:  # (no torch, or one that fails to import: the nodes are optional, the install goes on)
+    except Exception as error:  # (no torch, or one that fails to import: the nodes are optional)
+        print(f"affdiv: not building the C++ autograd nodes (torch does not import here: {error!r}); "
+              "the layers will run their Python autograd Functions", file=sys.stderr)
         return [fused], build_ext
     native = CppExtension(
         "affdiv.layers._dense_autograd", sources=["layers/_dense_autograd.cpp"], depends=["layers/_fused_cpu.h"],

@@ -58,8 +58,8 @@ static_assert(std::is_same_v<decltype(RowPasses<float>::scale_outputs), decltype
 
 RowPasses<float> passes_f32;
 RowPasses<double> passes_f64;
-// Set by bind_row_passes, which the module's import runs once; the pointers are written before it
-// is set and never change after (unbinding, for tests, only clears the flag).
+// The pointers are written once, by the first bind (at the module's import, before any node runs);
+// later binds and unbinds (for tests) only set or clear the flag.
 std::atomic<bool> passes_bound{false};
 
 template <typename T>
@@ -80,15 +80,22 @@ bool bind_type(void* lib, const char* suffix) {
 }
 
 // Bind the row passes of the library at `path`, which must already be loaded (its handle is not
-// closed: the library stays for the process); an empty path unbinds them. Returns whether bound.
+// closed: the library stays for the process; the first path bound is the one used for good); an
+// empty path unbinds them. Returns whether bound.
 bool bind_row_passes(const std::string& path) {
+    static bool found = false;  // (written by the first call, at import: no node runs yet)
+    static bool looked = false;
     passes_bound = false;
     if (path.empty()) {
         return false;
     }
-    void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_NOLOAD);
-    passes_bound = lib != nullptr && bind_type<float>(lib, "f32") && bind_type<double>(lib, "f64");
-    return passes_bound;
+    if (!looked) {
+        looked = true;
+        void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_NOLOAD);
+        found = lib != nullptr && bind_type<float>(lib, "f32") && bind_type<double>(lib, "f64");
+    }
+    passes_bound = found;
+    return found;
 }
 
 bool row_passes_bound() {

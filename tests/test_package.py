@@ -107,7 +107,7 @@ def test_the_layers_need_no_extra():
 def test_require_and_missing_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "sympy", None)
     message = (r"^x needs sympy, which is not installed: pip install 'affdiv\[verify\]' "
-               r"\(from a checkout of affdiv: pip install -e '\.\[verify\]'\)$")
+               r"\(from a checkout of affdiv: pip install --no-build-isolation -e '\.\[verify\]'\)$")
     with pytest.raises(_extras.MissingExtra, match=message):
         _extras.require("sympy", "json", extra="verify", feature="x")
     _extras.require("json", extra="verify", feature="x")

@@ -157,6 +157,8 @@ def test_eager_cpu_calls_take_the_nodes_and_others_the_python_functions(make):
     assert _native.affine_like(x[0], w.float(), None) is None  # (mixed dtypes: the Python path names the error)
     assert _native.affine_like(x, w, b) is None  # not 2-D
     assert _native.affine_like(x[0].to("meta"), w.to("meta"), None) is None
+    assert _native.affine_like(x[0].to_sparse(), w, b) is None and _native.affine_like(x[0], w.to_sparse(), b) is None
+    assert _native.affine_like(x[0].float().to_mkldnn(), w.float().to_mkldnn(), None) is None
     assert _native.affine_like(x[0], w, b) is not None
     seen = []
     torch.func.vmap(lambda row: seen.append(_native.affine_like(row[None], w, b)) or row)(x[0])
@@ -255,3 +257,13 @@ def test_tensor_subclasses_keep_the_python_functions():
     assert type(z) is _Subclass  # (its type survives, as through the Python Function)
     with _native.disabled(), _fused.disabled():  # (a subclass takes the Python Function's torch ops)
         assert torch.equal(z.as_subclass(torch.Tensor), LF.affine_like(x, w, b))
+
+
+@needs_nodes
+def test_anomaly_mode_sees_the_nodes_and_their_gradients_unchanged():
+    x, w, b, grad = _case(4, 3, 2, torch.float64, True, (True, True, True), 19, "normal")
+    with torch.autograd.detect_anomaly(check_nan=True):
+        node, name = _results(DENSE["affine_like"], x, w, b, grad, [])
+        python, _ = _results(DENSE["affine_like"], x, w, b, grad, PYTHON)
+    assert name == "CppFunction"
+    _assert_bitwise_equal(node, python)
