@@ -115,14 +115,19 @@ def is_disabled() -> bool:
 
 
 @contextlib.contextmanager
-def disabled() -> Iterator[None]:
-    """Run the plain-torch passes inside the block (for tests and benchmarks of both paths)."""
-    previous = _state["disabled"]
-    _state["disabled"] = True
+def flag_raised(state: dict, key: str) -> Iterator[None]:
+    """state[key] True inside the block, its previous value after (the layers' path switches)."""
+    previous = state[key]
+    state[key] = True
     try:
         yield
     finally:
-        _state["disabled"] = previous
+        state[key] = previous
+
+
+def disabled() -> contextlib.AbstractContextManager:
+    """Run the plain-torch passes inside the block (for tests and benchmarks of both paths)."""
+    return flag_raised(_state, "disabled")
 
 
 def usable(*tensors: Tensor | None, memory_format: torch.memory_format | None = torch.contiguous_format) -> bool:

@@ -88,15 +88,9 @@ def row_passes_bound() -> bool:
     return _MODULE is not None and _MODULE.row_passes_bound()
 
 
-@contextlib.contextmanager
-def disabled() -> Iterator[None]:
+def disabled() -> contextlib.AbstractContextManager:
     """Run the Python Functions inside the block (for tests and benchmarks of both paths)."""
-    previous = _state["disabled"]
-    _state["disabled"] = True
-    try:
-        yield
-    finally:
-        _state["disabled"] = previous
+    return _fused.flag_raised(_state, "disabled")
 
 
 @contextlib.contextmanager
