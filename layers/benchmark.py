@@ -27,7 +27,9 @@ Two more cases time the fixed cost of a call, for information (no target): a den
 calls of each variant, on one thread (the Python, autograd and dispatch work of a small model).
 So do the dense layers at the falsification harness's sizes (``HARNESS_DENSE_SIZES``: its MLPs'
 first layer 784→128 and hidden 128→128 at batch sizes 16-1024), each layer's per-call time a
-ratio to nn.Linear's in the same rounds (``OVERHEAD_CALLS``·16/B calls a round, at least 5). The
+ratio to nn.Linear's in the same rounds (``OVERHEAD_CALLS``·16/B calls a round, at least 5), and
+the convolutions at the CNN presets' sizes (``HARNESS_CONV_SIZES``: width 8, 28×28 and 14×14, at
+batch sizes 16 and 256; ``OVERHEAD_CALLS``·4/N calls a round, at least 3) against nn.Conv2d. The
 dense per-call cases also time a reference, "nn.Linear+Python Function": nn.Linear followed by an
 identity autograd.Function whose forward and backward are Python. Its ratio to nn.Linear is about
 the least a layer written as a Python autograd.Function costs over nn.Linear at that size, whatever
@@ -70,6 +72,8 @@ QUICK_CONV_SIZE = (2, 4, 4, 8, 3)
 OVERHEAD_DENSE_SIZE, OVERHEAD_CONV_SIZE = (2, 8, 4), (2, 3, 4, 6, 3)
 OVERHEAD_CALLS = 200  # calls per round and variant in the overhead cases
 HARNESS_DENSE_SIZES = ((16, 784, 128), (16, 128, 128), (256, 128, 128), (1024, 784, 128), (1024, 128, 128))
+# N, C_in, C_out, H = W (k = 3, padding 1): the CNN presets' first layer and the one after a pooling
+HARNESS_CONV_SIZES = ((16, 1, 8, 28), (16, 8, 8, 14), (256, 1, 8, 28), (256, 8, 8, 14))
 
 
 @dataclass
@@ -293,6 +297,9 @@ def run(quick: bool = False, threads: int = 2, repeats: int | None = None, warmu
     if not quick:
         cases += [(f"per call: dense B={b} {m}->{n} (harness), 1 thread", dense_variants(m, n, None, reference=True),
                    torch.randn(b, m), None, max(5, OVERHEAD_CALLS * 16 // b), 1) for b, m, n in HARNESS_DENSE_SIZES]
+        cases += [(f"per call: conv N={b} {c_in}->{c_out} {hw}x{hw} k=3 (harness), 1 thread",
+                   conv_variants(c_in, c_out, 3, None), torch.randn(b, c_in, hw, hw), None,
+                   max(3, OVERHEAD_CALLS * 4 // b), 1) for b, c_in, c_out, hw in HARNESS_CONV_SIZES]
     try:
         for case, variants, x, plain_target, case_calls, case_threads in cases:
             progress(f"timing {case}: {len(variants)} variants x {repeats} rounds ...")
