@@ -1,7 +1,7 @@
 """The dense corrected layers' autograd nodes in C++ (``_dense_autograd.cpp``).
 
 A Python ``autograd.Function`` costs a small layer's call more than its arithmetic: an identity
-Function after ``nn.Linear`` alone takes 1.1-1.3× the time of ``nn.Linear`` at batch 16 and 1.4×
+Function after ``nn.Linear`` alone takes 1.1-1.35× the time of ``nn.Linear`` at batch 16 and 1.4×
 at batch 2 (see ``affdiv bench layers``). The extension defines AffineLikeFunction and
 NormLikeFunction of ``_autograd`` as C++ autograd nodes, branch for branch: the fused row passes of
 ``_fused`` where those may run (the nodes bind them by name from the library ``_fused`` loaded),
