@@ -2,7 +2,7 @@
 
     python benchmarks/stacked_training.py [--threads 2] [--rounds 3] [--seconds 1.5] [--json PATH]
                                           [--arms mlp cnn vit ...] [--batch-sizes B ...] [--members K ...]
-                                          [--vmap]
+                                          [--vmap] [--plain]
 
 A *cell* is a batch size of a Fashion-MNIST study with 8 seeds × 6 learning rates = 48 models:
 the MLP arm (784-256-256-256-10, tanh) and the CNN arm (3 blocks of 32 channels, relu), each at
@@ -10,7 +10,9 @@ B = 16, 64, 256, 1024 by default, and on request (``--arms``) an arm per vit met
 depth 1, gelu) at B = 16, 64, 256 (an arm is a name → RunConfig settings and batch sizes in
 ``ARMS``: another architecture is one more entry). The variants are the harness's own engines
 (``training.OneAtATime``; the stacked engine ``training.stacked_engine`` picks for the arm, named in
-the table; ``--vmap`` also times ``stacked.StackedEnsemble``, the vmapped fallback) taking SGD steps
+the table; ``--vmap`` also times ``stacked.StackedEnsemble``, the vmapped fallback, and ``--plain``
+the stacked engine again without the compiled passes, inside ``affdiv.layers._fused.disabled()``:
+what the CNN's fused first block (below) saves, paired round by round) taking SGD steps
 on real batches (each model its own shuffle), so a model-step costs what it costs in a sweep; whole
 runs differ only by their evaluations (a few per run). The stacked ensemble holds as many of the
 cell's models as fit the default ensemble memory (``ensembles.member_bytes``), at most 48; one at a
@@ -39,7 +41,10 @@ round: "kernels ms" per model-step. stacked / kernels is what the step spends ou
 kernels (elementwise work, the optimiser's update, memory traffic between them, Python and
 dispatch); kernels / floor is the rate of the library's kernels at the step's own shapes against
 the large GEMM's and convolution's. The replay reuses its inputs, warm in cache, so it typically
-runs faster than the same kernels inside the step.
+runs faster than the same kernels inside the step. The CNN's first block (a one-channel convolution
+and its max-pool) runs as one C pass (``affdiv.experiments.runs.conv_pool``), which no dispatch
+mode sees: recorded under one, the step takes the unfused block, so the replay holds that block's
+convolution as torch runs it.
 
 Checks: ``--checks B ...`` also trains, stacked, one steps-to-target ensemble per batch size B as
 the fashion-ladder preset runs it (an affine MLP of width 128, one seed, its tuned grid with
@@ -59,6 +64,7 @@ their steps to it from those of the geometric reads.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import statistics
@@ -75,6 +81,7 @@ from affdiv.experiments.runs.options import DEFAULT_ENSEMBLE_MEMORY
 from affdiv.experiments.runs.stacked import StackedEnsemble
 from affdiv.experiments.runs.sweep import keep_freed_memory
 from affdiv.experiments.runs.training import OneAtATime, build_member, stacked_engine
+from affdiv.layers import _fused
 from affdiv.provenance import provenance
 
 CELL = 48  # 8 seeds × 6 learning rates
@@ -216,10 +223,16 @@ def conv_timer(config, data):
     return fastest, counter.get_total_flops()
 
 
+def _variant_context(name: str) -> contextlib.AbstractContextManager:
+    """The "plain" variant runs without the compiled passes; the others as they are."""
+    return _fused.disabled() if name == "plain" else contextlib.nullcontext()
+
+
 def measure(arm: str, batch: int, data, rounds: int, seconds: float, members: int | None = None,
-            vmap: bool = False) -> dict:
+            vmap: bool = False, plain: bool = False) -> dict:
     """One row: ``members`` stacked models (default: as many as fit the default ensemble memory,
-    at most the cell's 48) against one at a time (and the vmapped engine if ``vmap``)."""
+    at most the cell's 48) against one at a time (and the vmapped engine if ``vmap``, the stacked
+    engine without the compiled passes if ``plain``)."""
     settings, _sizes = ARMS[arm]
     config = RunConfig(dataset="fashion-mnist", batch_size=batch, seed=0, **settings)
     fit = DEFAULT_ENSEMBLE_MEMORY // member_bytes(config, data.input_shape, data.num_classes)
@@ -229,9 +242,14 @@ def measure(arm: str, batch: int, data, rounds: int, seconds: float, members: in
              "stacked": (stacked_engine(probe), stacked_models)}
     if vmap:
         kinds["vmap"] = (StackedEnsemble, stacked_models)
+    if plain:
+        kinds["plain"] = kinds["stacked"]
     engines = {name: (*_engine(kind, config, data, k), k) for name, (kind, k) in kinds.items()}
     # Steps per measurement: about ``seconds`` of the slowest variant, from one warm-up step each.
-    warm = {name: _time_steps(e, o, batch, 1, 0) for name, (e, o, _k) in engines.items()}
+    warm = {}
+    for name, (engine, orders, _k) in engines.items():
+        with _variant_context(name):
+            warm[name] = _time_steps(engine, orders, batch, 1, 0)
     steps = max(1, round(seconds / max(warm.values())))
     flops = {kind: n * stacked_models for kind, n in _step_flops(config, data).items()}
     timers = {"gemm": gemm_timer(flops["gemm"]), "conv": conv_timer(config, data) if flops["conv"] else None}
@@ -241,7 +259,8 @@ def measure(arm: str, batch: int, data, rounds: int, seconds: float, members: in
     kernels = []
     for r in range(rounds):
         for name, (engine, orders, k) in engines.items():
-            per_model[name].append(_time_steps(engine, orders, batch, steps, 1 + r * steps) / (steps * k))
+            with _variant_context(name):
+                per_model[name].append(_time_steps(engine, orders, batch, steps, 1 + r * steps) / (steps * k))
         for kind in rates:  # the rates in every round too: the floor sees the machine's drifts
             fn, done = timers[kind]
             rates[kind].append(done / _median_seconds(fn))
@@ -277,6 +296,10 @@ def measure(arm: str, batch: int, data, rounds: int, seconds: float, members: in
     if vmap:
         row["vmap_ms_per_model_step"] = 1e3 * median["vmap"]
         row["vmap_over_stacked"] = statistics.median(v / s for v, s in zip(per_model["vmap"], per_model["stacked"]))
+    if plain:
+        row["plain_ms_per_model_step"] = 1e3 * median["plain"]
+        row["plain_over_stacked"] = statistics.median(p / s for p, s in zip(per_model["plain"], per_model["stacked"]))
+        row["plain_over_floor"] = over_floor["plain"]
     return row
 
 
@@ -287,7 +310,8 @@ COLUMNS = (("arm", "4", "arm"), ("B", ">5", "batch_size"), ("engine", "16", "eng
            ("stacked/floor", ">13.2f", "stacked_over_floor"), ("alone/floor", ">11.2f", "alone_over_floor"),
            ("kernels ms", ">10.3f", "kernels_ms_per_model_step"), ("stacked/kernels", ">15.2f", "stacked_over_kernels"),
            ("kernels/floor", ">13.2f", "kernels_over_floor"),
-           ("vmap/stacked", ">12.2f", "vmap_over_stacked"))
+           ("vmap/stacked", ">12.2f", "vmap_over_stacked"), ("plain/stacked", ">13.2f", "plain_over_stacked"),
+           ("plain/floor", ">11.2f", "plain_over_floor"))
 
 
 def format_row(row: dict) -> str:
@@ -355,6 +379,8 @@ def main(argv=None) -> int:
                         help="stacked ensemble sizes to time, a row each (default: as many as fit the default "
                              "ensemble memory, at most 48)")
     parser.add_argument("--vmap", action="store_true", help="also time the vmapped engine (StackedEnsemble)")
+    parser.add_argument("--plain", action="store_true",
+                        help="also time the stacked engine without the compiled passes (_fused.disabled())")
     parser.add_argument("--checks", nargs="*", type=int, default=[], metavar="B",
                         help="also time a steps-to-target run at each batch size B, the share of it in checks")
     parser.add_argument("--read-spacing", type=float, default=CHECK_SETTINGS["read_spacing"], metavar="r",
@@ -379,7 +405,7 @@ def main(argv=None) -> int:
     print(format_table([]), flush=True)
     for arm in args.arms:
         for batch, members in itertools.product(args.batch_sizes or ARMS[arm][1], args.members or [None]):
-            rows.append(measure(arm, batch, data, args.rounds, args.seconds, members, args.vmap))
+            rows.append(measure(arm, batch, data, args.rounds, args.seconds, members, args.vmap, args.plain))
             print(format_row(rows[-1]), flush=True)
     checks = []
     for batch in args.checks:

@@ -25,6 +25,13 @@ writing across the layouts (blocks transposed in vector registers):
                                                 buffer's storage read so, without copying)
     group_update_from_channels_last(d, r, …)   d + src·r, from channels_last d to contiguous
 
+The stacked CNN engine's first block (``affdiv.experiments.runs.conv_pool``), K models'
+one-channel convolutions each followed by a 2×2 max-pool:
+
+    conv_pool(xp, wt, bias, …)      maxpool((conv(x_k, W_k) + b_k)·r), r = 1 or PatchNorm's
+                                    1/√(‖patch‖² + 1), and each maximum's position
+    conv_pool_backward(xp, g, …)    dW_k, db_k: g·r times the patch at each maximum
+
 Sums are accumulated in 16 partial sums in the tensors' dtype, combined pairwise (float32
 rounding for float32, as torch's own vectorised sums). The extension is optional (built at
 install where a C compiler with OpenMP is present); ``usable`` says whether a call may take
@@ -88,6 +95,9 @@ def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
             _declare(lib, f"group_update{layout}_{suffix}", None, [p, p, p, i64, i64, i64, i64, i32])
         _declare(lib, f"scale_and_dot_to_cl_{suffix}", None, [p, p, p, i64, i64, i64, i64, p, p, i32])
         _declare(lib, f"group_update_from_cl_{suffix}", None, [p, p, p, i64, i64, i64, i64, p, i32])
+        sizes = [i64] * 7  # models, batch, channels, hq, wq, kh, kw
+        _declare(lib, f"conv_pool_{suffix}", None, [p, *sizes, p, p, i32, p, p, i32])
+        _declare(lib, f"conv_pool_backward_{suffix}", None, [p, p, p, *sizes, i32, p, p, i32])
     return lib
 
 
@@ -308,6 +318,40 @@ def group_update_(t: Tensor, r: Tensor, groups: int, src: Tensor | None = None) 
         t.data_ptr(), _ptr(src), r.data_ptr(), batch, channels, math.prod(r.shape[2:]), groups, torch.get_num_threads()
     )
     return t
+
+
+def conv_pool(xp: Tensor, wt: Tensor, bias: Tensor | None, kernel: tuple[int, int], patchnorm: bool,
+              keep_argmax: bool) -> tuple[Tensor, Tensor | None]:
+    """(out, argmax): out (B, K·C, Hp, Wp), channels_last, = maxpool₂ₓ₂((conv(xp_k, W_k) + b_k)·r)
+    for K models' one-channel inputs, r = 1/√(‖patch‖² + 1) at each convolution output with
+    ``patchnorm`` (PatchNormConv2d), else 1; zero-padded beforehand: xp (K, B, Hq, Wq) contiguous; wt (K,
+    kh·kw, C) contiguous, each tap's channels side by side; bias (K·C,) or None. Hp = (Hq − kh +
+    1) // 2, as max_pool2d(2) floors. argmax (B, Hp, Wp, K·C) uint8, the window position
+    (2a + b) of each maximum (the first, or the last NaN), or None without ``keep_argmax``."""
+    models, batch, hq, wq = xp.shape
+    (kh, kw), channels = kernel, wt.shape[2]
+    out = torch.empty((batch, (hq - kh + 1) // 2, (wq - kw + 1) // 2, models * channels), dtype=xp.dtype)
+    argmax = torch.empty(out.shape, dtype=torch.uint8) if keep_argmax else None
+    _call("conv_pool", xp.dtype)(
+        xp.data_ptr(), models, batch, channels, hq, wq, kh, kw, wt.data_ptr(), _ptr(bias), int(patchnorm),
+        out.data_ptr(), _ptr(argmax), torch.get_num_threads(),
+    )
+    return out.permute(0, 3, 1, 2), argmax
+
+
+def conv_pool_backward(xp: Tensor, g: Tensor, argmax: Tensor, kernel: tuple[int, int], patchnorm: bool,
+                       with_bias: bool) -> tuple[Tensor, Tensor | None]:
+    """(dwt, db) of ``conv_pool`` at the gradient g of its output (the output's shape,
+    channels_last): dwt (K, kh·kw, C) as wt, db (K·C,) or None without ``with_bias``."""
+    models, batch, hq, wq = xp.shape
+    (kh, kw), channels = kernel, g.shape[1] // models
+    dwt = torch.empty((models, kh * kw, channels), dtype=xp.dtype)
+    db = torch.empty(models * channels, dtype=xp.dtype) if with_bias else None
+    _call("conv_pool_backward", xp.dtype)(
+        xp.data_ptr(), g.data_ptr(), argmax.data_ptr(), models, batch, channels, hq, wq, kh, kw, int(patchnorm),
+        dwt.data_ptr(), _ptr(db), torch.get_num_threads(),
+    )
+    return dwt, db
 
 
 def channels_last_copy(t: Tensor, into: Tensor | None = None) -> Tensor:

@@ -17,6 +17,10 @@
    (gy written channels_last; also a plain transpose) and group_update_from_cl (d + src * r
    written back NCHW).
 
+   The stacked CNN engine's first block (experiments.runs.conv_pool): K models' one-channel
+   convolutions, each followed by a 2x2 max-pool, without the full-resolution convolution
+   output (conv_pool, conv_pool_backward).
+
    Dot products are accumulated in LANES partial sums in T, combined pairwise (as torch's own
    vectorised sums: float32 rounding for float32); column sums in per-thread partials in T
    (as torch's sum), reduced in thread order, so results are deterministic for a given thread
@@ -626,6 +630,212 @@ DEFINE_CHANNELS_LAST_OPS(float, f32)
 DEFINE_CHANNELS_LAST_OPS(double, f64)
 DEFINE_TRANSPOSING_OPS(float, f32, 8)
 DEFINE_TRANSPOSING_OPS(double, f64, 4)
+
+/* The stacked CNN engine's first block: K models' convolutions of one input channel each, C
+   output channels per model, each followed by a 2x2 max-pool of stride 2 (a monotone activation
+   after the pool: the engine's order), without the full-resolution convolution output. The input
+   is zero-padded beforehand: xp (K, B, Hq, Wq), Hq = H + 2 pad_h; the conv output at (oh, ow)
+   reads xp[oh .. oh + kh) x [ow .. ow + kw) (with `patchnorm`, PatchNormConv2d's: times
+   r = 1/sqrt(|patch|^2 + 1)), and pooled position (ph, pw) takes the max over the conv outputs
+   (2ph + a, 2pw + b), a, b in {0, 1}, scanned row by row: the first maximum, or the last NaN (as
+   torch's max_pool2d). Weights wt (K, kh*kw, C): each tap's C channels contiguous.
+   Output (B, Hp, Wp, K*C), Hp = (Hq - kh + 1) / 2: the channels_last order of (B, K*C, Hp, Wp);
+   argmax (a*2 + b) in the same order, as bytes. Channels run in vectors of V (a tail in
+   scalars); each conv output is the bias plus its taps in (i, j) order, in T. */
+typedef int32_t ivec_f32 __attribute__((vector_size(32)));
+typedef int64_t ivec_f64 __attribute__((vector_size(32)));
+typedef uint8_t bytes_f32 __attribute__((vector_size(8)));
+typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
+
+/* Taps of a kernel the conv-pool passes take (up to 7x7; the Python side checks). */
+#define MAX_TAPS 49
+
+#define DEFINE_CONV_POOL(T, SUFFIX, V)                                                             \
+    /* r[d] = 1/sqrt(|patch_d|^2 + 1) for the window's four conv outputs (patchnorm), else 1. */    \
+    static inline void window_scales_##SUFFIX(const T *p, int64_t wq, int64_t kh, int64_t kw,      \
+                                              int patchnorm, T r[4]) {                            \
+        for (int d = 0; d < 4; ++d) {                                                              \
+            if (!patchnorm) {                                                                      \
+                r[d] = 1;                                                                          \
+                continue;                                                                          \
+            }                                                                                      \
+            const T *q = p + (d / 2) * wq + d % 2;                                                 \
+            T sq = 0;                                                                              \
+            for (int64_t i = 0; i < kh; ++i)                                                       \
+                for (int64_t j = 0; j < kw; ++j) sq += q[i * wq + j] * q[i * wq + j];              \
+            r[d] = (T)1 / (T)sqrt(sq + (T)1);                                                      \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    /* One row of pooled positions (ph) of one sample: out and argmax (argmax NULL: not kept)    \
+       at (ph, 0..Wp), all K models. */                                                          \
+    VECTOR_CLONES static void conv_pool_row_##SUFFIX(                                             \
+        const T *restrict xp, int64_t plane, int64_t models, int64_t wq, int64_t kh, int64_t kw,  \
+        const T *restrict wt, const T *restrict bias, int64_t channels, int64_t ph, int64_t wp,   \
+        int patchnorm, T *restrict out, uint8_t *restrict argmax) {                               \
+        const int64_t kc = models * channels, taps = kh * kw;                                     \
+        for (int64_t pw = 0; pw < wp; ++pw)                                                       \
+            for (int64_t k = 0; k < models; ++k) {                                                \
+                const T *p = xp + k * plane + 2 * ph * wq + 2 * pw;                               \
+                const T *wk = wt + k * taps * channels, *bk = bias ? bias + k * channels : NULL;  \
+                const int64_t at = pw * kc + k * channels;                                        \
+                T r[4];                                                                            \
+                window_scales_##SUFFIX(p, wq, kh, kw, patchnorm, r);                               \
+                int64_t c = 0;                                                                     \
+                for (; c + V <= channels; c += V) {                                               \
+                    vec_##SUFFIX a[4], w, m;                                                       \
+                    if (bk)                                                                        \
+                        memcpy(&a[0], bk + c, sizeof a[0]);                                        \
+                    else                                                                           \
+                        a[0] = (vec_##SUFFIX){0};                                                  \
+                    a[1] = a[2] = a[3] = a[0];                                                     \
+                    for (int64_t i = 0; i < kh; ++i)                                               \
+                        for (int64_t j = 0; j < kw; ++j) {                                         \
+                            const T *q = p + i * wq + j;                                           \
+                            memcpy(&w, wk + (i * kw + j) * channels + c, sizeof w);               \
+                            a[0] += w * q[0];                                                      \
+                            a[1] += w * q[1];                                                      \
+                            a[2] += w * q[wq];                                                     \
+                            a[3] += w * q[wq + 1];                                                 \
+                        }                                                                          \
+                    for (int d = 0; d < 4; ++d) a[d] *= r[d];                                      \
+                    ivec_##SUFFIX best = {0};                                                      \
+                    m = a[0];                                                                      \
+                    for (int d = 1; d < 4; ++d) {                                                  \
+                        const ivec_##SUFFIX take = (a[d] > m) | (a[d] != a[d]);                    \
+                        m = (vec_##SUFFIX)(((ivec_##SUFFIX)a[d] & take) | ((ivec_##SUFFIX)m & ~take)); \
+                        best = (d & take) | (best & ~take);                                        \
+                    }                                                                              \
+                    memcpy(out + at + c, &m, sizeof m);                                            \
+                    if (argmax) {                                                                  \
+                        const bytes_##SUFFIX b = __builtin_convertvector(best, bytes_##SUFFIX);    \
+                        memcpy(argmax + at + c, &b, sizeof b);                                     \
+                    }                                                                              \
+                }                                                                                  \
+                for (; c < channels; ++c) {                                                        \
+                    T a[4];                                                                        \
+                    for (int d = 0; d < 4; ++d) a[d] = bk ? bk[c] : 0;                             \
+                    for (int64_t i = 0; i < kh; ++i)                                               \
+                        for (int64_t j = 0; j < kw; ++j) {                                         \
+                            const T *q = p + i * wq + j, w = wk[(i * kw + j) * channels + c];     \
+                            a[0] += w * q[0];                                                      \
+                            a[1] += w * q[1];                                                      \
+                            a[2] += w * q[wq];                                                     \
+                            a[3] += w * q[wq + 1];                                                 \
+                        }                                                                          \
+                    for (int d = 0; d < 4; ++d) a[d] *= r[d];                                      \
+                    T m = a[0];                                                                    \
+                    uint8_t best = 0;                                                              \
+                    for (int d = 1; d < 4; ++d)                                                    \
+                        if (a[d] > m || isnan(a[d])) {                                             \
+                            m = a[d];                                                              \
+                            best = (uint8_t)d;                                                     \
+                        }                                                                          \
+                    out[at + c] = m;                                                               \
+                    if (argmax) argmax[at + c] = best;                                             \
+                }                                                                                  \
+            }                                                                                      \
+    }                                                                                              \
+                                                                                                   \
+    /* out = maxpool((conv(xp, wt) + bias) * r) (r = 1 without patchnorm; layouts above);       \
+       argmax may be NULL. */                                                                      \
+    void conv_pool_##SUFFIX(const T *xp, int64_t models, int64_t batch, int64_t channels,         \
+                            int64_t hq, int64_t wq, int64_t kh, int64_t kw, const T *wt,          \
+                            const T *bias, int patchnorm, T *out, uint8_t *argmax, int threads) { \
+        const int64_t hp = (hq - kh + 1) / 2, wp = (wq - kw + 1) / 2, kc = models * channels;     \
+        const int64_t work = batch * hp * wp * kc * kh * kw * 4;                                   \
+        _Pragma("omp parallel for collapse(2) schedule(static) num_threads(team_size(work, threads))") \
+        for (int64_t n = 0; n < batch; ++n)                                                        \
+            for (int64_t ph = 0; ph < hp; ++ph) {                                                  \
+                const int64_t row = (n * hp + ph) * wp * kc;                                       \
+                conv_pool_row_##SUFFIX(xp + n * hq * wq, batch * hq * wq, models, wq, kh, kw, wt,   \
+                                       bias, channels, ph, wp, patchnorm, out + row,               \
+                                       argmax ? argmax + row : NULL);                              \
+            }                                                                                      \
+    }                                                                                              \
+                                                                                                   \
+    /* One model: dw (kh*kw, C) = sum over samples and pooled positions of g * r times the patch  \
+       at the argmax's conv output, db (C) = sum of g * r (db NULL: not wanted); summed per sample, then \
+       over samples (error (Hp*Wp + B) u, not B*Hp*Wp*u as one running sum's). */               \
+    VECTOR_CLONES static void conv_pool_grads_##SUFFIX(                                           \
+        const T *restrict xp, int64_t batch, int64_t hq, int64_t wq, int64_t kh, int64_t kw,      \
+        int64_t channels, int64_t hp, int64_t wp, int64_t kc, int patchnorm, const T *restrict g,  \
+        const uint8_t *restrict argmax, T *restrict dw, T *restrict db) {                          \
+        const int64_t taps = kh * kw;                                                              \
+        int64_t c = 0;                                                                             \
+        for (; c + V <= channels; c += V) {                                                        \
+            vec_##SUFFIX acc[MAX_TAPS], part[MAX_TAPS], sum = {0}, part_sum;                       \
+            for (int64_t t = 0; t < taps; ++t) acc[t] = (vec_##SUFFIX){0};                         \
+            for (int64_t n = 0; n < batch; ++n) {                                                  \
+                for (int64_t t = 0; t < taps; ++t) part[t] = (vec_##SUFFIX){0};                    \
+                part_sum = (vec_##SUFFIX){0};                                                      \
+                for (int64_t ph = 0; ph < hp; ++ph)                                                \
+                    for (int64_t pw = 0; pw < wp; ++pw) {                                          \
+                        const T *p = xp + (n * hq + 2 * ph) * wq + 2 * pw;                         \
+                        const int64_t at = ((n * hp + ph) * wp + pw) * kc + c;                     \
+                        vec_##SUFFIX gv, m[4];                                                     \
+                        bytes_##SUFFIX b;                                                          \
+                        memcpy(&gv, g + at, sizeof gv);                                            \
+                        memcpy(&b, argmax + at, sizeof b);                                         \
+                        const ivec_##SUFFIX which = __builtin_convertvector(b, ivec_##SUFFIX);     \
+                        T r[4];                                                                    \
+                        window_scales_##SUFFIX(p, wq, kh, kw, patchnorm, r);                       \
+                        for (int d = 0; d < 4; ++d)                                                \
+                            m[d] = (vec_##SUFFIX)((ivec_##SUFFIX)gv & (which == d)) * r[d];        \
+                        part_sum += m[0] + m[1] + m[2] + m[3];                                     \
+                        for (int64_t i = 0; i < kh; ++i)                                           \
+                            for (int64_t j = 0; j < kw; ++j) {                                     \
+                                const T *q = p + i * wq + j;                                       \
+                                part[i * kw + j] += m[0] * q[0] + m[1] * q[1] + m[2] * q[wq] + m[3] * q[wq + 1]; \
+                            }                                                                      \
+                    }                                                                              \
+                for (int64_t t = 0; t < taps; ++t) acc[t] += part[t];                              \
+                sum += part_sum;                                                                   \
+            }                                                                                      \
+            for (int64_t t = 0; t < taps; ++t) memcpy(dw + t * channels + c, &acc[t], sizeof acc[t]); \
+            if (db) memcpy(db + c, &sum, sizeof sum);                                              \
+        }                                                                                          \
+        for (; c < channels; ++c) {                                                                \
+            T acc[MAX_TAPS] = {0}, sum = 0;                                                        \
+            for (int64_t n = 0; n < batch; ++n) {                                                  \
+                T part[MAX_TAPS] = {0}, part_sum = 0;                                              \
+                for (int64_t ph = 0; ph < hp; ++ph)                                                \
+                    for (int64_t pw = 0; pw < wp; ++pw) {                                          \
+                        const int64_t at = ((n * hp + ph) * wp + pw) * kc + c;                     \
+                        const int d = argmax[at];                                                  \
+                        const T *p = xp + (n * hq + 2 * ph) * wq + 2 * pw;                         \
+                        T r[4];                                                                    \
+                        window_scales_##SUFFIX(p, wq, kh, kw, patchnorm, r);                       \
+                        const T gr = g[at] * r[d], *q = p + (d / 2) * wq + d % 2;                  \
+                        part_sum += gr;                                                            \
+                        for (int64_t i = 0; i < kh; ++i)                                           \
+                            for (int64_t j = 0; j < kw; ++j) part[i * kw + j] += gr * q[i * wq + j]; \
+                    }                                                                              \
+                for (int64_t t = 0; t < taps; ++t) acc[t] += part[t];                              \
+                sum += part_sum;                                                                   \
+            }                                                                                      \
+            for (int64_t t = 0; t < taps; ++t) dw[t * channels + c] = acc[t];                      \
+            if (db) db[c] = sum;                                                                   \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    /* dwt (K, kh*kw, C) and db (K*C, or NULL) of conv_pool at its output's gradient g (its      \
+       layout) and argmax; one model per thread. */                                               \
+    void conv_pool_backward_##SUFFIX(const T *xp, const T *g, const uint8_t *argmax, int64_t models, \
+                                     int64_t batch, int64_t channels, int64_t hq, int64_t wq,     \
+                                     int64_t kh, int64_t kw, int patchnorm, T *dwt, T *db,        \
+                                     int threads) {                                               \
+        const int64_t hp = (hq - kh + 1) / 2, wp = (wq - kw + 1) / 2, kc = models * channels;     \
+        const int64_t work = batch * hp * wp * kc * kh * kw * 4;                                   \
+        _Pragma("omp parallel for schedule(static) num_threads(team_size(work, threads))")        \
+        for (int64_t k = 0; k < models; ++k)                                                       \
+            conv_pool_grads_##SUFFIX(xp + k * batch * hq * wq, batch, hq, wq, kh, kw, channels, hp, wp, \
+                                     kc, patchnorm, g + k * channels, argmax + k * channels,      \
+                                     dwt + k * kh * kw * channels, db ? db + k * channels : NULL); \
+    }
+
+DEFINE_CONV_POOL(float, f32, 8)
+DEFINE_CONV_POOL(double, f64, 4)
 
 static struct PyModuleDef fused_cpu_module = {
     PyModuleDef_HEAD_INIT,

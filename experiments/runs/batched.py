@@ -8,7 +8,10 @@ MLP are (K, B, F) and a linear layer is one batched product, z_kᵀ = W_k x_kᵀ
 convolution is one grouped convolution (groups = K) and BatchNorm, pooling and the activations
 act per channel on that layout unchanged (the running statistics are the stacked buffers seen as
 K·C channels, updated in place as each model's would be); a nondecreasing activation followed by
-a max-pool runs after it (the same numbers, a quarter of the work). The step is
+a max-pool runs after it (the same numbers, a quarter of the work), and a first convolution of one
+input channel (``nn.Conv2d`` or ``PatchNormConv2d``) followed by a 2×2 max-pool is one C pass
+(:mod:`~affdiv.experiments.runs.conv_pool`) that never writes the full-resolution convolution
+output. The step is
 
     (L_k)_k = CE(f(X_k; θ_k, β_k), Y_k),   (g_k)_k = ∂(Σ_k L_k)/∂θ
 
@@ -30,7 +33,8 @@ activation and QK-norm is one of the layers above, and attention is two batched 
 K·B·H (sequence, head) pairs, softmax(Q_h K_hᵀ/√d_h) V_h, as the model computes it per sequence.
 
 AffineLike, NormLike and PatchNormConv2d are written here with torch operations (their formulas,
-:mod:`affdiv.layers.functional`), not their fused kernels. Any other layer, or a layer setting
+:mod:`affdiv.layers.functional`), not their fused kernels (but for a first PatchNorm convolution
+before a max-pool, above). Any other layer, or a layer setting
 not listed (a strided or dilated convolution, a grouped PatchNorm convolution, a normalisation
 over more than the last dimension),
 makes :func:`is_batched` false: such a model trains on the vmapped engine.
@@ -46,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from affdiv.experiments.runs import conv_pool
 from affdiv.experiments.runs.stacked import StackedEnsemble
 
 Stacked = Mapping[str, Tensor]
@@ -221,15 +226,33 @@ def batched_layers(model: nn.Module) -> list[tuple[str, nn.Module, Layer]] | Non
     """(name, module, batched layer) for each layer of ``model``, an ``nn.Sequential`` of the layers above;
     None for any other model. An activation followed by a max-pool (of :data:`_MONOTONE`) runs after
     it instead, on a quarter of the elements: the same forward (the gradient within rounding: a
-    window whose maxima tie after a saturating activation passes it to another element)."""
+    window whose maxima tie after a saturating activation passes it to another element). A
+    convolution and the max-pool then after it that :func:`~affdiv.experiments.runs.conv_pool.fusable`
+    takes are one entry, under the convolution's name."""
     if type(model) is not nn.Sequential:
         return None
     children = list(model.named_children())
     for i in range(len(children) - 1):
         if type(children[i][1]) in _MONOTONE and type(children[i + 1][1]) is nn.MaxPool2d:
             children[i], children[i + 1] = children[i + 1], children[i]
-    layers = [(name, module, _layer(module)) for name, module in children]
+    layers = []
+    while children:
+        (name, module), *children = children
+        if children and conv_pool.fusable(module, children[0][1]):  # a one-channel convolution, then a 2×2 max-pool
+            layers.append((name, module, _first_block(module, _layer(module), _layer(children.pop(0)[1]))))
+        else:
+            layers.append((name, module, _layer(module)))
     return None if any(layer is None for _name, _module, layer in layers) else layers
+
+
+def _first_block(conv: nn.Module, convolve: Layer, pool: Layer) -> Layer:
+    """``conv`` then a 2×2 max-pool, as one C pass (:mod:`~affdiv.experiments.runs.conv_pool`)
+    where it can take the call, else the two batched layers."""
+    def layer(x: Tensor, p: Stacked, k: int, training: bool) -> Tensor:
+        if conv_pool.usable(x, p["weight"], p.get("bias")):
+            return conv_pool.conv_max_pool(x, p["weight"], p.get("bias"), conv.padding, type(conv) is not nn.Conv2d)
+        return pool(convolve(x, p, k, training), p, k, training)
+    return layer
 
 
 def _local(state: Stacked, prefix: str) -> dict[str, Tensor]:

@@ -1,0 +1,109 @@
+"""The stacked CNN's first block as one pass: K models' convolutions (``nn.Conv2d`` or
+``PatchNormConv2d``) of a one-channel image, each followed by a 2×2 max-pool, without the
+full-resolution convolution output.
+
+For model k with weights W_k (C, 1, kh, kw), bias b_k and input x_k (B, H, W),
+
+    y_k = maxpool₂ₓ₂(r ⊙ (W_k ⋆ x_k + b_k)),                (B, C, ⌊H'/2⌋, ⌊W'/2⌋)
+    ∂L/∂W_k[c, i, j] = Σ_{n,p} g_{n,c,p} r_{n,a} · x̃_k[n, a + (i, j)],   ∂L/∂b_k[c] = Σ_{n,p} g_{n,c,p} r_{n,a},
+
+with H' × W' the convolution's output, x̃ the zero-padded input, a = a_{n,c,p} the convolution
+output each pooled value came from (the window's first maximum, or its last NaN, as
+``max_pool2d``), and r = 1 for a convolution, PatchNorm's r_{n,a} = 1/√(‖x̃_k[n, a + ·]‖² + 1)
+(the patch's squared norm; one input channel, so one group) for a PatchNormConv2d.
+
+The batched engine (:mod:`~affdiv.experiments.runs.batched`) would otherwise run this block as a
+grouped convolution writing K·C full-resolution planes, a max-pool over them, and in
+backward a zero-filled gradient of that size, the pool's scatter into it and the convolution's
+weight gradient reading it back: on the fashion CNN (28×28 inputs, 32 channels) those passes over
+memory cost more than the block's arithmetic. Here each pooled value is computed from its (kh+1) ×
+(kw+1) input patch in vector registers (the four convolution outputs, their maximum and its
+position) and the weight gradient reads only the pooled gradient and each maximum's position (a
+byte). Only the input's own gradient is not computed: the block is the model's first, on data.
+The C pass lives in the layers' compiled library (``affdiv.layers._fused``, ``conv_pool``).
+
+The numbers are the unfused block's up to the order of summation (each convolution output is
+b + Σ_taps w·x in tap order, times r; a weight gradient is summed per sample, then over samples), so a
+maximum decided by a rounding-level difference between two of a window's outputs may sit at
+another position than the unfused block's: the same value, its gradient at a neighbouring patch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+
+from affdiv.layers import _fused
+from affdiv.layers._torch_internals import dispatch_mode_active
+
+#: The largest kernel the C pass takes (its per-tap accumulators).
+MAX_TAPS = 49
+
+
+def fusable(conv: nn.Module, pool: nn.Module) -> bool:
+    """Whether ``conv`` then ``pool`` is a block this pass computes: an ``nn.Conv2d`` or
+    ``PatchNormConv2d`` of one input channel (stride 1, no dilation, zero padding given as
+    numbers, at most 7×7 taps), then ``nn.MaxPool2d(2)`` (stride 2, no padding, no dilation, floor
+    mode, no indices)."""
+    from affdiv.layers import PatchNormConv2d
+
+    if type(conv) not in (nn.Conv2d, PatchNormConv2d) or type(pool) is not nn.MaxPool2d:
+        return False
+    settings = (conv.in_channels, conv.groups, conv.stride, conv.dilation, conv.padding_mode)
+    if settings != (1, 1, (1, 1), (1, 1), "zeros") or isinstance(conv.padding, str) \
+            or conv.kernel_size[0] * conv.kernel_size[1] > MAX_TAPS:
+        return False
+    stride = pool.kernel_size if pool.stride is None else pool.stride
+    window = tuple(v if isinstance(v, tuple) else (v, v)
+                   for v in (pool.kernel_size, stride, pool.padding, pool.dilation))
+    return window == ((2, 2), (2, 2), (0, 0), (1, 1)) and not pool.ceil_mode and not pool.return_indices
+
+
+def usable(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    """Whether this call may take the C pass: the library loaded (not ``_fused.disabled``), the
+    input (K, B, 1, H, W) of one CPU float32/float64 dtype with the parameters, plain tensors, the
+    input not requiring a gradient, no dispatch mode (which would not see the pass)."""
+    return (_fused.available() and not _fused.is_disabled() and x.dim() == 5 and x.shape[2] == 1
+            and x.dtype in (torch.float32, torch.float64) and not x.requires_grad and not dispatch_mode_active()
+            and all(t is None or (_fused.plain(t) and t.is_cpu and t.dtype == x.dtype) for t in (x, weight, bias)))
+
+
+def conv_max_pool(x: Tensor, weight: Tensor, bias: Tensor | None, padding: tuple[int, int],
+                  patchnorm: bool = False) -> Tensor:
+    """maxpool₂ₓ₂(r ⊙ (W_k ⋆ x_k + b_k)) for K models at once (r: module docstring, 1 unless
+    ``patchnorm``): x (K, B, 1, H, W), weight (K, C, 1, kh, kw), bias (K, C) or None -> (B, K·C,
+    H_p, W_p) in channels_last order (the batched CNN's layout). Call only where :func:`usable`."""
+    return ConvMaxPool.apply(x, weight, bias, padding, patchnorm)
+
+
+class ConvMaxPool(torch.autograd.Function):
+    """:func:`conv_max_pool` (module docstring); backward gives the weight's and the bias's
+    gradients (once differentiable)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, padding: tuple[int, int],
+                patchnorm: bool) -> Tensor:
+        models, channels, _one, kh, kw = weight.shape
+        ph, pw = padding
+        xp = F.pad(x[:, :, 0], (pw, pw, ph, ph)).contiguous()  # (K, B, Hq, Wq), zeros around
+        wt = weight.reshape(models, channels, kh * kw).transpose(1, 2).contiguous()
+        flat_bias = None if bias is None else bias.reshape(-1).contiguous()
+        keep = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        out, argmax = _fused.conv_pool(xp, wt, flat_bias, (kh, kw), patchnorm, keep_argmax=keep)
+        if keep:
+            ctx.save_for_backward(xp, argmax)
+        ctx.weight_shape, ctx.patchnorm = weight.shape, patchnorm
+        ctx.with_bias = bias is not None and ctx.needs_input_grad[2]
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        xp, argmax = ctx.saved_tensors
+        models, channels, _one, kh, kw = ctx.weight_shape
+        grad = grad.contiguous(memory_format=torch.channels_last)
+        dwt, db = _fused.conv_pool_backward(xp, grad, argmax, (kh, kw), ctx.patchnorm, ctx.with_bias)
+        dw = dwt.transpose(1, 2).reshape(ctx.weight_shape) if ctx.needs_input_grad[1] else None
+        return None, dw, None if db is None else db.view(models, channels), None, None

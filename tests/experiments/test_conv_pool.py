@@ -1,0 +1,231 @@
+"""The stacked CNN's fused first block (``affdiv.experiments.runs.conv_pool``) against the same
+block written with torch's own convolution, PatchNorm scale and max-pool, model by model.
+
+Tolerances are error bounds. A convolution output is a sum of kh·kw + 1 terms (taps and bias), so
+each implementation's rounding error is at most γ_{kh·kw+1} · (|b| + |W| ⋆ |x|) (γ_n = n·u/(1 − n·u),
+u the unit roundoff), and PatchNorm's r = 1/√(Σ x² + 1) adds a relative error of at most
+γ_{kh·kw+3}; a pooled value is one of its window's outputs, so the max over the window of that
+bound bounds it, and the two implementations differ by at most twice it. A weight or bias gradient
+is a sum over the B·H_p·W_p pooled values, at most γ_{B·H_p·W_p + kh·kw + 3} · Σ |g|·r·|x| in each
+(r's own error included); the bound is evaluated by the reference's own backward on |g| and |x|.
+Random float64 data make two of a window's outputs within rounding of each other (where the
+maximum could sit elsewhere) a probability-1e-13 event; exact ties are tested on their own.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from affdiv.experiments.runs import conv_pool
+from affdiv.experiments.runs.batched import BatchedEnsemble, batched_layers
+from affdiv.experiments.runs.models import build_model
+from affdiv.layers import PatchNormConv2d, _fused
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.skipif(not _fused.available(), reason="the fused CPU passes were not built")]
+
+
+def gamma(n: int, dtype: torch.dtype) -> float:
+    u = torch.finfo(dtype).eps / 2
+    return n * u / (1 - n * u)
+
+
+def reference(x, weight, bias, padding, patchnorm):
+    """The block model by model with torch ops: x (K, B, 1, H, W) -> (B, K·C, H_p, W_p)."""
+    outs = []
+    for k in range(x.shape[0]):
+        z = F.conv2d(x[k], weight[k], None if bias is None else bias[k], padding=padding)
+        if patchnorm:
+            ones = torch.ones_like(weight[k][:1])
+            z = z * (F.conv2d(x[k].square(), ones, padding=padding) + 1).rsqrt()
+        outs.append(F.max_pool2d(z, 2))
+    return torch.cat(outs, 1)
+
+
+def leaves(weight, bias):
+    return weight.clone().requires_grad_(), None if bias is None else bias.clone().requires_grad_()
+
+
+@st.composite
+def blocks(draw):
+    kh, kw = draw(st.integers(1, 5)), draw(st.integers(1, 5))
+    ph, pw = draw(st.integers(0, 2)), draw(st.integers(0, 2))
+    # at least one pooled row and column: a conv output of 2 or more
+    h, w = draw(st.integers(max(1, kh + 1 - 2 * ph), 13)), draw(st.integers(max(1, kw + 1 - 2 * pw), 13))
+    return dict(models=draw(st.integers(1, 4)), batch=draw(st.integers(1, 4)), channels=draw(st.integers(1, 11)),
+                size=(h, w), kernel=(kh, kw), padding=(ph, pw), bias=draw(st.booleans()),
+                patchnorm=draw(st.booleans()), seed=draw(st.integers(0, 2**31 - 1)))
+
+
+def draw_block(b, dtype):
+    g = torch.Generator().manual_seed(b["seed"])
+    k, c = b["models"], b["channels"]
+    x = torch.randn(k, b["batch"], 1, *b["size"], generator=g, dtype=dtype)
+    weight = torch.randn(k, c, 1, *b["kernel"], generator=g, dtype=dtype)
+    bias = torch.randn(k, c, generator=g, dtype=dtype) if b["bias"] else None
+    return x, weight, bias
+
+
+def forward_bound(x, weight, bias, padding, patchnorm):
+    """max over each window of γ·(|b| + |W| ⋆ |x|)·r (the sum, the product with r and r's own
+    error), elementwise like the output."""
+    taps = weight.shape[-1] * weight.shape[-2]
+    size = reference(x.abs(), weight.abs(), None if bias is None else bias.abs(), padding, patchnorm)
+    return (gamma(taps + 2, x.dtype) + (gamma(taps + 3, x.dtype) if patchnorm else 0)) * size
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@given(block=blocks())
+def test_the_pass_is_the_block_model_by_model(block, dtype):
+    x, weight, bias = draw_block(block, dtype)
+    pad, norm = block["padding"], block["patchnorm"]
+    w1, b1 = leaves(weight, bias)
+    got = conv_pool.conv_max_pool(x, w1, b1, pad, norm)
+    w2, b2 = leaves(weight, bias)
+    want = reference(x, w2, b2, pad, norm)
+    assert got.shape == want.shape and got.is_contiguous(memory_format=torch.channels_last)
+    assert ((got - want).abs() <= 2 * forward_bound(x, weight, bias, pad, norm)).all()
+    if dtype != torch.float64:  # (in float32 a window's near-tie within rounding is not rare: see above)
+        return
+    g = torch.randn(want.shape, generator=torch.Generator().manual_seed(block["seed"] + 1), dtype=dtype)
+    got.backward(g)
+    want.backward(g)
+    terms = g.shape[0] * g.shape[2] * g.shape[3] + weight.shape[-1] * weight.shape[-2] + 3
+    dw_size, db_size = unpooled_abs_grads(x, weight, bias, g, pad, norm)
+    assert ((w1.grad - w2.grad).abs() <= 2 * gamma(terms, dtype) * dw_size).all()
+    if bias is not None:
+        assert ((b1.grad - b2.grad).abs() <= 2 * gamma(terms, dtype) * db_size).all()
+
+
+def unpooled_abs_grads(x, weight, bias, g, padding, patchnorm):
+    """Σ over every window position of |g|·r·|x|: the pooled gradient spread to all four outputs
+    of its window, through the convolution's backward on absolute values (an upper bound on the
+    sum either implementation forms, whichever position holds each maximum)."""
+    models, channels = weight.shape[:2]
+    spread = g.abs().repeat_interleave(2, 2).repeat_interleave(2, 3)  # (B, K·C, 2H_p, 2W_p)
+    dw, db = [], []
+    for k in range(models):
+        w = weight[k].detach().abs().requires_grad_()
+        b = None if bias is None else torch.zeros(channels, dtype=x.dtype, requires_grad=True)
+        z = F.conv2d(x[k].abs(), w, b, padding=padding)
+        if patchnorm:
+            z = z * (F.conv2d(x[k].square(), torch.ones_like(w[:1]), padding=padding) + 1).rsqrt()
+        part = spread[:, k * channels:(k + 1) * channels]
+        z[:, :, :part.shape[2], :part.shape[3]].backward(part)
+        dw.append(w.grad)
+        db.append(None if b is None else b.grad)
+    return torch.stack(dw), None if bias is None else torch.stack(db)
+
+
+def test_gradcheck():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 1, 7, 6, generator=g, dtype=torch.float64)
+    for patchnorm in (False, True):
+        weight = torch.randn(2, 3, 1, 3, 3, generator=g, dtype=torch.float64, requires_grad=True)
+        bias = torch.randn(2, 3, generator=g, dtype=torch.float64, requires_grad=True)
+        assert torch.autograd.gradcheck(lambda w, b, norm=patchnorm: conv_pool.conv_max_pool(x, w, b, (1, 1), norm),
+                                        (weight, bias))
+
+
+def test_a_tied_window_takes_its_first_maximum_as_max_pool2d():
+    # Only the centre tap is non-zero, so a window's outputs tie where their centres do; the
+    # other taps' gradients then depend on which position holds the maximum (the first, in row
+    # order). Every window's centres at (0, 0) and (1, 1) are equal and the largest.
+    dtype = torch.float64
+    x = torch.rand(1, 2, 1, 8, 8, dtype=dtype, generator=torch.Generator().manual_seed(0))
+    x[..., 1::2, 1::2] = x[..., 0::2, 0::2] = 2.0 + torch.arange(16, dtype=dtype).view(4, 4)
+    weight = torch.zeros(1, 5, 1, 3, 3, dtype=dtype)  # (5 channels: a vector of 4 and one on its own)
+    weight[..., 1, 1] = torch.arange(1.0, 6.0, dtype=dtype).view(5, 1)
+    z = F.conv2d(x[0], weight[0], padding=1)
+    assert torch.equal(z[..., 0::2, 0::2], z[..., 1::2, 1::2])  # the tie is exact
+    w1, _ = leaves(weight, None)
+    w2, _ = leaves(weight, None)
+    got, want = conv_pool.conv_max_pool(x, w1, None, (1, 1)), reference(x, w2, None, (1, 1), False)
+    assert torch.equal(got, want)
+    got.sum().backward()
+    want.sum().backward()
+    torch.testing.assert_close(w1.grad, w2.grad, rtol=1e-13, atol=1e-13)
+
+
+def test_a_nan_pools_as_max_pool2d():
+    x = torch.randn(2, 3, 1, 6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    x[1, 2, 0, 3, 4] = float("nan")
+    weight = torch.randn(2, 4, 1, 3, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    for patchnorm in (False, True):
+        got, want = conv_pool.conv_max_pool(x, weight, None, (1, 1), patchnorm), reference(x, weight, None, (1, 1),
+                                                                                         patchnorm)
+        assert torch.equal(got.isnan(), want.isnan()) and got.isnan().any()
+        torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13, equal_nan=True)
+
+
+def test_the_pass_keeps_no_positions_without_a_gradient(monkeypatch):
+    kept = []
+    real = _fused.conv_pool
+    monkeypatch.setattr(_fused, "conv_pool", lambda *a, keep_argmax: kept.append(keep_argmax)
+                        or real(*a, keep_argmax=keep_argmax))
+    x, weight = torch.randn(1, 2, 1, 4, 4), torch.randn(1, 3, 1, 3, 3)
+    conv_pool.conv_max_pool(x, weight, None, (1, 1))
+    conv_pool.conv_max_pool(x, weight.requires_grad_(), None, (1, 1)).sum().backward()
+    assert kept == [False, True]
+
+
+@pytest.mark.parametrize("conv, pool, fused", [
+    (nn.Conv2d(1, 4, 3, padding=1), nn.MaxPool2d(2), True),
+    (PatchNormConv2d(1, 4, 3, padding=1), nn.MaxPool2d(2, 2), True),
+    (nn.Conv2d(1, 4, 7, padding=(3, 2)), nn.MaxPool2d((2, 2)), True),
+    (nn.Conv2d(2, 4, 3), nn.MaxPool2d(2), False),  # two input channels
+    (nn.Conv2d(1, 4, 3, stride=2), nn.MaxPool2d(2), False),
+    (nn.Conv2d(1, 4, 3, dilation=2), nn.MaxPool2d(2), False),
+    (nn.Conv2d(1, 4, 3, padding="same"), nn.MaxPool2d(2), False),
+    (nn.Conv2d(1, 4, 3, padding=1, padding_mode="reflect"), nn.MaxPool2d(2), False),
+    (nn.Conv2d(1, 4, 8), nn.MaxPool2d(2), False),  # 64 taps
+    (nn.Conv2d(1, 4, 3), nn.MaxPool2d(3), False),
+    (nn.Conv2d(1, 4, 3), nn.MaxPool2d(2, stride=1), False),
+    (nn.Conv2d(1, 4, 3), nn.MaxPool2d(2, padding=1), False),
+    (nn.Conv2d(1, 4, 3), nn.MaxPool2d(2, ceil_mode=True), False),
+    (nn.Conv2d(1, 4, 3), nn.AvgPool2d(2), False),
+    (nn.Conv2d(1, 4, 3), nn.ReLU(), False),
+])
+def test_which_blocks_fuse(conv, pool, fused):
+    assert conv_pool.fusable(conv, pool) is fused
+
+
+def test_calls_the_pass_cannot_take_are_refused():
+    x, weight = torch.randn(2, 3, 1, 6, 6), torch.randn(2, 4, 1, 3, 3)
+    assert conv_pool.usable(x, weight, None)
+    assert not conv_pool.usable(x.requires_grad_(), weight, None)  # an input gradient: not computed
+    x = x.detach()
+    assert not conv_pool.usable(x.half(), weight.half(), None)
+    assert not conv_pool.usable(x.double(), weight, None)  # mixed dtypes
+    assert not conv_pool.usable(x[:, :, 0], weight, None)  # not (K, B, 1, H, W)
+    assert not conv_pool.usable(torch.randn(2, 3, 2, 6, 6), weight, None)
+    with _fused.disabled():
+        assert not conv_pool.usable(x, weight, None)
+    with FlopCounterMode(display=False):  # a dispatch mode would not see the pass
+        assert not conv_pool.usable(x, weight, None)
+
+
+@pytest.mark.parametrize("method", ["conv", "patchnorm"])
+def test_the_batched_cnn_runs_its_first_block_as_the_pass(method, monkeypatch):
+    models = [build_model(method, input_shape=(1, 8, 8), num_classes=10, depth=2, width=4, activation="relu")
+              for _ in range(3)]
+    names = [name for name, _module, _layer in batched_layers(models[0])]
+    assert names == ["0", "1", "3", "5", "4", "6", "7", "8"]  # conv 0 and pool 2 as one, then relu 1
+    calls = []
+    real = _fused.conv_pool
+    monkeypatch.setattr(_fused, "conv_pool", lambda *a, **kw: calls.append(kw["keep_argmax"]) or real(*a, **kw))
+    data = torch.rand(20, 1, 8, 8), torch.randint(0, 10, (20,))
+    ensemble = BatchedEnsemble(models, "sgd", [0.1] * 3, [None] * 3, [data] * 3, [data] * 3)
+    ensemble.step(torch.arange(12).view(3, 4))
+    ensemble.evaluate()
+    assert calls and calls[0] is True and calls[-1] is False  # a step keeps the maxima, a check not
+    calls.clear()
+    with _fused.disabled():
+        ensemble.step(torch.arange(12).view(3, 4))
+    assert calls == []
