@@ -284,18 +284,78 @@ static void taps(int64_t o, int64_t size, int64_t kernel, int64_t stride, int64_
         }                                                                                          \
     }                                                                                              \
                                                                                                    \
+    /* Stride 1, dilation 1: dst (dh, dw)[y][x] = sum of src (sh, sw)[y + oy + i][x + ox + j]    \
+       over i < kh, j < kw in bounds (the box sum with oy = -pad_h; its transpose, a gather too  \
+       at stride 1, with oy = pad_h - kh + 1), as 1/sqrt(sum + 1) if `finish`: row sums, then    \
+       column sums of them, both in double and along rows (vectorised), in `rows` (sh + 1 rows  \
+       of dw doubles). O(kh + kw) per output, not O(kh * kw) with a bounds check per position. */ \
+    /* sum of in[c] for c in [start, start + width) within [0, size), in double. */            \
+    static inline double clipped_row_sum_##SUFFIX(const T *in, int64_t size, int64_t start,      \
+                                                  int64_t width) {                               \
+        double sum = 0;                                                                            \
+        for (int64_t c = start < 0 ? 0 : start; c < start + width && c < size; ++c) sum += in[c];  \
+        return sum;                                                                                \
+    }                                                                                              \
+                                                                                                   \
+    VECTOR_CLONES static void box_sum_plane_##SUFFIX(                                             \
+        const T *restrict src, int64_t sh, int64_t sw, T *restrict dst, int64_t dh, int64_t dw,    \
+        int64_t oy, int64_t ox, int64_t kh, int64_t kw, int finish, double *restrict rows) {       \
+        const int64_t x0 = ox < 0 ? (-ox < dw ? -ox : dw) : 0; /* [x0, x1): every tap in bounds */ \
+        int64_t x1 = sw - ox - kw + 1 < dw ? sw - ox - kw + 1 : dw;                               \
+        x1 = x1 > x0 ? x1 : x0;                                                                    \
+        for (int64_t r = 0; r < sh; ++r) {                                                         \
+            const T *in = src + r * sw;                                                            \
+            double *h = rows + r * dw;                                                             \
+            for (int64_t x = 0; x < dw; ++x) h[x] = 0;                                             \
+            for (int64_t j = 0; j < kw; ++j)                                                       \
+                for (int64_t x = x0; x < x1; ++x) h[x] += in[x + ox + j];                          \
+            for (int64_t x = 0; x < x0; ++x) h[x] = clipped_row_sum_##SUFFIX(in, sw, x + ox, kw);   \
+            for (int64_t x = x1; x < dw; ++x) h[x] = clipped_row_sum_##SUFFIX(in, sw, x + ox, kw);  \
+        }                                                                                          \
+        double *acc = rows + sh * dw;                                                              \
+        for (int64_t y = 0; y < dh; ++y) {                                                         \
+            for (int64_t x = 0; x < dw; ++x) acc[x] = 0;                                           \
+            for (int64_t i = 0; i < kh; ++i) {                                                     \
+                const int64_t r = y + oy + i;                                                      \
+                if (r < 0 || r >= sh) continue;                                                    \
+                for (int64_t x = 0; x < dw; ++x) acc[x] += rows[r * dw + x];                       \
+            }                                                                                      \
+            T *out = dst + y * dw;                                                                 \
+            if (finish)                                                                            \
+                for (int64_t x = 0; x < dw; ++x) out[x] = (T)(1.0 / sqrt(acc[x] + 1.0));           \
+            else                                                                                   \
+                for (int64_t x = 0; x < dw; ++x) out[x] = (T)acc[x];                               \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
     /* Per plane: transpose = 0: out (out_h, out_w) = 1/sqrt(box(in (in_h, in_w)) + 1);         \
-       transpose = 1: out (in_h, in_w) = box^T(in (out_h, out_w)). */                              \
+       transpose = 1: out (in_h, in_w) = box^T(in (out_h, out_w)). Stride 1 and dilation 1 take  \
+       box_sum_plane (unless its row buffer cannot be allocated), others box_plane. */             \
     void box_##SUFFIX(const T *in, T *out, int64_t planes, const int64_t *geometry, int transpose, \
                       int threads) {                                                               \
-        const int64_t in_size = geometry[0] * geometry[1], out_size = geometry[2] * geometry[3];   \
-        const int64_t work = planes * out_size * geometry[4] * geometry[5];                        \
-        _Pragma("omp parallel for schedule(static) num_threads(team_size(work, threads))")        \
-        for (int64_t q = 0; q < planes; ++q) {                                                     \
-            if (transpose) /* (two call sites: each inlined with its constant flags) */            \
-                box_plane_##SUFFIX(in + q * out_size, out + q * in_size, geometry, 1);             \
-            else                                                                                   \
-                box_plane_##SUFFIX(in + q * in_size, out + q * out_size, geometry, 0);             \
+        const int64_t *g = geometry;                                                               \
+        const int64_t in_size = g[0] * g[1], out_size = g[2] * g[3];                               \
+        const int64_t work = planes * out_size * g[4] * g[5];                                      \
+        const int unit = g[6] == 1 && g[7] == 1 && g[10] == 1 && g[11] == 1;                       \
+        _Pragma("omp parallel num_threads(team_size(work, threads))") {                            \
+            /* per thread: the rows of one plane's row sums, and one more */                       \
+            const int64_t sh = transpose ? g[2] : g[0], dw = transpose ? g[1] : g[3];              \
+            double *rows = unit ? malloc(sizeof(double) * (size_t)((sh + 1) * dw)) : NULL;         \
+            _Pragma("omp for schedule(static)")                                                    \
+            for (int64_t q = 0; q < planes; ++q) {                                                 \
+                if (rows && transpose)                                                             \
+                    box_sum_plane_##SUFFIX(in + q * out_size, g[2], g[3], out + q * in_size, g[0],  \
+                                           g[1], g[8] - g[4] + 1, g[9] - g[5] + 1, g[4], g[5], 0,  \
+                                           rows);                                                  \
+                else if (rows)                                                                     \
+                    box_sum_plane_##SUFFIX(in + q * in_size, g[0], g[1], out + q * out_size, g[2],  \
+                                           g[3], -g[8], -g[9], g[4], g[5], 1, rows);               \
+                else if (transpose) /* (two call sites: each inlined with its constant flags) */   \
+                    box_plane_##SUFFIX(in + q * out_size, out + q * in_size, geometry, 1);         \
+                else                                                                               \
+                    box_plane_##SUFFIX(in + q * in_size, out + q * out_size, geometry, 0);         \
+            }                                                                                      \
+            free(rows);                                                                            \
         }                                                                                          \
     }                                                                                              \
                                                                                                    \
