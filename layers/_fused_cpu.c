@@ -753,10 +753,7 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
                         for (int64_t j = 0; j < kw; ++j) {                                         \
                             const T *q = p + i * wq + j;                                           \
                             memcpy(&w, wk + (i * kw + j) * channels + c, sizeof w);               \
-                            a[0] += w * q[0];                                                      \
-                            a[1] += w * q[1];                                                      \
-                            a[2] += w * q[wq];                                                     \
-                            a[3] += w * q[wq + 1];                                                 \
+                            for (int d = 0; d < 4; ++d) a[d] += w * q[(d / 2) * wq + d % 2];       \
                         }                                                                          \
                     for (int d = 0; d < 4; ++d) a[d] *= r[d];                                      \
                     ivec_##SUFFIX best = {0};                                                      \
@@ -778,10 +775,7 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
                     for (int64_t i = 0; i < kh; ++i)                                               \
                         for (int64_t j = 0; j < kw; ++j) {                                         \
                             const T *q = p + i * wq + j, w = wk[(i * kw + j) * channels + c];     \
-                            a[0] += w * q[0];                                                      \
-                            a[1] += w * q[1];                                                      \
-                            a[2] += w * q[wq];                                                     \
-                            a[3] += w * q[wq + 1];                                                 \
+                            for (int d = 0; d < 4; ++d) a[d] += w * q[(d / 2) * wq + d % 2];       \
                         }                                                                          \
                     for (int d = 0; d < 4; ++d) a[d] *= r[d];                                      \
                     T m = a[0];                                                                    \
