@@ -32,8 +32,9 @@ one-channel convolutions each followed by a 2×2 max-pool:
                                     1/√(‖patch‖² + 1), and each maximum's position
     conv_pool_backward(xp, g, …)    dW_k, db_k: g·r times the patch at each maximum
 
-Sums are accumulated in 16 partial sums in the tensors' dtype, combined pairwise (float32
-rounding for float32, as torch's own vectorised sums). The extension is optional (built at
+The row passes' dot products are accumulated in 16 partial sums in the tensors' dtype, combined
+pairwise (float32 rounding for float32, as torch's own vectorised sums); box sums in double;
+``conv_pool``'s convolution outputs in tap order in the dtype. The extension is optional (built at
 install where a C compiler with OpenMP is present); ``usable`` says whether a call may take
 it: the library loaded and not ``disabled``, every tensor a contiguous (or, for the
 convolutions, channels_last) plain CPU float32/float64 tensor of one dtype, in eager mode (not
@@ -97,7 +98,7 @@ def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
         _declare(lib, f"group_update_from_cl_{suffix}", None, [p, p, p, i64, i64, i64, i64, p, i32])
         sizes = [i64] * 7  # models, batch, channels, hq, wq, kh, kw
         _declare(lib, f"conv_pool_{suffix}", None, [p, *sizes, p, p, i32, p, p, i32])
-        _declare(lib, f"conv_pool_backward_{suffix}", None, [p, p, p, *sizes, i32, p, p, i32])
+        _declare(lib, f"conv_pool_backward_{suffix}", i32, [p, p, p, *sizes, i32, p, p, i32])
     return lib
 
 
@@ -339,18 +340,25 @@ def conv_pool(xp: Tensor, wt: Tensor, bias: Tensor | None, kernel: tuple[int, in
     return out.permute(0, 3, 1, 2), argmax
 
 
+#: The most taps (kh·kw) ``conv_pool_backward`` takes (the C pass's MAX_TAPS: it refuses more).
+CONV_POOL_MAX_TAPS = 49
+
+
 def conv_pool_backward(xp: Tensor, g: Tensor, argmax: Tensor, kernel: tuple[int, int], patchnorm: bool,
                        with_bias: bool) -> tuple[Tensor, Tensor | None]:
     """(dwt, db) of ``conv_pool`` at the gradient g of its output (the output's shape,
-    channels_last): dwt (K, kh·kw, C) as wt, db (K·C,) or None without ``with_bias``."""
+    channels_last): dwt (K, kh·kw, C) as wt, db (K·C,) or None without ``with_bias``. A kernel of
+    more than ``CONV_POOL_MAX_TAPS`` taps is a ValueError."""
     models, batch, hq, wq = xp.shape
     (kh, kw), channels = kernel, g.shape[1] // models
     dwt = torch.empty((models, kh * kw, channels), dtype=xp.dtype)
     db = torch.empty(models * channels, dtype=xp.dtype) if with_bias else None
-    _call("conv_pool_backward", xp.dtype)(
+    refused = _call("conv_pool_backward", xp.dtype)(
         xp.data_ptr(), g.data_ptr(), argmax.data_ptr(), models, batch, channels, hq, wq, kh, kw, int(patchnorm),
         dwt.data_ptr(), _ptr(db), torch.get_num_threads(),
     )
+    if refused:
+        raise ValueError(f"conv_pool_backward takes at most {CONV_POOL_MAX_TAPS} taps, got a {kh}x{kw} kernel")
     return dwt, db
 
 

@@ -707,8 +707,11 @@ typedef int64_t ivec_f64 __attribute__((vector_size(32)));
 typedef uint8_t bytes_f32 __attribute__((vector_size(8)));
 typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
 
-/* Taps of a kernel the conv-pool passes take (up to 7x7; the Python side checks). */
+/* Taps of a kernel conv_pool_backward takes (its per-tap accumulators; it refuses more). */
 #define MAX_TAPS 49
+
+/* sum_d m[d] * (the tap's input at the window's conv output d): one tap's gradient terms. */
+#define WINDOW_TERMS(m, q, wq) (m[0] * q[0] + m[1] * q[1] + m[2] * q[wq] + m[3] * q[wq + 1])
 
 #define DEFINE_CONV_POOL(T, SUFFIX, V)                                                             \
     /* r[d] = 1/sqrt(|patch_d|^2 + 1) for the window's four conv outputs (patchnorm), else 1. */    \
@@ -840,7 +843,7 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
                         for (int64_t i = 0; i < kh; ++i)                                           \
                             for (int64_t j = 0; j < kw; ++j) {                                     \
                                 const T *q = p + i * wq + j;                                       \
-                                part[i * kw + j] += m[0] * q[0] + m[1] * q[1] + m[2] * q[wq] + m[3] * q[wq + 1]; \
+                                part[i * kw + j] += WINDOW_TERMS(m, q, wq);                        \
                             }                                                                      \
                     }                                                                              \
                 for (int64_t t = 0; t < taps; ++t) acc[t] += part[t];                              \
@@ -856,14 +859,17 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
                 for (int64_t ph = 0; ph < hp; ++ph)                                                \
                     for (int64_t pw = 0; pw < wp; ++pw) {                                          \
                         const int64_t at = ((n * hp + ph) * wp + pw) * kc + c;                     \
-                        const int d = argmax[at];                                                  \
                         const T *p = xp + (n * hq + 2 * ph) * wq + 2 * pw;                         \
-                        T r[4];                                                                    \
+                        T r[4], m[4];                                                              \
                         window_scales_##SUFFIX(p, wq, kh, kw, patchnorm, r);                       \
-                        const T gr = g[at] * r[d], *q = p + (d / 2) * wq + d % 2;                  \
-                        part_sum += gr;                                                            \
+                        /* all four products, zeros too, as the vector path (0 * NaN is NaN) */    \
+                        for (int d = 0; d < 4; ++d) m[d] = (d == argmax[at] ? g[at] : 0) * r[d];   \
+                        part_sum += m[0] + m[1] + m[2] + m[3];                                     \
                         for (int64_t i = 0; i < kh; ++i)                                           \
-                            for (int64_t j = 0; j < kw; ++j) part[i * kw + j] += gr * q[i * wq + j]; \
+                            for (int64_t j = 0; j < kw; ++j) {                                     \
+                                const T *q = p + i * wq + j;                                       \
+                                part[i * kw + j] += WINDOW_TERMS(m, q, wq);                        \
+                            }                                                                      \
                     }                                                                              \
                 for (int64_t t = 0; t < taps; ++t) acc[t] += part[t];                              \
                 sum += part_sum;                                                                   \
@@ -874,11 +880,13 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
     }                                                                                              \
                                                                                                    \
     /* dwt (K, kh*kw, C) and db (K*C, or NULL) of conv_pool at its output's gradient g (its      \
-       layout) and argmax; one model per thread. */                                               \
-    void conv_pool_backward_##SUFFIX(const T *xp, const T *g, const uint8_t *argmax, int64_t models, \
-                                     int64_t batch, int64_t channels, int64_t hq, int64_t wq,     \
-                                     int64_t kh, int64_t kw, int patchnorm, T *dwt, T *db,        \
-                                     int threads) {                                               \
+       layout) and argmax; one model per thread. Returns -1 (and computes nothing) for a kernel  \
+       of more than MAX_TAPS taps, else 0. */                                                     \
+    int conv_pool_backward_##SUFFIX(const T *xp, const T *g, const uint8_t *argmax, int64_t models, \
+                                    int64_t batch, int64_t channels, int64_t hq, int64_t wq,      \
+                                    int64_t kh, int64_t kw, int patchnorm, T *dwt, T *db,         \
+                                    int threads) {                                                \
+        if (kh * kw > MAX_TAPS) return -1;                                                         \
         const int64_t hp = (hq - kh + 1) / 2, wp = (wq - kw + 1) / 2, kc = models * channels;     \
         const int64_t work = batch * hp * wp * kc * kh * kw * 4;                                   \
         _Pragma("omp parallel for schedule(static) num_threads(team_size(work, threads))")        \
@@ -886,6 +894,7 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
             conv_pool_grads_##SUFFIX(xp + k * batch * hq * wq, batch, hq, wq, kh, kw, channels, hp, wp, \
                                      kc, patchnorm, g + k * channels, argmax + k * channels,      \
                                      dwt + k * kh * kw * channels, db ? db + k * channels : NULL); \
+        return 0;                                                                                  \
     }
 
 DEFINE_CONV_POOL(float, f32, 8)

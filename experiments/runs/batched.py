@@ -228,30 +228,33 @@ def batched_layers(model: nn.Module) -> list[tuple[str, nn.Module, Layer]] | Non
     it instead, on a quarter of the elements: the same forward (the gradient within rounding: a
     window whose maxima tie after a saturating activation passes it to another element). A
     convolution and the max-pool then after it that :func:`~affdiv.experiments.runs.conv_pool.fusable`
-    takes are one entry, under the convolution's name."""
+    takes, as the model's first two layers, are one entry under the convolution's name."""
     if type(model) is not nn.Sequential:
         return None
     children = list(model.named_children())
     for i in range(len(children) - 1):
         if type(children[i][1]) in _MONOTONE and type(children[i + 1][1]) is nn.MaxPool2d:
             children[i], children[i + 1] = children[i + 1], children[i]
-    layers = []
-    while children:
-        (name, module), *children = children
-        if children and conv_pool.fusable(module, children[0][1]):  # a one-channel convolution, then a 2×2 max-pool
-            layers.append((name, module, _first_block(module, _layer(module), _layer(children.pop(0)[1]))))
-        else:
-            layers.append((name, module, _layer(module)))
+    first = []
+    if len(children) > 1 and conv_pool.fusable(children[0][1], children[1][1]):  # the model's first two
+        (name, conv), (_pool_name, pool) = children[:2]
+        first, children = [(name, nn.Sequential(conv, pool), _first_block(conv, pool))], children[2:]
+    layers = first + [(name, module, _layer(module)) for name, module in children]
     return None if any(layer is None for _name, _module, layer in layers) else layers
 
 
-def _first_block(conv: nn.Module, convolve: Layer, pool: Layer) -> Layer:
-    """``conv`` then a 2×2 max-pool, as one C pass (:mod:`~affdiv.experiments.runs.conv_pool`)
-    where it can take the call, else the two batched layers."""
+def _first_block(conv: nn.Module, pool: nn.MaxPool2d) -> Layer:
+    """A model's first layers, a one-channel ``conv`` and a 2×2 max-pool, as one C pass
+    (:mod:`~affdiv.experiments.runs.conv_pool`) where it can take the call, else as the two
+    batched layers. Its entry's module is the two as an ``nn.Sequential`` (its parameters are the
+    convolution's, under the convolution's name)."""
+    convolve, max_pool = _layer(conv), _layer(pool)
+    patchnorm = type(conv) is not nn.Conv2d
+
     def layer(x: Tensor, p: Stacked, k: int, training: bool) -> Tensor:
-        if conv_pool.usable(x, p["weight"], p.get("bias")):
-            return conv_pool.conv_max_pool(x, p["weight"], p.get("bias"), conv.padding, type(conv) is not nn.Conv2d)
-        return pool(convolve(x, p, k, training), p, k, training)
+        if conv_pool.usable(x, p["weight"], p.get("bias"), conv.padding):
+            return conv_pool.conv_max_pool(x, p["weight"], p.get("bias"), conv.padding, patchnorm)
+        return max_pool(convolve(x, p, k, training), p, k, training)
     return layer
 
 

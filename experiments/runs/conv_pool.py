@@ -36,24 +36,21 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from affdiv.layers import _fused
-from affdiv.layers._torch_internals import dispatch_mode_active
-
-#: The largest kernel the C pass takes (its per-tap accumulators).
-MAX_TAPS = 49
+from affdiv.layers._torch_internals import dispatch_mode_active, forward_ad_active, is_compiling
 
 
 def fusable(conv: nn.Module, pool: nn.Module) -> bool:
     """Whether ``conv`` then ``pool`` is a block this pass computes: an ``nn.Conv2d`` or
     ``PatchNormConv2d`` of one input channel (stride 1, no dilation, zero padding given as
-    numbers, at most 7×7 taps), then ``nn.MaxPool2d(2)`` (stride 2, no padding, no dilation, floor
-    mode, no indices)."""
+    numbers, kh·kw at most ``_fused.CONV_POOL_MAX_TAPS`` = 49), then ``nn.MaxPool2d(2)`` (stride 2,
+    no padding, no dilation, floor mode, no indices)."""
     from affdiv.layers import PatchNormConv2d
 
     if type(conv) not in (nn.Conv2d, PatchNormConv2d) or type(pool) is not nn.MaxPool2d:
         return False
     settings = (conv.in_channels, conv.groups, conv.stride, conv.dilation, conv.padding_mode)
     if settings != (1, 1, (1, 1), (1, 1), "zeros") or isinstance(conv.padding, str) \
-            or conv.kernel_size[0] * conv.kernel_size[1] > MAX_TAPS:
+            or conv.kernel_size[0] * conv.kernel_size[1] > _fused.CONV_POOL_MAX_TAPS:
         return False
     stride = pool.kernel_size if pool.stride is None else pool.stride
     window = tuple(v if isinstance(v, tuple) else (v, v)
@@ -61,12 +58,23 @@ def fusable(conv: nn.Module, pool: nn.Module) -> bool:
     return window == ((2, 2), (2, 2), (0, 0), (1, 1)) and not pool.ceil_mode and not pool.return_indices
 
 
-def usable(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
-    """Whether this call may take the C pass: the library loaded (not ``_fused.disabled``), the
-    input (K, B, 1, H, W) of one CPU float32/float64 dtype with the parameters, plain tensors, the
-    input not requiring a gradient, no dispatch mode (which would not see the pass)."""
-    return (_fused.available() and not _fused.is_disabled() and x.dim() == 5 and x.shape[2] == 1
-            and x.dtype in (torch.float32, torch.float64) and not x.requires_grad and not dispatch_mode_active()
+def usable(x: Tensor, weight: Tensor, bias: Tensor | None, padding: tuple[int, int]) -> bool:
+    """Whether :func:`conv_max_pool` may take this call: the library loaded (not
+    ``_fused.disabled``); eager mode, no dispatch mode (which would not see the pass) and no
+    forward-mode AD; x (K, B, 1, H, W), weight (K, C, 1, kh, kw) with kh·kw at most
+    ``_fused.CONV_POOL_MAX_TAPS``, bias (K, C) or None, plain CPU tensors of one float32/float64
+    dtype; the input not requiring a gradient; at least one pooled row and column."""
+    if not (_fused.available() and not _fused.is_disabled() and not is_compiling() and not dispatch_mode_active()
+            and not forward_ad_active()):
+        return False
+    if x.dim() != 5 or x.shape[2] != 1 or weight.dim() != 5 or weight.shape[0] != x.shape[0] or weight.shape[2] != 1:
+        return False
+    (kh, kw), (ph, pw) = weight.shape[3:], padding
+    if kh * kw > _fused.CONV_POOL_MAX_TAPS or min(x.shape[3] + 2 * ph - kh, x.shape[4] + 2 * pw - kw) < 1:
+        return False  # (a convolution output of one row or column has no pooled row or column)
+    if bias is not None and bias.shape != weight.shape[:2]:
+        return False
+    return (x.dtype in (torch.float32, torch.float64) and not x.requires_grad
             and all(t is None or (_fused.plain(t) and t.is_cpu and t.dtype == x.dtype) for t in (x, weight, bias)))
 
 

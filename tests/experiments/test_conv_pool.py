@@ -153,15 +153,39 @@ def test_a_tied_window_takes_its_first_maximum_as_max_pool2d():
     torch.testing.assert_close(w1.grad, w2.grad, rtol=1e-13, atol=1e-13)
 
 
-def test_a_nan_pools_as_max_pool2d():
-    x = torch.randn(2, 3, 1, 6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+@pytest.mark.parametrize("dtype, channels", [(torch.float64, 5), (torch.float32, 9)])  # a vector and a tail
+@pytest.mark.parametrize("patchnorm", [False, True])
+def test_a_nan_pools_and_propagates_as_the_unfused_block(dtype, channels, patchnorm):
+    # max_pool2d takes a window's NaN; the convolution's weight gradient then sums g·x over every
+    # window position, with g = 0 off the maximum, so 0·NaN spreads the NaN to every tap of a
+    # channel whose windows read it: the pass must give the same pattern in vectors and tails.
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 1, 6, 6, dtype=dtype, generator=g)
     x[1, 2, 0, 3, 4] = float("nan")
-    weight = torch.randn(2, 4, 1, 3, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    for patchnorm in (False, True):
-        got, want = conv_pool.conv_max_pool(x, weight, None, (1, 1), patchnorm), reference(x, weight, None, (1, 1),
-                                                                                         patchnorm)
-        assert torch.equal(got.isnan(), want.isnan()) and got.isnan().any()
-        torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13, equal_nan=True)
+    weight = torch.randn(2, channels, 1, 3, 3, dtype=dtype, generator=g)
+    bias = torch.randn(2, channels, dtype=dtype, generator=g)
+    w1, b1 = leaves(weight, bias)
+    w2, b2 = leaves(weight, bias)
+    got, want = conv_pool.conv_max_pool(x, w1, b1, (1, 1), patchnorm), reference(x, w2, b2, (1, 1), patchnorm)
+    assert torch.equal(got.isnan(), want.isnan()) and got.isnan().any()
+    torch.testing.assert_close(got, want, equal_nan=True)
+    got.sum().backward()
+    want.sum().backward()
+    assert w1.grad.isnan().any()  # (the bias too under PatchNorm, whose r is NaN there)
+    for mine, theirs in ((w1.grad, w2.grad), (b1.grad, b2.grad)):
+        assert torch.equal(mine.isnan(), theirs.isnan())
+        torch.testing.assert_close(mine, theirs, equal_nan=True)
+
+
+def test_the_backward_pass_refuses_a_kernel_over_its_taps():
+    # (the C pass's per-tap accumulators: conv_pool.usable keeps such kernels off it)
+    taps = _fused.CONV_POOL_MAX_TAPS
+    xp = torch.randn(1, 2, 3, taps + 2)
+    g = torch.randn(2, 3, 1, 1).contiguous(memory_format=torch.channels_last)
+    argmax = torch.zeros(2, 1, 1, 3, dtype=torch.uint8)
+    assert _fused.conv_pool_backward(xp, g, argmax, (1, taps), False, True)[0].shape == (1, taps, 3)
+    with pytest.raises(ValueError, match=f"at most {taps} taps"):
+        _fused.conv_pool_backward(xp, g, argmax, (1, taps + 1), False, True)
 
 
 def test_the_pass_keeps_no_positions_without_a_gradient(monkeypatch):
@@ -197,18 +221,27 @@ def test_which_blocks_fuse(conv, pool, fused):
 
 
 def test_calls_the_pass_cannot_take_are_refused():
-    x, weight = torch.randn(2, 3, 1, 6, 6), torch.randn(2, 4, 1, 3, 3)
-    assert conv_pool.usable(x, weight, None)
-    assert not conv_pool.usable(x.requires_grad_(), weight, None)  # an input gradient: not computed
+    x, weight, bias, pad = torch.randn(2, 3, 1, 6, 6), torch.randn(2, 4, 1, 3, 3), torch.randn(2, 4), (1, 1)
+    assert conv_pool.usable(x, weight, bias, pad)
+    assert not conv_pool.usable(x.requires_grad_(), weight, None, pad)  # an input gradient: not computed
     x = x.detach()
-    assert not conv_pool.usable(x.half(), weight.half(), None)
-    assert not conv_pool.usable(x.double(), weight, None)  # mixed dtypes
-    assert not conv_pool.usable(x[:, :, 0], weight, None)  # not (K, B, 1, H, W)
-    assert not conv_pool.usable(torch.randn(2, 3, 2, 6, 6), weight, None)
+    assert not conv_pool.usable(x.half(), weight.half(), None, pad)
+    assert not conv_pool.usable(x.double(), weight, None, pad)  # mixed dtypes
+    assert not conv_pool.usable(x[:, :, 0], weight, None, pad)  # not (K, B, 1, H, W)
+    assert not conv_pool.usable(torch.randn(2, 3, 2, 6, 6), weight, None, pad)
+    assert not conv_pool.usable(x, weight[:1], None, pad)  # other numbers of models
+    assert conv_pool.usable(x, weight[:, :, :, :1], None, pad)  # a 1×3 kernel
+    assert not conv_pool.usable(x, weight, bias[:, :3], pad)  # a bias of other channels
+    assert not conv_pool.usable(x, torch.randn(2, 4, 1, 7, 8), None, (3, 3))  # 56 taps
+    assert conv_pool.usable(x, torch.randn(2, 4, 1, 7, 7), None, (3, 3))
+    assert not conv_pool.usable(x[..., :3, :], weight, None, (0, 0))  # one conv row: no pooled row
+    assert conv_pool.usable(x[..., :3, :], weight, None, (1, 0))
     with _fused.disabled():
-        assert not conv_pool.usable(x, weight, None)
+        assert not conv_pool.usable(x, weight, None, pad)
     with FlopCounterMode(display=False):  # a dispatch mode would not see the pass
-        assert not conv_pool.usable(x, weight, None)
+        assert not conv_pool.usable(x, weight, None, pad)
+    with torch.autograd.forward_ad.dual_level():  # forward mode: the pass has no tangents
+        assert not conv_pool.usable(x, weight, None, pad)
 
 
 @pytest.mark.parametrize("method", ["conv", "patchnorm"])
