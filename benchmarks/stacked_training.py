@@ -7,12 +7,13 @@
 A *cell* is a batch size of a Fashion-MNIST study with 8 seeds × 6 learning rates = 48 models:
 the MLP arm (784-256-256-256-10, tanh) and the CNN arm (3 blocks of 32 channels, relu), each at
 B = 16, 64, 256, 1024 by default, and on request (``--arms``) an arm per vit method (width 32,
-depth 1, gelu) at B = 16, 64, 256 (an arm is a name → RunConfig settings and batch sizes in
+depth 1, gelu) at B = 16, 64, 256 and the CNN arm with PatchNorm convolutions ("patchnorm") (an
+arm is a name → RunConfig settings and batch sizes in
 ``ARMS``: another architecture is one more entry). The variants are the harness's own engines
 (``training.OneAtATime``; the stacked engine ``training.stacked_engine`` picks for the arm, named in
-the table; ``--vmap`` also times ``stacked.StackedEnsemble``, the vmapped fallback, and ``--plain``
-the stacked engine again without the compiled passes, inside ``affdiv.layers._fused.disabled()``:
-what the CNN's fused first block (below) saves, paired round by round) taking SGD steps
+the table; ``--vmap`` also times ``stacked.StackedEnsemble``, the vmapped fallback; ``--plain``
+times the stacked engine again inside ``affdiv.layers._fused.disabled()``, without the compiled
+passes, which on the CNN arms is without the fused first block described below) taking SGD steps
 on real batches (each model its own shuffle), so a model-step costs what it costs in a sweep; whole
 runs differ only by their evaluations (a few per run). The stacked ensemble holds as many of the
 cell's models as fit the default ensemble memory (``ensembles.member_bytes``), at most 48; one at a
@@ -92,6 +93,7 @@ BATCH_SIZES = (16, 64, 256, 1024)
 ARMS = {
     "mlp": (dict(method="affine", depth=3, width=256, activation="tanh"), BATCH_SIZES),
     "cnn": (dict(method="conv", depth=3, width=32, activation="relu"), BATCH_SIZES),
+    "patchnorm": (dict(method="patchnorm", depth=3, width=32, activation="relu"), BATCH_SIZES),  # on request
     # the transformer arm: an arm per vit method (16 patch tokens, 4 heads), on request
     **{method: (dict(method=method, depth=1, width=32, activation="gelu"), (16, 64, 256)) for method in VIT_METHODS},
 }
