@@ -819,6 +819,15 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
         int64_t channels, int64_t hp, int64_t wp, int64_t kc, int patchnorm, const T *restrict g,  \
         const uint8_t *restrict argmax, T *restrict dw, T *restrict db) {                          \
         const int64_t taps = kh * kw;                                                              \
+        /* PatchNorm's r of every window, once for all channel blocks (recomputed per block if    \
+           this buffer cannot be had) */                                                           \
+        T *scales = patchnorm ? malloc(sizeof(T) * (size_t)(batch * hp * wp * 4)) : NULL;         \
+        if (scales)                                                                                \
+            for (int64_t n = 0; n < batch; ++n)                                                    \
+                for (int64_t ph = 0; ph < hp; ++ph)                                                \
+                    for (int64_t pw = 0; pw < wp; ++pw)                                            \
+                        window_scales_##SUFFIX(xp + (n * hq + 2 * ph) * wq + 2 * pw, wq, kh, kw, 1, \
+                                               scales + ((n * hp + ph) * wp + pw) * 4);             \
         int64_t c = 0;                                                                             \
         for (; c + V <= channels; c += V) {                                                        \
             vec_##SUFFIX acc[MAX_TAPS], part[MAX_TAPS], sum = {0}, part_sum;                       \
@@ -836,7 +845,10 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
                         memcpy(&b, argmax + at, sizeof b);                                         \
                         const ivec_##SUFFIX which = __builtin_convertvector(b, ivec_##SUFFIX);     \
                         T r[4];                                                                    \
-                        window_scales_##SUFFIX(p, wq, kh, kw, patchnorm, r);                       \
+                        if (scales)                                                                \
+                            memcpy(r, scales + ((n * hp + ph) * wp + pw) * 4, sizeof r);           \
+                        else                                                                       \
+                            window_scales_##SUFFIX(p, wq, kh, kw, patchnorm, r);                   \
                         for (int d = 0; d < 4; ++d)                                                \
                             m[d] = (vec_##SUFFIX)((ivec_##SUFFIX)gv & (which == d)) * r[d];        \
                         part_sum += m[0] + m[1] + m[2] + m[3];                                     \
@@ -861,7 +873,10 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
                         const int64_t at = ((n * hp + ph) * wp + pw) * kc + c;                     \
                         const T *p = xp + (n * hq + 2 * ph) * wq + 2 * pw;                         \
                         T r[4], m[4];                                                              \
-                        window_scales_##SUFFIX(p, wq, kh, kw, patchnorm, r);                       \
+                        if (scales)                                                                \
+                            memcpy(r, scales + ((n * hp + ph) * wp + pw) * 4, sizeof r);           \
+                        else                                                                       \
+                            window_scales_##SUFFIX(p, wq, kh, kw, patchnorm, r);                   \
                         /* all four products, zeros too, as the vector path (0 * NaN is NaN) */    \
                         for (int d = 0; d < 4; ++d) m[d] = (d == argmax[at] ? g[at] : 0) * r[d];   \
                         part_sum += m[0] + m[1] + m[2] + m[3];                                     \
@@ -877,6 +892,7 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
             for (int64_t t = 0; t < taps; ++t) dw[t * channels + c] = acc[t];                      \
             if (db) db[c] = sum;                                                                   \
         }                                                                                          \
+        free(scales);                                                                              \
     }                                                                                              \
                                                                                                    \
     /* dwt (K, kh*kw, C) and db (K*C, or NULL) of conv_pool at its output's gradient g (its      \
