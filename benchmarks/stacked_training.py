@@ -195,21 +195,26 @@ def gemm_timer(flops: int):
 
 def conv_timer(config, data):
     """(forward + input and weight gradients of the model's widest convolution (most FLOPs per
-    sample), one model at batch 256, in the faster of NCHW and channels-last memory order; its
-    FLOPs), or None for a model without a convolution."""
+    sample; a PatchNormConv2d's as an nn.Conv2d of its geometry: the machine's convolution rate),
+    one model at batch 256, in the faster of NCHW and channels-last memory order; its FLOPs), or
+    None for a model without a convolution."""
     from torch.utils.flop_counter import FlopCounterMode
+
+    from affdiv.layers import PatchNormConv2d
 
     model = build_member(config, data, 0)
     shapes: list = []
     hooks = [m.register_forward_hook(lambda m, i, _o: shapes.append((m, i[0].shape[1:])))
-             for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+             for m in model.modules() if isinstance(m, (torch.nn.Conv2d, PatchNormConv2d))]
     with torch.no_grad():
         model(data.train.x[:1])
     for hook in hooks:
         hook.remove()
     if not shapes:
         return None
-    conv, shape = max(shapes, key=lambda s: s[0].weight.numel() * s[1][1] * s[1][2])
+    widest, shape = max(shapes, key=lambda s: s[0].weight.numel() * s[1][1] * s[1][2])
+    conv = torch.nn.Conv2d(widest.in_channels, widest.out_channels, widest.kernel_size, widest.stride, widest.padding,
+                           widest.dilation, widest.groups, bias=widest.bias is not None)
     steps = []
     for layout in (torch.contiguous_format, torch.channels_last):
         x = torch.randn(256, *shape).contiguous(memory_format=layout).requires_grad_()
