@@ -379,8 +379,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per cell (default 3)")
     parser.add_argument("--seconds", type=float, default=1.5, help="about how long one measurement runs")
     parser.add_argument("--arms", nargs="*", default=list(DEFAULT_ARMS), choices=list(ARMS),
-                        help=f"default: {' '.join(DEFAULT_ARMS)}; the vit methods on request; --arms with no "
-                             "name: only the --checks runs")
+                        help=f"default: {' '.join(DEFAULT_ARMS)}; patchnorm and the vit methods on request; "
+                             "--arms with no name: only the --checks runs")
     parser.add_argument("--batch-sizes", nargs="+", type=int, help="of each arm (default: the arm's, listed above)")
     parser.add_argument("--members", nargs="+", type=int,
                         help="stacked ensemble sizes to time, a row each (default: as many as fit the default "

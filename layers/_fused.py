@@ -33,8 +33,9 @@ one-channel convolutions each followed by a 2×2 max-pool:
     conv_pool_backward(xp, g, …)    dW_k, db_k: g·r times the patch at each maximum
 
 The row passes' dot products are accumulated in 16 partial sums in the tensors' dtype, combined
-pairwise (float32 rounding for float32, as torch's own vectorised sums); box sums in double;
-``conv_pool``'s convolution outputs in tap order in the dtype. The extension is optional (built at
+pairwise (float32 rounding for float32, as torch's own vectorised sums), their tails in double;
+box sums in double; ``conv_pool``'s convolution outputs and PatchNorm's patch norms in tap order
+in the dtype, its gradients per sample, then over samples, in the dtype. The extension is optional (built at
 install where a C compiler with OpenMP is present); ``usable`` says whether a call may take
 it: the library loaded and not ``disabled``, every tensor a contiguous (or, for the
 convolutions, channels_last) plain CPU float32/float64 tensor of one dtype, in eager mode (not
@@ -321,16 +322,25 @@ def group_update_(t: Tensor, r: Tensor, groups: int, src: Tensor | None = None) 
     return t
 
 
-def conv_pool(xp: Tensor, wt: Tensor, bias: Tensor | None, kernel: tuple[int, int], patchnorm: bool,
-              keep_argmax: bool) -> tuple[Tensor, Tensor | None]:
+def conv_pool_width(channels: int, dtype: torch.dtype) -> int:
+    """``channels`` rounded up to whole vectors of the C pass (32 bytes): the row width of its
+    weights, bias and their gradients (the spare channels zero)."""
+    lanes = 256 // torch.finfo(dtype).bits  # (32 bytes)
+    return -(-channels // lanes) * lanes
+
+
+def conv_pool(xp: Tensor, wt: Tensor, bias: Tensor | None, channels: int, kernel: tuple[int, int],
+              patchnorm: bool, keep_argmax: bool) -> tuple[Tensor, Tensor | None]:
     """(out, argmax): out (B, K·C, Hp, Wp), channels_last, = maxpool₂ₓ₂((conv(xp_k, W_k) + b_k)·r)
-    for K models' one-channel inputs, r = 1/√(‖patch‖² + 1) at each convolution output with
-    ``patchnorm`` (PatchNormConv2d), else 1; zero-padded beforehand: xp (K, B, Hq, Wq) contiguous; wt (K,
-    kh·kw, C) contiguous, each tap's channels side by side; bias (K·C,) or None. Hp = (Hq − kh +
-    1) // 2, as max_pool2d(2) floors. argmax (B, Hp, Wp, K·C) uint8, the window position
-    (2a + b) of each maximum (the first, or the last NaN), or None without ``keep_argmax``."""
+    for K models' one-channel inputs of C = ``channels`` output channels each, r = 1/√(‖patch‖² + 1)
+    at each convolution output with ``patchnorm`` (PatchNormConv2d), else 1. xp (K, B, Hq, Wq)
+    contiguous, zero-padded beforehand; wt (K, kh·kw, Cp) contiguous, each tap's channels side by
+    side and Cp = ``conv_pool_width(C)`` with the spare channels zero; bias (K·Cp,) likewise, or
+    None. Hp = (Hq − kh + 1) // 2, as max_pool2d(2) floors. argmax (B, Hp, Wp, K·C) uint8, the
+    window position (2a + b) of each maximum (the first, or the last NaN), or None without
+    ``keep_argmax``."""
     models, batch, hq, wq = xp.shape
-    (kh, kw), channels = kernel, wt.shape[2]
+    kh, kw = kernel
     out = torch.empty((batch, (hq - kh + 1) // 2, (wq - kw + 1) // 2, models * channels), dtype=xp.dtype)
     argmax = torch.empty(out.shape, dtype=torch.uint8) if keep_argmax else None
     _call("conv_pool", xp.dtype)(
@@ -347,12 +357,14 @@ CONV_POOL_MAX_TAPS = 49
 def conv_pool_backward(xp: Tensor, g: Tensor, argmax: Tensor, kernel: tuple[int, int], patchnorm: bool,
                        with_bias: bool) -> tuple[Tensor, Tensor | None]:
     """(dwt, db) of ``conv_pool`` at the gradient g of its output (the output's shape,
-    channels_last): dwt (K, kh·kw, C) as wt, db (K·C,) or None without ``with_bias``. A kernel of
-    more than ``CONV_POOL_MAX_TAPS`` taps is a ValueError."""
+    channels_last): dwt (K, kh·kw, Cp) as wt, db (K·Cp,) or None without ``with_bias`` (the spare
+    channels' entries are to be dropped). A kernel of more than ``CONV_POOL_MAX_TAPS`` taps is a
+    ValueError."""
     models, batch, hq, wq = xp.shape
     (kh, kw), channels = kernel, g.shape[1] // models
-    dwt = torch.empty((models, kh * kw, channels), dtype=xp.dtype)
-    db = torch.empty(models * channels, dtype=xp.dtype) if with_bias else None
+    width = conv_pool_width(channels, xp.dtype)
+    dwt = torch.empty((models, kh * kw, width), dtype=xp.dtype)
+    db = torch.empty(models * width, dtype=xp.dtype) if with_bias else None
     refused = _call("conv_pool_backward", xp.dtype)(
         xp.data_ptr(), g.data_ptr(), argmax.data_ptr(), models, batch, channels, hq, wq, kh, kw, int(patchnorm),
         dwt.data_ptr(), _ptr(db), torch.get_num_threads(),

@@ -698,10 +698,12 @@ DEFINE_TRANSPOSING_OPS(double, f64, 4)
    reads xp[oh .. oh + kh) x [ow .. ow + kw) (with `patchnorm`, PatchNormConv2d's: times
    r = 1/sqrt(|patch|^2 + 1)), and pooled position (ph, pw) takes the max over the conv outputs
    (2ph + a, 2pw + b), a, b in {0, 1}, scanned row by row: the first maximum, or the last NaN (as
-   torch's max_pool2d). Weights wt (K, kh*kw, C): each tap's C channels contiguous.
+   torch's max_pool2d). Weights wt (K, kh*kw, Cp) and bias (K*Cp), Cp = C rounded up to whole
+   vectors of V lanes, the spare channels zero; the backward's dwt and db in the same layout.
    Output (B, Hp, Wp, K*C), Hp = (Hq - kh + 1) / 2: the channels_last order of (B, K*C, Hp, Wp);
-   argmax (a*2 + b) in the same order, as bytes. Channels run in vectors of V (a tail in
-   scalars); each conv output is the bias plus its taps in (i, j) order, in T. */
+   argmax (a*2 + b) in the same order, as bytes. Channels run in vectors of V lanes (the last
+   block's spare lanes zero, never stored); each conv output is the bias plus its taps in (i, j)
+   order, times r, in T. */
 typedef int32_t ivec_f32 __attribute__((vector_size(32)));
 typedef int64_t ivec_f64 __attribute__((vector_size(32)));
 typedef uint8_t bytes_f32 __attribute__((vector_size(8)));
@@ -711,7 +713,7 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
 #define MAX_TAPS 49
 
 /* sum_d m[d] * (the tap's input at the window's conv output d): one tap's gradient terms. */
-#define WINDOW_TERMS(m, q, wq) (m[0] * q[0] + m[1] * q[1] + m[2] * q[wq] + m[3] * q[wq + 1])
+#define WINDOW_TERMS(m, q, wq) ((m)[0] * (q)[0] + (m)[1] * (q)[1] + (m)[2] * (q)[wq] + (m)[3] * (q)[(wq) + 1])
 
 #define DEFINE_CONV_POOL(T, SUFFIX, V)                                                             \
     /* r[d] = 1/sqrt(|patch_d|^2 + 1) for the window's four conv outputs (patchnorm), else 1. */    \
@@ -730,23 +732,43 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
         }                                                                                          \
     }                                                                                              \
                                                                                                    \
+    /* Channels rounded up to whole vectors: the weights', bias's and gradients' rows. */       \
+    static inline int64_t padded_##SUFFIX(int64_t channels) { return (channels + V - 1) / V * V; } \
+                                                                                                   \
+    /* *v = the first n (<= V) lanes from src, the others 0; and back (vectors by pointer: by   \
+       value they would cross the baseline clone's ABI). */                                       \
+    static inline void load_lanes_##SUFFIX(vec_##SUFFIX *v, const T *src, int64_t n) {             \
+        if (n == V) {                                                                              \
+            memcpy(v, src, sizeof *v);                                                             \
+            return;                                                                                \
+        }                                                                                          \
+        *v = (vec_##SUFFIX){0};                                                                    \
+        for (int64_t l = 0; l < n; ++l) (*v)[l] = src[l];                                          \
+    }                                                                                              \
+    static inline void store_lanes_##SUFFIX(T *dst, const vec_##SUFFIX *v, int64_t n) {            \
+        if (n == V)                                                                                \
+            memcpy(dst, v, sizeof *v);                                                             \
+        else                                                                                       \
+            for (int64_t l = 0; l < n; ++l) dst[l] = (*v)[l];                                      \
+    }                                                                                              \
+                                                                                                   \
     /* One row of pooled positions (ph) of one sample: out and argmax (argmax NULL: not kept)    \
-       at (ph, 0..Wp), all K models. */                                                          \
+       at (ph, 0..Wp), all K models; channels in blocks of V, the last block partial. */          \
     VECTOR_CLONES static void conv_pool_row_##SUFFIX(                                             \
         const T *restrict xp, int64_t plane, int64_t models, int64_t wq, int64_t kh, int64_t kw,  \
         const T *restrict wt, const T *restrict bias, int64_t channels, int64_t ph, int64_t wp,   \
         int patchnorm, T *restrict out, uint8_t *restrict argmax) {                               \
-        const int64_t kc = models * channels, taps = kh * kw;                                     \
+        const int64_t kc = models * channels, taps = kh * kw, cp = padded_##SUFFIX(channels);     \
         for (int64_t pw = 0; pw < wp; ++pw)                                                       \
             for (int64_t k = 0; k < models; ++k) {                                                \
                 const T *p = xp + k * plane + 2 * ph * wq + 2 * pw;                               \
-                const T *wk = wt + k * taps * channels, *bk = bias ? bias + k * channels : NULL;  \
+                const T *wk = wt + k * taps * cp, *bk = bias ? bias + k * cp : NULL;              \
                 const int64_t at = pw * kc + k * channels;                                        \
                 T r[4];                                                                            \
                 window_scales_##SUFFIX(p, wq, kh, kw, patchnorm, r);                               \
-                int64_t c = 0;                                                                     \
-                for (; c + V <= channels; c += V) {                                               \
-                    vec_##SUFFIX a[4], w, m;                                                       \
+                for (int64_t c = 0; c < channels; c += V) {                                       \
+                    const int64_t n = channels - c < V ? channels - c : V;                        \
+                    vec_##SUFFIX a[4], m, w;                                                       \
                     if (bk)                                                                        \
                         memcpy(&a[0], bk + c, sizeof a[0]);                                        \
                     else                                                                           \
@@ -755,7 +777,7 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
                     for (int64_t i = 0; i < kh; ++i)                                               \
                         for (int64_t j = 0; j < kw; ++j) {                                         \
                             const T *q = p + i * wq + j;                                           \
-                            memcpy(&w, wk + (i * kw + j) * channels + c, sizeof w);               \
+                            memcpy(&w, wk + (i * kw + j) * cp + c, sizeof w);                      \
                             for (int d = 0; d < 4; ++d) a[d] += w * q[(d / 2) * wq + d % 2];       \
                         }                                                                          \
                     for (int d = 0; d < 4; ++d) a[d] *= r[d];                                      \
@@ -766,30 +788,11 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
                         m = (vec_##SUFFIX)(((ivec_##SUFFIX)a[d] & take) | ((ivec_##SUFFIX)m & ~take)); \
                         best = (d & take) | (best & ~take);                                        \
                     }                                                                              \
-                    memcpy(out + at + c, &m, sizeof m);                                            \
+                    store_lanes_##SUFFIX(out + at + c, &m, n);                                     \
                     if (argmax) {                                                                  \
                         const bytes_##SUFFIX b = __builtin_convertvector(best, bytes_##SUFFIX);    \
-                        memcpy(argmax + at + c, &b, sizeof b);                                     \
+                        for (int64_t l = 0; l < n; ++l) argmax[at + c + l] = b[l];                 \
                     }                                                                              \
-                }                                                                                  \
-                for (; c < channels; ++c) {                                                        \
-                    T a[4];                                                                        \
-                    for (int d = 0; d < 4; ++d) a[d] = bk ? bk[c] : 0;                             \
-                    for (int64_t i = 0; i < kh; ++i)                                               \
-                        for (int64_t j = 0; j < kw; ++j) {                                         \
-                            const T *q = p + i * wq + j, w = wk[(i * kw + j) * channels + c];     \
-                            for (int d = 0; d < 4; ++d) a[d] += w * q[(d / 2) * wq + d % 2];       \
-                        }                                                                          \
-                    for (int d = 0; d < 4; ++d) a[d] *= r[d];                                      \
-                    T m = a[0];                                                                    \
-                    uint8_t best = 0;                                                              \
-                    for (int d = 1; d < 4; ++d)                                                    \
-                        if (a[d] > m || isnan(a[d])) {                                             \
-                            m = a[d];                                                              \
-                            best = (uint8_t)d;                                                     \
-                        }                                                                          \
-                    out[at + c] = m;                                                               \
-                    if (argmax) argmax[at + c] = best;                                             \
                 }                                                                                  \
             }                                                                                      \
     }                                                                                              \
@@ -813,12 +816,13 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
                                                                                                    \
     /* One model: dw (kh*kw, C) = sum over samples and pooled positions of g * r times the patch  \
        at the argmax's conv output, db (C) = sum of g * r (db NULL: not wanted); summed per sample, then \
-       over samples (error (Hp*Wp + B) u, not B*Hp*Wp*u as one running sum's). */               \
+       over samples (error (Hp*Wp + B) u, not B*Hp*Wp*u as one running sum's). Channels in blocks \
+       of V, the last partial (its other lanes 0). */                                             \
     VECTOR_CLONES static void conv_pool_grads_##SUFFIX(                                           \
         const T *restrict xp, int64_t batch, int64_t hq, int64_t wq, int64_t kh, int64_t kw,      \
         int64_t channels, int64_t hp, int64_t wp, int64_t kc, int patchnorm, const T *restrict g,  \
         const uint8_t *restrict argmax, T *restrict dw, T *restrict db) {                          \
-        const int64_t taps = kh * kw;                                                              \
+        const int64_t taps = kh * kw, cp = padded_##SUFFIX(channels);                              \
         /* PatchNorm's r of every window, once for all channel blocks (recomputed per block if    \
            this buffer cannot be had) */                                                           \
         T *scales = patchnorm ? malloc(sizeof(T) * (size_t)(batch * hp * wp * 4)) : NULL;         \
@@ -828,8 +832,8 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
                     for (int64_t pw = 0; pw < wp; ++pw)                                            \
                         window_scales_##SUFFIX(xp + (n * hq + 2 * ph) * wq + 2 * pw, wq, kh, kw, 1, \
                                                scales + ((n * hp + ph) * wp + pw) * 4);             \
-        int64_t c = 0;                                                                             \
-        for (; c + V <= channels; c += V) {                                                        \
+        for (int64_t c = 0; c < channels; c += V) {                                               \
+            const int64_t lanes = channels - c < V ? channels - c : V;                            \
             vec_##SUFFIX acc[MAX_TAPS], part[MAX_TAPS], sum = {0}, part_sum;                       \
             for (int64_t t = 0; t < taps; ++t) acc[t] = (vec_##SUFFIX){0};                         \
             for (int64_t n = 0; n < batch; ++n) {                                                  \
@@ -840,9 +844,9 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
                         const T *p = xp + (n * hq + 2 * ph) * wq + 2 * pw;                         \
                         const int64_t at = ((n * hp + ph) * wp + pw) * kc + c;                     \
                         vec_##SUFFIX gv, m[4];                                                     \
-                        bytes_##SUFFIX b;                                                          \
-                        memcpy(&gv, g + at, sizeof gv);                                            \
-                        memcpy(&b, argmax + at, sizeof b);                                         \
+                        load_lanes_##SUFFIX(&gv, g + at, lanes);                                   \
+                        bytes_##SUFFIX b = {0};                                                    \
+                        for (int64_t l = 0; l < lanes; ++l) b[l] = argmax[at + l];                 \
                         const ivec_##SUFFIX which = __builtin_convertvector(b, ivec_##SUFFIX);     \
                         T r[4];                                                                    \
                         if (scales)                                                                \
@@ -861,36 +865,8 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
                 for (int64_t t = 0; t < taps; ++t) acc[t] += part[t];                              \
                 sum += part_sum;                                                                   \
             }                                                                                      \
-            for (int64_t t = 0; t < taps; ++t) memcpy(dw + t * channels + c, &acc[t], sizeof acc[t]); \
+            for (int64_t t = 0; t < taps; ++t) memcpy(dw + t * cp + c, &acc[t], sizeof acc[t]);   \
             if (db) memcpy(db + c, &sum, sizeof sum);                                              \
-        }                                                                                          \
-        for (; c < channels; ++c) {                                                                \
-            T acc[MAX_TAPS] = {0}, sum = 0;                                                        \
-            for (int64_t n = 0; n < batch; ++n) {                                                  \
-                T part[MAX_TAPS] = {0}, part_sum = 0;                                              \
-                for (int64_t ph = 0; ph < hp; ++ph)                                                \
-                    for (int64_t pw = 0; pw < wp; ++pw) {                                          \
-                        const int64_t at = ((n * hp + ph) * wp + pw) * kc + c;                     \
-                        const T *p = xp + (n * hq + 2 * ph) * wq + 2 * pw;                         \
-                        T r[4], m[4];                                                              \
-                        if (scales)                                                                \
-                            memcpy(r, scales + ((n * hp + ph) * wp + pw) * 4, sizeof r);           \
-                        else                                                                       \
-                            window_scales_##SUFFIX(p, wq, kh, kw, patchnorm, r);                   \
-                        /* all four products, zeros too, as the vector path (0 * NaN is NaN) */    \
-                        for (int d = 0; d < 4; ++d) m[d] = (d == argmax[at] ? g[at] : 0) * r[d];   \
-                        part_sum += m[0] + m[1] + m[2] + m[3];                                     \
-                        for (int64_t i = 0; i < kh; ++i)                                           \
-                            for (int64_t j = 0; j < kw; ++j) {                                     \
-                                const T *q = p + i * wq + j;                                       \
-                                part[i * kw + j] += WINDOW_TERMS(m, q, wq);                        \
-                            }                                                                      \
-                    }                                                                              \
-                for (int64_t t = 0; t < taps; ++t) acc[t] += part[t];                              \
-                sum += part_sum;                                                                   \
-            }                                                                                      \
-            for (int64_t t = 0; t < taps; ++t) dw[t * channels + c] = acc[t];                      \
-            if (db) db[c] = sum;                                                                   \
         }                                                                                          \
         free(scales);                                                                              \
     }                                                                                              \
@@ -909,7 +885,8 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
         for (int64_t k = 0; k < models; ++k)                                                       \
             conv_pool_grads_##SUFFIX(xp + k * batch * hq * wq, batch, hq, wq, kh, kw, channels, hp, wp, \
                                      kc, patchnorm, g + k * channels, argmax + k * channels,      \
-                                     dwt + k * kh * kw * channels, db ? db + k * channels : NULL); \
+                                     dwt + k * kh * kw * padded_##SUFFIX(channels),               \
+                                     db ? db + k * padded_##SUFFIX(channels) : NULL);             \
         return 0;                                                                                  \
     }
 

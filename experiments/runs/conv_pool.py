@@ -26,6 +26,9 @@ The numbers are the unfused block's up to the order of summation (each convoluti
 b + Σ_taps w·x in tap order, times r; a weight gradient is summed per sample, then over samples), so a
 maximum decided by a rounding-level difference between two of a window's outputs may sit at
 another position than the unfused block's: the same value, its gradient at a neighbouring patch.
+A NaN in the input spreads to the gradients as through torch's convolution backward (which
+multiplies it by the zero gradient of a window's other outputs), except where only a
+convolution output that the pool drops (an odd size) reads it: the pass never computes those.
 """
 
 from __future__ import annotations
@@ -96,10 +99,16 @@ class ConvMaxPool(torch.autograd.Function):
         models, channels, _one, kh, kw = weight.shape
         ph, pw = padding
         xp = F.pad(x[:, :, 0], (pw, pw, ph, ph)).contiguous()  # (K, B, Hq, Wq), zeros around
-        wt = weight.reshape(models, channels, kh * kw).transpose(1, 2).contiguous()
-        flat_bias = None if bias is None else bias.reshape(-1).contiguous()
+        width = _fused.conv_pool_width(channels, x.dtype)  # (whole vectors: spare channels zero)
+        wt = weight.new_zeros(models, kh * kw, width)
+        wt[:, :, :channels] = weight.reshape(models, channels, kh * kw).transpose(1, 2)
+        flat_bias = None
+        if bias is not None:
+            flat_bias = bias.new_zeros(models, width)
+            flat_bias[:, :channels] = bias
+            flat_bias = flat_bias.view(-1)
         keep = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-        out, argmax = _fused.conv_pool(xp, wt, flat_bias, (kh, kw), patchnorm, keep_argmax=keep)
+        out, argmax = _fused.conv_pool(xp, wt, flat_bias, channels, (kh, kw), patchnorm, keep_argmax=keep)
         if keep:
             ctx.save_for_backward(xp, argmax)
         ctx.weight_shape, ctx.patchnorm = weight.shape, patchnorm
@@ -113,5 +122,5 @@ class ConvMaxPool(torch.autograd.Function):
         models, channels, _one, kh, kw = ctx.weight_shape
         grad = grad.contiguous(memory_format=torch.channels_last)
         dwt, db = _fused.conv_pool_backward(xp, grad, argmax, (kh, kw), ctx.patchnorm, ctx.with_bias)
-        dw = dwt.transpose(1, 2).reshape(ctx.weight_shape) if ctx.needs_input_grad[1] else None
-        return None, dw, None if db is None else db.view(models, channels), None, None
+        dw = dwt[:, :, :channels].transpose(1, 2).reshape(ctx.weight_shape) if ctx.needs_input_grad[1] else None
+        return None, dw, None if db is None else db.view(models, -1)[:, :channels], None, None

@@ -14,6 +14,8 @@ maximum could sit elsewhere) a probability-1e-13 event; exact ties are tested on
 
 from __future__ import annotations
 
+import unittest.mock
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -177,13 +179,39 @@ def test_a_nan_pools_and_propagates_as_the_unfused_block(dtype, channels, patchn
         torch.testing.assert_close(mine, theirs, equal_nan=True)
 
 
+def test_a_nan_only_a_dropped_convolution_output_reads_stays_out_of_the_gradients():
+    # An odd convolution output: max_pool2d drops its last row, and the pass never computes that
+    # row. torch's convolution backward still multiplies the row's zero gradient by the input
+    # there, so a NaN that only the dropped row reads makes its weight gradients NaN; the pass's
+    # stay finite (the one place their NaNs differ).
+    x = torch.randn(1, 2, 1, 7, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    x[0, 1, 0, 6, 3] = float("nan")  # read only by the convolution's output row 4, of 0-4
+    weight = torch.randn(1, 5, 1, 3, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    w1, _ = leaves(weight, None)
+    w2, _ = leaves(weight, None)
+    got, want = conv_pool.conv_max_pool(x, w1, None, (0, 0)), reference(x, w2, None, (0, 0), False)
+    torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13)
+    got.sum().backward()
+    want.sum().backward()
+    assert w1.grad.isfinite().all() and w2.grad.isnan().any()
+
+
+def test_only_a_models_first_two_layers_fuse():
+    model = torch.nn.Sequential(nn.Conv2d(1, 1, 3, padding=1), nn.MaxPool2d(2), nn.Conv2d(1, 4, 3, padding=1),
+                                nn.MaxPool2d(2), nn.Flatten(), nn.Linear(16, 3))
+    entries = batched_layers(model)
+    assert [name for name, _m, _l in entries] == ["0", "2", "3", "4", "5"]
+    assert type(entries[0][1]) is nn.Sequential and type(entries[1][1]) is nn.Conv2d
+
+
 def test_the_backward_pass_refuses_a_kernel_over_its_taps():
     # (the C pass's per-tap accumulators: conv_pool.usable keeps such kernels off it)
     taps = _fused.CONV_POOL_MAX_TAPS
     xp = torch.randn(1, 2, 3, taps + 2)
     g = torch.randn(2, 3, 1, 1).contiguous(memory_format=torch.channels_last)
     argmax = torch.zeros(2, 1, 1, 3, dtype=torch.uint8)
-    assert _fused.conv_pool_backward(xp, g, argmax, (1, taps), False, True)[0].shape == (1, taps, 3)
+    width = _fused.conv_pool_width(3, xp.dtype)  # (rows of whole vectors)
+    assert _fused.conv_pool_backward(xp, g, argmax, (1, taps), False, True)[0].shape == (1, taps, width)
     with pytest.raises(ValueError, match=f"at most {taps} taps"):
         _fused.conv_pool_backward(xp, g, argmax, (1, taps + 1), False, True)
 
@@ -235,7 +263,13 @@ def test_calls_the_pass_cannot_take_are_refused():
     assert not conv_pool.usable(x, torch.randn(2, 4, 1, 7, 8), None, (3, 3))  # 56 taps
     assert conv_pool.usable(x, torch.randn(2, 4, 1, 7, 7), None, (3, 3))
     assert not conv_pool.usable(x[..., :3, :], weight, None, (0, 0))  # one conv row: no pooled row
-    assert conv_pool.usable(x[..., :3, :], weight, None, (1, 0))
+    assert conv_pool.usable(x[..., :4, :], weight, None, (0, 0))  # two conv rows: one pooled row
+    assert not conv_pool.usable(x[..., :3], weight, None, (0, 0))  # the same for columns
+    assert conv_pool.usable(x[..., :4], weight, None, (0, 0))
+    assert not conv_pool.usable(x, weight[:, :, 0], None, pad)  # no weight (K, C, 1, kh, kw)
+    assert not conv_pool.usable(x, torch.randn(2, 4, 2, 3, 3), None, pad)
+    with unittest.mock.patch.object(conv_pool, "is_compiling", return_value=True):  # traced: torch ops
+        assert not conv_pool.usable(x, weight, None, pad)
     with _fused.disabled():
         assert not conv_pool.usable(x, weight, None, pad)
     with FlopCounterMode(display=False):  # a dispatch mode would not see the pass
