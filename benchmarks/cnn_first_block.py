@@ -65,10 +65,11 @@ class OpTimer(TorchDispatchMode):
 
 def in_first_block(name: str, shape: tuple | None, batch: int, size: tuple[int, int]) -> bool:
     """Whether an op of an unfused stacked step belongs to its first block: every op on the
-    full-resolution planes of the batch (first argument (…, H, W) with B among its two leading
-    dimensions: the input's copy, the convolutions, PatchNorm's scale, the first pool), and the
-    first pool's backward (its first argument the pooled gradient, (B, K·C, H/2, W/2))."""
-    if shape is None or len(shape) < 4 or batch not in shape[:2]:
+    full-resolution planes of the batch (first argument (B, …, H, W), or (K, B, 1, H, W): the
+    input's copy, the convolutions, PatchNorm's scale, the first pool; not the gather of the
+    batch from the training split), and the first pool's backward (its first argument the pooled
+    gradient, (B, K·C, H/2, W/2))."""
+    if shape is None or len(shape) < 4 or not (shape[0] == batch or (len(shape) == 5 and shape[1] == batch)):
         return False
     half = (size[0] // 2, size[1] // 2)
     return shape[-2:] == size or (name == "max_pool2d_with_indices_backward" and shape[-2:] == half)
