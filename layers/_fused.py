@@ -341,6 +341,11 @@ def conv_pool(xp: Tensor, wt: Tensor, bias: Tensor | None, channels: int, kernel
     ``keep_argmax``."""
     models, batch, hq, wq = xp.shape
     kh, kw = kernel
+    width = conv_pool_width(channels, xp.dtype)
+    if wt.shape != (models, kh * kw, width) or (bias is not None and bias.shape != (models * width,)):
+        raise ValueError(f"conv_pool: wt must be ({models}, {kh * kw}, {width}) and bias ({models * width},) (the "
+                         f"channels padded to whole vectors), got {tuple(wt.shape)} and "
+                         f"{None if bias is None else tuple(bias.shape)}")
     out = torch.empty((batch, (hq - kh + 1) // 2, (wq - kw + 1) // 2, models * channels), dtype=xp.dtype)
     argmax = torch.empty(out.shape, dtype=torch.uint8) if keep_argmax else None
     _call("conv_pool", xp.dtype)(

@@ -701,9 +701,11 @@ DEFINE_TRANSPOSING_OPS(double, f64, 4)
    torch's max_pool2d). Weights wt (K, kh*kw, Cp) and bias (K*Cp), Cp = C rounded up to whole
    vectors of V lanes, the spare channels zero; the backward's dwt and db in the same layout.
    Output (B, Hp, Wp, K*C), Hp = (Hq - kh + 1) / 2: the channels_last order of (B, K*C, Hp, Wp);
-   argmax (a*2 + b) in the same order, as bytes. Channels run in vectors of V lanes (the last
-   block's spare lanes zero, never stored); each conv output is the bias plus its taps in (i, j)
-   order, times r, in T. */
+   argmax (a*2 + b) in the same order, as bytes. Channels run in vectors of V lanes, the last
+   block partial: its spare lanes read the zero padding of wt and bias (and zeros for g and
+   argmax) and are never stored by the forward; the backward stores them in dwt's and db's
+   padded columns (0, or NaN where a window reads a NaN or inf), which the caller drops. Each conv
+   output is the bias plus its taps in (i, j) order, times r, in T. */
 typedef int32_t ivec_f32 __attribute__((vector_size(32)));
 typedef int64_t ivec_f64 __attribute__((vector_size(32)));
 typedef uint8_t bytes_f32 __attribute__((vector_size(8)));
@@ -791,7 +793,10 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
                     store_lanes_##SUFFIX(out + at + c, &m, n);                                     \
                     if (argmax) {                                                                  \
                         const bytes_##SUFFIX b = __builtin_convertvector(best, bytes_##SUFFIX);    \
-                        for (int64_t l = 0; l < n; ++l) argmax[at + c + l] = b[l];                 \
+                        if (n == V)                                                                \
+                            memcpy(argmax + at + c, &b, sizeof b);                                 \
+                        else                                                                       \
+                            for (int64_t l = 0; l < n; ++l) argmax[at + c + l] = b[l];             \
                     }                                                                              \
                 }                                                                                  \
             }                                                                                      \
@@ -814,10 +819,11 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
             }                                                                                      \
     }                                                                                              \
                                                                                                    \
-    /* One model: dw (kh*kw, C) = sum over samples and pooled positions of g * r times the patch  \
-       at the argmax's conv output, db (C) = sum of g * r (db NULL: not wanted); summed per sample, then \
-       over samples (error (Hp*Wp + B) u, not B*Hp*Wp*u as one running sum's). Channels in blocks \
-       of V, the last partial (its other lanes 0). */                                             \
+    /* One model: dw (kh*kw, Cp) = sum over samples and pooled positions of g * r times the patch \
+       at the argmax's conv output, db (Cp) = sum of g * r (db NULL: not wanted); summed per       \
+       sample, then over samples (error (Hp*Wp + B) u, not B*Hp*Wp*u as one running sum's).       \
+       Channels in blocks of V, the last partial: its spare lanes load g and argmax as 0 and      \
+       store dw's and db's padded columns (see above). */                                         \
     VECTOR_CLONES static void conv_pool_grads_##SUFFIX(                                           \
         const T *restrict xp, int64_t batch, int64_t hq, int64_t wq, int64_t kh, int64_t kw,      \
         int64_t channels, int64_t hp, int64_t wp, int64_t kc, int patchnorm, const T *restrict g,  \
@@ -846,7 +852,10 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
                         vec_##SUFFIX gv, m[4];                                                     \
                         load_lanes_##SUFFIX(&gv, g + at, lanes);                                   \
                         bytes_##SUFFIX b = {0};                                                    \
-                        for (int64_t l = 0; l < lanes; ++l) b[l] = argmax[at + l];                 \
+                        if (lanes == V)                                                            \
+                            memcpy(&b, argmax + at, sizeof b);                                     \
+                        else                                                                       \
+                            for (int64_t l = 0; l < lanes; ++l) b[l] = argmax[at + l];             \
                         const ivec_##SUFFIX which = __builtin_convertvector(b, ivec_##SUFFIX);     \
                         T r[4];                                                                    \
                         if (scales)                                                                \
@@ -871,7 +880,7 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
         free(scales);                                                                              \
     }                                                                                              \
                                                                                                    \
-    /* dwt (K, kh*kw, C) and db (K*C, or NULL) of conv_pool at its output's gradient g (its      \
+    /* dwt (K, kh*kw, Cp) and db (K*Cp, or NULL) of conv_pool at its output's gradient g (its    \
        layout) and argmax; one model per thread. Returns -1 (and computes nothing) for a kernel  \
        of more than MAX_TAPS taps, else 0. */                                                     \
     int conv_pool_backward_##SUFFIX(const T *xp, const T *g, const uint8_t *argmax, int64_t models, \

@@ -155,12 +155,12 @@ def test_a_tied_window_takes_its_first_maximum_as_max_pool2d():
     torch.testing.assert_close(w1.grad, w2.grad, rtol=1e-13, atol=1e-13)
 
 
-@pytest.mark.parametrize("dtype, channels", [(torch.float64, 5), (torch.float32, 9)])  # a vector and a tail
+@pytest.mark.parametrize("dtype, channels", [(torch.float64, 5), (torch.float32, 9)])  # a whole vector, a partial one
 @pytest.mark.parametrize("patchnorm", [False, True])
 def test_a_nan_pools_and_propagates_as_the_unfused_block(dtype, channels, patchnorm):
     # max_pool2d takes a window's NaN; the convolution's weight gradient then sums g·x over every
     # window position, with g = 0 off the maximum, so 0·NaN spreads the NaN to every tap of a
-    # channel whose windows read it: the pass must give the same pattern in vectors and tails.
+    # channel whose windows read it: the pass must give the same pattern in whole and partial vectors.
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 3, 1, 6, 6, dtype=dtype, generator=g)
     x[1, 2, 0, 3, 4] = float("nan")
@@ -202,6 +202,16 @@ def test_only_a_models_first_two_layers_fuse():
     entries = batched_layers(model)
     assert [name for name, _m, _l in entries] == ["0", "2", "3", "4", "5"]
     assert type(entries[0][1]) is nn.Sequential and type(entries[1][1]) is nn.Conv2d
+
+
+def test_the_rows_are_whole_vectors_of_the_c_pass():
+    # (its vectors are 32 bytes: 8 float32 or 4 float64 lanes; a narrower row would be read past)
+    for channels, f32, f64 in [(1, 8, 4), (4, 8, 4), (5, 8, 8), (8, 8, 8), (9, 16, 12), (17, 24, 20)]:
+        assert _fused.conv_pool_width(channels, torch.float32) == f32
+        assert _fused.conv_pool_width(channels, torch.float64) == f64
+    xp, wt = torch.zeros(2, 3, 6, 6), torch.zeros(2, 9, 4)  # 4 channels: rows of 8 wanted
+    with pytest.raises(ValueError, match=r"wt must be \(2, 9, 8\)"):
+        _fused.conv_pool(xp, wt, None, 4, (3, 3), False, keep_argmax=False)
 
 
 def test_the_backward_pass_refuses_a_kernel_over_its_taps():
