@@ -142,14 +142,21 @@ def disabled() -> contextlib.AbstractContextManager:
     return flag_raised(_state, "disabled")
 
 
+def eager_kernels_allowed() -> bool:
+    """Whether the mode lets a call take a compiled pass at all: the library loaded and not
+    ``disabled``, not traced by torch.compile, no dispatch mode active (FakeTensorMode,
+    FlopCounterMode, …: it would not see the pass) and no forward-mode AD (tangents the pass
+    would drop). ``usable`` adds that no graph is being recorded, and the tensors' checks."""
+    return not (_LIB is None or _state["disabled"] or is_compiling() or dispatch_mode_active() or forward_ad_active())
+
+
 def usable(*tensors: Tensor | None, memory_format: torch.memory_format | None = torch.contiguous_format) -> bool:
     """Whether these tensors (None entries ignored; the first is not None) may go through the
     compiled passes: no graph being recorded, no dispatch mode active (FakeTensorMode,
     FlopCounterMode, …), no forward-mode AD (tangents), and each a ``plain`` CPU tensor of one
     float32/float64 dtype, contiguous in ``memory_format`` (None: the first tensor's own, see
     ``layout_of``)."""
-    if (_LIB is None or _state["disabled"] or torch.is_grad_enabled() or is_compiling() or dispatch_mode_active()
-            or forward_ad_active()):
+    if torch.is_grad_enabled() or not eager_kernels_allowed():
         return False
     dtype = tensors[0].dtype
     if dtype not in _SUFFIX:

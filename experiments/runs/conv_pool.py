@@ -39,7 +39,6 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from affdiv.layers import _fused
-from affdiv.layers._torch_internals import dispatch_mode_active, forward_ad_active, is_compiling
 
 
 def fusable(conv: nn.Module, pool: nn.Module) -> bool:
@@ -62,13 +61,12 @@ def fusable(conv: nn.Module, pool: nn.Module) -> bool:
 
 
 def usable(x: Tensor, weight: Tensor, bias: Tensor | None, padding: tuple[int, int]) -> bool:
-    """Whether :func:`conv_max_pool` may take this call: the library loaded (not
-    ``_fused.disabled``); eager mode, no dispatch mode (which would not see the pass) and no
-    forward-mode AD; x (K, B, 1, H, W), weight (K, C, 1, kh, kw) with kh·kw at most
+    """Whether :func:`conv_max_pool` may take this call: the mode allows the compiled passes
+    (``_fused.eager_kernels_allowed``; a graph may be recorded: the pass is its own autograd
+    Function); x (K, B, 1, H, W), weight (K, C, 1, kh, kw) with kh·kw at most
     ``_fused.CONV_POOL_MAX_TAPS``, bias (K, C) or None, plain CPU tensors of one float32/float64
     dtype; the input not requiring a gradient; at least one pooled row and column."""
-    if not (_fused.available() and not _fused.is_disabled() and not is_compiling() and not dispatch_mode_active()
-            and not forward_ad_active()):
+    if not _fused.eager_kernels_allowed():
         return False
     if x.dim() != 5 or x.shape[2] != 1 or weight.dim() != 5 or weight.shape[0] != x.shape[0] or weight.shape[2] != 1:
         return False

@@ -278,7 +278,7 @@ def test_calls_the_pass_cannot_take_are_refused():
     assert conv_pool.usable(x[..., :4], weight, None, (0, 0))
     assert not conv_pool.usable(x, weight[:, :, 0], None, pad)  # no weight (K, C, 1, kh, kw)
     assert not conv_pool.usable(x, torch.randn(2, 4, 2, 3, 3), None, pad)
-    with unittest.mock.patch.object(conv_pool, "is_compiling", return_value=True):  # traced: torch ops
+    with unittest.mock.patch.object(_fused, "is_compiling", return_value=True):  # traced: torch ops
         assert not conv_pool.usable(x, weight, None, pad)
     with _fused.disabled():
         assert not conv_pool.usable(x, weight, None, pad)
