@@ -264,7 +264,8 @@ class PatchNormConvFunction(Function):
     (the group of output channel o). ‖P_{g,p}‖² = box(Σ_{c∈g} x_c²): a convolution of the
     group's summed squares with a ones kernel of the same geometry.
 
-    Forward on x' = c·x with c per sample (``prepare`` over C and space): s' = box(Σ x'²),
+    Forward on x' = c·x with c per sample and group (``prepare`` over the group's channels and
+    space, so that no group's precision depends on another's magnitude): s' = box(Σ x'²),
     ρ = 1/hypot(√s', c), z = ρ·(conv(x', W) + c·b), r = ρ·c.
     Backward: gy = r·gz (broadcast over the group's output channels); dx, dW, db of the conv at
     gy; dr = ⟨gz, y⟩_{g,p} + g_r with ⟨gz, y⟩ = ⟨gz, z⟩/r summed over the group's output
@@ -301,17 +302,20 @@ class PatchNormConvFunction(Function):
                 if _fused.usable(y, memory_format=None):
                     return _fused.group_update_(y, r, groups), r
                 return _per_group(y, r, groups, True), r
-        x_scaled, c, _ = prepare(x, tuple(range(1, x.dim())), floor=1.0, finite_only=True)
+        x_groups = _by_group(x, groups)
+        x_scaled, c, _ = prepare(x_groups, tuple(range(2, x_groups.dim())), floor=1.0, finite_only=True)
+        rescaled = x_scaled is not x_groups
+        x_scaled, c = _merge_groups(x_scaled) if rescaled else x, c.squeeze(2)  # c: (N, groups, 1, …)
         patch_sq = _box(_group_dot(x_scaled, x_scaled, groups), weight.shape[2:], stride, padding, dilation)
         rho = 1.0 / torch.hypot(patch_sq.clamp_min(0).sqrt(), c)
         r = rho * c
         in_place = plain_eager(x)
-        if x_scaled is x:  # c = 1: the bias goes into the convolution
+        if not rescaled:  # c = 1: the bias goes into the convolution
             y = torch.convolution(x, weight, bias, *geometry)
         else:
             y = torch.convolution(x_scaled, weight, None, *geometry)
             if bias is not None:
-                scaled_bias = c.to(x.dtype) * bias.reshape((1, -1) + (1,) * (x.dim() - 2))
+                scaled_bias = _per_group(bias.reshape((1, -1) + (1,) * (x.dim() - 2)), c.to(x.dtype), groups)
                 y = y.add_(scaled_bias) if in_place else y + scaled_bias
         return _per_group(y, rho.to(x.dtype), groups, in_place), r
 

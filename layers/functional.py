@@ -16,8 +16,9 @@ holds it) and leaves every other output at its clean value. Under autocast the i
 like F.linear / F.conv (to the autocast dtype) and the norms are accumulated in float32.
 Gradients are exact to rounding while the squared scale r² is a normal number (fp32: ‖x‖ <
 1.8e19); beyond, they stay finite but lose the radial term to underflow. The convolutions
-rescale per sample: in a sample whose norm overflows (fp32: ‖x_n‖ > 1.8e19), patches smaller
-than the largest by more than ~2^96 lose relative precision.
+rescale per sample and group: in a group whose channels' norm in a sample overflows (fp32: >
+1.8e19), patches smaller than the group's largest by more than ~2^96 lose relative precision;
+the other groups keep theirs.
 
 Bad input (shape, dtype, device) raises ValueError/TypeError naming the expected and the
 actual value. On CUDA, with the optional Triton kernel available (``_triton_affine_like``),

@@ -32,11 +32,11 @@ too (:func:`batched_vit`): its tokens are rows, (K, B·T, d), so that every proj
 activation and QK-norm is one of the layers above, and attention is two batched products over the
 K·B·H (sequence, head) pairs, softmax(Q_h K_hᵀ/√d_h) V_h, as the model computes it per sequence.
 
-AffineLike, NormLike and PatchNormConv2d are written here with torch operations (their formulas,
-:mod:`affdiv.layers.functional`), not their fused kernels (but for a first PatchNorm convolution
-before a max-pool, above). Any other layer, or a layer setting
-not listed (a strided or dilated convolution, a grouped PatchNorm convolution, a normalisation
-over more than the last dimension),
+AffineLike and NormLike are written here with torch operations (their formulas,
+:mod:`affdiv.layers.functional`), not their fused kernels; the K models' PatchNormConv2d is one
+PatchNorm convolution of K times the groups, with its fused kernels. Any other layer, or a layer
+setting not listed (a strided or dilated convolution, a normalisation over more than the last
+dimension),
 makes :func:`is_batched` false: such a model trains on the vmapped engine.
 """
 
@@ -52,6 +52,7 @@ from torch import Tensor, nn
 
 from affdiv.experiments.runs import conv_pool
 from affdiv.experiments.runs.stacked import StackedEnsemble
+from affdiv.layers.functional import patchnorm_conv2d
 
 Stacked = Mapping[str, Tensor]
 #: One layer, batched: (x, its stacked parameters and buffers by local name, K, training) -> output.
@@ -156,19 +157,16 @@ def _conv2d(module: nn.Conv2d) -> Layer:
 
 
 def _patchnorm_conv2d(module: nn.Conv2d) -> Layer:
-    """PatchNormConv2d, z = (W ⋆ x + b)·r with r = 1/√(‖patch‖² + 1) at each output position: the
-    grouped convolution of :func:`_conv2d` times the inverse norms of each model's patches,
-    ‖patch‖² = 1 ⋆ x² (one more grouped convolution, of x² with a kernel of ones per model; zero
-    padding adds 0). Model k's r (B, H, W) scales its C_out channels as a broadcast over the
-    (B, K, C_out, H, W) view of z, in z's channels-last order (no copy of r per channel)."""
-    convolve = _conv2d(module)
-
-    def layer(x: Tensor, p: Stacked, k: int, training: bool) -> Tensor:
-        x = _to_channels(x, k)
-        z = convolve(x, p, k, training)
-        ones = x.new_ones(k, x.shape[1] // k, *module.kernel_size)
-        squared = F.conv2d(x.square(), ones, None, module.stride, module.padding, module.dilation, k)
-        return (z.unflatten(1, (k, -1)) * (squared + 1).rsqrt().unsqueeze(2)).flatten(1, 2)
+    """PatchNormConv2d, z = (W ⋆ x + b)·r with r = 1/√(‖patch‖² + 1) at each output position, the
+    patch being its group's channels: the K models are one PatchNorm convolution with groups =
+    K·groups (:func:`affdiv.layers.functional.patchnorm_conv2d`), whose patches are each model's
+    (each of its groups') own; its fused passes (the squares summed per group, the box sums, the
+    scaling and its backward) run on the stacked channels as on one model's."""
+    def layer(x: Tensor, p: Stacked, k: int, _training: bool) -> Tensor:
+        w = p["weight"]
+        bias = p["bias"].reshape(-1) if "bias" in p else None
+        return patchnorm_conv2d(_to_channels(x, k), w.reshape(-1, *w.shape[2:]), bias, module.stride,
+                                module.padding, module.dilation, module.groups * k)
     return layer
 
 
@@ -208,10 +206,7 @@ def _layer(module: nn.Module) -> Layer | None:
         return _rms_norm(module)
     if kind in (nn.Conv2d, PatchNormConv2d) and module.padding_mode == "zeros" and module.stride == (1, 1) \
             and module.dilation == (1, 1) and not isinstance(module.padding, str):
-        if kind is nn.Conv2d:
-            return _conv2d(module)
-        if module.groups == 1:  # (a grouped PatchNorm convolution's patch is its group's channels)
-            return _patchnorm_conv2d(module)
+        return _conv2d(module) if kind is nn.Conv2d else _patchnorm_conv2d(module)
     if kind is nn.MaxPool2d or (kind is nn.AdaptiveAvgPool2d and module.output_size in (1, (1, 1))):
         return _pool(module)
     return None

@@ -444,6 +444,29 @@ def test_a_layer_norm_without_its_affine_parameters_is_batched_as_itself():
         assert torch.allclose(got[k], want, rtol=5e-12, atol=5e-12 * float(want.abs().max())), k
 
 
+def test_a_grouped_patchnorm_convolution_is_batched_as_itself():
+    # Each model's groups are patches of their own (groups·K groups in the stacked convolution).
+    # Same bound as the batched-logits test above (float64, one forward and backward, two layers).
+    from affdiv.layers import PatchNormConv2d
+
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.ReLU(),
+                                  PatchNormConv2d(4, 6, 3, padding=1, groups=2), torch.nn.Flatten(),
+                                  torch.nn.Linear(6 * 8 * 8, 3)).double() for _ in range(3)]
+    assert training.stacked_engine(models[0]) is BatchedEnsemble
+    x, y = torch.randn(3, 5, 1, 8, 8, dtype=torch.float64), torch.zeros(5, dtype=torch.long)
+    ensemble = BatchedEnsemble(models, "sgd", [0.1] * 3, [None] * 3, [(x[0], y)] * 3, [(x[0], y)] * 3)
+    leaves = {name: p.detach().requires_grad_() for name, p in ensemble.params.items()}
+    got = ensemble._batched_logits(leaves, ensemble.buffers, x, True)
+    grads = torch.autograd.grad(got.square().sum(), list(leaves.values()))
+    for k, model in enumerate(models):
+        want = model(x[k])
+        assert torch.allclose(got[k], want.detach(), rtol=5e-12, atol=5e-12 * float(want.detach().abs().max())), k
+        for name, grad, own in zip(leaves, grads,
+                                               torch.autograd.grad(want.square().sum(), list(model.parameters()))):
+            assert torch.allclose(grad[k], own, rtol=5e-12, atol=5e-12 * float(own.abs().max())), (k, name)
+
+
 def test_samples_that_are_neither_vectors_nor_images_train_vmapped_and_agree(digits):
     # A (N, 8, 8) input (no channel axis) is no layout the batched layers know: the vmapped engine
     # trains it, as each model alone would (the float64 bound of this module's equality tests).

@@ -146,3 +146,31 @@ def test_rescaled_path_equals_the_fast_path(name, monkeypatch):
         results.append((z, *grads))
     for fast, rescaled in zip(*results):
         torch.testing.assert_close(rescaled, fast, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_group_does_not_depend_on_another_groups_magnitude(dtype):
+    # A grouped PatchNorm convolution is its groups side by side: group 1's outputs and gradients
+    # are those of a layer of group 1 alone, even when group 0's norm overflows (which sends the
+    # call down the rescaled path; a rescale shared by the sample would push group 1's squares
+    # below the dtype's range). Reference: the same layer on group 1 alone (the fast path); the two
+    # differ by the rescale's rounding, a few ulp (rtol 1e-12 in float64, 1e-5 in float32).
+    torch.manual_seed(4)
+    both = PatchNormConv2d(4, 6, 3, padding=1, groups=2, dtype=dtype)
+    alone = PatchNormConv2d(2, 3, 3, padding=1, dtype=dtype)
+    with torch.no_grad():
+        alone.weight.copy_(both.weight[3:])
+        alone.bias.copy_(both.bias[3:])
+    x = torch.randn(3, 4, 5, 5, dtype=dtype)
+    x[:, :2] *= torch.finfo(dtype).max / 4  # group 0: its squares overflow
+    x.requires_grad_(True)
+    z = both(x)
+    gz = torch.randn_like(z)
+    dx, dw, db = torch.autograd.grad(z, [x, both.weight, both.bias], gz)
+    x1 = x[:, 2:].detach().clone().requires_grad_(True)
+    z1 = alone(x1)
+    dx1, dw1, db1 = torch.autograd.grad(z1, [x1, alone.weight, alone.bias], gz[:, 3:])
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    for got, want in [(z[:, 3:], z1), (dx[:, 2:], dx1), (dw[3:], dw1), (db[3:], db1)]:
+        torch.testing.assert_close(got, want, **tol)
+    assert torch.isfinite(z).all()
