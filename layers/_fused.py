@@ -32,6 +32,11 @@ one-channel convolutions each followed by a 2×2 max-pool:
                                     1/√(‖patch‖² + 1), and each maximum's position
     conv_pool_backward(xp, g, …)    dW_k, db_k: g·r times the patch at each maximum
 
+and its later 2×2 max-pools, each with the ReLU after it:
+
+    max_pool2(x, relu, …)           relu(maxpool(x)), and each maximum's position
+    max_pool2_backward(g, which, …) dx: g at each maximum, 0 elsewhere
+
 The row passes' dot products are accumulated in 16 partial sums in the tensors' dtype, combined
 pairwise (float32 rounding for float32, as torch's own vectorised sums), their tails in double;
 box sums in double; ``conv_pool``'s convolution outputs and PatchNorm's patch norms in tap order
@@ -98,8 +103,10 @@ def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
         _declare(lib, f"scale_and_dot_to_cl_{suffix}", None, [p, p, p, i64, i64, i64, i64, p, p, i32])
         _declare(lib, f"group_update_from_cl_{suffix}", None, [p, p, p, i64, i64, i64, i64, p, i32])
         sizes = [i64] * 7  # models, batch, channels, hq, wq, kh, kw
-        _declare(lib, f"conv_pool_{suffix}", None, [p, *sizes, p, p, i32, p, p, i32])
+        _declare(lib, f"conv_pool_{suffix}", None, [p, *sizes, p, p, i32, i32, p, p, i32])
         _declare(lib, f"conv_pool_backward_{suffix}", i32, [p, p, p, *sizes, i32, p, p, i32])
+        _declare(lib, f"max_pool2_{suffix}", None, [p, i64, i64, i64, i64, i32, p, p, i32])
+        _declare(lib, f"max_pool2_backward_{suffix}", None, [p, p, i64, i64, i64, i64, p, i32])
     return lib
 
 
@@ -337,15 +344,16 @@ def conv_pool_width(channels: int, dtype: torch.dtype) -> int:
 
 
 def conv_pool(xp: Tensor, wt: Tensor, bias: Tensor | None, channels: int, kernel: tuple[int, int],
-              patchnorm: bool, keep_argmax: bool) -> tuple[Tensor, Tensor | None]:
+              patchnorm: bool, keep_argmax: bool, relu: bool = False) -> tuple[Tensor, Tensor | None]:
     """(out, argmax): out (B, K·C, Hp, Wp), channels_last, = maxpool₂ₓ₂((conv(xp_k, W_k) + b_k)·r)
     for K models' one-channel inputs of C = ``channels`` output channels each, r = 1/√(‖patch‖² + 1)
-    at each convolution output with ``patchnorm`` (PatchNormConv2d), else 1. xp (K, B, Hq, Wq)
+    at each convolution output with ``patchnorm`` (PatchNormConv2d), else 1; then ReLU with
+    ``relu`` (as ``max_pool2``'s). xp (K, B, Hq, Wq)
     contiguous, zero-padded beforehand; wt (K, kh·kw, Cp) contiguous, each tap's channels side by
     side and Cp = ``conv_pool_width(C)`` with the spare channels zero; bias (K·Cp,) likewise, or
     None. Hp = (Hq − kh + 1) // 2, as max_pool2d(2) floors. argmax (B, Hp, Wp, K·C) uint8, the
-    window position (2a + b) of each maximum (the first, or the last NaN), or None without
-    ``keep_argmax``."""
+    window position (2a + b) of each maximum (the first, or the last NaN), ``POOL_NO_GRADIENT``
+    where the ReLU passes none, or None without ``keep_argmax``."""
     models, batch, hq, wq = xp.shape
     kh, kw = kernel
     width = conv_pool_width(channels, xp.dtype)
@@ -357,7 +365,7 @@ def conv_pool(xp: Tensor, wt: Tensor, bias: Tensor | None, channels: int, kernel
     argmax = torch.empty(out.shape, dtype=torch.uint8) if keep_argmax else None
     _call("conv_pool", xp.dtype)(
         xp.data_ptr(), models, batch, channels, hq, wq, kh, kw, wt.data_ptr(), _ptr(bias), int(patchnorm),
-        out.data_ptr(), _ptr(argmax), torch.get_num_threads(),
+        int(relu), out.data_ptr(), _ptr(argmax), torch.get_num_threads(),
     )
     return out.permute(0, 3, 1, 2), argmax
 
@@ -384,6 +392,35 @@ def conv_pool_backward(xp: Tensor, g: Tensor, argmax: Tensor, kernel: tuple[int,
     if refused:
         raise ValueError(f"conv_pool_backward takes at most {CONV_POOL_MAX_TAPS} taps, got a {kh}x{kw} kernel")
     return dwt, db
+
+
+#: The position byte of a pooled value whose ReLU passes no gradient (``max_pool2``, ``conv_pool``).
+POOL_NO_GRADIENT = 4
+
+
+def max_pool2(x: Tensor, relu: bool, keep_which: bool) -> tuple[Tensor, Tensor | None]:
+    """(out, which) of a 2×2 max-pool (stride 2, floor mode) of x (B, C, H, W), channels_last, then
+    ReLU with ``relu``: out (B, C, H // 2, W // 2) channels_last, each window's maximum (the first
+    in row order, or the last NaN, as max_pool2d), then 0 where it is negative (−0 and NaN kept,
+    as torch's relu); which (B, H // 2, W // 2, C) uint8, the maximum's window position 2a + b,
+    ``POOL_NO_GRADIENT`` where the ReLU passes none (its output neither > 0 nor NaN, as its
+    backward reads it), or None without ``keep_which``."""
+    batch, channels, h, w = x.shape
+    out = torch.empty((batch, h // 2, w // 2, channels), dtype=x.dtype)
+    which = torch.empty(out.shape, dtype=torch.uint8) if keep_which else None
+    _call("max_pool2", x.dtype)(x.data_ptr(), batch, h, w, channels, int(relu), out.data_ptr(), _ptr(which),
+                                torch.get_num_threads())
+    return out.permute(0, 3, 1, 2), which
+
+
+def max_pool2_backward(g: Tensor, which: Tensor, input_shape: torch.Size) -> Tensor:
+    """dx (``input_shape`` (B, C, H, W), channels_last) of ``max_pool2`` at its output's gradient g
+    (channels_last): g at each window's position ``which``, 0 at every other element."""
+    batch, channels, h, w = input_shape
+    dx = torch.empty((batch, h, w, channels), dtype=g.dtype)
+    _call("max_pool2_backward", g.dtype)(g.data_ptr(), which.data_ptr(), batch, h, w, channels, dx.data_ptr(),
+                                         torch.get_num_threads())
+    return dx.permute(0, 3, 1, 2)
 
 
 def channels_last_copy(t: Tensor, into: Tensor | None = None) -> Tensor:

@@ -19,7 +19,8 @@
 
    The stacked CNN engine's first block (experiments.runs.conv_pool): K models' one-channel
    convolutions, each followed by a 2x2 max-pool, without the full-resolution convolution
-   output (conv_pool, conv_pool_backward).
+   output (conv_pool, conv_pool_backward); and its later 2x2 max-pools with the ReLU after them
+   (max_pool2, max_pool2_backward).
 
    Dot products are accumulated in LANES partial sums in T, combined pairwise (as torch's own
    vectorised sums: float32 rounding for float32); column sums in per-thread partials in T
@@ -711,6 +712,9 @@ typedef int64_t ivec_f64 __attribute__((vector_size(32)));
 typedef uint8_t bytes_f32 __attribute__((vector_size(8)));
 typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
 
+/* The position byte of a pooled value whose ReLU passes no gradient (no window position). */
+#define POOL_NO_GRADIENT 4
+
 /* Taps of a kernel conv_pool_backward takes (its per-tap accumulators; it refuses more). */
 #define MAX_TAPS 49
 
@@ -754,12 +758,21 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
             for (int64_t l = 0; l < n; ++l) dst[l] = (*v)[l];                                      \
     }                                                                                              \
                                                                                                    \
+    /* The ReLU after a pool, on its maxima m and their positions: m = 0 where m < 0 (-0 and NaN   \
+       kept, as torch's relu), position POOL_NO_GRADIENT where the ReLU passes no gradient (m not  \
+       > 0 and not NaN, as threshold_backward reads its output). */                               \
+    static inline void relu_lanes_##SUFFIX(vec_##SUFFIX *m, ivec_##SUFFIX *best) {                 \
+        const ivec_##SUFFIX off = *m <= 0, negative = *m < 0;                                      \
+        *best = (POOL_NO_GRADIENT & off) | (*best & ~off);                                         \
+        *m = (vec_##SUFFIX)((ivec_##SUFFIX)*m & ~negative);                                        \
+    }                                                                                              \
+                                                                                                   \
     /* One row of pooled positions (ph) of one sample: out and argmax (argmax NULL: not kept)    \
        at (ph, 0..Wp), all K models; channels in blocks of V, the last block partial. */          \
     VECTOR_CLONES static void conv_pool_row_##SUFFIX(                                             \
         const T *restrict xp, int64_t plane, int64_t models, int64_t wq, int64_t kh, int64_t kw,  \
         const T *restrict wt, const T *restrict bias, int64_t channels, int64_t ph, int64_t wp,   \
-        int patchnorm, T *restrict out, uint8_t *restrict argmax) {                               \
+        int patchnorm, int relu, T *restrict out, uint8_t *restrict argmax) {                     \
         const int64_t kc = models * channels, taps = kh * kw, cp = padded_##SUFFIX(channels);     \
         for (int64_t pw = 0; pw < wp; ++pw)                                                       \
             for (int64_t k = 0; k < models; ++k) {                                                \
@@ -790,6 +803,7 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
                         m = (vec_##SUFFIX)(((ivec_##SUFFIX)a[d] & take) | ((ivec_##SUFFIX)m & ~take)); \
                         best = (d & take) | (best & ~take);                                        \
                     }                                                                              \
+                    if (relu) relu_lanes_##SUFFIX(&m, &best);                                      \
                     store_lanes_##SUFFIX(out + at + c, &m, n);                                     \
                     if (argmax) {                                                                  \
                         const bytes_##SUFFIX b = __builtin_convertvector(best, bytes_##SUFFIX);    \
@@ -802,11 +816,12 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
             }                                                                                      \
     }                                                                                              \
                                                                                                    \
-    /* out = maxpool((conv(xp, wt) + bias) * r) (r = 1 without patchnorm; layouts above);       \
-       argmax may be NULL. */                                                                      \
+    /* out = maxpool((conv(xp, wt) + bias) * r) (r = 1 without patchnorm; layouts above), then  \
+       the ReLU with relu (argmax POOL_NO_GRADIENT where it passes none); argmax may be NULL. */    \
     void conv_pool_##SUFFIX(const T *xp, int64_t models, int64_t batch, int64_t channels,         \
                             int64_t hq, int64_t wq, int64_t kh, int64_t kw, const T *wt,          \
-                            const T *bias, int patchnorm, T *out, uint8_t *argmax, int threads) { \
+                            const T *bias, int patchnorm, int relu, T *out, uint8_t *argmax,      \
+                            int threads) {                                                        \
         const int64_t hp = (hq - kh + 1) / 2, wp = (wq - kw + 1) / 2, kc = models * channels;     \
         const int64_t work = batch * hp * wp * kc * kh * kw * 4;                                   \
         _Pragma("omp parallel for collapse(2) schedule(static) num_threads(team_size(work, threads))") \
@@ -814,7 +829,7 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
             for (int64_t ph = 0; ph < hp; ++ph) {                                                  \
                 const int64_t row = (n * hp + ph) * wp * kc;                                       \
                 conv_pool_row_##SUFFIX(xp + n * hq * wq, batch * hq * wq, models, wq, kh, kw, wt,   \
-                                       bias, channels, ph, wp, patchnorm, out + row,               \
+                                       bias, channels, ph, wp, patchnorm, relu, out + row,         \
                                        argmax ? argmax + row : NULL);                              \
             }                                                                                      \
     }                                                                                              \
@@ -901,6 +916,99 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
 
 DEFINE_CONV_POOL(float, f32, 8)
 DEFINE_CONV_POOL(double, f64, 4)
+
+/* The batched CNN's 2x2 max-pool (stride 2, floor mode) and the ReLU after it, on x (B, H, W, C):
+   the channels_last order of (B, C, H, W). out (B, Hp, Wp, C), Hp = H / 2, Wp = W / 2: each
+   window's maximum, the first in row order or the last NaN (as max_pool2d), then with relu the
+   ReLU (relu_lanes); which (B, Hp, Wp, C) bytes: the maximum's window position 2a + b, or
+   POOL_NO_GRADIENT (NULL: not kept). The backward writes every element of dx (B, H, W, C): g at
+   each window's position `which`, 0 at its other three and in the row and column past the last
+   window (an odd size). Channels run in vectors of V lanes, the last block partial; the passes
+   only move and compare values, so their numbers are exactly torch's. */
+#define DEFINE_MAX_POOL2(T, SUFFIX, V)                                                             \
+    /* One row of windows (ph) of one sample: x at its rows 2ph and 2ph + 1. */                    \
+    VECTOR_CLONES static void max_pool2_row_##SUFFIX(const T *restrict x, int64_t w, int64_t channels, \
+                                                      int64_t wp, int relu, T *restrict out,       \
+                                                      uint8_t *restrict which) {                   \
+        for (int64_t pw = 0; pw < wp; ++pw)                                                       \
+            for (int64_t c = 0; c < channels; c += V) {                                           \
+                const int64_t n = channels - c < V ? channels - c : V, at = pw * channels + c;    \
+                vec_##SUFFIX a[4], m;                                                              \
+                for (int d = 0; d < 4; ++d)                                                        \
+                    load_lanes_##SUFFIX(&a[d], x + ((d / 2) * w + 2 * pw + d % 2) * channels + c, n); \
+                ivec_##SUFFIX best = {0};                                                          \
+                m = a[0];                                                                          \
+                for (int d = 1; d < 4; ++d) {                                                      \
+                    const ivec_##SUFFIX take = (a[d] > m) | (a[d] != a[d]);                        \
+                    m = (vec_##SUFFIX)(((ivec_##SUFFIX)a[d] & take) | ((ivec_##SUFFIX)m & ~take));  \
+                    best = (d & take) | (best & ~take);                                            \
+                }                                                                                  \
+                if (relu) relu_lanes_##SUFFIX(&m, &best);                                          \
+                store_lanes_##SUFFIX(out + at, &m, n);                                             \
+                if (which) {                                                                       \
+                    const bytes_##SUFFIX b = __builtin_convertvector(best, bytes_##SUFFIX);        \
+                    if (n == V)                                                                    \
+                        memcpy(which + at, &b, sizeof b);                                          \
+                    else                                                                           \
+                        for (int64_t l = 0; l < n; ++l) which[at + l] = b[l];                      \
+                }                                                                                  \
+            }                                                                                      \
+    }                                                                                              \
+                                                                                                   \
+    void max_pool2_##SUFFIX(const T *x, int64_t batch, int64_t h, int64_t w, int64_t channels,    \
+                            int relu, T *out, uint8_t *which, int threads) {                      \
+        const int64_t hp = h / 2, wp = w / 2;                                                      \
+        _Pragma("omp parallel for collapse(2) schedule(static) num_threads(team_size(batch * h * w * channels, threads))") \
+        for (int64_t n = 0; n < batch; ++n)                                                        \
+            for (int64_t ph = 0; ph < hp; ++ph) {                                                  \
+                const int64_t row = ((n * hp + ph) * wp) * channels;                               \
+                max_pool2_row_##SUFFIX(x + (n * h + 2 * ph) * w * channels, w, channels, wp, relu,   \
+                                       out + row, which ? which + row : NULL);                     \
+            }                                                                                      \
+    }                                                                                              \
+                                                                                                   \
+    /* dx's rows 2ph and 2ph + 1 of one sample from that row of windows' g and which. */          \
+    VECTOR_CLONES static void max_pool2_grad_row_##SUFFIX(const T *restrict g,                     \
+                                                           const uint8_t *restrict which, int64_t w, \
+                                                           int64_t channels, int64_t wp,           \
+                                                           T *restrict dx) {                       \
+        for (int64_t pw = 0; pw < wp; ++pw)                                                       \
+            for (int64_t c = 0; c < channels; c += V) {                                           \
+                const int64_t n = channels - c < V ? channels - c : V, at = pw * channels + c;    \
+                vec_##SUFFIX gv, v;                                                                \
+                load_lanes_##SUFFIX(&gv, g + at, n);                                               \
+                bytes_##SUFFIX b = {0};                                                            \
+                if (n == V)                                                                        \
+                    memcpy(&b, which + at, sizeof b);                                              \
+                else                                                                               \
+                    for (int64_t l = 0; l < n; ++l) b[l] = which[at + l];                          \
+                const ivec_##SUFFIX position = __builtin_convertvector(b, ivec_##SUFFIX);          \
+                for (int d = 0; d < 4; ++d) {                                                      \
+                    v = (vec_##SUFFIX)((ivec_##SUFFIX)gv & (position == d));                       \
+                    store_lanes_##SUFFIX(dx + ((d / 2) * w + 2 * pw + d % 2) * channels + c, &v, n); \
+                }                                                                                  \
+            }                                                                                      \
+        if (w % 2)                                                                                 \
+            for (int a = 0; a < 2; ++a) memset(dx + (a * w + w - 1) * channels, 0, sizeof(T) * channels); \
+    }                                                                                              \
+                                                                                                   \
+    void max_pool2_backward_##SUFFIX(const T *g, const uint8_t *which, int64_t batch, int64_t h,  \
+                                     int64_t w, int64_t channels, T *dx, int threads) {           \
+        const int64_t hp = h / 2, wp = w / 2;                                                      \
+        _Pragma("omp parallel for collapse(2) schedule(static) num_threads(team_size(batch * h * w * channels, threads))") \
+        for (int64_t n = 0; n < batch; ++n)                                                        \
+            for (int64_t ph = 0; ph < hp + h % 2; ++ph) {                                          \
+                T *rows = dx + (n * h + 2 * ph) * w * channels;                                    \
+                if (ph == hp) /* the row past the last window */                                   \
+                    memset(rows, 0, sizeof(T) * w * channels);                                     \
+                else                                                                               \
+                    max_pool2_grad_row_##SUFFIX(g + (n * hp + ph) * wp * channels,                 \
+                                                which + (n * hp + ph) * wp * channels, w, channels, wp, rows); \
+            }                                                                                      \
+    }
+
+DEFINE_MAX_POOL2(float, f32, 8)
+DEFINE_MAX_POOL2(double, f64, 4)
 
 static struct PyModuleDef fused_cpu_module = {
     PyModuleDef_HEAD_INIT,

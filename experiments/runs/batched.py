@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from affdiv.experiments.runs import conv_pool
+from affdiv.experiments.runs import conv_pool, pool_relu
 from affdiv.experiments.runs.stacked import StackedEnsemble
 from affdiv.layers.functional import patchnorm_conv2d
 
@@ -223,33 +223,56 @@ def batched_layers(model: nn.Module) -> list[tuple[str, nn.Module, Layer]] | Non
     it instead, on a quarter of the elements: the same forward (the gradient within rounding: a
     window whose maxima tie after a saturating activation passes it to another element). A
     convolution and the max-pool then after it that :func:`~affdiv.experiments.runs.conv_pool.fusable`
-    takes, as the model's first two layers, are one entry under the convolution's name."""
+    takes, as the model's first two layers, are one entry under the convolution's name, with the
+    ReLU after them if there is one; every later 2×2 max-pool is one entry with the ReLU after it
+    if there is one (:mod:`~affdiv.experiments.runs.pool_relu`), under the pool's name."""
     if type(model) is not nn.Sequential:
         return None
     children = list(model.named_children())
     for i in range(len(children) - 1):
         if type(children[i][1]) in _MONOTONE and type(children[i + 1][1]) is nn.MaxPool2d:
             children[i], children[i + 1] = children[i + 1], children[i]
-    first = []
-    if len(children) > 1 and conv_pool.fusable(children[0][1], children[1][1]):  # the model's first two
-        (name, conv), (_pool_name, pool) = children[:2]
-        first, children = [(name, nn.Sequential(conv, pool), _first_block(conv, pool))], children[2:]
-    layers = first + [(name, module, _layer(module)) for name, module in children]
+    layers, i = [], 0
+    while i < len(children):
+        name, module = children[i]
+        first = i == 0 and len(children) > 1 and conv_pool.fusable(module, children[1][1])
+        pooled = 2 if first else 1 if pool_relu.is_pool_2x2(module) else 0
+        if not pooled:
+            layers.append((name, module, _layer(module)))
+            i += 1
+            continue
+        relu = i + pooled < len(children) and type(children[i + pooled][1]) is nn.ReLU
+        block = [m for _name, m in children[i : i + pooled + relu]]
+        layer = _first_block(*block[:2], relu) if first else _pool_relu(relu)
+        layers.append((name, nn.Sequential(*block) if len(block) > 1 else module, layer))
+        i += pooled + relu
     return None if any(layer is None for _name, _module, layer in layers) else layers
 
 
-def _first_block(conv: nn.Module, pool: nn.MaxPool2d) -> Layer:
-    """A model's first layers, a one-channel ``conv`` and a 2×2 max-pool, as one C pass
-    (:mod:`~affdiv.experiments.runs.conv_pool`) where it can take the call, else as the two
-    batched layers. Its entry's module is the two as an ``nn.Sequential`` (its parameters are the
-    convolution's, under the convolution's name)."""
-    convolve, max_pool = _layer(conv), _layer(pool)
+def _first_block(conv: nn.Module, pool: nn.MaxPool2d, relu: bool) -> Layer:
+    """A model's first layers, a one-channel ``conv``, a 2×2 max-pool and, with ``relu``, a ReLU,
+    as one C pass (:mod:`~affdiv.experiments.runs.conv_pool`) where it can take the call, else as
+    the batched layers. Its entry's module is the layers as an ``nn.Sequential`` (its parameters
+    are the convolution's, under the convolution's name)."""
+    convolve, max_pool = _layer(conv), _pool_relu(relu)
     patchnorm = type(conv) is not nn.Conv2d
 
     def layer(x: Tensor, p: Stacked, k: int, training: bool) -> Tensor:
         if conv_pool.usable(x, p["weight"], p.get("bias"), conv.padding):
-            return conv_pool.conv_max_pool(x, p["weight"], p.get("bias"), conv.padding, patchnorm)
+            return conv_pool.conv_max_pool(x, p["weight"], p.get("bias"), conv.padding, patchnorm, relu)
         return max_pool(convolve(x, p, k, training), p, k, training)
+    return layer
+
+
+def _pool_relu(relu: bool) -> Layer:
+    """A 2×2 max-pool and, with ``relu``, the ReLU after it: one C pass where
+    :func:`~affdiv.experiments.runs.pool_relu.usable` (the same numbers), else torch's."""
+    def layer(x: Tensor, _p: Stacked, k: int, _training: bool) -> Tensor:
+        x = _to_channels(x, k)
+        if pool_relu.usable(x):
+            return pool_relu.max_pool_relu(x, relu)
+        y = F.max_pool2d(x, 2)
+        return F.relu(y) if relu else y
     return layer
 
 

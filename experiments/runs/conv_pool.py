@@ -1,6 +1,7 @@
 """The stacked CNN's first block as one pass: K models' convolutions (``nn.Conv2d`` or
-``PatchNormConv2d``) of a one-channel image, each followed by a 2×2 max-pool, without the
-full-resolution convolution output.
+``PatchNormConv2d``) of a one-channel image, each followed by a 2×2 max-pool (and by the ReLU
+that the engine runs after the pool, where the model has one), without the full-resolution
+convolution output.
 
 For model k with weights W_k (C, 1, kh, kw), bias b_k and input x_k (B, H, W),
 
@@ -10,7 +11,9 @@ For model k with weights W_k (C, 1, kh, kw), bias b_k and input x_k (B, H, W),
 with H' × W' the convolution's output, x̃ the zero-padded input, a = a_{n,c,p} the convolution
 output each pooled value came from (the window's first maximum, or its last NaN, as
 ``max_pool2d``), and r = 1 for a convolution, PatchNorm's r_{n,a} = 1/√(‖x̃_k[n, a + ·]‖² + 1)
-(the patch's squared norm; one input channel, so one group) for a PatchNormConv2d.
+(the patch's squared norm; one input channel, so one group) for a PatchNormConv2d. With the
+ReLU, y_k is relu of the above and g is 0 where it passes no gradient (its output neither above
+0 nor NaN), as in :mod:`~affdiv.experiments.runs.pool_relu`.
 
 The batched engine (:mod:`~affdiv.experiments.runs.batched`) would otherwise run this block as a
 grouped convolution writing K·C full-resolution planes, a max-pool over them, and in
@@ -38,6 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
+from affdiv.experiments.runs import pool_relu
 from affdiv.layers import _fused
 
 
@@ -48,16 +52,11 @@ def fusable(conv: nn.Module, pool: nn.Module) -> bool:
     no padding, no dilation, floor mode, no indices)."""
     from affdiv.layers import PatchNormConv2d
 
-    if type(conv) not in (nn.Conv2d, PatchNormConv2d) or type(pool) is not nn.MaxPool2d:
+    if type(conv) not in (nn.Conv2d, PatchNormConv2d):
         return False
     settings = (conv.in_channels, conv.groups, conv.stride, conv.dilation, conv.padding_mode)
-    if settings != (1, 1, (1, 1), (1, 1), "zeros") or isinstance(conv.padding, str) \
-            or conv.kernel_size[0] * conv.kernel_size[1] > _fused.CONV_POOL_MAX_TAPS:
-        return False
-    stride = pool.kernel_size if pool.stride is None else pool.stride
-    window = tuple(v if isinstance(v, tuple) else (v, v)
-                   for v in (pool.kernel_size, stride, pool.padding, pool.dilation))
-    return window == ((2, 2), (2, 2), (0, 0), (1, 1)) and not pool.ceil_mode and not pool.return_indices
+    return settings == (1, 1, (1, 1), (1, 1), "zeros") and not isinstance(conv.padding, str) \
+        and conv.kernel_size[0] * conv.kernel_size[1] <= _fused.CONV_POOL_MAX_TAPS and pool_relu.is_pool_2x2(pool)
 
 
 def usable(x: Tensor, weight: Tensor, bias: Tensor | None, padding: tuple[int, int]) -> bool:
@@ -80,11 +79,12 @@ def usable(x: Tensor, weight: Tensor, bias: Tensor | None, padding: tuple[int, i
 
 
 def conv_max_pool(x: Tensor, weight: Tensor, bias: Tensor | None, padding: tuple[int, int],
-                  patchnorm: bool = False) -> Tensor:
+                  patchnorm: bool = False, relu: bool = False) -> Tensor:
     """maxpool₂ₓ₂(r ⊙ (W_k ⋆ x_k + b_k)) for K models at once (r: module docstring, 1 unless
-    ``patchnorm``): x (K, B, 1, H, W), weight (K, C, 1, kh, kw), bias (K, C) or None -> (B, K·C,
-    H_p, W_p) in channels_last order (the batched CNN's layout). Call only where :func:`usable`."""
-    return ConvMaxPool.apply(x, weight, bias, padding, patchnorm)
+    ``patchnorm``), then the ReLU after it with ``relu`` (as :mod:`~affdiv.experiments.runs.pool_relu`'s):
+    x (K, B, 1, H, W), weight (K, C, 1, kh, kw), bias (K, C) or None -> (B, K·C, H_p, W_p) in
+    channels_last order (the batched CNN's layout). Call only where :func:`usable`."""
+    return ConvMaxPool.apply(x, weight, bias, padding, patchnorm, relu)
 
 
 class ConvMaxPool(torch.autograd.Function):
@@ -93,7 +93,7 @@ class ConvMaxPool(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, padding: tuple[int, int],
-                patchnorm: bool) -> Tensor:
+                patchnorm: bool, relu: bool) -> Tensor:
         models, channels, _one, kh, kw = weight.shape
         ph, pw = padding
         xp = F.pad(x[:, :, 0], (pw, pw, ph, ph)).contiguous()  # (K, B, Hq, Wq), zeros around
@@ -106,7 +106,7 @@ class ConvMaxPool(torch.autograd.Function):
             flat_bias[:, :channels] = bias
             flat_bias = flat_bias.view(-1)
         keep = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-        out, argmax = _fused.conv_pool(xp, wt, flat_bias, channels, (kh, kw), patchnorm, keep_argmax=keep)
+        out, argmax = _fused.conv_pool(xp, wt, flat_bias, channels, (kh, kw), patchnorm, keep_argmax=keep, relu=relu)
         if keep:
             ctx.save_for_backward(xp, argmax)
         ctx.weight_shape, ctx.patchnorm = weight.shape, patchnorm
@@ -121,4 +121,4 @@ class ConvMaxPool(torch.autograd.Function):
         grad = grad.contiguous(memory_format=torch.channels_last)
         dwt, db = _fused.conv_pool_backward(xp, grad, argmax, (kh, kw), ctx.patchnorm, ctx.with_bias)
         dw = dwt[:, :, :channels].transpose(1, 2).reshape(ctx.weight_shape) if ctx.needs_input_grad[1] else None
-        return None, dw, None if db is None else db.view(models, -1)[:, :channels], None, None
+        return None, dw, None if db is None else db.view(models, -1)[:, :channels], None, None, None

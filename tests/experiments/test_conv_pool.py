@@ -9,7 +9,10 @@ bound bounds it, and the two implementations differ by at most twice it. A weigh
 is a sum over the B·H_p·W_p pooled values, at most γ_{B·H_p·W_p + kh·kw + 3} · Σ |g|·r·|x| in each
 (r's own error included); the bound is evaluated by the reference's own backward on |g| and |x|.
 Random float64 data make two of a window's outputs within rounding of each other (where the
-maximum could sit elsewhere) a probability-1e-13 event; exact ties are tested on their own.
+maximum could sit elsewhere) a probability-1e-13 event; exact ties are tested on their own. A ReLU
+after the pool moves no value by more than its input's difference (it is 1-Lipschitz), and where
+it passes no gradient both implementations drop the same terms (a pooled value within rounding of
+0 is the same rare event).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ def gamma(n: int, dtype: torch.dtype) -> float:
     return n * u / (1 - n * u)
 
 
-def reference(x, weight, bias, padding, patchnorm):
+def reference(x, weight, bias, padding, patchnorm, relu=False):
     """The block model by model with torch ops: x (K, B, 1, H, W) -> (B, K·C, H_p, W_p)."""
     outs = []
     for k in range(x.shape[0]):
@@ -47,7 +50,8 @@ def reference(x, weight, bias, padding, patchnorm):
             ones = torch.ones_like(weight[k][:1])
             z = z * (F.conv2d(x[k].square(), ones, padding=padding) + 1).rsqrt()
         outs.append(F.max_pool2d(z, 2))
-    return torch.cat(outs, 1)
+    out = torch.cat(outs, 1)
+    return F.relu(out) if relu else out
 
 
 def leaves(weight, bias):
@@ -62,7 +66,7 @@ def blocks(draw):
     h, w = draw(st.integers(max(1, kh + 1 - 2 * ph), 13)), draw(st.integers(max(1, kw + 1 - 2 * pw), 13))
     return dict(models=draw(st.integers(1, 4)), batch=draw(st.integers(1, 4)), channels=draw(st.integers(1, 11)),
                 size=(h, w), kernel=(kh, kw), padding=(ph, pw), bias=draw(st.booleans()),
-                patchnorm=draw(st.booleans()), seed=draw(st.integers(0, 2**31 - 1)))
+                patchnorm=draw(st.booleans()), relu=draw(st.booleans()), seed=draw(st.integers(0, 2**31 - 1)))
 
 
 def draw_block(b, dtype):
@@ -86,11 +90,11 @@ def forward_bound(x, weight, bias, padding, patchnorm):
 @given(block=blocks())
 def test_the_pass_is_the_block_model_by_model(block, dtype):
     x, weight, bias = draw_block(block, dtype)
-    pad, norm = block["padding"], block["patchnorm"]
+    pad, norm, relu = block["padding"], block["patchnorm"], block["relu"]
     w1, b1 = leaves(weight, bias)
-    got = conv_pool.conv_max_pool(x, w1, b1, pad, norm)
+    got = conv_pool.conv_max_pool(x, w1, b1, pad, norm, relu)
     w2, b2 = leaves(weight, bias)
-    want = reference(x, w2, b2, pad, norm)
+    want = reference(x, w2, b2, pad, norm, relu)
     assert got.shape == want.shape and got.is_contiguous(memory_format=torch.channels_last)
     assert ((got - want).abs() <= 2 * forward_bound(x, weight, bias, pad, norm)).all()
     if dtype != torch.float64:  # (in float32 a window's near-tie within rounding is not rare: see above)
@@ -157,7 +161,8 @@ def test_a_tied_window_takes_its_first_maximum_as_max_pool2d():
 
 @pytest.mark.parametrize("dtype, channels", [(torch.float64, 5), (torch.float32, 9)])  # a whole vector, a partial one
 @pytest.mark.parametrize("patchnorm", [False, True])
-def test_a_nan_pools_and_propagates_as_the_unfused_block(dtype, channels, patchnorm):
+@pytest.mark.parametrize("relu", [False, True])
+def test_a_nan_pools_and_propagates_as_the_unfused_block(dtype, channels, patchnorm, relu):
     # max_pool2d takes a window's NaN; the convolution's weight gradient then sums g·x over every
     # window position, with g = 0 off the maximum, so 0·NaN spreads the NaN to every tap of a
     # channel whose windows read it: the pass must give the same pattern in whole and partial vectors.
@@ -168,7 +173,8 @@ def test_a_nan_pools_and_propagates_as_the_unfused_block(dtype, channels, patchn
     bias = torch.randn(2, channels, dtype=dtype, generator=g)
     w1, b1 = leaves(weight, bias)
     w2, b2 = leaves(weight, bias)
-    got, want = conv_pool.conv_max_pool(x, w1, b1, (1, 1), patchnorm), reference(x, w2, b2, (1, 1), patchnorm)
+    got = conv_pool.conv_max_pool(x, w1, b1, (1, 1), patchnorm, relu)
+    want = reference(x, w2, b2, (1, 1), patchnorm, relu)
     assert torch.equal(got.isnan(), want.isnan()) and got.isnan().any()
     torch.testing.assert_close(got, want, equal_nan=True)
     got.sum().backward()
@@ -229,8 +235,8 @@ def test_the_backward_pass_refuses_a_kernel_over_its_taps():
 def test_the_pass_keeps_no_positions_without_a_gradient(monkeypatch):
     kept = []
     real = _fused.conv_pool
-    monkeypatch.setattr(_fused, "conv_pool", lambda *a, keep_argmax: kept.append(keep_argmax)
-                        or real(*a, keep_argmax=keep_argmax))
+    monkeypatch.setattr(_fused, "conv_pool", lambda *a, keep_argmax, relu: kept.append(keep_argmax)
+                        or real(*a, keep_argmax=keep_argmax, relu=relu))
     x, weight = torch.randn(1, 2, 1, 4, 4), torch.randn(1, 3, 1, 3, 3)
     conv_pool.conv_max_pool(x, weight, None, (1, 1))
     conv_pool.conv_max_pool(x, weight.requires_grad_(), None, (1, 1)).sum().backward()
@@ -293,7 +299,7 @@ def test_the_batched_cnn_runs_its_first_block_as_the_pass(method, monkeypatch):
     models = [build_model(method, input_shape=(1, 8, 8), num_classes=10, depth=2, width=4, activation="relu")
               for _ in range(3)]
     names = [name for name, _module, _layer in batched_layers(models[0])]
-    assert names == ["0", "1", "3", "5", "4", "6", "7", "8"]  # conv 0 and pool 2 as one, then relu 1
+    assert names == ["0", "3", "5", "6", "7", "8"]  # conv 0, pool 2 and relu 1 as one; pool 5 and relu 4
     calls = []
     real = _fused.conv_pool
     monkeypatch.setattr(_fused, "conv_pool", lambda *a, **kw: calls.append(kw["keep_argmax"]) or real(*a, **kw))
