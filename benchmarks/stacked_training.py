@@ -4,27 +4,27 @@
                                           [--arms mlp cnn vit ...] [--batch-sizes B ...] [--members K ...]
                                           [--vmap] [--plain]
 
-A *cell* is a batch size of a Fashion-MNIST study with 8 seeds × 6 learning rates = 48 models:
-the MLP arm (784-256-256-256-10, tanh) and the CNN arm (3 blocks of 32 channels, relu), each at
-B = 16, 64, 256, 1024 by default, and on request (``--arms``) an arm per vit method (width 32,
-depth 1, gelu) at B = 16, 64, 256 and the CNN arm with PatchNorm convolutions ("patchnorm") (an
-arm is a name → RunConfig settings and batch sizes in
-``ARMS``: another architecture is one more entry). The variants are the harness's own engines
-(``training.OneAtATime``; the stacked engine ``training.stacked_engine`` picks for the arm, named in
-the table; ``--vmap`` also times ``stacked.StackedEnsemble``, the vmapped fallback; ``--plain``
-times the stacked engine again inside ``affdiv.layers._fused.disabled()``, without the compiled
-passes, which on the CNN arms is without the fused first block described below) taking SGD steps
-on real batches (each model its own shuffle), so a model-step costs what it costs in a sweep; whole
-runs differ only by their evaluations (a few per run). The stacked ensemble holds as many of the
-cell's models as fit the default ensemble memory (``ensembles.member_bytes``), at most 48; one at a
-time is timed on 8 models (its cost per model-step does not depend on how many there are); its step
-is the bare loop (forward, ``zero_grad``, ``backward``, ``torch.optim`` step, the loss kept).
+A *cell* is a batch size of a Fashion-MNIST study with 8 seeds × 6 learning rates = 48 models: the
+MLP arm (784-256-256-256-10, tanh) and the CNN arm (3 blocks of 32 channels, relu), each at B = 16,
+64, 256, 1024 by default, and on request (``--arms``) an arm per vit method (width 32, depth 1,
+gelu) at B = 16, 64, 256 and the CNN arm with PatchNorm convolutions ("patchnorm") or with a
+BatchNorm2d after each convolution ("conv+batchnorm") (an arm is a name → RunConfig settings and
+batch sizes in ``ARMS``: another architecture is one more entry). The variants are the harness's own
+engines (``training.OneAtATime``; the stacked engine ``training.stacked_engine`` picks for the arm,
+named in the table; ``--vmap`` also times ``stacked.StackedEnsemble``, the vmapped fallback;
+``--plain`` times the stacked engine again inside ``affdiv.layers._fused.disabled()``, without the
+compiled passes, which on the CNN arms is without the fused blocks described below) taking SGD
+steps on real batches (each model its own shuffle), so a model-step costs what it costs in a sweep;
+whole runs differ only by their evaluations (a few per run). The stacked ensemble holds as many of
+the cell's models as fit the default ensemble memory (``ensembles.member_bytes``), at most 48; one
+at a time is timed on 8 models (its cost per model-step does not depend on how many there are); its
+step is the bare loop (forward, ``zero_grad``, ``backward``, ``torch.optim`` step, the loss kept).
 ``--members K ...`` times K stacked models instead, a row per K (how the gain grows with K). Each
 round times one measurement of each variant (a fixed number of steps, about ``--seconds`` long),
 rounds interleaved so that the machine's drifts hit all; the speed-up is the median over rounds of
 the paired ratio (one-at-a-time / stacked time per model-step) = the ratio of runs per hour.
-Speed-up targets: ≥ 5× at B ≤ 64, ≥ 2× at B = 128–256, ≥ 1× everywhere. The process keeps freed memory for
-reuse as the sweep's workers do (``sweep.keep_freed_memory``), for both variants.
+Speed-up targets: ≥ 5× at B ≤ 64, ≥ 2× at B = 128–256, ≥ 1× everywhere. The process keeps freed
+memory for reuse as the sweep's workers do (``sweep.keep_freed_memory``), for both variants.
 
 The floor: the arithmetic of a stacked step (K × the FLOPs of one model's step, counted by
 ``torch.utils.flop_counter`` on forward + backward), its matrix products at the machine's GEMM rate
@@ -42,10 +42,11 @@ round: "kernels ms" per model-step. stacked / kernels is what the step spends ou
 kernels (elementwise work, the optimiser's update, memory traffic between them, Python and
 dispatch); kernels / floor is the rate of the library's kernels at the step's own shapes against
 the large GEMM's and convolution's. The replay reuses its inputs, warm in cache, so it typically
-runs faster than the same kernels inside the step. The CNN's first block (a one-channel convolution
-and its max-pool) runs as one C pass (``affdiv.experiments.runs.conv_pool``), which no dispatch
-mode sees: recorded under one, the step takes the unfused block, so the replay holds that block's
-convolution as torch runs it.
+runs faster than the same kernels inside the step. The CNN's first block (a one-channel convolution,
+its BatchNorm2d if any, its max-pool and ReLU) runs as one C pass
+(``affdiv.experiments.runs.conv_pool``), and so does every later max-pool with its ReLU
+(``pool_relu``); no dispatch mode sees them: recorded under one, the step takes the unfused
+layers, so the replay holds the first block's convolution as torch runs it.
 
 Checks: ``--checks B ...`` also trains, stacked, one steps-to-target ensemble per batch size B as
 the fashion-ladder preset runs it (an affine MLP of width 128, one seed, its tuned grid with
@@ -93,7 +94,8 @@ BATCH_SIZES = (16, 64, 256, 1024)
 ARMS = {
     "mlp": (dict(method="affine", depth=3, width=256, activation="tanh"), BATCH_SIZES),
     "cnn": (dict(method="conv", depth=3, width=32, activation="relu"), BATCH_SIZES),
-    "patchnorm": (dict(method="patchnorm", depth=3, width=32, activation="relu"), BATCH_SIZES),  # on request
+    **{method: (dict(method=method, depth=3, width=32, activation="relu"), BATCH_SIZES)  # on request
+       for method in ("patchnorm", "conv+batchnorm")},
     # the transformer arm: an arm per vit method (16 patch tokens, 4 heads), on request
     **{method: (dict(method=method, depth=1, width=32, activation="gelu"), (16, 64, 256)) for method in VIT_METHODS},
 }
@@ -379,8 +381,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per cell (default 3)")
     parser.add_argument("--seconds", type=float, default=1.5, help="about how long one measurement runs")
     parser.add_argument("--arms", nargs="*", default=list(DEFAULT_ARMS), choices=list(ARMS),
-                        help=f"default: {' '.join(DEFAULT_ARMS)}; patchnorm and the vit methods on request; "
-                             "--arms with no name: only the --checks runs")
+                        help=f"default: {' '.join(DEFAULT_ARMS)}; patchnorm, conv+batchnorm and the vit methods on "
+                             "request; --arms with no name: only the --checks runs")
     parser.add_argument("--batch-sizes", nargs="+", type=int, help="of each arm (default: the arm's, listed above)")
     parser.add_argument("--members", nargs="+", type=int,
                         help="stacked ensemble sizes to time, a row each (default: as many as fit the default "

@@ -8,10 +8,11 @@ MLP are (K, B, F) and a linear layer is one batched product, z_kᵀ = W_k x_kᵀ
 convolution is one grouped convolution (groups = K) and BatchNorm, pooling and the activations
 act per channel on that layout unchanged (the running statistics are the stacked buffers seen as
 K·C channels, updated in place as each model's would be); a nondecreasing activation followed by
-a max-pool runs after it (the same numbers, a quarter of the work), and a first convolution of one
-input channel (``nn.Conv2d`` or ``PatchNormConv2d``) followed by a 2×2 max-pool is one C pass
-(:mod:`~affdiv.experiments.runs.conv_pool`) that never writes the full-resolution convolution
-output. The step is
+a max-pool runs after it (the same numbers, a quarter of the work), a first convolution of one
+input channel (``nn.Conv2d``, with or without a BatchNorm2d after it, or ``PatchNormConv2d``)
+followed by a 2×2 max-pool and its ReLU is one C pass (:mod:`~affdiv.experiments.runs.conv_pool`)
+that never writes the full-resolution convolution output, and every later 2×2 max-pool with its
+ReLU is one C pass too (:mod:`~affdiv.experiments.runs.pool_relu`). The step is
 
     (L_k)_k = CE(f(X_k; θ_k, β_k), Y_k),   (g_k)_k = ∂(Σ_k L_k)/∂θ
 
@@ -217,7 +218,7 @@ def _layer(module: nn.Module) -> Layer | None:
 _MONOTONE = (nn.ReLU, nn.Tanh, nn.Identity)
 
 
-def batched_layers(model: nn.Module) -> list[tuple[str, nn.Module, Layer]] | None:
+def batched_layers(model: nn.Module) -> list[tuple[str | tuple[str, ...], nn.Module, Layer]] | None:
     """(name, module, batched layer) for each layer of ``model``, an ``nn.Sequential`` of the layers above;
     None for any other model. An activation followed by a max-pool (of :data:`_MONOTONE`) runs after
     it instead, on a quarter of the elements: the same forward (the gradient within rounding: a
@@ -232,35 +233,48 @@ def batched_layers(model: nn.Module) -> list[tuple[str, nn.Module, Layer]] | Non
     for i in range(len(children) - 1):
         if type(children[i][1]) in _MONOTONE and type(children[i + 1][1]) is nn.MaxPool2d:
             children[i], children[i + 1] = children[i + 1], children[i]
+    first = conv_pool.first_block_length([module for _name, module in children])
     layers, i = [], 0
     while i < len(children):
         name, module = children[i]
-        first = i == 0 and len(children) > 1 and conv_pool.fusable(module, children[1][1])
-        pooled = 2 if first else 1 if pool_relu.is_pool_2x2(module) else 0
+        pooled = first if i == 0 else 1 if pool_relu.is_pool_2x2(module) else 0
         if not pooled:
             layers.append((name, module, _layer(module)))
             i += 1
             continue
         relu = i + pooled < len(children) and type(children[i + pooled][1]) is nn.ReLU
-        block = [m for _name, m in children[i : i + pooled + relu]]
-        layer = _first_block(*block[:2], relu) if first else _pool_relu(relu)
+        names, block = zip(*children[i : i + pooled + relu])
+        if i == 0:  # the first block: its parameters are the convolution's (and the BatchNorm's)
+            name, layer = (names[:2] if pooled == 3 else name), _first_block(block[:pooled], relu)
+        else:
+            layer = _pool_relu(relu)
         layers.append((name, nn.Sequential(*block) if len(block) > 1 else module, layer))
         i += pooled + relu
     return None if any(layer is None for _name, _module, layer in layers) else layers
 
 
-def _first_block(conv: nn.Module, pool: nn.MaxPool2d, relu: bool) -> Layer:
-    """A model's first layers, a one-channel ``conv``, a 2×2 max-pool and, with ``relu``, a ReLU,
-    as one C pass (:mod:`~affdiv.experiments.runs.conv_pool`) where it can take the call, else as
-    the batched layers. Its entry's module is the layers as an ``nn.Sequential`` (its parameters
-    are the convolution's, under the convolution's name)."""
+def _first_block(modules: Sequence[nn.Module], relu: bool) -> Layer:
+    """A model's first layers, a one-channel convolution, a BatchNorm2d or not, a 2×2 max-pool and,
+    with ``relu``, a ReLU, as one C pass (:mod:`~affdiv.experiments.runs.conv_pool`) where it can
+    take the call, else as the batched layers. Its entry's module is the layers as an
+    ``nn.Sequential``; its parameters are the convolution's, under the convolution's name (with a
+    BatchNorm2d, the two modules' names, the BatchNorm's state under "1.")."""
+    conv, *batch_norm, _pool = modules
     convolve, max_pool = _layer(conv), _pool_relu(relu)
+    normalise = _layer(batch_norm[0]) if batch_norm else None
     patchnorm = type(conv) is not nn.Conv2d
 
     def layer(x: Tensor, p: Stacked, k: int, training: bool) -> Tensor:
-        if conv_pool.usable(x, p["weight"], p.get("bias"), conv.padding):
-            return conv_pool.conv_max_pool(x, p["weight"], p.get("bias"), conv.padding, patchnorm, relu)
-        return max_pool(convolve(x, p, k, training), p, k, training)
+        bn = {key[2:]: t for key, t in p.items() if key.startswith("1.")}
+        if conv_pool.usable(x, p["weight"], p.get("bias"), conv.padding, *bn.values()):
+            if normalise is None:
+                return conv_pool.conv_max_pool(x, p["weight"], p.get("bias"), conv.padding, patchnorm, relu)
+            if training:
+                bn["num_batches_tracked"].add_(1)
+            return conv_pool.conv_batch_norm_max_pool(x, p["weight"], p.get("bias"), bn, conv.padding,
+                                                      batch_norm[0].momentum, batch_norm[0].eps, training, relu)
+        y = convolve(x, p, k, training)
+        return max_pool(y if normalise is None else normalise(y, bn, k, training), p, k, training)
     return layer
 
 
@@ -276,8 +290,16 @@ def _pool_relu(relu: bool) -> Layer:
     return layer
 
 
-def _local(state: Stacked, prefix: str) -> dict[str, Tensor]:
-    """The entries of ``state`` under the module ``prefix``, by their names within it."""
+def _local(state: Stacked, prefix: str | tuple[str, ...]) -> dict[str, Tensor]:
+    """The entries of ``state`` under the module ``prefix``, by their names within it; for a block
+    of modules (a tuple of names), the first's so and each later one's under its place in the
+    block ("1.weight", …)."""
+    if isinstance(prefix, tuple):
+        first, *rest = prefix
+        block = _local(state, first)
+        for place, name in enumerate(rest, 1):
+            block.update({f"{place}.{key}": t for key, t in _local(state, name).items()})
+        return block
     start = prefix + "."
     return {key[len(start):]: t for key, t in state.items() if key.startswith(start)}
 

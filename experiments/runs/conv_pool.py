@@ -1,7 +1,7 @@
 """The stacked CNN's first block as one pass: K models' convolutions (``nn.Conv2d`` or
 ``PatchNormConv2d``) of a one-channel image, each followed by a 2×2 max-pool (and by the ReLU
-that the engine runs after the pool, where the model has one), without the full-resolution
-convolution output.
+that the engine runs after the pool, where the model has one; an ``nn.Conv2d`` may have a
+BatchNorm2d before the pool), without the full-resolution convolution output.
 
 For model k with weights W_k (C, 1, kh, kw), bias b_k and input x_k (B, H, W),
 
@@ -14,6 +14,28 @@ output each pooled value came from (the window's first maximum, or its last NaN,
 (the patch's squared norm; one input channel, so one group) for a PatchNormConv2d. With the
 ReLU, y_k is relu of the above and g is 0 where it passes no gradient (its output neither above
 0 nor NaN), as in :mod:`~affdiv.experiments.runs.pool_relu`.
+
+A BatchNorm2d between the convolution and the pool (the conv+batchnorm CNN) is folded into the
+pass. On the batch, each channel's z = w·patch + b has mean and second moment
+
+    μ = (w·p)/N + b,    E[z²] = (wᵀGw + 2b·w·p)/N + b²,    σ² = E[z²] − μ²,
+
+with p = Σ_{n,a} x̃[n, a + ·] and G = Σ_{n,a} x̃[n, a + ·] x̃[n, a + ·]ᵀ over the N = B·H'·W'
+convolution outputs (:func:`patch_moments`, float64; the running statistics get μ and the
+unbiased N/(N − 1)·σ²), so BN(z) = γ(z − μ)/√(σ² + ε) + β = s·(w·patch + b − μ) + β with s =
+γ/√(σ² + ε) is the pass with weights s·w and bias s·(b − μ) + β. Backward, the block's gradient
+dy is g at the pooled maxima and 0 elsewhere, so with T = Σ dy·patch and S₁ = Σ dy (the pass's
+own weight and bias gradients) and x̂ = (z − μ)/√(σ² + ε),
+
+    ∂L/∂β = S₁,   ∂L/∂γ = S₂ = Σ dy·x̂ = (w·T + (b − μ)·S₁)/√(σ² + ε),
+    ∂L/∂w = s·(T − (S₁/N)·p − (S₂/N)·Σ x̂·patch),   Σ x̂·patch = (G w + (b − μ)·p)/√(σ² + ε),
+    ∂L/∂b = s·(S₁ − S₁ − (S₂/N)·Σ x̂) = 0,
+
+(BatchNorm's backward, dz = s·(dy − S₁/N − x̂·S₂/N), summed against each tap), all from T, S₁, p
+and G: the full-resolution convolution output, its normalisation and their gradients are never
+written. In evaluation the running statistics take the batch's place (dz = s·dy). The variance
+from the moments loses to cancellation a relative γ_n·(1 + μ²/σ²) where torch's two passes lose
+γ_n, in float64 here.
 
 The batched engine (:mod:`~affdiv.experiments.runs.batched`) would otherwise run this block as a
 grouped convolution writing K·C full-resolution planes, a max-pool over them, and in
@@ -35,6 +57,8 @@ convolution output that the pool drops (an odd size) reads it: the pass never co
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -59,7 +83,21 @@ def fusable(conv: nn.Module, pool: nn.Module) -> bool:
         and conv.kernel_size[0] * conv.kernel_size[1] <= _fused.CONV_POOL_MAX_TAPS and pool_relu.is_pool_2x2(pool)
 
 
-def usable(x: Tensor, weight: Tensor, bias: Tensor | None, padding: tuple[int, int]) -> bool:
+def first_block_length(layers: Sequence[nn.Module]) -> int:
+    """How many of a model's first ``layers`` (the batched engine's order: a max-pool before the
+    activation it follows) the pass computes as one block: 2 for a convolution and a max-pool that
+    :func:`fusable` takes, 3 for an ``nn.Conv2d``, an ``nn.BatchNorm2d`` (affine, with running
+    statistics and a momentum) and such a max-pool, else 0."""
+    if len(layers) > 1 and fusable(layers[0], layers[1]):
+        return 2
+    if len(layers) > 2 and type(layers[0]) is nn.Conv2d and fusable(layers[0], layers[2]):
+        bn = layers[1]
+        if type(bn) is nn.BatchNorm2d and bn.affine and bn.track_running_stats and bn.momentum is not None:
+            return 3
+    return 0
+
+
+def usable(x: Tensor, weight: Tensor, bias: Tensor | None, padding: tuple[int, int], *more: Tensor) -> bool:
     """Whether :func:`conv_max_pool` may take this call: the mode allows the compiled passes
     (``_fused.eager_kernels_allowed``; a graph may be recorded: the pass is its own autograd
     Function); x (K, B, 1, H, W), weight (K, C, 1, kh, kw) with kh·kw at most
@@ -75,7 +113,8 @@ def usable(x: Tensor, weight: Tensor, bias: Tensor | None, padding: tuple[int, i
     if bias is not None and bias.shape != weight.shape[:2]:
         return False
     return (x.dtype in (torch.float32, torch.float64) and not x.requires_grad
-            and all(t is None or (_fused.plain(t) and t.is_cpu and t.dtype == x.dtype) for t in (x, weight, bias)))
+            and all(t is None or (_fused.plain(t) and t.is_cpu and t.dtype in (x.dtype, torch.long))
+                    for t in (x, weight, bias, *more)))
 
 
 def conv_max_pool(x: Tensor, weight: Tensor, bias: Tensor | None, padding: tuple[int, int],
@@ -87,6 +126,49 @@ def conv_max_pool(x: Tensor, weight: Tensor, bias: Tensor | None, padding: tuple
     return ConvMaxPool.apply(x, weight, bias, padding, patchnorm, relu)
 
 
+def conv_batch_norm_max_pool(x: Tensor, weight: Tensor, bias: Tensor | None, batch_norm: dict[str, Tensor],
+                             padding: tuple[int, int], momentum: float, eps: float, training: bool,
+                             relu: bool = False) -> Tensor:
+    """maxpool₂ₓ₂(BN(W_k ⋆ x_k + b_k)) for K models at once, then the ReLU after it with ``relu``;
+    BN is BatchNorm2d with the stacked ``batch_norm`` (its ``weight``, ``bias``, ``running_mean``
+    and ``running_var``, (K, C) each): on the batch's statistics, which it folds into the running
+    ones in place, when ``training``, else on the running ones (module docstring). Shapes as
+    :func:`conv_max_pool`'s. Call only where :func:`usable`."""
+    return ConvBatchNormMaxPool.apply(x, weight, bias, batch_norm["weight"], batch_norm["bias"],
+                                      batch_norm["running_mean"], batch_norm["running_var"], padding, momentum, eps,
+                                      training, relu)
+
+
+def _pass_input(x: Tensor, padding: tuple[int, int]) -> Tensor:
+    """x (K, B, 1, H, W) zero-padded as the pass takes it: (K, B, Hq, Wq), contiguous."""
+    ph, pw = padding
+    return F.pad(x[:, :, 0], (pw, pw, ph, ph)).contiguous()
+
+
+def _pass_parameters(weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
+    """(wt, bias) as the pass takes them: wt (K, kh·kw, Cp), each tap's channels side by side, and
+    bias (K·Cp,), the channels padded with zeros to whole vectors of the pass."""
+    models, channels, _one, kh, kw = weight.shape
+    width = _fused.conv_pool_width(channels, dtype)
+    wt = weight.new_zeros(models, kh * kw, width, dtype=dtype)
+    wt[:, :, :channels] = weight.reshape(models, channels, kh * kw).transpose(1, 2)
+    if bias is None:
+        return wt, None
+    flat_bias = bias.new_zeros(models, width, dtype=dtype)
+    flat_bias[:, :channels] = bias
+    return wt, flat_bias.view(-1)
+
+
+def _pass_gradients(xp: Tensor, grad: Tensor, argmax: Tensor, weight_shape: torch.Size, patchnorm: bool,
+                    with_bias: bool) -> tuple[Tensor, Tensor | None]:
+    """(Σ g·r·patch, Σ g·r) of the pass at its output's gradient ``grad``, summed at each pooled
+    value's maximum: (K, C, kh·kw) and (K, C) (None without ``with_bias``)."""
+    models, channels, _one, kh, kw = weight_shape
+    grad = grad.contiguous(memory_format=torch.channels_last)
+    dwt, db = _fused.conv_pool_backward(xp, grad, argmax, (kh, kw), patchnorm, with_bias)
+    return dwt[:, :, :channels].transpose(1, 2), None if db is None else db.view(models, -1)[:, :channels]
+
+
 class ConvMaxPool(torch.autograd.Function):
     """:func:`conv_max_pool` (module docstring); backward gives the weight's and the bias's
     gradients (once differentiable)."""
@@ -94,17 +176,9 @@ class ConvMaxPool(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, padding: tuple[int, int],
                 patchnorm: bool, relu: bool) -> Tensor:
-        models, channels, _one, kh, kw = weight.shape
-        ph, pw = padding
-        xp = F.pad(x[:, :, 0], (pw, pw, ph, ph)).contiguous()  # (K, B, Hq, Wq), zeros around
-        width = _fused.conv_pool_width(channels, x.dtype)  # (whole vectors: spare channels zero)
-        wt = weight.new_zeros(models, kh * kw, width)
-        wt[:, :, :channels] = weight.reshape(models, channels, kh * kw).transpose(1, 2)
-        flat_bias = None
-        if bias is not None:
-            flat_bias = bias.new_zeros(models, width)
-            flat_bias[:, :channels] = bias
-            flat_bias = flat_bias.view(-1)
+        channels, (kh, kw) = weight.shape[1], weight.shape[3:]
+        xp = _pass_input(x, padding)
+        wt, flat_bias = _pass_parameters(weight, bias, x.dtype)
         keep = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         out, argmax = _fused.conv_pool(xp, wt, flat_bias, channels, (kh, kw), patchnorm, keep_argmax=keep, relu=relu)
         if keep:
@@ -117,8 +191,69 @@ class ConvMaxPool(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad: Tensor):
         xp, argmax = ctx.saved_tensors
-        models, channels, _one, kh, kw = ctx.weight_shape
-        grad = grad.contiguous(memory_format=torch.channels_last)
-        dwt, db = _fused.conv_pool_backward(xp, grad, argmax, (kh, kw), ctx.patchnorm, ctx.with_bias)
-        dw = dwt[:, :, :channels].transpose(1, 2).reshape(ctx.weight_shape) if ctx.needs_input_grad[1] else None
-        return None, dw, None if db is None else db.view(models, -1)[:, :channels], None, None, None
+        dw, db = _pass_gradients(xp, grad, argmax, ctx.weight_shape, ctx.patchnorm, ctx.with_bias)
+        dw = dw.reshape(ctx.weight_shape) if ctx.needs_input_grad[1] else None
+        return None, dw, db, None, None, None
+
+
+def patch_moments(xp: Tensor, kernel: tuple[int, int]) -> tuple[Tensor, Tensor, int]:
+    """(p, G, N) of each model's patches over its batch: p (K, kh·kw) = Σ_{n,a} x̃[n, a + ·] and
+    G (K, kh·kw, kh·kw) = Σ_{n,a} x̃[n, a + ·] x̃[n, a + ·]ᵀ over the N = B·H'·W' convolution
+    outputs a of the padded input xp (K, B, Hq, Wq), in float64."""
+    models, batch, hq, wq = xp.shape
+    patches = F.unfold(xp.reshape(models * batch, 1, hq, wq).double(), kernel)  # (K·B, taps, H'·W')
+    patches = patches.view(models, batch, *patches.shape[1:]).transpose(1, 2).flatten(2)  # (K, taps, N)
+    return patches.sum(2), torch.bmm(patches, patches.transpose(1, 2)), patches.shape[2]
+
+
+class ConvBatchNormMaxPool(torch.autograd.Function):
+    """:func:`conv_batch_norm_max_pool` (module docstring); once differentiable."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, gamma: Tensor, beta: Tensor,
+                running_mean: Tensor, running_var: Tensor, padding: tuple[int, int], momentum: float, eps: float,
+                training: bool, relu: bool) -> Tensor:
+        models, channels, _one, kh, kw = weight.shape
+        xp = _pass_input(x, padding)
+        w = weight.reshape(models, channels, kh * kw).double()
+        b = torch.zeros(models, channels, dtype=torch.float64) if bias is None else bias.double()
+        sums = gram = None
+        if training:  # the batch's moments of z = w·patch + b, from the patches' (module docstring)
+            sums, gram, count = patch_moments(xp, (kh, kw))
+            wp = torch.bmm(w, sums.unsqueeze(2)).squeeze(2)  # w·p
+            mean = wp / count + b
+            second = torch.einsum("kct,kts,kcs->kc", w, gram, w) / count + 2 * b * wp / count + b * b
+            var = (second - mean * mean).clamp_min(0)
+            running_mean.mul_(1 - momentum).add_(momentum * mean.to(running_mean.dtype))
+            running_var.mul_(1 - momentum).add_(momentum * (var * count / max(count - 1, 1)).to(running_var.dtype))
+            ctx.count = count
+        else:
+            mean, var = running_mean.double(), running_var.double()
+        inv = (var + eps).rsqrt()
+        scale = gamma.double() * inv  # y = scale·(z − mean) + β = (scale·w)·patch + scale·(b − mean) + β
+        folded = (scale.unsqueeze(2) * w).view(weight.shape).to(x.dtype)
+        wt, flat_bias = _pass_parameters(folded, (scale * (b - mean) + beta.double()).to(x.dtype), x.dtype)
+        keep = any(ctx.needs_input_grad[1:5])
+        out, argmax = _fused.conv_pool(xp, wt, flat_bias, channels, (kh, kw), False, keep_argmax=keep, relu=relu)
+        if keep:
+            ctx.save_for_backward(xp, argmax, w, b, mean, inv, scale, sums, gram)
+        ctx.weight_shape, ctx.training = weight.shape, training
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        xp, argmax, w, b, mean, inv, scale, sums, gram = ctx.saved_tensors
+        t, s1 = _pass_gradients(xp, grad, argmax, ctx.weight_shape, False, True)  # Σ dy·patch, Σ dy
+        t, s1 = t.double(), s1.double()
+        s2 = ((w * t).sum(2) + (b - mean) * s1) * inv  # Σ dy·x̂, x̂ = (z − mean)·inv
+        if ctx.training:  # dz = scale·(dy − Σdy/N − x̂·Σ(dy·x̂)/N), summed against each tap
+            x_hat_patch = (torch.bmm(w, gram) + (b - mean).unsqueeze(2) * sums.unsqueeze(1)) * inv.unsqueeze(2)
+            dw = scale.unsqueeze(2) * (t - (s1 / ctx.count).unsqueeze(2) * sums.unsqueeze(1)
+                                       - (s2 / ctx.count).unsqueeze(2) * x_hat_patch)
+            db = torch.zeros_like(s1)  # Σ dz = 0: BatchNorm removes the bias
+        else:  # running statistics: dz = scale·dy
+            dw, db = scale.unsqueeze(2) * t, scale * s1
+        grads = [dw.view(ctx.weight_shape), db, s2, s1]  # weight, bias, gamma, beta
+        return (None, *(g.to(grad.dtype) if needed else None for g, needed in zip(grads, ctx.needs_input_grad[1:5])),
+                None, None, None, None, None, None, None)

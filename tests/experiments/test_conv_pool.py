@@ -333,3 +333,145 @@ def test_the_numbers_do_not_depend_on_the_thread_count():
     finally:
         torch.set_num_threads(previous)
     assert all(torch.equal(one, two) for one, two in zip(*results))
+
+
+# ----------------------------------------------------------------------------- with a BatchNorm2d
+
+# The block conv → BatchNorm2d → max-pool (→ ReLU) against torch's layers model by model. The pass
+# takes the batch's mean and variance of each channel's z = w·patch + b from the patches' sum p and
+# Gram matrix G (float64): var = (wᵀGw + 2b w·p)/N + b² − mean², which loses to cancellation a
+# relative γ_n·(1 + mean²/var) (n = N·taps terms) where torch's two-pass variance loses γ_n; every
+# value compared is then a sum of at most n terms in either implementation. So the bound is
+# 4·γ_n·κ·(1 + mean²/var) of the compared tensor's scale, with κ = 10² bounding the cancellation
+# inside the sums (the stacked tests' convention); measured differences are 1e-16 to 1e-15
+# relative in float64.
+
+
+def reference_batch_norm(x, weight, bias, bn, padding, momentum, eps, training, relu):
+    """The block model by model with torch's own layers: conv2d, batch_norm, max_pool2d, relu."""
+    outs = []
+    for k in range(x.shape[0]):
+        z = F.conv2d(x[k], weight[k], None if bias is None else bias[k], padding=padding)
+        y = F.max_pool2d(F.batch_norm(z, bn["running_mean"][k], bn["running_var"][k], bn["weight"][k],
+                                      bn["bias"][k], training, momentum, eps), 2)
+        outs.append(F.relu(y) if relu else y)
+    return torch.cat(outs, 1)
+
+
+def draw_batch_norm(b, dtype):
+    g = torch.Generator().manual_seed(b["seed"] + 7)
+    k, c = b["models"], b["channels"]
+    x, weight, bias = draw_block(b, dtype)
+    x = x + torch.rand(k, 1, 1, 1, 1, generator=g, dtype=dtype)  # (a mean: mean²/var of order 1)
+    bn = dict(weight=torch.randn(k, c, generator=g, dtype=dtype), bias=torch.randn(k, c, generator=g, dtype=dtype),
+              running_mean=torch.randn(k, c, generator=g, dtype=dtype),
+              running_var=torch.rand(k, c, generator=g, dtype=dtype) + 0.5)
+    return x, weight, bias, bn
+
+
+def batch_norm_tolerance(x, weight, bias, padding, dtype):
+    """4·γ_n·κ·max(1 + mean²/var) over the channels of the batch (see above)."""
+    z = torch.cat([F.conv2d(x[k], weight[k], None if bias is None else bias[k], padding=padding)
+                   for k in range(x.shape[0])], 1).double()
+    mean, var = z.mean((0, 2, 3)), z.var((0, 2, 3), unbiased=False)
+    n = z.shape[0] * z.shape[2] * z.shape[3] * weight.shape[-1] * weight.shape[-2]
+    return 4 * gamma(n, dtype) * 100 * float((1 + mean.square() / var).max())
+
+
+@given(block=blocks(), training=st.booleans())
+def test_the_batch_norm_pass_is_the_block_model_by_model(block, training):
+    dtype, pad, relu = torch.float64, block["padding"], block["relu"]
+    x, weight, bias, bn = draw_batch_norm(block, dtype)
+    if training and x.shape[1] * (x.shape[3] + 2 * pad[0] - weight.shape[3] + 1) \
+            * (x.shape[4] + 2 * pad[1] - weight.shape[4] + 1) < 2:
+        return  # (one value per channel: torch refuses to normalise it)
+    tol = batch_norm_tolerance(x, weight, bias, pad, dtype)
+    mine = {key: t.clone() for key, t in bn.items()}
+    theirs = {key: t.clone() for key, t in bn.items()}
+    for state in (mine, theirs):
+        state["weight"].requires_grad_()
+        state["bias"].requires_grad_()
+    w1, b1 = leaves(weight, bias)
+    w2, b2 = leaves(weight, bias)
+    got = conv_pool.conv_batch_norm_max_pool(x, w1, b1, mine, pad, 0.1, 1e-5, training, relu)
+    want = reference_batch_norm(x, w2, b2, theirs, pad, 0.1, 1e-5, training, relu)
+    assert got.shape == want.shape and got.is_contiguous(memory_format=torch.channels_last)
+    scale = float(want.detach().abs().max()) + float(bn["weight"].abs().max()) + float(bn["bias"].abs().max())
+    assert float((got - want).detach().abs().max()) <= tol * scale
+    for key in ("running_mean", "running_var"):  # updated in place when training, untouched otherwise
+        assert float((mine[key] - theirs[key]).abs().max()) <= tol * float(theirs[key].abs().max())
+    g = torch.randn(want.shape, generator=torch.Generator().manual_seed(block["seed"] + 1), dtype=dtype)
+    got.backward(g)
+    want.backward(g)
+    pairs = [(w1.grad, w2.grad), (mine["weight"].grad, theirs["weight"].grad),
+             (mine["bias"].grad, theirs["bias"].grad)]
+    if bias is not None:
+        pairs.append((b1.grad, b2.grad))
+        if training:  # BatchNorm removes the bias: its gradient is 0, exactly here, within rounding there
+            assert torch.equal(b1.grad, torch.zeros_like(b1.grad))
+    for mine_grad, their_grad in pairs:
+        grad_scale = float(their_grad.abs().max()) + float(w2.grad.abs().max())
+        assert float((mine_grad - their_grad).abs().max()) <= tol * grad_scale
+
+
+def test_the_batch_norm_pass_in_float32_is_the_block_within_its_rounding():
+    # the moments in float64, the outputs in float32: within float32's rounding of the block's
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 8, 1, 12, 10, generator=g)
+    weight, bias = torch.randn(3, 9, 1, 3, 3, generator=g), torch.randn(3, 9, generator=g)
+    bn = dict(weight=torch.randn(3, 9, generator=g), bias=torch.randn(3, 9, generator=g),
+              running_mean=torch.zeros(3, 9), running_var=torch.ones(3, 9))
+    for training in (True, False):
+        got = conv_pool.conv_batch_norm_max_pool(x, weight, bias, dict(bn), (1, 1), 0.1, 1e-5, training, True)
+        want = reference_batch_norm(x, weight, bias, {key: t.clone() for key, t in bn.items()}, (1, 1), 0.1, 1e-5,
+                                    training, True)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_batch_norm_gradcheck():
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 3, 1, 7, 6, generator=g, dtype=torch.float64)
+    inputs = [torch.randn(2, 3, 1, 3, 3, generator=g, dtype=torch.float64, requires_grad=True)] + \
+             [torch.randn(2, 3, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    for training in (True, False):
+        def block(w, b, gamma_, beta, training=training):
+            bn = dict(weight=gamma_, bias=beta, running_mean=torch.zeros(2, 3, dtype=torch.float64),
+                      running_var=torch.ones(2, 3, dtype=torch.float64))
+            return conv_pool.conv_batch_norm_max_pool(x, w, b, bn, (1, 1), 0.1, 1e-5, training, False)
+        assert torch.autograd.gradcheck(block, inputs)
+
+
+@pytest.mark.parametrize("layers, length", [
+    ([nn.Conv2d(1, 4, 3, padding=1), nn.MaxPool2d(2)], 2),
+    ([nn.Conv2d(1, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.MaxPool2d(2), nn.ReLU()], 3),
+    ([nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4, momentum=None), nn.MaxPool2d(2)], 0),  # cumulative
+    ([nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4, affine=False), nn.MaxPool2d(2)], 0),
+    ([nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4, track_running_stats=False), nn.MaxPool2d(2)], 0),
+    ([PatchNormConv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.MaxPool2d(2)], 0),
+    ([nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.MaxPool2d(2)], 0),
+    ([nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.MaxPool2d(3)], 0),
+    ([nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4)], 0),
+])
+def test_which_first_blocks_fuse(layers, length):
+    assert conv_pool.first_block_length(layers) == length
+
+
+def test_the_batched_cnn_runs_a_batch_norm_first_block_as_the_pass(monkeypatch):
+    models = [build_model("conv+batchnorm", input_shape=(1, 8, 8), num_classes=10, depth=2, width=4,
+                          activation="relu") for _ in range(3)]
+    names = [name for name, _module, _layer in batched_layers(models[0])]
+    assert names[:2] == [("0", "1"), "4"]  # conv 0, its BatchNorm 1, pool 3 and ReLU 2 as one
+    calls = []
+    real = _fused.conv_pool
+    monkeypatch.setattr(_fused, "conv_pool", lambda *a, **kw: calls.append(kw["keep_argmax"]) or real(*a, **kw))
+    data = torch.rand(20, 1, 8, 8), torch.randint(0, 10, (20,))
+    ensemble = BatchedEnsemble(models, "sgd", [0.1] * 3, [None] * 3, [data] * 3, [data] * 3)
+    tracked = ensemble.buffers["1.num_batches_tracked"].clone()
+    ensemble.step(torch.arange(12).view(3, 4))
+    assert torch.equal(ensemble.buffers["1.num_batches_tracked"], tracked + 1)
+    ensemble.evaluate()
+    assert calls == [True, False]  # a step keeps the maxima, a check not
+    calls.clear()
+    with _fused.disabled():
+        ensemble.step(torch.arange(12).view(3, 4))
+    assert calls == []
