@@ -767,6 +767,39 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
         *m = (vec_##SUFFIX)((ivec_##SUFFIX)*m & ~negative);                                        \
     }                                                                                              \
                                                                                                    \
+    /* The maximum of a window's four values a[d] (the first, or the last NaN, as max_pool2d),     \
+       with relu the ReLU after it, stored in the first n lanes of out; its position d (or        \
+       POOL_NO_GRADIENT) in those of which, unless NULL. */                                        \
+    static inline void store_window_max_##SUFFIX(const vec_##SUFFIX *a, int relu, T *out,          \
+                                                 uint8_t *which, int64_t n) {                      \
+        ivec_##SUFFIX best = {0};                                                                  \
+        vec_##SUFFIX m = a[0];                                                                     \
+        for (int d = 1; d < 4; ++d) {                                                              \
+            const ivec_##SUFFIX take = (a[d] > m) | (a[d] != a[d]);                                \
+            m = (vec_##SUFFIX)(((ivec_##SUFFIX)a[d] & take) | ((ivec_##SUFFIX)m & ~take));         \
+            best = (d & take) | (best & ~take);                                                    \
+        }                                                                                          \
+        if (relu) relu_lanes_##SUFFIX(&m, &best);                                                  \
+        store_lanes_##SUFFIX(out, &m, n);                                                          \
+        if (!which) return;                                                                        \
+        const bytes_##SUFFIX b = __builtin_convertvector(best, bytes_##SUFFIX);                    \
+        if (n == V)                                                                                \
+            memcpy(which, &b, sizeof b);                                                           \
+        else                                                                                       \
+            for (int64_t l = 0; l < n; ++l) which[l] = b[l];                                       \
+    }                                                                                              \
+                                                                                                   \
+    /* *position = the first n window positions from src as lanes, the others 0. */              \
+    static inline void load_positions_##SUFFIX(ivec_##SUFFIX *position, const uint8_t *src,       \
+                                               int64_t n) {                                        \
+        bytes_##SUFFIX b = {0};                                                                    \
+        if (n == V)                                                                                \
+            memcpy(&b, src, sizeof b);                                                             \
+        else                                                                                       \
+            for (int64_t l = 0; l < n; ++l) b[l] = src[l];                                         \
+        *position = __builtin_convertvector(b, ivec_##SUFFIX);                                     \
+    }                                                                                              \
+                                                                                                   \
     /* One row of pooled positions (ph) of one sample: out and argmax (argmax NULL: not kept)    \
        at (ph, 0..Wp), all K models; channels in blocks of V, the last block partial. */          \
     VECTOR_CLONES static void conv_pool_row_##SUFFIX(                                             \
@@ -783,7 +816,7 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
                 window_scales_##SUFFIX(p, wq, kh, kw, patchnorm, r);                               \
                 for (int64_t c = 0; c < channels; c += V) {                                       \
                     const int64_t n = channels - c < V ? channels - c : V;                        \
-                    vec_##SUFFIX a[4], m, w;                                                       \
+                    vec_##SUFFIX a[4], w;                                                          \
                     if (bk)                                                                        \
                         memcpy(&a[0], bk + c, sizeof a[0]);                                        \
                     else                                                                           \
@@ -796,22 +829,7 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
                             for (int d = 0; d < 4; ++d) a[d] += w * q[(d / 2) * wq + d % 2];       \
                         }                                                                          \
                     for (int d = 0; d < 4; ++d) a[d] *= r[d];                                      \
-                    ivec_##SUFFIX best = {0};                                                      \
-                    m = a[0];                                                                      \
-                    for (int d = 1; d < 4; ++d) {                                                  \
-                        const ivec_##SUFFIX take = (a[d] > m) | (a[d] != a[d]);                    \
-                        m = (vec_##SUFFIX)(((ivec_##SUFFIX)a[d] & take) | ((ivec_##SUFFIX)m & ~take)); \
-                        best = (d & take) | (best & ~take);                                        \
-                    }                                                                              \
-                    if (relu) relu_lanes_##SUFFIX(&m, &best);                                      \
-                    store_lanes_##SUFFIX(out + at + c, &m, n);                                     \
-                    if (argmax) {                                                                  \
-                        const bytes_##SUFFIX b = __builtin_convertvector(best, bytes_##SUFFIX);    \
-                        if (n == V)                                                                \
-                            memcpy(argmax + at + c, &b, sizeof b);                                 \
-                        else                                                                       \
-                            for (int64_t l = 0; l < n; ++l) argmax[at + c + l] = b[l];             \
-                    }                                                                              \
+                    store_window_max_##SUFFIX(a, relu, out + at + c, argmax ? argmax + at + c : NULL, n); \
                 }                                                                                  \
             }                                                                                      \
     }                                                                                              \
@@ -866,12 +884,8 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
                         const int64_t at = ((n * hp + ph) * wp + pw) * kc + c;                     \
                         vec_##SUFFIX gv, m[4];                                                     \
                         load_lanes_##SUFFIX(&gv, g + at, lanes);                                   \
-                        bytes_##SUFFIX b = {0};                                                    \
-                        if (lanes == V)                                                            \
-                            memcpy(&b, argmax + at, sizeof b);                                     \
-                        else                                                                       \
-                            for (int64_t l = 0; l < lanes; ++l) b[l] = argmax[at + l];             \
-                        const ivec_##SUFFIX which = __builtin_convertvector(b, ivec_##SUFFIX);     \
+                        ivec_##SUFFIX which;                                                       \
+                        load_positions_##SUFFIX(&which, argmax + at, lanes);                       \
                         T r[4];                                                                    \
                         if (scales)                                                                \
                             memcpy(r, scales + ((n * hp + ph) * wp + pw) * 4, sizeof r);           \
@@ -933,25 +947,10 @@ DEFINE_CONV_POOL(double, f64, 4)
         for (int64_t pw = 0; pw < wp; ++pw)                                                       \
             for (int64_t c = 0; c < channels; c += V) {                                           \
                 const int64_t n = channels - c < V ? channels - c : V, at = pw * channels + c;    \
-                vec_##SUFFIX a[4], m;                                                              \
+                vec_##SUFFIX a[4];                                                                 \
                 for (int d = 0; d < 4; ++d)                                                        \
                     load_lanes_##SUFFIX(&a[d], x + ((d / 2) * w + 2 * pw + d % 2) * channels + c, n); \
-                ivec_##SUFFIX best = {0};                                                          \
-                m = a[0];                                                                          \
-                for (int d = 1; d < 4; ++d) {                                                      \
-                    const ivec_##SUFFIX take = (a[d] > m) | (a[d] != a[d]);                        \
-                    m = (vec_##SUFFIX)(((ivec_##SUFFIX)a[d] & take) | ((ivec_##SUFFIX)m & ~take));  \
-                    best = (d & take) | (best & ~take);                                            \
-                }                                                                                  \
-                if (relu) relu_lanes_##SUFFIX(&m, &best);                                          \
-                store_lanes_##SUFFIX(out + at, &m, n);                                             \
-                if (which) {                                                                       \
-                    const bytes_##SUFFIX b = __builtin_convertvector(best, bytes_##SUFFIX);        \
-                    if (n == V)                                                                    \
-                        memcpy(which + at, &b, sizeof b);                                          \
-                    else                                                                           \
-                        for (int64_t l = 0; l < n; ++l) which[at + l] = b[l];                      \
-                }                                                                                  \
+                store_window_max_##SUFFIX(a, relu, out + at, which ? which + at : NULL, n);        \
             }                                                                                      \
     }                                                                                              \
                                                                                                    \
@@ -977,12 +976,8 @@ DEFINE_CONV_POOL(double, f64, 4)
                 const int64_t n = channels - c < V ? channels - c : V, at = pw * channels + c;    \
                 vec_##SUFFIX gv, v;                                                                \
                 load_lanes_##SUFFIX(&gv, g + at, n);                                               \
-                bytes_##SUFFIX b = {0};                                                            \
-                if (n == V)                                                                        \
-                    memcpy(&b, which + at, sizeof b);                                              \
-                else                                                                               \
-                    for (int64_t l = 0; l < n; ++l) b[l] = which[at + l];                          \
-                const ivec_##SUFFIX position = __builtin_convertvector(b, ivec_##SUFFIX);          \
+                ivec_##SUFFIX position;                                                            \
+                load_positions_##SUFFIX(&position, which + at, n);                                 \
                 for (int d = 0; d < 4; ++d) {                                                      \
                     v = (vec_##SUFFIX)((ivec_##SUFFIX)gv & (position == d));                       \
                     store_lanes_##SUFFIX(dx + ((d / 2) * w + 2 * pw + d % 2) * channels + c, &v, n); \
