@@ -305,7 +305,7 @@ class PatchNormConvFunction(Function):
         x_groups = _by_group(x, groups)
         x_scaled, c, _ = prepare(x_groups, tuple(range(2, x_groups.dim())), floor=1.0, finite_only=True)
         rescaled = x_scaled is not x_groups
-        x_scaled, c = _merge_groups(x_scaled) if rescaled else x, c.squeeze(2)  # c: (N, groups, 1, …)
+        x_scaled, c = (_merge_groups(x_scaled) if rescaled else x), c.squeeze(2)  # c: (N, groups, 1, …)
         patch_sq = _box(_group_dot(x_scaled, x_scaled, groups), weight.shape[2:], stride, padding, dilation)
         rho = 1.0 / torch.hypot(patch_sq.clamp_min(0).sqrt(), c)
         r = rho * c

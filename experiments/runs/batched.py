@@ -223,10 +223,12 @@ def batched_layers(model: nn.Module) -> list[tuple[str | tuple[str, ...], nn.Mod
     None for any other model. An activation followed by a max-pool (of :data:`_MONOTONE`) runs after
     it instead, on a quarter of the elements: the same forward (the gradient within rounding: a
     window whose maxima tie after a saturating activation passes it to another element). A
-    convolution and the max-pool then after it that :func:`~affdiv.experiments.runs.conv_pool.fusable`
-    takes, as the model's first two layers, are one entry under the convolution's name, with the
-    ReLU after them if there is one; every later 2×2 max-pool is one entry with the ReLU after it
-    if there is one (:mod:`~affdiv.experiments.runs.pool_relu`), under the pool's name."""
+    model's first layers that :func:`~affdiv.experiments.runs.conv_pool.first_block_length` takes
+    (a convolution and its max-pool, or a convolution, its BatchNorm2d and its max-pool) are one
+    entry, with the ReLU after them if there is one, under the convolution's name (with a
+    BatchNorm2d, the tuple of the two names: :func:`_local`); every later 2×2 max-pool is one entry
+    with the ReLU after it if there is one (:mod:`~affdiv.experiments.runs.pool_relu`), under the
+    pool's name."""
     if type(model) is not nn.Sequential:
         return None
     children = list(model.named_children())
@@ -237,7 +239,7 @@ def batched_layers(model: nn.Module) -> list[tuple[str | tuple[str, ...], nn.Mod
     layers, i = [], 0
     while i < len(children):
         name, module = children[i]
-        pooled = first if i == 0 else 1 if pool_relu.is_pool_2x2(module) else 0
+        pooled = first if i == 0 else 1 if pool_relu.is_pool_2x2(module) else 0  # layers up to the ReLU
         if not pooled:
             layers.append((name, module, _layer(module)))
             i += 1
@@ -266,7 +268,8 @@ def _first_block(modules: Sequence[nn.Module], relu: bool) -> Layer:
 
     def layer(x: Tensor, p: Stacked, k: int, training: bool) -> Tensor:
         bn = {key[2:]: t for key, t in p.items() if key.startswith("1.")}
-        if conv_pool.usable(x, p["weight"], p.get("bias"), conv.padding, *bn.values()):
+        statistics = [bn[key] for key in ("weight", "bias", "running_mean", "running_var") if key in bn]
+        if conv_pool.usable(x, p["weight"], p.get("bias"), conv.padding, *statistics):
             if normalise is None:
                 return conv_pool.conv_max_pool(x, p["weight"], p.get("bias"), conv.padding, patchnorm, relu)
             if training:
@@ -292,8 +295,8 @@ def _pool_relu(relu: bool) -> Layer:
 
 def _local(state: Stacked, prefix: str | tuple[str, ...]) -> dict[str, Tensor]:
     """The entries of ``state`` under the module ``prefix``, by their names within it; for a block
-    of modules (a tuple of names), the first's so and each later one's under its place in the
-    block ("1.weight", …)."""
+    of modules (a tuple of names), the first module's entries by their names within it and each
+    later module's under its place in the block ("1.weight", "1.running_mean", …)."""
     if isinstance(prefix, tuple):
         first, *rest = prefix
         block = _local(state, first)

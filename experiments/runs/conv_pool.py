@@ -18,24 +18,26 @@ ReLU, y_k is relu of the above and g is 0 where it passes no gradient (its outpu
 A BatchNorm2d between the convolution and the pool (the conv+batchnorm CNN) is folded into the
 pass. On the batch, each channel's z = w·patch + b has mean and second moment
 
-    μ = (w·p)/N + b,    E[z²] = (wᵀGw + 2b·w·p)/N + b²,    σ² = E[z²] − μ²,
+    μ = (w·p)/N + b + s·Σw,    σ² = wᵀGw/N − ((w·p)/N)²,
 
-with p = Σ_{n,a} x̃[n, a + ·] and G = Σ_{n,a} x̃[n, a + ·] x̃[n, a + ·]ᵀ over the N = B·H'·W'
-convolution outputs (:func:`patch_moments`, float64; the running statistics get μ and the
-unbiased N/(N − 1)·σ²), so BN(z) = γ(z − μ)/√(σ² + ε) + β = s·(w·patch + b − μ) + β with s =
-γ/√(σ² + ε) is the pass with weights s·w and bias s·(b − μ) + β. Backward, the block's gradient
+with p = Σ_{n,a} (x̃[n, a + ·] − s) and G = Σ_{n,a} (x̃[n, a + ·] − s)(x̃[n, a + ·] − s)ᵀ over the
+N = B·H'·W' convolution outputs, s the padded input's mean (:func:`patch_moments`, float64; the
+running statistics get μ and the unbiased N/(N − 1)·σ²), so BN(z) = γ(z − μ)/√(σ² + ε) + β =
+a·(w·patch + b − μ) + β with a = γ/√(σ² + ε) is the pass with weights a·w and bias a·(b − μ) + β.
+Backward, the block's gradient
 dy is g at the pooled maxima and 0 elsewhere, so with T = Σ dy·patch and S₁ = Σ dy (the pass's
 own weight and bias gradients) and x̂ = (z − μ)/√(σ² + ε),
 
     ∂L/∂β = S₁,   ∂L/∂γ = S₂ = Σ dy·x̂ = (w·T + (b − μ)·S₁)/√(σ² + ε),
-    ∂L/∂w = s·(T − (S₁/N)·p − (S₂/N)·Σ x̂·patch),   Σ x̂·patch = (G w + (b − μ)·p)/√(σ² + ε),
-    ∂L/∂b = s·(S₁ − S₁ − (S₂/N)·Σ x̂) = 0,
+    ∂L/∂w = a·(T − s·S₁ − (S₁/N)·p − (S₂/N)·Σ x̂·(patch − s)),
+    Σ x̂·(patch − s) = (G w − ((w·p)/N)·p)/√(σ² + ε),   ∂L/∂b = a·(S₁ − S₁ − (S₂/N)·Σ x̂) = 0,
 
-(BatchNorm's backward, dz = s·(dy − S₁/N − x̂·S₂/N), summed against each tap), all from T, S₁, p
-and G: the full-resolution convolution output, its normalisation and their gradients are never
-written. In evaluation the running statistics take the batch's place (dz = s·dy). The variance
-from the moments loses to cancellation a relative γ_n·(1 + μ²/σ²) where torch's two passes lose
-γ_n, in float64 here.
+(BatchNorm's backward, dz = a·(dy − S₁/N − x̂·S₂/N), summed against each tap; Σ dz = 0, so the
+shift s changes no sum), all from T, S₁, p and G: the full-resolution convolution output, its
+normalisation and their gradients are never written. In evaluation the running statistics take
+the batch's place (dz = a·dy). The variance from the centred moments loses to cancellation a
+relative γ_n·(1 + m²/σ²), m = (w·p)/N the mean of w·(patch − s), where torch's two passes lose γ_n;
+it is computed in float64.
 
 The batched engine (:mod:`~affdiv.experiments.runs.batched`) would otherwise run this block as a
 grouped convolution writing K·C full-resolution planes, a max-pool over them, and in
@@ -86,23 +88,26 @@ def fusable(conv: nn.Module, pool: nn.Module) -> bool:
 def first_block_length(layers: Sequence[nn.Module]) -> int:
     """How many of a model's first ``layers`` (the batched engine's order: a max-pool before the
     activation it follows) the pass computes as one block: 2 for a convolution and a max-pool that
-    :func:`fusable` takes, 3 for an ``nn.Conv2d``, an ``nn.BatchNorm2d`` (affine, with running
-    statistics and a momentum) and such a max-pool, else 0."""
+    :func:`fusable` takes, 3 for an ``nn.Conv2d`` of at most :data:`BATCH_NORM_MAX_TAPS` taps, an
+    ``nn.BatchNorm2d`` (affine, with running statistics and a momentum) and such a max-pool, else 0."""
     if len(layers) > 1 and fusable(layers[0], layers[1]):
         return 2
-    if len(layers) > 2 and type(layers[0]) is nn.Conv2d and fusable(layers[0], layers[2]):
+    if len(layers) > 2 and type(layers[0]) is nn.Conv2d and fusable(layers[0], layers[2]) \
+            and layers[0].kernel_size[0] * layers[0].kernel_size[1] <= BATCH_NORM_MAX_TAPS:
         bn = layers[1]
         if type(bn) is nn.BatchNorm2d and bn.affine and bn.track_running_stats and bn.momentum is not None:
             return 3
     return 0
 
 
-def usable(x: Tensor, weight: Tensor, bias: Tensor | None, padding: tuple[int, int], *more: Tensor) -> bool:
-    """Whether :func:`conv_max_pool` may take this call: the mode allows the compiled passes
-    (``_fused.eager_kernels_allowed``; a graph may be recorded: the pass is its own autograd
-    Function); x (K, B, 1, H, W), weight (K, C, 1, kh, kw) with kh·kw at most
-    ``_fused.CONV_POOL_MAX_TAPS``, bias (K, C) or None, plain CPU tensors of one float32/float64
-    dtype; the input not requiring a gradient; at least one pooled row and column."""
+def usable(x: Tensor, weight: Tensor, bias: Tensor | None, padding: tuple[int, int], *batch_norm: Tensor) -> bool:
+    """Whether :func:`conv_max_pool` (or, given a BatchNorm2d's stacked weight, bias and running
+    statistics as ``batch_norm``, :func:`conv_batch_norm_max_pool`) may take this call: the mode
+    allows the compiled passes (``_fused.eager_kernels_allowed``; a graph may be recorded: the pass
+    is its own autograd Function); x (K, B, 1, H, W), weight (K, C, 1, kh, kw) with kh·kw at most
+    ``_fused.CONV_POOL_MAX_TAPS``, bias and each of ``batch_norm`` (K, C) or None, plain CPU
+    tensors of one float32/float64 dtype; the input not requiring a gradient; at least one pooled
+    row and column."""
     if not _fused.eager_kernels_allowed():
         return False
     if x.dim() != 5 or x.shape[2] != 1 or weight.dim() != 5 or weight.shape[0] != x.shape[0] or weight.shape[2] != 1:
@@ -110,11 +115,11 @@ def usable(x: Tensor, weight: Tensor, bias: Tensor | None, padding: tuple[int, i
     (kh, kw), (ph, pw) = weight.shape[3:], padding
     if kh * kw > _fused.CONV_POOL_MAX_TAPS or min(x.shape[3] + 2 * ph - kh, x.shape[4] + 2 * pw - kw) < 1:
         return False  # (a convolution output of one row or column has no pooled row or column)
-    if bias is not None and bias.shape != weight.shape[:2]:
+    if any(t is not None and t.shape != weight.shape[:2] for t in (bias, *batch_norm)):
         return False
     return (x.dtype in (torch.float32, torch.float64) and not x.requires_grad
-            and all(t is None or (_fused.plain(t) and t.is_cpu and t.dtype in (x.dtype, torch.long))
-                    for t in (x, weight, bias, *more)))
+            and all(t is None or (_fused.plain(t) and t.is_cpu and t.dtype == x.dtype)
+                    for t in (x, weight, bias, *batch_norm)))
 
 
 def conv_max_pool(x: Tensor, weight: Tensor, bias: Tensor | None, padding: tuple[int, int],
@@ -196,14 +201,27 @@ class ConvMaxPool(torch.autograd.Function):
         return None, dw, db, None, None, None
 
 
-def patch_moments(xp: Tensor, kernel: tuple[int, int]) -> tuple[Tensor, Tensor, int]:
-    """(p, G, N) of each model's patches over its batch: p (K, kh·kw) = Σ_{n,a} x̃[n, a + ·] and
-    G (K, kh·kw, kh·kw) = Σ_{n,a} x̃[n, a + ·] x̃[n, a + ·]ᵀ over the N = B·H'·W' convolution
-    outputs a of the padded input xp (K, B, Hq, Wq), in float64."""
-    models, batch, hq, wq = xp.shape
-    patches = F.unfold(xp.reshape(models * batch, 1, hq, wq).double(), kernel)  # (K·B, taps, H'·W')
-    patches = patches.view(models, batch, *patches.shape[1:]).transpose(1, 2).flatten(2)  # (K, taps, N)
-    return patches.sum(2), torch.bmm(patches, patches.transpose(1, 2)), patches.shape[2]
+#: The most taps (kh·kw) a first block with a BatchNorm2d takes: its moments cost taps·(taps + 1)/2
+#: products of the input (:func:`patch_moments`), more than the unfused block's beyond 3×3.
+BATCH_NORM_MAX_TAPS = 9
+
+
+def patch_moments(xp: Tensor, kernel: tuple[int, int], shift: Tensor) -> tuple[Tensor, Tensor, int]:
+    """(p, G, N) of each model's patches of x̃ − shift over its batch, in float64: p (K, kh·kw) =
+    Σ_{n,a} (x̃[n, a + ·] − shift) and G (K, kh·kw, kh·kw) = Σ_{n,a} (x̃[n, a + ·] − shift)(…)ᵀ over
+    the N = B·H'·W' convolution outputs a of the padded input xp (K, B, Hq, Wq), ``shift`` (K,)
+    per model. Each tap's inputs are a shifted view of xp, so G is the views' pairwise products
+    summed (no patch matrix is written)."""
+    kh, kw = kernel
+    rows, cols = xp.shape[2] - kh + 1, xp.shape[3] - kw + 1
+    centred = xp.double() - shift.view(-1, 1, 1, 1)
+    views = [centred[:, :, i:i + rows, j:j + cols] for i in range(kh) for j in range(kw)]
+    sums = torch.stack([view.sum((1, 2, 3)) for view in views], 1)
+    gram = sums.new_empty(xp.shape[0], len(views), len(views))
+    for t, one in enumerate(views):
+        for u in range(t, len(views)):
+            gram[:, t, u] = gram[:, u, t] = (one * views[u]).sum((1, 2, 3))
+    return sums, gram, xp.shape[1] * rows * cols
 
 
 class ConvBatchNormMaxPool(torch.autograd.Function):
@@ -217,13 +235,16 @@ class ConvBatchNormMaxPool(torch.autograd.Function):
         xp = _pass_input(x, padding)
         w = weight.reshape(models, channels, kh * kw).double()
         b = torch.zeros(models, channels, dtype=torch.float64) if bias is None else bias.double()
-        sums = gram = None
-        if training:  # the batch's moments of z = w·patch + b, from the patches' (module docstring)
-            sums, gram, count = patch_moments(xp, (kh, kw))
-            wp = torch.bmm(w, sums.unsqueeze(2)).squeeze(2)  # w·p
-            mean = wp / count + b
-            second = torch.einsum("kct,kts,kcs->kc", w, gram, w) / count + 2 * b * wp / count + b * b
-            var = (second - mean * mean).clamp_min(0)
+        shift = sums = gram = centred = None
+        if training:  # the batch's moments of z = w·patch + b (module docstring), from those of the
+            # patches about the input's mean: z = w·(patch − shift) + b + shift·Σw, so that the
+            # variance, E[(w·(patch − shift))²] − E[w·(patch − shift)]², cancels only what the
+            # centred input's moments do
+            shift = xp.mean((1, 2, 3), dtype=torch.float64)
+            sums, gram, count = patch_moments(xp, (kh, kw), shift)
+            centred = torch.bmm(w, sums.unsqueeze(2)).squeeze(2) / count  # E[w·(patch − shift)]
+            mean = centred + b + shift.unsqueeze(1) * w.sum(2)
+            var = (torch.einsum("kct,kts,kcs->kc", w, gram, w) / count - centred * centred).clamp_min(0)
             running_mean.mul_(1 - momentum).add_(momentum * mean.to(running_mean.dtype))
             running_var.mul_(1 - momentum).add_(momentum * (var * count / max(count - 1, 1)).to(running_var.dtype))
             ctx.count = count
@@ -236,19 +257,21 @@ class ConvBatchNormMaxPool(torch.autograd.Function):
         keep = any(ctx.needs_input_grad[1:5])
         out, argmax = _fused.conv_pool(xp, wt, flat_bias, channels, (kh, kw), False, keep_argmax=keep, relu=relu)
         if keep:
-            ctx.save_for_backward(xp, argmax, w, b, mean, inv, scale, sums, gram)
+            ctx.save_for_backward(xp, argmax, w, b, mean, inv, scale, shift, sums, gram, centred)
         ctx.weight_shape, ctx.training = weight.shape, training
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: Tensor):
-        xp, argmax, w, b, mean, inv, scale, sums, gram = ctx.saved_tensors
+        xp, argmax, w, b, mean, inv, scale, shift, sums, gram, centred = ctx.saved_tensors
         t, s1 = _pass_gradients(xp, grad, argmax, ctx.weight_shape, False, True)  # Σ dy·patch, Σ dy
         t, s1 = t.double(), s1.double()
         s2 = ((w * t).sum(2) + (b - mean) * s1) * inv  # Σ dy·x̂, x̂ = (z − mean)·inv
-        if ctx.training:  # dz = scale·(dy − Σdy/N − x̂·Σ(dy·x̂)/N), summed against each tap
-            x_hat_patch = (torch.bmm(w, gram) + (b - mean).unsqueeze(2) * sums.unsqueeze(1)) * inv.unsqueeze(2)
+        if ctx.training:  # dz = scale·(dy − Σdy/N − x̂·Σ(dy·x̂)/N), summed against each tap of the
+            # centred patches (the same sums: Σ dz = 0), x̂ = (w·(patch − shift) − centred)·inv
+            t = t - shift.view(-1, 1, 1) * s1.unsqueeze(2)
+            x_hat_patch = (torch.bmm(w, gram) - centred.unsqueeze(2) * sums.unsqueeze(1)) * inv.unsqueeze(2)
             dw = scale.unsqueeze(2) * (t - (s1 / ctx.count).unsqueeze(2) * sums.unsqueeze(1)
                                        - (s2 / ctx.count).unsqueeze(2) * x_hat_patch)
             db = torch.zeros_like(s1)  # Σ dz = 0: BatchNorm removes the bias

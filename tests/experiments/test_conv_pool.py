@@ -17,6 +17,7 @@ it passes no gradient both implementations drop the same terms (a pooled value w
 
 from __future__ import annotations
 
+import itertools
 import unittest.mock
 
 import pytest
@@ -409,9 +410,21 @@ def test_the_batch_norm_pass_is_the_block_model_by_model(block, training):
         pairs.append((b1.grad, b2.grad))
         if training:  # BatchNorm removes the bias: its gradient is 0, exactly here, within rounding there
             assert torch.equal(b1.grad, torch.zeros_like(b1.grad))
+    # Each gradient is a sum of terms a·dy·x̃, a·(Σdy/N)·x̃ and a·x̂·(Σdy·x̂/N)·x̃ (or dy·x̂, dy): their
+    # absolute values sum to at most Σ|g|·(1 + max|x̃|)·(1 + max a)·(2 + max|x̂|), the scale the
+    # rounding is relative to (a gradient near 0 is a sum that cancelled).
+    z = torch.cat([F.conv2d(x[k], weight[k], None if bias is None else bias[k], padding=pad)
+                   for k in range(x.shape[0])], 1)
+    if training:
+        mean, var = z.mean((0, 2, 3)), z.var((0, 2, 3), unbiased=False)
+    else:
+        mean, var = bn["running_mean"].reshape(-1), bn["running_var"].reshape(-1)
+    inv = (var + 1e-5).rsqrt()
+    x_hat = (z - mean.view(1, -1, 1, 1)) * inv.view(1, -1, 1, 1)
+    a = bn["weight"].reshape(-1).abs() * inv
+    terms = float(g.abs().sum()) * (1 + float(x.abs().max())) * (1 + float(a.max())) * (2 + float(x_hat.abs().max()))
     for mine_grad, their_grad in pairs:
-        grad_scale = float(their_grad.abs().max()) + float(w2.grad.abs().max())
-        assert float((mine_grad - their_grad).abs().max()) <= tol * grad_scale
+        assert float((mine_grad - their_grad).abs().max()) <= tol * terms
 
 
 def test_the_batch_norm_pass_in_float32_is_the_block_within_its_rounding():
@@ -433,11 +446,11 @@ def test_batch_norm_gradcheck():
     x = torch.randn(2, 3, 1, 7, 6, generator=g, dtype=torch.float64)
     inputs = [torch.randn(2, 3, 1, 3, 3, generator=g, dtype=torch.float64, requires_grad=True)] + \
              [torch.randn(2, 3, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3)]
-    for training in (True, False):
-        def block(w, b, gamma_, beta, training=training):
+    for training, relu in itertools.product((True, False), (False, True)):
+        def block(w, b, gamma_, beta, training=training, relu=relu):
             bn = dict(weight=gamma_, bias=beta, running_mean=torch.zeros(2, 3, dtype=torch.float64),
                       running_var=torch.ones(2, 3, dtype=torch.float64))
-            return conv_pool.conv_batch_norm_max_pool(x, w, b, bn, (1, 1), 0.1, 1e-5, training, False)
+            return conv_pool.conv_batch_norm_max_pool(x, w, b, bn, (1, 1), 0.1, 1e-5, training, relu)
         assert torch.autograd.gradcheck(block, inputs)
 
 
@@ -475,3 +488,36 @@ def test_the_batched_cnn_runs_a_batch_norm_first_block_as_the_pass(monkeypatch):
     with _fused.disabled():
         ensemble.step(torch.arange(12).view(3, 4))
     assert calls == []
+
+
+def test_the_batch_norm_pass_centres_the_moments_of_an_offset_input():
+    # An input far from 0 (mean 1e4, spread 1; no padding): E[z²] − mean² of the raw patches would lose a
+    # relative γ_n·(mean/σ)² ≈ 1e-3 of the variance. The pass takes the moments about the padded
+    # input's mean, so it loses γ_n·(1 + m²/σ²) with m the mean of w·(patch − shift): the bound is
+    # that, with the convention's κ = 10², evaluated from the centred input.
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 6, 1, 10, 9, generator=g, dtype=torch.float64) + 1e4
+    weight, bias = torch.randn(2, 5, 1, 3, 3, generator=g, dtype=torch.float64), None
+    bn = dict(weight=torch.ones(2, 5, dtype=torch.float64), bias=torch.zeros(2, 5, dtype=torch.float64),
+              running_mean=torch.zeros(2, 5, dtype=torch.float64), running_var=torch.ones(2, 5, dtype=torch.float64))
+    got = conv_pool.conv_batch_norm_max_pool(x, weight, bias, {k: t.clone() for k, t in bn.items()}, (0, 0), 0.1,
+                                             1e-5, True, False)
+    want = reference_batch_norm(x, weight, bias, {k: t.clone() for k, t in bn.items()}, (0, 0), 0.1, 1e-5, True,
+                                False)
+    xp = x[:, :, 0]  # (no padding: a padded zero is data too, and would spread the centred input)
+    centred = (xp - xp.mean((1, 2, 3), keepdim=True)).unsqueeze(2)  # (K, B, 1, Hq, Wq)
+    z = torch.stack([F.conv2d(centred[k], weight[k]) for k in range(2)])  # w·(patch − shift)
+    m, var = z.mean((1, 3, 4)), z.var((1, 3, 4), unbiased=False)
+    n = x.shape[1] * z.shape[3] * z.shape[4] * 9
+    tol = 4 * gamma(n, torch.float64) * 100 * float((1 + m.square() / var).max())
+    assert float((got - want).abs().max()) <= tol * float(want.abs().max())
+
+
+def test_the_batch_norm_pass_refuses_statistics_it_cannot_take():
+    x, weight, pad = torch.randn(2, 3, 1, 6, 6), torch.randn(2, 4, 1, 3, 3), (1, 1)
+    stats = [torch.randn(2, 4) for _ in range(4)]
+    assert conv_pool.usable(x, weight, None, pad, *stats)
+    assert not conv_pool.usable(x, weight, None, pad, *stats[:3], torch.randn(2, 5))  # other channels
+    assert not conv_pool.usable(x, weight, None, pad, *stats[:3], torch.randn(2, 4).double())
+    assert not conv_pool.usable(x, weight, None, pad, *stats[:3], torch.zeros(2, 4, dtype=torch.long))
+    assert not conv_pool.usable(x, weight.long(), None, pad)  # (an integer weight, too)

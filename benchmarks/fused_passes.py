@@ -1,0 +1,102 @@
+"""What each of the stacked CNN's compiled passes buys in the training step, one pass at a time.
+
+    python benchmarks/fused_passes.py [--arms cnn conv+batchnorm] [--batch-sizes 16 64 256]
+                                      [--rounds 5] [--threads 1] [--json PATH]
+
+For a CNN arm of the training roofline (``stacked_training.ARMS``) at each batch size, with as
+many stacked models as the roofline holds, the stacked engine is built twice: as it is, and with
+one pass routed off (the first block, ``experiments.runs.conv_pool``, or the later max-pools with
+their ReLU, ``experiments.runs.pool_relu``), so that those layers run as the batched engine runs
+them unfused; every other pass stays on in both. Their SGD steps are timed in interleaved rounds
+(each model its own shuffle, as in ``stacked_training``); the printed figure is the median over
+rounds of the paired ratio without / with the pass (above 1: the pass makes the step faster).
+Both engines train the same models, so the figure is of the step alone, not of a study.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from affdiv.atomic import atomic_write, check_writable_file
+from affdiv.experiments.data.dataset import load_dataset
+from affdiv.experiments.runs import conv_pool, pool_relu
+from affdiv.experiments.runs.config import RunConfig
+from affdiv.experiments.runs.ensembles import member_bytes
+from affdiv.experiments.runs.options import DEFAULT_ENSEMBLE_MEMORY
+from affdiv.experiments.runs.sweep import keep_freed_memory
+from affdiv.experiments.runs.training import build_member, stacked_engine
+from affdiv.provenance import provenance
+
+sys.path.insert(0, str(Path(__file__).parent))
+from stacked_training import ARMS, CELL, _engine, _time_steps  # noqa: E402  (the roofline's arms and engines)
+
+#: The passes, each as the routing function that, patched to say "no", sends its layers unfused.
+PASSES = {"first block": (conv_pool, "first_block_length", lambda layers: 0),
+          "later pools": (pool_relu, "is_pool_2x2", lambda pool: False)}
+
+
+def measure(arm: str, batch: int, data, rounds: int) -> list[dict]:
+    """A row per pass: the step's ms with and without it, and the median paired ratio."""
+    settings, _sizes = ARMS[arm]
+    config = RunConfig(dataset="fashion-mnist", batch_size=batch, seed=0, **settings)
+    models = max(1, min(CELL, DEFAULT_ENSEMBLE_MEMORY // member_bytes(config, data.input_shape, data.num_classes)))
+    kind = stacked_engine(build_member(config, data, 0))
+    steps = max(2, 400 // batch)
+    rows = []
+    for name, (module, routing, off) in PASSES.items():
+        with_pass, orders = _engine(kind, config, data, models)
+        real = getattr(module, routing)
+        setattr(module, routing, off)
+        try:
+            without, _orders = _engine(kind, config, data, models)
+        finally:
+            setattr(module, routing, real)
+        times = {"with": [], "without": []}
+        for engine in (with_pass, without):
+            _time_steps(engine, orders, batch, 2, 0)
+        for r in range(rounds):
+            for label, engine in (("with", with_pass), ("without", without)):
+                times[label].append(_time_steps(engine, orders, batch, steps, 2 + r * steps) / steps * 1000)
+        ratios = [b / a for a, b in zip(times["with"], times["without"])]
+        rows.append({"arm": arm, "batch_size": batch, "stacked_models": models, "pass": name,
+                     "with_ms_per_step": statistics.median(times["with"]),
+                     "without_ms_per_step": statistics.median(times["without"]),
+                     "without_over_with": statistics.median(ratios), "rounds": ratios})
+        print(f"{arm:15s} B={batch:<5d} K={models:<3d} {name:12s} with {rows[-1]['with_ms_per_step']:8.1f} ms  "
+              f"without {rows[-1]['without_ms_per_step']:8.1f} ms  without/with {rows[-1]['without_over_with']:.3f}",
+              flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    cnn_arms = [arm for arm, (settings, _sizes) in ARMS.items() if settings["method"] in ("conv", "conv+batchnorm",
+                                                                                          "patchnorm")]
+    parser.add_argument("--arms", nargs="+", choices=cnn_arms, default=cnn_arms)
+    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[16, 64, 256])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", help="write the rows and provenance here")
+    args = parser.parse_args(argv)
+    if args.rounds < 1 or args.threads < 1 or min(args.batch_sizes) < 1:
+        parser.error("--rounds, --threads and every batch size must be at least 1")
+    if args.json:
+        check_writable_file(args.json, "--json")
+    torch.set_num_threads(args.threads)
+    keep_freed_memory()
+    data = load_dataset("fashion-mnist")
+    rows = [row for arm in args.arms for batch in args.batch_sizes for row in measure(arm, batch, data, args.rounds)]
+    if args.json:
+        atomic_write(args.json, json.dumps({"rows": rows, "provenance": provenance(threads=args.threads,
+                                                                                    rounds=args.rounds)}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
