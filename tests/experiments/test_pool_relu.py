@@ -155,3 +155,13 @@ def test_the_batched_cnn_runs_its_later_pools_as_the_pass(method, activation, re
     with _fused.disabled():
         ensemble.step(torch.arange(12).view(3, 4))
     assert calls == []
+
+
+def test_a_value_the_relu_stops_keeps_no_window_position():
+    # (the C passes' POOL_NO_GRADIENT: no window position, so no element of the input gets its g)
+    x = torch.tensor([[[[-1.0, -2.0], [-3.0, 0.0]]], [[[1.0, 2.0], [3.0, 4.0]]]]).contiguous(
+        memory_format=torch.channels_last)
+    out, which = _fused.max_pool2(x, True, keep_which=True)
+    assert which.flatten().tolist() == [_fused.POOL_NO_GRADIENT, 3] and out.flatten().tolist() == [0.0, 4.0]
+    _out, which = _fused.max_pool2(x, False, keep_which=True)
+    assert which.flatten().tolist() == [3, 3]  # without the ReLU: the maximum's position, 0 at (1, 1)
