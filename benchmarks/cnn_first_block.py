@@ -13,9 +13,9 @@ size, with as many stacked models as the roofline holds (at most 48):
   block (its convolution, forward and backward, and its max-pool, forward and backward) summed
   apart, and the step's convolution FLOPs, the first block's share of them;
 * **the first block alone**, fused (``experiments.runs.conv_pool``) against the same block as the
-  batched engine runs it unfused (a grouped convolution, then ``max_pool2d``), forward + backward
-  on the step's own shapes, rounds interleaved: the median over rounds of the paired ratio
-  (unfused / fused).
+  batched engine runs it unfused (a grouped convolution, then ``max_pool2d`` and the ReLU after it),
+  forward + backward on the step's own shapes, rounds interleaved: the median over rounds of the
+  paired ratio (unfused / fused).
 
 The dispatch mode takes the step off the fused pass (a mode would not see it), so the op-by-op
 table is of the unfused step, which is what it is for.
@@ -37,14 +37,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from affdiv.experiments.data.dataset import load_dataset
 from affdiv.experiments.runs.config import RunConfig
-from affdiv.experiments.runs.ensembles import member_bytes
-from affdiv.experiments.runs.options import DEFAULT_ENSEMBLE_MEMORY
 from affdiv.experiments.runs.sweep import keep_freed_memory
 from affdiv.experiments.runs.training import build_member, stacked_engine
 from affdiv.provenance import provenance
 
 sys.path.insert(0, str(Path(__file__).parent))
-from stacked_training import ARMS, CELL, CONV_OPS, _engine  # noqa: E402  (the roofline's arm and engine)
+from stacked_training import ARMS, CONV_OPS, _engine, cell_models  # noqa: E402  (the roofline's arm and engine)
 
 
 class OpTimer(TorchDispatchMode):
@@ -160,7 +158,7 @@ def main(argv=None) -> int:
     for batch in args.batch_sizes:
         settings = {**ARMS["cnn"][0], "method": args.method}
         config = RunConfig(dataset="fashion-mnist", batch_size=batch, seed=0, **settings)
-        models = max(1, min(CELL, DEFAULT_ENSEMBLE_MEMORY // member_bytes(config, data.input_shape, data.num_classes)))
+        models = cell_models(config, data)
         engine, orders = _engine(stacked_engine(build_member(config, data, 0)), config, data, models)
         if type(engine.layers[0][1]) is not torch.nn.Sequential:  # (batched_layers' entry of a fused block)
             parser.error(f"the {args.method} CNN's first block does not fuse here")

@@ -27,14 +27,12 @@ from affdiv.atomic import atomic_write, check_writable_file
 from affdiv.experiments.data.dataset import load_dataset
 from affdiv.experiments.runs import conv_pool, pool_relu
 from affdiv.experiments.runs.config import RunConfig
-from affdiv.experiments.runs.ensembles import member_bytes
-from affdiv.experiments.runs.options import DEFAULT_ENSEMBLE_MEMORY
 from affdiv.experiments.runs.sweep import keep_freed_memory
 from affdiv.experiments.runs.training import build_member, stacked_engine
 from affdiv.provenance import provenance
 
 sys.path.insert(0, str(Path(__file__).parent))
-from stacked_training import ARMS, CELL, _engine, _time_steps  # noqa: E402  (the roofline's arms and engines)
+from stacked_training import ARMS, _engine, _time_steps, cell_models  # noqa: E402  (the roofline's arms and engines)
 
 #: The passes, each as the routing function that, patched to say "no", sends its layers unfused.
 PASSES = {"first block": (conv_pool, "first_block_length", lambda layers: 0),
@@ -45,12 +43,12 @@ def measure(arm: str, batch: int, data, rounds: int) -> list[dict]:
     """A row per pass: the step's ms with and without it, and the median paired ratio."""
     settings, _sizes = ARMS[arm]
     config = RunConfig(dataset="fashion-mnist", batch_size=batch, seed=0, **settings)
-    models = max(1, min(CELL, DEFAULT_ENSEMBLE_MEMORY // member_bytes(config, data.input_shape, data.num_classes)))
+    models = cell_models(config, data)
     kind = stacked_engine(build_member(config, data, 0))
     steps = max(2, 400 // batch)
+    with_pass, orders = _engine(kind, config, data, models)
     rows = []
     for name, (module, routing, off) in PASSES.items():
-        with_pass, orders = _engine(kind, config, data, models)
         real = getattr(module, routing)
         setattr(module, routing, off)
         try:
@@ -58,8 +56,7 @@ def measure(arm: str, batch: int, data, rounds: int) -> list[dict]:
         finally:
             setattr(module, routing, real)
         times = {"with": [], "without": []}
-        for engine in (with_pass, without):
-            _time_steps(engine, orders, batch, 2, 0)
+        _time_steps(without, orders, batch, 2, 0)
         for r in range(rounds):
             for label, engine in (("with", with_pass), ("without", without)):
                 times[label].append(_time_steps(engine, orders, batch, steps, 2 + r * steps) / steps * 1000)

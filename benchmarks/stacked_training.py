@@ -106,6 +106,12 @@ FLOOR_TARGET = 1.5
 CONV_OPS = ("convolution", "convolution_backward")
 
 
+def cell_models(config, data) -> int:
+    """How many of a cell's models one stacked ensemble holds: as many as fit the default ensemble
+    memory (``ensembles.member_bytes``), at least 1 and at most the cell's 48."""
+    return max(1, min(CELL, DEFAULT_ENSEMBLE_MEMORY // member_bytes(config, data.input_shape, data.num_classes)))
+
+
 def _engine(kind, config, data, models: int):
     """The first ``models`` of the cell's 48 (seed, lr) models as an engine, and their shuffles."""
     members = [(seed, lr) for seed in range(CELL // len(LRS)) for lr in LRS][:models]
@@ -244,8 +250,7 @@ def measure(arm: str, batch: int, data, rounds: int, seconds: float, members: in
     engine without the compiled passes if ``plain``)."""
     settings, _sizes = ARMS[arm]
     config = RunConfig(dataset="fashion-mnist", batch_size=batch, seed=0, **settings)
-    fit = DEFAULT_ENSEMBLE_MEMORY // member_bytes(config, data.input_shape, data.num_classes)
-    stacked_models = members or max(1, min(CELL, fit))
+    stacked_models = members or cell_models(config, data)
     probe = build_member(config, data, 0)
     kinds = {"alone": (OneAtATime, ONE_AT_A_TIME_MODELS),
              "stacked": (stacked_engine(probe), stacked_models)}

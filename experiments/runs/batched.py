@@ -267,8 +267,8 @@ def _first_block(modules: Sequence[nn.Module], relu: bool) -> Layer:
     patchnorm = type(conv) is not nn.Conv2d
 
     def layer(x: Tensor, p: Stacked, k: int, training: bool) -> Tensor:
-        bn = {key[2:]: t for key, t in p.items() if key.startswith("1.")}
-        statistics = [bn[key] for key in ("weight", "bias", "running_mean", "running_var") if key in bn]
+        bn = {key[2:]: t for key, t in p.items() if key.startswith("1.")} if batch_norm else {}
+        statistics = [bn[key] for key in ("weight", "bias", "running_mean", "running_var")] if batch_norm else []
         if conv_pool.usable(x, p["weight"], p.get("bias"), conv.padding, *statistics):
             if normalise is None:
                 return conv_pool.conv_max_pool(x, p["weight"], p.get("bias"), conv.padding, patchnorm, relu)

@@ -295,20 +295,25 @@ def test_calls_the_pass_cannot_take_are_refused():
         assert not conv_pool.usable(x, weight, None, pad)
 
 
-@pytest.mark.parametrize("method", ["conv", "patchnorm"])
-def test_the_batched_cnn_runs_its_first_block_as_the_pass(method, monkeypatch):
+@pytest.mark.parametrize("method, names", [
+    ("conv", ["0", "3", "5", "6", "7", "8"]),  # conv 0, pool 2 and relu 1 as one; pool 5 and relu 4
+    ("patchnorm", ["0", "3", "5", "6", "7", "8"]),
+    ("conv+batchnorm", [("0", "1"), "4", "5", "7", "8", "9", "10"]),  # conv 0, its BatchNorm 1, pool 3 and ReLU 2
+])
+def test_the_batched_cnn_runs_its_first_block_as_the_pass(method, names, monkeypatch):
     models = [build_model(method, input_shape=(1, 8, 8), num_classes=10, depth=2, width=4, activation="relu")
               for _ in range(3)]
-    names = [name for name, _module, _layer in batched_layers(models[0])]
-    assert names == ["0", "3", "5", "6", "7", "8"]  # conv 0, pool 2 and relu 1 as one; pool 5 and relu 4
+    assert [name for name, _module, _layer in batched_layers(models[0])] == names
     calls = []
     real = _fused.conv_pool
     monkeypatch.setattr(_fused, "conv_pool", lambda *a, **kw: calls.append(kw["keep_argmax"]) or real(*a, **kw))
     data = torch.rand(20, 1, 8, 8), torch.randint(0, 10, (20,))
     ensemble = BatchedEnsemble(models, "sgd", [0.1] * 3, [None] * 3, [data] * 3, [data] * 3)
+    tracked = {key: t.clone() for key, t in ensemble.buffers.items() if key.endswith("num_batches_tracked")}
     ensemble.step(torch.arange(12).view(3, 4))
+    assert all(torch.equal(ensemble.buffers[key], t + 1) for key, t in tracked.items())  # (each BatchNorm once)
     ensemble.evaluate()
-    assert calls and calls[0] is True and calls[-1] is False  # a step keeps the maxima, a check not
+    assert calls == [True, False]  # a step keeps the maxima, a check not
     calls.clear()
     with _fused.disabled():
         ensemble.step(torch.arange(12).view(3, 4))
@@ -467,27 +472,6 @@ def test_batch_norm_gradcheck():
 ])
 def test_which_first_blocks_fuse(layers, length):
     assert conv_pool.first_block_length(layers) == length
-
-
-def test_the_batched_cnn_runs_a_batch_norm_first_block_as_the_pass(monkeypatch):
-    models = [build_model("conv+batchnorm", input_shape=(1, 8, 8), num_classes=10, depth=2, width=4,
-                          activation="relu") for _ in range(3)]
-    names = [name for name, _module, _layer in batched_layers(models[0])]
-    assert names[:2] == [("0", "1"), "4"]  # conv 0, its BatchNorm 1, pool 3 and ReLU 2 as one
-    calls = []
-    real = _fused.conv_pool
-    monkeypatch.setattr(_fused, "conv_pool", lambda *a, **kw: calls.append(kw["keep_argmax"]) or real(*a, **kw))
-    data = torch.rand(20, 1, 8, 8), torch.randint(0, 10, (20,))
-    ensemble = BatchedEnsemble(models, "sgd", [0.1] * 3, [None] * 3, [data] * 3, [data] * 3)
-    tracked = ensemble.buffers["1.num_batches_tracked"].clone()
-    ensemble.step(torch.arange(12).view(3, 4))
-    assert torch.equal(ensemble.buffers["1.num_batches_tracked"], tracked + 1)
-    ensemble.evaluate()
-    assert calls == [True, False]  # a step keeps the maxima, a check not
-    calls.clear()
-    with _fused.disabled():
-        ensemble.step(torch.arange(12).view(3, 4))
-    assert calls == []
 
 
 def test_the_batch_norm_pass_centres_the_moments_of_an_offset_input():
