@@ -3,7 +3,7 @@
 1. The compiled parts, both optional (without a compiler the install still succeeds and the layers
    run their Python paths; ``affdiv.layers._fused.available()`` and ``_native.available()`` tell):
    the fused CPU passes of the corrected layers (layers/_fused_cpu.c), and the dense layers'
-   autograd nodes in C++ (layers/_dense_autograd.cpp), which compile against torch and so are
+   autograd nodes in C++ (layers/_autograd_nodes.cpp), which compile against torch and so are
    built by torch's ``BuildExtension``, with the torch of the build environment (pyproject.toml's
    build requirements; a build without isolation uses the installed one, which the extension then
    matches).
@@ -87,7 +87,7 @@ def extensions() -> tuple[list, type]:
               "the layers will run their Python autograd Functions", file=sys.stderr)
         return [fused], build_ext
     native = CppExtension(
-        "affdiv.layers._dense_autograd", sources=["layers/_dense_autograd.cpp"], depends=["layers/_fused_cpu.h"],
+        "affdiv.layers._autograd_nodes", sources=["layers/_autograd_nodes.cpp"], depends=["layers/_fused_cpu.h"],
         extra_compile_args=["-O3"], optional=True,
     )
     return [fused, native], BuildExtension.with_options(use_ninja=False)

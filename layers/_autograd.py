@@ -18,15 +18,17 @@ closed form (gradcheck, gradgradcheck), central finite differences and the naive
 jvp, in float64. The jvp formulas hold where ‖x‖² is finite in x's dtype (as the backward's).
 Inputs are already validated and 2-D (rows) or (N, C, *spatial) by ``functional``.
 
-AffineLikeFunction and NormLikeFunction have C++ twins (``_dense_autograd.cpp``, loaded by
+AffineLikeFunction and NormLikeFunction have C++ twins (``_autograd_nodes.cpp``, loaded by
 ``_native``), which plain eager CPU calls take: the same branches and the same ops in the same
 order, so a change to the formulas here must be made there too (the tests compare them bit for
-bit).
+bit). So has PatchNormConvFunction's fused branch (plain eager CPU 2-D convolutions whose squares
+sum finitely): the node's backward calls ``patchnorm_conv_grads`` for every other case.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -334,7 +336,6 @@ class PatchNormConvFunction(Function):
         ctx.save_for_backward(x, weight, r, bias, saved_z)
         ctx.save_for_forward(x, weight, r, bias, saved_z)
         ctx.geometry = (stride, padding, dilation, groups)
-        ctx.bias_shape = None if bias is None else list(bias.shape)
         ctx.set_materialize_grads(False)
 
     @staticmethod
@@ -363,54 +364,65 @@ class PatchNormConvFunction(Function):
     @staticmethod
     def backward(ctx, grad_z, grad_r):
         x, weight, r, bias, z = ctx.saved_tensors
-        stride, padding, dilation, groups = ctx.geometry
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
         held, ctx.held_output = ctx.held_output, None  # released at the first backward
-        if grad_z is None or not need_x:
-            z = None  # (z is needed for dx only)
-        elif z is None and held is not None and held.unchanged() and not torch.is_grad_enabled():
+        if z is None and held is not None and held.unchanged() and not torch.is_grad_enabled():
             z = held.tensor
-        elif z is None:  # recompute=True, z modified in place or released, or a graph being built
-            z = apply_patchnorm_conv(x, weight, bias, stride, padding, dilation, groups, True)[0]
-        dx = dw = db = None
-        dsq2 = None  # 2·boxᵀ(ds): dx gets x·dsq2, per group
-        dx_buffer = None  # set when the convolution runs channels_last: where dx is written back
-        if grad_z is not None:
-            fused = grad_r is None and _fused.usable(r)
-            if fused:
-                layout = _fused.layout_of(grad_z if z is None else z)
-                grad_z = grad_z.contiguous(memory_format=layout)  # (a no-op unless the consumer's layout differs)
-                fused = _fused.usable(grad_z, z, memory_format=layout)
-            x_conv = x
-            if fused and (need_x or need_w) and _channels_last_backward(x, layout):  # gy and x transposed in the passes
-                gy, e = _fused.scale_and_dot(grad_z, z, r, groups, with_dot=need_x, to_channels_last=True)
-                dx_buffer = torch.empty_like(x)  # x channels_last now (only dW reads it), dx later
-                x_conv = _fused.channels_last_copy(x, dx_buffer) if need_w else _fused.channels_last_view(dx_buffer)
-            elif fused:  # one pass for gy and e = 2·ds
-                gy, e = _fused.scale_and_dot(grad_z, z, r, groups, with_dot=need_x)
-            else:
-                gy = _per_group(grad_z, r.to(grad_z.dtype), groups)
-            dx, dw, db = torch.ops.aten.convolution_backward(
-                gy, x_conv, weight, ctx.bias_shape, stride, padding, dilation,
-                False, _zeros(x), groups, [need_x, need_w, need_b and ctx.bias_shape is not None],
-            )
-            if dx_buffer is not None and dw is not None:  # (oneDNN returns it channels_last)
-                dw = dw.contiguous(memory_format=_fused.layout_of(weight))
-            if need_x and fused:
-                dsq2 = _fused.box_transpose(e, x.shape[2:], weight.shape[2:], stride, padding, dilation)
-            elif need_x:
-                ds = -0.5 * r * r * _by_group(grad_z * z, groups).sum(2, dtype=accumulation_dtype(x.dtype))
-                if grad_r is not None:
-                    ds = ds - 0.5 * r * r * r * grad_r
-                dsq2 = _doubled_box_transpose(ds, x, weight.shape[2:], stride, padding, dilation)
-        elif grad_r is not None and need_x:
-            dsq2 = _doubled_box_transpose(-0.5 * r * r * r * grad_r, x, weight.shape[2:], stride, padding, dilation)
-        if dsq2 is not None and dx_buffer is not None:  # dx = dx_cl + x·dsq2, back in x's layout
-            dx_rows = dx.contiguous(memory_format=torch.channels_last)  # (a no-op: oneDNN keeps the layout)
-            dx = _fused.group_update_from_channels_last(dx_rows, dsq2, groups, src=x, out=dx_buffer)
-        elif dsq2 is not None:
-            dx = _add_radial(dx, x, dsq2, groups)
+        dx, dw, db = patchnorm_conv_grads(x, weight, r, bias, z, grad_z, grad_r, ctx.geometry, ctx.needs_input_grad[:3])
         return dx, dw, db, None, None, None, None, None
+
+
+def patchnorm_conv_grads(x: Tensor, weight: Tensor, r: Tensor, bias: Tensor | None, z: Tensor | None,
+                         grad_z: Tensor | None, grad_r: Tensor | None, geometry: tuple, needs: Sequence[bool]):
+    """(dx, dW, db) of PatchNormConvFunction (its docstring has the math) at (grad_z, grad_r), each
+    None unless ``needs`` (x, weight, bias) asks for it; z is the layer's output as saved or held
+    (None: computed again where needed); geometry is (stride, padding, dilation, groups). Also the
+    backward of the C++ node (``_native``) where its fused branch does not serve."""
+    stride, padding, dilation, groups = geometry
+    need_x, need_w, need_b = needs
+    bias_shape = None if bias is None else list(bias.shape)
+    if grad_z is None or not need_x:
+        z = None  # (z is needed for dx only)
+    elif z is None:  # recompute=True, z modified in place or released, or a graph being built
+        z = apply_patchnorm_conv(x, weight, bias, stride, padding, dilation, groups, True)[0]
+    dx = dw = db = None
+    dsq2 = None  # 2·boxᵀ(ds): dx gets x·dsq2, per group
+    dx_buffer = None  # set when the convolution runs channels_last: where dx is written back
+    if grad_z is not None:
+        fused = grad_r is None and _fused.usable(r)
+        if fused:
+            layout = _fused.layout_of(grad_z if z is None else z)
+            grad_z = grad_z.contiguous(memory_format=layout)  # (a no-op unless the consumer's layout differs)
+            fused = _fused.usable(grad_z, z, memory_format=layout)
+        x_conv = x
+        if fused and (need_x or need_w) and _channels_last_backward(x, layout):  # gy and x transposed in the passes
+            gy, e = _fused.scale_and_dot(grad_z, z, r, groups, with_dot=need_x, to_channels_last=True)
+            dx_buffer = torch.empty_like(x)  # x channels_last now (only dW reads it), dx later
+            x_conv = _fused.channels_last_copy(x, dx_buffer) if need_w else _fused.channels_last_view(dx_buffer)
+        elif fused:  # one pass for gy and e = 2·ds
+            gy, e = _fused.scale_and_dot(grad_z, z, r, groups, with_dot=need_x)
+        else:
+            gy = _per_group(grad_z, r.to(grad_z.dtype), groups)
+        dx, dw, db = torch.ops.aten.convolution_backward(
+            gy, x_conv, weight, bias_shape, stride, padding, dilation,
+            False, _zeros(x), groups, [need_x, need_w, need_b and bias_shape is not None],
+        )
+        if dx_buffer is not None and dw is not None:  # (oneDNN returns it channels_last)
+            dw = dw.contiguous(memory_format=_fused.layout_of(weight))
+        if need_x and fused:
+            dsq2 = _fused.box_transpose(e, x.shape[2:], weight.shape[2:], stride, padding, dilation)
+        elif need_x:
+            ds = -0.5 * r * r * _by_group(grad_z * z, groups).sum(2, dtype=accumulation_dtype(x.dtype))
+            if grad_r is not None:
+                ds = ds - 0.5 * r * r * r * grad_r
+            dsq2 = _doubled_box_transpose(ds, x, weight.shape[2:], stride, padding, dilation)
+    elif grad_r is not None and need_x:
+        dsq2 = _doubled_box_transpose(-0.5 * r * r * r * grad_r, x, weight.shape[2:], stride, padding, dilation)
+    if dsq2 is not None and dx_buffer is not None:  # dx = dx_cl + x·dsq2, back in x's layout
+        dx_rows = dx.contiguous(memory_format=torch.channels_last)  # (a no-op: oneDNN keeps the layout)
+        dx = _fused.group_update_from_channels_last(dx_rows, dsq2, groups, src=x, out=dx_buffer)
+    elif dsq2 is not None:
+        dx = _add_radial(dx, x, dsq2, groups)
+    return dx, dw, db
 
 
 class _HeldOutput:

@@ -71,6 +71,9 @@ from affdiv.layers._torch_internals import (
 )
 
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+#: The interface version this module is written for (``AFFDIV_FUSED_ABI`` of _fused_cpu.h): a
+#: library built from other sources is not loaded.
+FUSED_ABI = 1
 _MAX = {dtype: torch.finfo(dtype).max for dtype in _SUFFIX}
 _state = {"disabled": False}  # process-wide (``disabled`` is for tests and benchmarks)
 
@@ -82,7 +85,11 @@ def _load() -> ctypes.CDLL | None:
     if spec is None or spec.origin is None:
         return None
     try:
-        return _declared(ctypes.CDLL(spec.origin))
+        lib = ctypes.CDLL(spec.origin)
+        lib.affdiv_fused_abi.restype = ctypes.c_int
+        if (abi := lib.affdiv_fused_abi()) != FUSED_ABI:
+            raise OSError(f"built with interface version {abi}, this is version {FUSED_ABI}")
+        return _declared(lib)
     except (OSError, AttributeError) as error:  # not loadable here, or a stale build: torch ops still work
         warnings.warn(f"affdiv.layers: the fused CPU kernels did not load ({error}); using torch ops", stacklevel=2)
         return None

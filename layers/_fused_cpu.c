@@ -1005,6 +1005,8 @@ DEFINE_CONV_POOL(double, f64, 4)
 DEFINE_MAX_POOL2(float, f32, 8)
 DEFINE_MAX_POOL2(double, f64, 4)
 
+int affdiv_fused_abi(void) { return AFFDIV_FUSED_ABI; }
+
 static struct PyModuleDef fused_cpu_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "_fused_cpu",

@@ -1,15 +1,21 @@
-"""The dense corrected layers' autograd nodes in C++ (``_dense_autograd.cpp``).
+"""The corrected layers' autograd nodes in C++ (``_autograd_nodes.cpp``).
 
 A Python ``autograd.Function`` costs a small layer's call more than its arithmetic: an identity
 Function after ``nn.Linear`` alone takes 1.1-1.35× the time of ``nn.Linear`` at batch 16 and 1.4×
 at batch 2 (see ``affdiv bench layers``). The extension defines AffineLikeFunction and
 NormLikeFunction of ``_autograd`` as C++ autograd nodes, branch for branch: the fused row passes of
-``_fused`` where those may run (the nodes bind them by name from the library ``_fused`` loaded),
-the plain-torch passes, op for op, elsewhere. So the same numbers to the bit as the Python
-Functions, double backward included. Two differences that change no number: a node's backward
-computes only the gradients the backward asks for (a Python Function's, those whose inputs
-required one at forward time), and it decides per call whether its row passes may run (by each
-tensor: no forward-mode tangent, not wrapped; it does not see ``_fused.disabled``).
+``_fused`` where those may run (the nodes bind them by name from the library ``_fused`` loaded, of
+the interface version they were compiled with), the plain-torch passes, op for op, elsewhere. So
+the same numbers to the bit as the Python Functions, double backward included. Two differences
+that change no number: a node's backward computes only the gradients the backward asks for (a
+Python Function's, those whose inputs required one at forward time), and it decides per call
+whether its passes may run (by each tensor: no forward-mode tangent, not wrapped; it does not see
+``_fused.disabled``).
+
+PatchNormConvFunction's fused branch is a node too (``patchnorm_conv``): a 2-D convolution (4-D
+x) that the Function would run on its fused passes without rescaling, with the same passes and
+convolutions, so the same numbers to the bit; its backward takes the fused branch where the
+Function's would and otherwise calls the Function's own (``_autograd.patchnorm_conv_grads``).
 
 The extension is optional (built at install where torch's headers and a C++ compiler are
 present) and tied to the torch it was compiled against: it is used only when that is the running
@@ -29,7 +35,7 @@ import importlib
 import importlib.util
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -40,6 +46,7 @@ from affdiv.layers._torch_internals import (
     forward_ad_active,
     functorch_transforms_active,
     is_compiling,
+    saved_tensors_hooks_active,
 )
 
 _state = {"disabled": False}  # process-wide (``disabled`` is for tests and benchmarks)
@@ -53,10 +60,10 @@ def _running_torch() -> tuple[int, int, int] | None:
 
 def _load():
     """The compiled module, or None where it was not built or was built for another torch."""
-    if importlib.util.find_spec("affdiv.layers._dense_autograd") is None:
+    if importlib.util.find_spec("affdiv.layers._autograd_nodes") is None:
         return None
     try:
-        module = importlib.import_module("affdiv.layers._dense_autograd")
+        module = importlib.import_module("affdiv.layers._autograd_nodes")
     except ImportError as error:  # (undefined symbols: compiled against another torch)
         warnings.warn(f"affdiv.layers: the C++ autograd nodes did not load ({error}); using the Python Functions",
                       stacklevel=2)
@@ -69,9 +76,9 @@ def _load():
             "--no-build-isolation to build them for this torch)", stacklevel=2,
         )
         return None
-    if _fused.available() and not module.bind_row_passes(_fused.library_path()):
-        warnings.warn("affdiv.layers: the C++ autograd nodes could not bind the fused row passes; they run "
-                      "their torch ops", stacklevel=2)
+    if _fused.available() and not module.bind_passes(_fused.library_path()):
+        warnings.warn("affdiv.layers: the C++ autograd nodes could not bind the fused passes (a library of "
+                      "another interface version?); they run their torch ops", stacklevel=2)
     return module
 
 
@@ -83,9 +90,10 @@ def available() -> bool:
     return _MODULE is not None
 
 
-def row_passes_bound() -> bool:
-    """Whether the C++ nodes have the fused row passes (else they run their torch ops)."""
-    return _MODULE is not None and _MODULE.row_passes_bound()
+def passes_bound() -> bool:
+    """Whether the C++ nodes have the fused passes (else the dense nodes run their torch ops and the
+    PatchNorm convolution's serves no call)."""
+    return _MODULE is not None and _MODULE.passes_bound()
 
 
 def disabled() -> contextlib.AbstractContextManager:
@@ -94,16 +102,16 @@ def disabled() -> contextlib.AbstractContextManager:
 
 
 @contextlib.contextmanager
-def without_row_passes() -> Iterator[None]:
-    """The C++ nodes take their plain-torch passes inside the block (for tests of that branch)."""
+def without_passes() -> Iterator[None]:
+    """The C++ nodes run without the fused passes inside the block (for tests of that branch)."""
     if _MODULE is None:
-        raise RuntimeError("without_row_passes: the C++ autograd nodes are not available")
-    _MODULE.bind_row_passes("")
+        raise RuntimeError("without_passes: the C++ autograd nodes are not available")
+    _MODULE.bind_passes("")
     try:
         yield
     finally:
         if _fused.available():
-            _MODULE.bind_row_passes(_fused.library_path())
+            _MODULE.bind_passes(_fused.library_path())
 
 
 def _servable(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
@@ -127,3 +135,15 @@ def norm_like(x: Tensor, weight: Tensor, bias: Tensor | None, k: float, eps: flo
     """z = q·(x Wᵀ) + b, q = k/max(‖x‖, eps) per row by the C++ node; None where it does not serve the
     call (see ``affine_like``)."""
     return _MODULE.norm_like(x, weight, bias, k, eps) if _servable(x, weight, bias) else None
+
+
+def patchnorm_conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Sequence[int], padding: Sequence[int],
+                   dilation: Sequence[int], groups: int) -> Tensor | None:
+    """z = r·(conv(x, W) + b), r = 1/√(‖P‖² + 1) per group and position, by the C++ node; None where
+    it does not serve the call (``_servable``; saved-tensor hooks active, which a held z would
+    escape; or, checked by the extension, x not 4-D, not all CPU tensors of x's dtype, float32 or
+    float64, not plain, the fused passes not bound or not usable on x, or some sample's squares
+    not finite: the Function's branches that rescale)."""
+    if not _servable(x, weight, bias) or saved_tensors_hooks_active():
+        return None
+    return _MODULE.patchnorm_conv(x, weight, bias, stride, padding, dilation, groups)

@@ -34,9 +34,9 @@ dense per-call cases also time a reference, "nn.Linear+Python Function": nn.Line
 identity autograd.Function whose forward and backward are Python. Its ratio to nn.Linear is about
 the least a layer written as a Python autograd.Function costs over nn.Linear at that size, whatever
 its arithmetic (about: it also pays a second module call and a ``view``, which a layer need not).
-Where the dense layers' C++ autograd nodes are built (``affdiv.layers._native``), every dense case
-also times AffineLike and NormLike(l2) on their Python Functions ("… (Python Function)", the path
-taken without the nodes), for information.
+Where the C++ autograd nodes are built (``affdiv.layers._native``), every dense case also times
+AffineLike and NormLike(l2), and every convolution case PatchNormConv2d, on their Python Functions
+("… (Python Function)", the path taken without the nodes), for information.
 """
 
 from __future__ import annotations
@@ -186,6 +186,8 @@ def conv_variants(c_in: int, c_out: int, k: int, backend: str | None,
         Variant("PatchNormConv2d", patch, "layer"),
         Variant("PatchNormConv2d(recompute)", recompute, "mode"),
     ]
+    if _native.available():
+        variants.append(Variant("PatchNormConv2d (Python Function)", patch, "mode", _native.disabled))
     if backend is not None:
         compiled = torch.compile(_Naive(patch, "patchnorm"), backend=backend)
         variants.append(Variant("compiled naive PatchNormConv2d", compiled, "compiled"))
@@ -201,6 +203,7 @@ OWN = {
     "NormLike(rms)": ("compiled naive NormLike(rms)", "nn.Linear"),
     "PatchNormConv2d": ("compiled naive PatchNormConv2d", "nn.Conv2d"),
     "PatchNormConv2d(recompute)": ("compiled naive PatchNormConv2d", "nn.Conv2d"),
+    "PatchNormConv2d (Python Function)": ("compiled naive PatchNormConv2d", "nn.Conv2d"),
     "AffineLike (Python Function)": ("compiled naive AffineLike", "nn.Linear"),
     "NormLike(l2) (Python Function)": ("compiled naive NormLike(l2)", "nn.Linear"),
     "nn.Linear+Python Function": (None, "nn.Linear"),

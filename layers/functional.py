@@ -22,9 +22,10 @@ the other groups keep theirs.
 
 Bad input (shape, dtype, device) raises ValueError/TypeError naming the expected and the
 actual value. On CUDA, with the optional Triton kernel available (``_triton_affine_like``),
-affine_like runs fused there. On the CPU in eager mode the dense layers are C++ autograd nodes
-(``_native``, where built); everywhere else they are the Functions in ``_autograd``. Both take
-the fused CPU passes of ``_fused`` where those apply, and give the same numbers to the bit.
+affine_like runs fused there. On the CPU in eager mode the dense layers, and the 2-D PatchNorm
+convolutions that need no rescaling and keep their output, are C++ autograd nodes (``_native``,
+where built); everywhere else they are the Functions in ``_autograd``. Both take the fused CPU
+passes of ``_fused`` where those apply, and give the same numbers to the bit.
 """
 
 from __future__ import annotations
@@ -248,7 +249,9 @@ def _patchnorm_conv(name, d, x, weight, bias, stride, padding, dilation, groups,
             f"{name}: the (dilated) kernel extent {tuple(reach)} exceeds the padded input size "
             f"{tuple(n + 2 * p for n, p in zip(x.shape[2:], padding))}"
         )
-    z, _ = _autograd.apply_patchnorm_conv(x, weight, bias, stride, padding, dilation, groups, recompute)
+    z = None if recompute else _native.patchnorm_conv(x, weight, bias, stride, padding, dilation, groups)
+    if z is None:
+        z, _ = _autograd.apply_patchnorm_conv(x, weight, bias, stride, padding, dilation, groups, recompute)
     return z.squeeze(0) if unbatched else z
 
 

@@ -162,12 +162,13 @@ def _patchnorm_conv2d(module: nn.Conv2d) -> Layer:
     patch being its group's channels: the K models are one PatchNorm convolution with groups =
     K·groups (:func:`affdiv.layers.functional.patchnorm_conv2d`), whose patches are each model's
     (each of its groups') own; its fused passes (the squares summed per group, the box sums, the
-    scaling and its backward) run on the stacked channels as on one model's."""
+    scaling and its backward) run on the stacked channels as on one model's, and it keeps its output
+    for backward or recomputes it as the module's ``recompute`` says."""
     def layer(x: Tensor, p: Stacked, k: int, _training: bool) -> Tensor:
         w = p["weight"]
         bias = p["bias"].reshape(-1) if "bias" in p else None
         return patchnorm_conv2d(_to_channels(x, k), w.reshape(-1, *w.shape[2:]), bias, module.stride,
-                                module.padding, module.dilation, module.groups * k)
+                                module.padding, module.dilation, module.groups * k, module.recompute)
     return layer
 
 
@@ -198,8 +199,7 @@ def _layer(module: nn.Module) -> Layer | None:
         return _elementwise(module)
     if kind is nn.Flatten and module.start_dim == 1 and module.end_dim == -1:
         return _flatten
-    if kind in (nn.BatchNorm1d, nn.BatchNorm2d) and module.affine and module.track_running_stats \
-            and module.momentum is not None:
+    if kind in (nn.BatchNorm1d, nn.BatchNorm2d) and conv_pool.stackable_batch_norm(module):
         return _batch_norm(module)
     if kind is nn.LayerNorm and len(module.normalized_shape) == 1:
         return _layer_norm(module)

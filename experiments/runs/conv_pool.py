@@ -89,15 +89,20 @@ def first_block_length(layers: Sequence[nn.Module]) -> int:
     """How many of a model's first ``layers`` (the batched engine's order: a max-pool before the
     activation it follows) the pass computes as one block: 2 for a convolution and a max-pool that
     :func:`fusable` takes, 3 for an ``nn.Conv2d`` of at most :data:`BATCH_NORM_MAX_TAPS` taps, an
-    ``nn.BatchNorm2d`` (affine, with running statistics and a momentum) and such a max-pool, else 0."""
+    ``nn.BatchNorm2d`` that :func:`stackable_batch_norm` takes and such a max-pool, else 0."""
     if len(layers) > 1 and fusable(layers[0], layers[1]):
         return 2
     if len(layers) > 2 and type(layers[0]) is nn.Conv2d and fusable(layers[0], layers[2]) \
-            and layers[0].kernel_size[0] * layers[0].kernel_size[1] <= BATCH_NORM_MAX_TAPS:
-        bn = layers[1]
-        if type(bn) is nn.BatchNorm2d and bn.affine and bn.track_running_stats and bn.momentum is not None:
-            return 3
+            and layers[0].kernel_size[0] * layers[0].kernel_size[1] <= BATCH_NORM_MAX_TAPS \
+            and type(layers[1]) is nn.BatchNorm2d and stackable_batch_norm(layers[1]):
+        return 3
     return 0
+
+
+def stackable_batch_norm(module: nn.modules.batchnorm._BatchNorm) -> bool:
+    """Whether the stacked engines take this BatchNorm: affine, with running statistics updated by a
+    momentum (not a cumulative average), as each model's own statistics in place."""
+    return module.affine and module.track_running_stats and module.momentum is not None
 
 
 def usable(x: Tensor, weight: Tensor, bias: Tensor | None, padding: tuple[int, int], *batch_norm: Tensor) -> bool:
@@ -225,7 +230,10 @@ def patch_moments(xp: Tensor, kernel: tuple[int, int], shift: Tensor) -> tuple[T
 
 
 class ConvBatchNormMaxPool(torch.autograd.Function):
-    """:func:`conv_batch_norm_max_pool` (module docstring); once differentiable."""
+    """:func:`conv_batch_norm_max_pool` (module docstring); once differentiable. In training the
+    forward updates the running statistics in place, as ``F.batch_norm`` does: buffers, neither
+    outputs nor saved, with no gradient, so nothing is marked dirty (``mark_dirty`` is for
+    inputs returned as outputs)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, gamma: Tensor, beta: Tensor,

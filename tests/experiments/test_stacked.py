@@ -467,6 +467,22 @@ def test_a_grouped_patchnorm_convolution_is_batched_as_itself():
             assert torch.allclose(grad[k], own, rtol=5e-12, atol=5e-12 * float(own.abs().max())), (k, name)
 
 
+@pytest.mark.parametrize("recompute", [False, True])
+def test_the_stacked_patchnorm_convolution_keeps_or_recomputes_its_output_as_the_module_says(monkeypatch, recompute):
+    from affdiv.experiments.runs import batched
+    from affdiv.layers import PatchNormConv2d
+
+    real, asked = batched.patchnorm_conv2d, []
+    monkeypatch.setattr(batched, "patchnorm_conv2d", lambda *args: asked.append(args[-1]) or real(*args))
+    models = [torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3, padding=1), torch.nn.ReLU(),
+                                  PatchNormConv2d(2, 3, 3, padding=1, recompute=recompute), torch.nn.Flatten(),
+                                  torch.nn.Linear(3 * 6 * 6, 2)) for _ in range(2)]
+    x, y = torch.randn(2, 4, 1, 6, 6), torch.zeros(4, dtype=torch.long)
+    ensemble = BatchedEnsemble(models, "sgd", [0.1] * 2, [None] * 2, [(x[0], y)] * 2, [(x[0], y)] * 2)
+    ensemble._batched_logits(ensemble.params, ensemble.buffers, x, True)
+    assert asked == [recompute]
+
+
 def test_samples_that_are_neither_vectors_nor_images_train_vmapped_and_agree(digits):
     # A (N, 8, 8) input (no channel axis) is no layout the batched layers know: the vmapped engine
     # trains it, as each model alone would (the float64 bound of this module's equality tests).

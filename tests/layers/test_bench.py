@@ -25,7 +25,8 @@ def test_bench_layers_quick_writes_a_table_and_json(tmp_path, capsys):
     assert result["config"]["quick"] is True and result["provenance"]["package"] == "affdiv"
     assert (result["config"]["repeats"], result["config"]["warmup"]) == (2, 0)  # 0 is not "the default"
     layers = {row["layer"] for row in result["rows"]}
-    on_python = {"AffineLike (Python Function)", "NormLike(l2) (Python Function)"}  # where the C++ nodes are built
+    on_python = {"AffineLike (Python Function)", "NormLike(l2) (Python Function)",  # where the C++ nodes are built
+                 "PatchNormConv2d (Python Function)"}
     assert layers == {"AffineLike", "NormLike(l2)", "NormLike(rms)", "PatchNormConv2d", "PatchNormConv2d(recompute)",
                       "nn.Linear+Python Function"} | (on_python if _native.available() else set())
     assert all(row["target"] is None for row in result["rows"] if row["layer"] in on_python)

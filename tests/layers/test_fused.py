@@ -34,11 +34,28 @@ needs_kernels = pytest.mark.skipif(
 )
 
 
+@pytest.fixture
+def python_functions():
+    """The layers as their Python Functions, whose branches the tests that take this look into (the
+    C++ nodes, which skip the Python wrappers of the passes, equal them bit for bit: test_native.py)."""
+    with _native.disabled():
+        yield
+
+
 def test_kernels_were_built_where_required():
     # tox sets AFFDIV_REQUIRE_CPU_KERNELS=1: there, a silently failed (optional) build is an error
     if os.environ.get("AFFDIV_REQUIRE_CPU_KERNELS") != "1":
         pytest.skip("AFFDIV_REQUIRE_CPU_KERNELS is not set: the compiled passes are optional here")
     assert _fused.available(), "the C extension affdiv.layers._fused_cpu was not built or did not load"
+
+
+@needs_kernels
+def test_a_library_of_another_interface_version_is_not_loaded(monkeypatch):
+    # a stale build (passes of other signatures) must be refused, never called
+    assert _fused._LIB.affdiv_fused_abi() == _fused.FUSED_ABI
+    monkeypatch.setattr(_fused, "FUSED_ABI", _fused.FUSED_ABI + 1)
+    with pytest.warns(UserWarning, match="interface version"):
+        assert _fused._load() is None
 
 
 @contextlib.contextmanager
@@ -451,7 +468,7 @@ needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reas
 @needs_onednn
 @pytest.mark.parametrize("kwargs", NCHW_GEOMETRIES)
 @pytest.mark.parametrize("x_grad, w_grad", [(True, True), (False, True), (True, False)])
-def test_float32_nchw_backward_convolves_channels_last(kwargs, x_grad, w_grad, monkeypatch):
+def test_float32_nchw_backward_convolves_channels_last(kwargs, x_grad, w_grad, monkeypatch, python_functions):
     # A float32 NCHW layer's backward convolution runs channels_last (as inductor's, for oneDNN);
     # gradients come back in the layouts of x and W and differ from the NCHW convolution's only
     # by the two convolutions' rounding. Each of dx, dW, db is a sum of n float32 products, off
@@ -500,7 +517,8 @@ def test_float32_nchw_backward_convolves_channels_last(kwargs, x_grad, w_grad, m
 
 @needs_kernels
 @pytest.mark.parametrize("dtype, mkldnn", [(torch.float32, False), (F64, True)])
-def test_backward_convolution_keeps_nchw_without_onednn_or_in_float64(dtype, mkldnn, monkeypatch):
+def test_backward_convolution_keeps_nchw_without_onednn_or_in_float64(dtype, mkldnn, monkeypatch,
+                                                                     python_functions):
     # float64 convolutions do not go to oneDNN (same cost in both layouts): no transposes
     calls = _count_calls(monkeypatch, ("scale_and_dot", "channels_last_copy", "group_update_from_channels_last"))
     monkeypatch.setattr(torch.backends.mkldnn, "enabled", mkldnn)
@@ -589,7 +607,7 @@ def test_fake_tensors_never_reach_the_compiled_passes():
 
 
 @needs_kernels
-def test_channels_last_grouped_backward_takes_the_fused_radial_update(monkeypatch):
+def test_channels_last_grouped_backward_takes_the_fused_radial_update(monkeypatch, python_functions):
     calls = []
     original = _fused.group_update_
     monkeypatch.setattr(_fused, "group_update_", lambda *a, **k: calls.append("src" in k) or original(*a, **k))

@@ -1,4 +1,4 @@
-"""The dense layers' C++ autograd nodes (``affdiv.layers._native``).
+"""The corrected layers' C++ autograd nodes (``affdiv.layers._native``).
 
 The nodes claim to be the Python Functions of ``_autograd`` branch for branch, so the checks are
 exact: every output, first-order gradient and second-order gradient of a node equals the Python
@@ -10,6 +10,12 @@ breaks bit-equality. gradcheck and gradgradcheck hold the nodes to finite differ
 on their own. The routing checks say which calls take the nodes: plain eager CPU calls, and no
 call the nodes cannot serve (forward-mode AD, torch.func, dispatch modes, half precision), and
 that a backward fed tangents (forward-over-reverse) keeps them.
+
+The PatchNorm convolution's node is the Function's fused branch, so it is held to the Function
+with its passes, bit for bit, over hypothesis-drawn geometries (kernel, stride, padding, dilation,
+groups), layouts, dtypes and empty batches; and so are its backwards that call the Function's (a
+graph being built, its output changed in place, a second backward, a gradient in another layout).
+Calls of the other branches (rescaled squares, ``recompute``, saved-tensor hooks, 1-D) do not take it.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
-from affdiv.layers import AffineLike, NormLike, _fused, _native
+from affdiv.layers import AffineLike, NormLike, PatchNormConv2d, _fused, _native
 from affdiv.layers import functional as LF
 
 needs_nodes = pytest.mark.skipif(not _native.available(), reason="the C++ autograd nodes were not built for this torch")
@@ -39,15 +45,15 @@ DENSE = {
 }
 PYTHON = [_native.disabled]  # the Python Functions, with the row passes
 PYTHON_PLAIN = [_native.disabled, _fused.disabled]  # the Python Functions' plain-torch passes
-NODES_PLAIN = [_native.without_row_passes]
+NODES_PLAIN = [_native.without_passes]
 
 
 def test_nodes_were_built_where_required():
     # tox sets AFFDIV_REQUIRE_CPU_KERNELS=1: there, a silently failed (optional) build is an error
     if os.environ.get("AFFDIV_REQUIRE_CPU_KERNELS") != "1":
         pytest.skip("AFFDIV_REQUIRE_CPU_KERNELS is not set: the C++ nodes are optional here")
-    assert _native.available(), "the C++ extension affdiv.layers._dense_autograd was not built for this torch"
-    assert _native.row_passes_bound(), "the C++ nodes did not bind the fused row passes"
+    assert _native.available(), "the C++ extension affdiv.layers._autograd_nodes was not built for this torch"
+    assert _native.passes_bound(), "the C++ nodes did not bind the fused passes"
 
 
 def _results(fn, x, w, b, grad, contexts):
@@ -267,3 +273,146 @@ def test_anomaly_mode_sees_the_nodes_and_their_gradients_unchanged():
         python, _ = _results(DENSE["affine_like"], x, w, b, grad, PYTHON)
     assert name == "CppFunction"
     _assert_bitwise_equal(node, python)
+
+
+# --------------------------------------------------------------------------------------------
+# the PatchNorm convolution's node (its fused branch; every other branch calls the Function's)
+
+def _conv_fn(stride, padding, dilation, groups):
+    return lambda x, w, b: LF.patchnorm_conv2d(x, w, b, stride, padding, dilation, groups)
+
+
+def _conv_case(batch, groups, per_group, out_per_group, size, kernel, dtype, channels_last, bias, needs, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, groups * per_group, *size, dtype=dtype, generator=g)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    w = torch.randn(groups * out_per_group, per_group, *kernel, dtype=dtype, generator=g)
+    b = torch.randn(groups * out_per_group, dtype=dtype, generator=g) if bias else None
+    for t, need in zip((x, w, b), needs):
+        if t is not None:
+            t.requires_grad_(need)
+    return x, w, b, g
+
+
+conv_cases = dict(batch=st.integers(0, 3), groups=st.integers(1, 3), per_group=st.integers(1, 3),
+                  out_per_group=st.integers(1, 3), size=st.tuples(st.integers(3, 9), st.integers(3, 9)),
+                  kernel=st.tuples(st.integers(1, 3), st.integers(1, 3)), stride=st.integers(1, 2),
+                  padding=st.integers(0, 2), dilation=st.integers(1, 2),
+                  dtype=st.sampled_from([torch.float32, torch.float64]), channels_last=st.booleans(),
+                  bias=st.booleans(), needs=st.tuples(st.booleans(), st.booleans(), st.booleans()).filter(any),
+                  seed=st.integers(0, 2**16))
+
+
+@needs_nodes
+@given(**conv_cases)
+@example(batch=2, groups=2, per_group=2, out_per_group=3, size=(7, 6), kernel=(3, 3), stride=1, padding=1, dilation=1,
+         dtype=torch.float32, channels_last=False, bias=True, needs=(True, True, True), seed=0)
+@example(batch=2, groups=1, per_group=3, out_per_group=2, size=(8, 8), kernel=(3, 2), stride=2, padding=1, dilation=2,
+         dtype=torch.float64, channels_last=True, bias=True, needs=(True, False, True), seed=1)
+def test_the_conv_node_equals_the_python_function_bit_for_bit(batch, groups, per_group, out_per_group, size, kernel,
+                                                              stride, padding, dilation, dtype, channels_last, bias,
+                                                              needs, seed):
+    # z, dx, dW, db and the second-order gradients (a graph being built: the node's backward calls
+    # the Function's), node against the Function, in both layouts, both dtypes, every geometry
+    x, w, b, g = _conv_case(batch, groups, per_group, out_per_group, size, kernel, dtype, channels_last, bias, needs,
+                            seed)
+    if b is None and not any(needs[:2]) or any(n + 2 * padding < dilation * (k - 1) + 1 for n, k in zip(size, kernel)):
+        return
+    fn = _conv_fn(stride, padding, dilation, groups)
+    grad = torch.randn(fn(x, w, b).shape, dtype=dtype, generator=g)
+    node, node_fn = _results(fn, x, w, b, grad, [])
+    python, python_fn = _results(fn, x, w, b, grad, PYTHON)
+    assert node_fn == "CppFunction" and python_fn != "CppFunction"
+    _assert_bitwise_equal(node, python)
+
+
+def _conv_results(x, w, b, grad, contexts, consume=lambda z: z, retain=False):
+    """z and (dx, dW, db) of a PatchNorm convolution whose output goes through ``consume``, and the
+    name of its grad_fn; with ``retain``, the gradients of a second backward through the same graph."""
+    with contextlib.ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context())
+        z = LF.patchnorm_conv2d(x, w, b, padding=1, groups=2)
+        name = type(z.grad_fn).__name__
+        out = consume(z)
+        first = torch.autograd.grad(out, (x, w, b), grad, retain_graph=retain)
+        again = torch.autograd.grad(out, (x, w, b), grad) if retain else ()
+    return [z.detach(), *first, *again], name
+
+
+@needs_nodes
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
+@pytest.mark.parametrize("case", ["output changed in place", "gradient in the other layout", "second backward",
+                                  "non-contiguous gradient"])
+def test_the_conv_nodes_other_backwards_equal_the_python_functions(layout, case):
+    # each takes the Function's backward from the node (z recomputed, or the gradient's layout)
+    x, w, b, g = _conv_case(3, 2, 2, 2, (6, 5), (3, 3), torch.float32, layout == torch.channels_last, True,
+                            (True, True, True), 23)
+    grad = torch.randn(3, 4, 6, 5, generator=g)
+    consume, retain = lambda z: z, False
+    if case == "output changed in place":
+        consume = lambda z: z.mul_(2).relu_()  # noqa: E731  (the mul_: a relu_ alone keeps Σ gz·z)
+    elif case == "gradient in the other layout":
+        other = torch.contiguous_format if layout == torch.channels_last else torch.channels_last
+        grad = grad.contiguous(memory_format=other)
+    elif case == "second backward":
+        retain = True
+    else:
+        grad = grad.transpose(2, 3).contiguous().transpose(2, 3)
+    node, name = _conv_results(x, w, b, grad, [], consume, retain)
+    python, _ = _conv_results(x, w, b, grad, PYTHON, consume, retain)
+    assert name == "CppFunction"
+    _assert_bitwise_equal(node, python)
+
+
+@needs_nodes
+def test_the_conv_node_passes_gradcheck_and_gradgradcheck():
+    x, w, b, _ = _conv_case(2, 2, 2, 2, (5, 4), (3, 2), torch.float64, False, True, (True, True, True), 29)
+    fn = _conv_fn(1, 1, 1, 2)
+    assert type(fn(x, w, b).grad_fn).__name__ == "CppFunction"
+    assert torch.autograd.gradcheck(fn, (x, w, b))
+    assert torch.autograd.gradgradcheck(fn, (x, w, b))
+
+
+@needs_nodes
+def test_eager_cpu_convolutions_take_the_node_and_others_the_python_function():
+    x, w, b, _ = _conv_case(2, 1, 3, 4, (6, 6), (3, 3), torch.float64, False, True, (True, True, True), 31)
+    geometry = ((1, 1), (1, 1), (1, 1), 1)
+    assert type(LF.patchnorm_conv2d(x, w, b, padding=1).grad_fn).__name__ == "CppFunction"
+    assert _native.patchnorm_conv(x, w, b, *geometry) is not None
+    not_node = {
+        "recompute": LF.patchnorm_conv2d(x, w, b, padding=1, recompute=True),
+        "1-D": LF.patchnorm_conv1d(x[:, :, 0], w[:, :, 0], b, padding=1),
+        "overflowing squares": LF.patchnorm_conv2d(x * torch.finfo(x.dtype).max, w, b, padding=1),
+    }
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        not_node["saved-tensor hooks"] = LF.patchnorm_conv2d(x, w, b, padding=1)
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(x, torch.ones_like(x))
+        not_node["forward AD"] = LF.patchnorm_conv2d(dual, w, b, padding=1)
+    with _fused.disabled():
+        not_node["passes disabled"] = LF.patchnorm_conv2d(x, w, b, padding=1)
+    with _native.without_passes():
+        not_node["passes unbound"] = LF.patchnorm_conv2d(x, w, b, padding=1)
+    assert {name: type(z.grad_fn).__name__ for name, z in not_node.items()} == {
+        name: "PatchNormConvFunctionEagerBackward" for name in not_node}
+    assert _native.patchnorm_conv(x.float(), w, b, *geometry) is None  # (mixed dtypes: the Python path names it)
+    assert _native.patchnorm_conv(x.half(), w.half(), None, *geometry) is None
+    assert _native.patchnorm_conv(x.transpose(2, 3), w, b, *geometry) is None  # (not contiguous in a layout)
+    assert _native.patchnorm_conv(x.to("meta"), w.to("meta"), None, *geometry) is None
+    seen = []
+    torch.func.vmap(lambda s: seen.append(_native.patchnorm_conv(s[None], w, b, *geometry)) or s)(x)
+    assert seen == [None]
+    with FlopCounterMode(display=False):
+        assert _native.patchnorm_conv(x, w, b, *geometry) is None
+
+
+def test_a_traced_conv_computes_the_layer_on_new_inputs():
+    # (as the dense layers': the node's passes would not be recorded)
+    layer, x = PatchNormConv2d(2, 3, 3, padding=1), torch.randn(2, 2, 5, 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traced = torch.jit.trace(layer, x)
+    fresh = 7 * torch.randn(3, 2, 6, 6)
+    assert torch.equal(traced(fresh), layer(fresh))
