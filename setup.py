@@ -2,7 +2,7 @@
 
 1. The compiled parts, both optional (without a compiler the install still succeeds and the layers
    run their Python paths; ``affdiv.layers._fused.available()`` and ``_native.available()`` tell):
-   the fused CPU passes of the corrected layers (layers/_fused_cpu.c), and the dense layers'
+   the fused CPU passes of the corrected layers (layers/_fused_cpu.c), and the layers'
    autograd nodes in C++ (layers/_autograd_nodes.cpp), which compile against torch and so are
    built by torch's ``BuildExtension``, with the torch of the build environment (pyproject.toml's
    build requirements; a build without isolation uses the installed one, which the extension then

@@ -329,7 +329,8 @@ class PatchNormConvFunction(Function):
         if not recompute and ctx.needs_input_grad[0]:  # (z is needed for dx only)
             if is_compiling():
                 saved_z = z
-            elif plain_eager(z) and not functorch_transforms_active() and not saved_tensors_hooks_active():
+            elif plain_eager(z) and not z.is_inference() and not functorch_transforms_active() \
+                    and not saved_tensors_hooks_active():  # (an inference tensor has no version to hold)
                 ctx.held_output = _HeldOutput(z)
         # One tuple for both modes: torch's generated vmap rule keeps a single saved-tensor layout
         # per context, so two different tuples break vmap followed by autograd.

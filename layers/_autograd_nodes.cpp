@@ -164,8 +164,9 @@ bool passes_usable(std::initializer_list<Tensor> tensors, at::MemoryFormat layou
     return true;
 }
 
-const void* data_or_null(const Tensor& t) {
-    return t.defined() ? t.data_ptr() : nullptr;
+template <typename T>
+const T* ptr_or_null(const Tensor& t) {
+    return t.defined() ? t.data_ptr<T>() : nullptr;
 }
 
 // _fused.scale_outputs: s (rows, 1), z scaled in place; false where some row is unsafe (module docstring of
@@ -175,8 +176,8 @@ bool scale_outputs(const Tensor& z, const Tensor& x, int mode, double k, double 
     return AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "scale_outputs", [&] {
         return passes<scalar_t>().scale_outputs(
                    z.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), x.size(0), x.size(1), z.size(1), mode, k, eps,
-                   small, std::numeric_limits<scalar_t>::max(), static_cast<const scalar_t*>(data_or_null(pre)),
-                   static_cast<const scalar_t*>(data_or_null(post)), s.data_ptr<scalar_t>(), at::get_num_threads())
+                   small, std::numeric_limits<scalar_t>::max(), ptr_or_null<scalar_t>(pre),
+                   ptr_or_null<scalar_t>(post), s.data_ptr<scalar_t>(), at::get_num_threads())
                == 0;
     });
 }
@@ -193,7 +194,7 @@ std::tuple<Tensor, Tensor, Tensor> scale_grad(const Tensor& g, const Tensor& s, 
         return passes<scalar_t>().scale_grad(
             g.data_ptr<scalar_t>(), s.data_ptr<scalar_t>(), g.size(0), g.size(1), gy.data_ptr<scalar_t>(),
             colsum.defined() ? colsum.data_ptr<scalar_t>() : nullptr, column_sum == ColumnSum::input ? 1 : 0,
-            static_cast<const scalar_t*>(data_or_null(v)), dot.defined() ? dot.data_ptr<scalar_t>() : nullptr,
+            ptr_or_null<scalar_t>(v), dot.defined() ? dot.data_ptr<scalar_t>() : nullptr,
             at::get_num_threads());
     });
     TORCH_CHECK(failed == 0, "scale_grad: could not allocate the column-sum partials (", g.size(1), " columns)");
@@ -204,7 +205,7 @@ std::tuple<Tensor, Tensor, Tensor> scale_grad(const Tensor& g, const Tensor& s, 
 Tensor minus_radial_(const Tensor& u, const Tensor& x, const Tensor& s, double m, double limit, const Tensor& c) {
     AT_DISPATCH_FLOATING_TYPES(u.scalar_type(), "minus_radial", [&] {
         passes<scalar_t>().minus_radial(u.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), u.size(0), u.size(1),
-                                        s.data_ptr<scalar_t>(), m, limit, static_cast<const scalar_t*>(data_or_null(c)),
+                                        s.data_ptr<scalar_t>(), m, limit, ptr_or_null<scalar_t>(c),
                                         at::get_num_threads());
     });
     return u;
@@ -438,14 +439,15 @@ public:
 
 using Ints = std::vector<int64_t>;
 
-// _fused.layout_of: channels_last for a 4-D tensor stored so (and not also contiguous).
+// _fused.layout_of: channels_last for a plain 4-D tensor stored so (and not also contiguous), else
+// contiguous (also for a batched gradient, whose layout cannot be asked).
 at::MemoryFormat layout_of(const Tensor& t) {
-    return t.dim() == 4 && !t.is_contiguous() && t.is_contiguous(at::MemoryFormat::ChannelsLast)
+    return plain(t) && t.dim() == 4 && !t.is_contiguous() && t.is_contiguous(at::MemoryFormat::ChannelsLast)
                ? at::MemoryFormat::ChannelsLast
                : at::MemoryFormat::Contiguous;
 }
 
-int cl(const Tensor& t) {  // the passes' index of t's layout
+int layout_index(const Tensor& t) {  // the passes' arrays: [0] contiguous, [1] channels_last
     return layout_of(t) == at::MemoryFormat::ChannelsLast ? 1 : 0;
 }
 
@@ -463,17 +465,12 @@ Ints with_spatial(const Tensor& t, int64_t dim1, at::IntArrayRef spatial) {  // 
     return shape;
 }
 
-template <typename T>
-const T* ptr_or_null(const Tensor& t) {
-    return t.defined() ? t.data_ptr<T>() : nullptr;
-}
-
 // _fused.group_squares: (sq, safe), sq (N, groups, *S) the squares of x summed over each group's
 // channels; safe is false where some sample's sum exceeds the dtype's maximum or is NaN.
 std::pair<Tensor, bool> group_squares(const Tensor& x, int64_t groups) {
     Tensor sq = at::empty(with_spatial(x, groups, x.sizes().slice(2)), x.options());
     int64_t unsafe = AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "group_squares", [&] {
-        return passes<scalar_t>().group_squares[cl(x)](x.data_ptr<scalar_t>(), x.size(0), x.size(1), spatial_size(x),
+        return passes<scalar_t>().group_squares[layout_index(x)](x.data_ptr<scalar_t>(), x.size(0), x.size(1), spatial_size(x),
                                                        groups, std::numeric_limits<scalar_t>::max(),
                                                        sq.data_ptr<scalar_t>(), at::get_num_threads());
     });
@@ -513,7 +510,7 @@ std::pair<Tensor, Tensor> scale_and_dot(const Tensor& gz, const Tensor& z, const
     Tensor e = with_dot ? at::empty_like(r) : Tensor();
     Tensor gy = to_channels_last ? channels_last_view(into.defined() ? into : at::empty_like(gz)) : at::empty_like(gz);
     AT_DISPATCH_FLOATING_TYPES(gz.scalar_type(), "scale_and_dot", [&] {
-        auto pass = to_channels_last ? passes<scalar_t>().scale_and_dot_to_cl : passes<scalar_t>().scale_and_dot[cl(gz)];
+        auto pass = to_channels_last ? passes<scalar_t>().scale_and_dot_to_cl : passes<scalar_t>().scale_and_dot[layout_index(gz)];
         pass(gz.data_ptr<scalar_t>(), ptr_or_null<scalar_t>(z), ptr_or_null<scalar_t>(r), gz.size(0), gz.size(1),
              spatial_size(gz), groups, gy.data_ptr<scalar_t>(), e.defined() ? e.data_ptr<scalar_t>() : nullptr,
              at::get_num_threads());
@@ -521,10 +518,16 @@ std::pair<Tensor, Tensor> scale_and_dot(const Tensor& gz, const Tensor& z, const
     return {gy, e};
 }
 
+// _fused.channels_last_copy: t (N, C, H, W) contiguous, copied channels_last into the contiguous
+// buffer `into`; returns the channels_last view of `into`.
+Tensor channels_last_copy(const Tensor& t, const Tensor& into) {
+    return scale_and_dot(t, Tensor(), Tensor(), 1, /*with_dot=*/false, /*to_channels_last=*/true, into).first;
+}
+
 // _fused.group_update_: t·r, or t + src·r, in place on t (r per group and position).
 Tensor group_update_(const Tensor& t, const Tensor& r, int64_t groups, const Tensor& src = Tensor()) {
     AT_DISPATCH_FLOATING_TYPES(t.scalar_type(), "group_update", [&] {
-        passes<scalar_t>().group_update[cl(t)](t.data_ptr<scalar_t>(), ptr_or_null<scalar_t>(src),
+        passes<scalar_t>().group_update[layout_index(t)](t.data_ptr<scalar_t>(), ptr_or_null<scalar_t>(src),
                                                r.data_ptr<scalar_t>(), t.size(0), t.size(1), spatial_size(r), groups,
                                                at::get_num_threads());
     });
@@ -561,7 +564,7 @@ public:
     // (z, r) of PatchNormConvFunction.forward where its squares are safe (c = 1): sq those squares.
     static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight,
                                  const std::optional<Tensor>& bias, const Tensor& sq, Ints stride, Ints padding,
-                                 Ints dilation, int64_t groups) {
+                                 Ints dilation, int64_t groups, bool hold) {
         Tensor y = at::convolution(x, weight, bias, stride, padding, dilation, false, {0, 0}, groups);
         Tensor r = box(sq, x.sizes().slice(2), y.sizes().slice(2), weight.sizes().slice(2), stride, padding, dilation,
                        false);
@@ -571,7 +574,7 @@ public:
             by_group(y, groups).mul_(r.unsqueeze(2));
         }
         ctx->save_for_backward({x, weight, r, bias.value_or(Tensor())});
-        if (x.requires_grad()) {  // held, as the Python Function holds it: a detached alias and its version
+        if (hold) {  // held, as the Python Function holds it: a detached alias and its version
             ctx->saved_data["z"] = y.detach();
             ctx->saved_data["z_version"] = static_cast<int64_t>(y._version());
         }
@@ -596,6 +599,7 @@ public:
                 held = Tensor();  // changed in place, or a graph being built: z is computed again
             }
             ctx->saved_data.erase("z");
+            ctx->saved_data.erase("z_version");
         }
         const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1);
         const bool need_b = bias.defined() && ctx->needs_input_grad(2);
@@ -617,8 +621,7 @@ public:
         if ((need_x || need_w) && channels_last_backward(x, layout)) {  // gy and x transposed in the passes
             std::tie(gy, e) = scale_and_dot(grad_z, z, r, groups, need_x, /*to_channels_last=*/true);
             dx_buffer = at::empty_like(x);
-            x_conv = need_w ? scale_and_dot(x, Tensor(), Tensor(), 1, false, true, dx_buffer).first
-                            : channels_last_view(dx_buffer);
+            x_conv = need_w ? channels_last_copy(x, dx_buffer) : channels_last_view(dx_buffer);
         } else {
             std::tie(gy, e) = scale_and_dot(grad_z, z, r, groups, need_x, /*to_channels_last=*/false);
         }
@@ -640,7 +643,7 @@ public:
                 by_group(dx, groups).addcmul_(by_group(x, groups), dsq2.unsqueeze(2));
             }
         }
-        return {dx, dw, db, Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+        return {dx, dw, db, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
     }
 
 private:
@@ -659,7 +662,7 @@ private:
         for (auto grad : grads) {
             out.push_back(grad.is_none() ? Tensor() : grad.cast<Tensor>());
         }
-        out.resize(8);
+        out.resize(9);
         return out;
     }
 };
@@ -703,6 +706,14 @@ std::optional<Tensor> patchnorm_conv(const Tensor& x, const Tensor& weight, cons
     if (!servable(x, weight, bias, 4)) {
         return std::nullopt;
     }
+    // (functional.patchnorm_conv2d has checked these with messages of its own; the passes below take
+    // raw pointers, so a direct call is held to them too)
+    TORCH_CHECK(weight.dim() == 4 && groups >= 1 && x.size(1) == weight.size(1) * groups
+                    && weight.size(0) % groups == 0,
+                "patchnorm_conv: weight (C_out, C_in/groups, kh, kw) with groups dividing C_out, got weight of shape ",
+                weight.sizes(), ", input of shape ", x.sizes(), " and groups=", groups);
+    TORCH_CHECK(stride.size() == 2 && padding.size() == 2 && dilation.size() == 2,
+                "patchnorm_conv: stride, padding and dilation of two ints each");
     Tensor sq;
     {
         at::NoGradGuard no_grad;  // (as inside the node's forward, where the Function takes its squares)
@@ -715,7 +726,9 @@ std::optional<Tensor> patchnorm_conv(const Tensor& x, const Tensor& weight, cons
             return std::nullopt;
         }
     }
-    return PatchNormConvFunction::apply(x, weight, bias, sq, stride, padding, dilation, groups)[0];
+    // z is held for backward only where the node joins a graph (an inference tensor has no version)
+    const bool hold = at::GradMode::is_enabled() && x.requires_grad();
+    return PatchNormConvFunction::apply(x, weight, bias, sq, stride, padding, dilation, groups, hold)[0];
 }
 
 }  // namespace affdiv
@@ -733,6 +746,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("passes_bound", &affdiv::passes_are_bound, "whether the fused passes are bound");
     m.def("bind_passes", &affdiv::bind_passes, "bind the fused passes of the loaded library at this path "
           "(an empty path unbinds them); returns whether they are bound");
+    // the version of what the nodes expect of the Python side (_autograd.patchnorm_conv_grads'
+    // signature): affdiv.layers._native loads only the version it was written for
+    m.attr("PYTHON_INTERFACE") = 1;
     // an extension only loads into the torch it was compiled against (affdiv.layers._native checks)
     m.attr("BUILT_FOR_TORCH") = pybind11::make_tuple(TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR, TORCH_VERSION_PATCH);
 }

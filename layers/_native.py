@@ -6,11 +6,12 @@ at batch 2 (see ``affdiv bench layers``). The extension defines AffineLikeFuncti
 NormLikeFunction of ``_autograd`` as C++ autograd nodes, branch for branch: the fused row passes of
 ``_fused`` where those may run (the nodes bind them by name from the library ``_fused`` loaded, of
 the interface version they were compiled with), the plain-torch passes, op for op, elsewhere. So
-the same numbers to the bit as the Python Functions, double backward included. Two differences
-that change no number: a node's backward computes only the gradients the backward asks for (a
-Python Function's, those whose inputs required one at forward time), and it decides per call
-whether its passes may run (by each tensor: no forward-mode tangent, not wrapped; it does not see
-``_fused.disabled``).
+the same numbers to the bit as the Python Functions, double backward included. Two differences:
+a node's backward computes only the gradients the backward asks for (a Python Function's, those
+whose inputs required one at forward time), which changes no number; and it decides per call
+whether its passes may run by each tensor (no forward-mode tangent, not wrapped), not by
+``_fused.disabled`` or a forward-mode level entered after the forward, where the Function's backward
+would take its plain-torch passes (the same formulas; the last bits may differ).
 
 PatchNormConvFunction's fused branch is a node too (``patchnorm_conv``): a 2-D convolution (4-D
 x) that the Function would run on its fused passes without rescaling, with the same passes and
@@ -50,6 +51,9 @@ from affdiv.layers._torch_internals import (
 )
 
 _state = {"disabled": False}  # process-wide (``disabled`` is for tests and benchmarks)
+#: The version of what the extension expects of the Python side (``_autograd.patchnorm_conv_grads``'s
+#: signature), its ``PYTHON_INTERFACE``: raise both with any change of it.
+PYTHON_INTERFACE = 1
 
 
 def _running_torch() -> tuple[int, int, int] | None:
@@ -67,6 +71,10 @@ def _load():
     except ImportError as error:  # (undefined symbols: compiled against another torch)
         warnings.warn(f"affdiv.layers: the C++ autograd nodes did not load ({error}); using the Python Functions",
                       stacklevel=2)
+        return None
+    if getattr(module, "PYTHON_INTERFACE", None) != PYTHON_INTERFACE:
+        warnings.warn("affdiv.layers: the C++ autograd nodes were built from other sources (a stale build); using "
+                      "the Python Functions (reinstall affdiv to rebuild them)", stacklevel=2)
         return None
     built_for = tuple(module.BUILT_FOR_TORCH)
     if built_for != _running_torch():

@@ -17,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,6 +49,12 @@ def test_kernels_were_built_where_required():
     if os.environ.get("AFFDIV_REQUIRE_CPU_KERNELS") != "1":
         pytest.skip("AFFDIV_REQUIRE_CPU_KERNELS is not set: the compiled passes are optional here")
     assert _fused.available(), "the C extension affdiv.layers._fused_cpu was not built or did not load"
+
+
+def test_the_interface_version_is_one_in_the_header_and_the_loader():
+    # (read from the source: a mismatch would refuse the built library, and the test below skip)
+    header = (Path(_fused.__file__).parent / "_fused_cpu.h").read_text()
+    assert re.search(r"#define AFFDIV_FUSED_ABI (\d+)", header).group(1) == str(_fused.FUSED_ABI)
 
 
 @needs_kernels
@@ -439,7 +447,7 @@ def test_patchnorm_conv2d_agrees_with_and_without_kernels(layout, kwargs, bias):
 
 @needs_kernels
 @pytest.mark.parametrize("layout", LAYOUTS, ids=["nchw", "channels_last"])
-def test_patchnorm_gradcheck_through_the_kernels(layout, monkeypatch):
+def test_patchnorm_gradcheck_through_the_kernels(layout, monkeypatch, python_functions):
     calls = _count_calls(monkeypatch, ("group_squares", "box", "scale_and_dot", "box_transpose", "group_update_"))
     x = _data(2 * 4 * 5, 5, 0).reshape(2, 4, 5, 5).contiguous(memory_format=layout).requires_grad_()
     w, b = _data(6 * 2 * 9, 1, 1).reshape(6, 2, 3, 3).requires_grad_(), _data(6, 1, 2)[:, 0].requires_grad_()

@@ -14,8 +14,9 @@ that a backward fed tangents (forward-over-reverse) keeps them.
 The PatchNorm convolution's node is the Function's fused branch, so it is held to the Function
 with its passes, bit for bit, over hypothesis-drawn geometries (kernel, stride, padding, dilation,
 groups), layouts, dtypes and empty batches; and so are its backwards that call the Function's (a
-graph being built, its output changed in place, a second backward, a gradient in another layout).
-Calls of the other branches (rescaled squares, ``recompute``, saved-tensor hooks, 1-D) do not take it.
+graph being built, its output changed in place, a second backward), which are counted, as are the
+backwards that stay on its fused branch (a gradient in another layout or not contiguous). Calls of
+the other branches (rescaled squares, ``recompute``, saved-tensor hooks, 1-D) do not take it.
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ import warnings
 
 import pytest
 import torch
-from hypothesis import example, given
+from hypothesis import assume, example, given
 from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
-from affdiv.layers import AffineLike, NormLike, PatchNormConv2d, _fused, _native
+from affdiv.layers import AffineLike, NormLike, PatchNormConv2d, _autograd, _fused, _native
 from affdiv.layers import functional as LF
 
 needs_nodes = pytest.mark.skipif(not _native.available(), reason="the C++ autograd nodes were not built for this torch")
@@ -317,8 +318,8 @@ def test_the_conv_node_equals_the_python_function_bit_for_bit(batch, groups, per
     # the Function's), node against the Function, in both layouts, both dtypes, every geometry
     x, w, b, g = _conv_case(batch, groups, per_group, out_per_group, size, kernel, dtype, channels_last, bias, needs,
                             seed)
-    if b is None and not any(needs[:2]) or any(n + 2 * padding < dilation * (k - 1) + 1 for n, k in zip(size, kernel)):
-        return
+    assume(b is not None or any(needs[:2]))
+    assume(all(n + 2 * padding >= dilation * (k - 1) + 1 for n, k in zip(size, kernel)))
     fn = _conv_fn(stride, padding, dilation, groups)
     grad = torch.randn(fn(x, w, b).shape, dtype=dtype, generator=g)
     node, node_fn = _results(fn, x, w, b, grad, [])
@@ -341,12 +342,23 @@ def _conv_results(x, w, b, grad, contexts, consume=lambda z: z, retain=False):
     return [z.detach(), *first, *again], name
 
 
+@pytest.fixture
+def python_backwards(monkeypatch):
+    """The calls of the Function's backward (``_autograd.patchnorm_conv_grads``), which the node's
+    backward looks up at each fallback: a list of the grad mode of each call."""
+    calls, real = [], _autograd.patchnorm_conv_grads
+    monkeypatch.setattr(_autograd, "patchnorm_conv_grads",
+                        lambda *args: calls.append(torch.is_grad_enabled()) or real(*args))
+    return calls
+
+
 @needs_nodes
 @pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
-@pytest.mark.parametrize("case", ["output changed in place", "gradient in the other layout", "second backward",
-                                  "non-contiguous gradient"])
-def test_the_conv_nodes_other_backwards_equal_the_python_functions(layout, case):
-    # each takes the Function's backward from the node (z recomputed, or the gradient's layout)
+@pytest.mark.parametrize("case, falls_back", [("output changed in place", 1), ("second backward", 1),
+                                              ("gradient in the other layout", 0), ("non-contiguous gradient", 0)])
+def test_the_conv_nodes_other_backwards_equal_the_python_functions(layout, case, falls_back, python_backwards):
+    # z changed in place, or released by the first backward: the node calls the Function's backward,
+    # which computes z again; a gradient in another layout: the node's own branch, made contiguous
     x, w, b, g = _conv_case(3, 2, 2, 2, (6, 5), (3, 3), torch.float32, layout == torch.channels_last, True,
                             (True, True, True), 23)
     grad = torch.randn(3, 4, 6, 5, generator=g)
@@ -361,9 +373,63 @@ def test_the_conv_nodes_other_backwards_equal_the_python_functions(layout, case)
     else:
         grad = grad.transpose(2, 3).contiguous().transpose(2, 3)
     node, name = _conv_results(x, w, b, grad, [], consume, retain)
+    assert name == "CppFunction" and len(python_backwards) == falls_back
     python, _ = _conv_results(x, w, b, grad, PYTHON, consume, retain)
-    assert name == "CppFunction"
     _assert_bitwise_equal(node, python)
+
+
+@needs_nodes
+def test_the_conv_node_takes_its_own_backward_and_the_functions_for_a_graph(python_backwards):
+    x, w, b, g = _conv_case(2, 1, 2, 3, (5, 5), (3, 3), torch.float64, False, True, (True, True, True), 41)
+    z = LF.patchnorm_conv2d(x, w, b, padding=1)
+    torch.autograd.grad(z, (x, w, b), torch.randn(z.shape, dtype=z.dtype, generator=g))
+    assert python_backwards == []
+    z = LF.patchnorm_conv2d(x, w, b, padding=1)
+    torch.autograd.grad(z, (x, w, b), torch.randn(z.shape, dtype=z.dtype, generator=g), create_graph=True)
+    assert python_backwards == [True]
+
+
+@needs_nodes
+def test_an_error_in_the_functions_backward_reaches_the_caller_and_the_node_works_after(monkeypatch):
+    x, w, b, g = _conv_case(2, 2, 2, 2, (5, 5), (3, 3), torch.float32, False, True, (True, True, True), 43)
+    grad = torch.randn(2, 4, 5, 5, generator=g)
+    with monkeypatch.context() as patched:
+        patched.setattr(_autograd, "patchnorm_conv_grads", lambda *args: (_ for _ in ()).throw(KeyError("inside")))
+        z = LF.patchnorm_conv2d(x, w, b, padding=1, groups=2)
+        with pytest.raises(KeyError, match="inside"):
+            z.mul_(2).backward(grad)  # (z changed in place: the Function's backward)
+    node, _ = _conv_results(x, w, b, grad, [], lambda z: z.mul_(2))
+    python, _ = _conv_results(x, w, b, grad, PYTHON, lambda z: z.mul_(2))
+    _assert_bitwise_equal(node, python)
+
+
+@needs_nodes
+@pytest.mark.parametrize("wrt", ["x", "w"])
+def test_vectorised_conv_jacobians_equal_the_looped_ones(wrt):
+    # vectorize=True feeds the backward legacy batched gradients (here not contiguous: the output is
+    # transposed), whose layout cannot be asked: the node must pass them to the Function's backward
+    x, w, b, _ = _conv_case(2, 1, 2, 2, (4, 3), (3, 3), torch.float64, False, True, (False, False, False), 47)
+    if wrt == "x":
+        fn, at = (lambda t: LF.patchnorm_conv2d(t, w, b, padding=1).transpose(2, 3)), x
+    else:
+        fn, at = (lambda t: LF.patchnorm_conv2d(x, t, b, padding=1).transpose(2, 3)), w
+    looped = torch.autograd.functional.jacobian(fn, at)
+    torch.testing.assert_close(torch.autograd.functional.jacobian(fn, at, vectorize=True), looped, rtol=1e-12,
+                               atol=1e-12)
+
+
+@pytest.mark.parametrize("contexts", [[], PYTHON], ids=["node", "Python Function"])
+def test_a_conv_under_inference_mode_gives_the_recorded_forward(contexts):
+    # (an inference tensor has no version counter: neither path may hold z there)
+    x, w, b, _ = _conv_case(2, 1, 2, 3, (5, 5), (3, 3), torch.float32, False, True, (True, True, True), 53)
+    with contextlib.ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context())
+        recorded = LF.patchnorm_conv2d(x, w, b, padding=1)
+        with torch.inference_mode():
+            assert torch.equal(LF.patchnorm_conv2d(x, w, b, padding=1), recorded)
+        with torch.no_grad():
+            assert torch.equal(LF.patchnorm_conv2d(x, w, b, padding=1), recorded)
 
 
 @needs_nodes
