@@ -727,7 +727,7 @@ std::optional<Tensor> patchnorm_conv(const Tensor& x, const Tensor& weight, cons
         }
     }
     // z is held for backward only where the node joins a graph (an inference tensor has no version)
-    const bool hold = at::GradMode::is_enabled() && x.requires_grad();
+    const bool hold = at::GradMode::is_enabled() && x.requires_grad() && !c10::InferenceMode::is_enabled();
     return PatchNormConvFunction::apply(x, weight, bias, sq, stride, padding, dilation, groups, hold)[0];
 }
 

@@ -215,6 +215,13 @@ def test_an_extension_built_for_another_torch_is_not_used(monkeypatch):
     assert any("built for torch" in str(w.message) for w in caught)
 
 
+@needs_nodes
+def test_an_extension_of_another_python_interface_is_not_used(monkeypatch):
+    monkeypatch.setattr(_native, "PYTHON_INTERFACE", _native.PYTHON_INTERFACE + 1)
+    with pytest.warns(UserWarning, match="stale build"):
+        assert _native._load() is None
+
+
 @pytest.mark.parametrize("make", [lambda: AffineLike(4, 3), lambda: NormLike(4, 3, mode="rms")])
 def test_a_traced_layer_computes_the_layer_on_new_inputs(make):
     # torch.jit.trace records a C++ node's torch ops but not its row passes: tracing must keep the
@@ -396,6 +403,7 @@ def test_an_error_in_the_functions_backward_reaches_the_caller_and_the_node_work
     with monkeypatch.context() as patched:
         patched.setattr(_autograd, "patchnorm_conv_grads", lambda *args: (_ for _ in ()).throw(KeyError("inside")))
         z = LF.patchnorm_conv2d(x, w, b, padding=1, groups=2)
+        assert type(z.grad_fn).__name__ == "CppFunction"
         with pytest.raises(KeyError, match="inside"):
             z.mul_(2).backward(grad)  # (z changed in place: the Function's backward)
     node, _ = _conv_results(x, w, b, grad, [], lambda z: z.mul_(2))
@@ -405,29 +413,36 @@ def test_an_error_in_the_functions_backward_reaches_the_caller_and_the_node_work
 
 @needs_nodes
 @pytest.mark.parametrize("wrt", ["x", "w"])
-def test_vectorised_conv_jacobians_equal_the_looped_ones(wrt):
+def test_vectorised_conv_jacobians_equal_the_looped_ones(wrt, python_backwards):
     # vectorize=True feeds the backward legacy batched gradients (here not contiguous: the output is
-    # transposed), whose layout cannot be asked: the node must pass them to the Function's backward
+    # transposed), whose layout cannot be asked (with wrt="w" the node would ask the gradient's, as no
+    # z is held): the node passes them to the Function's backward
     x, w, b, _ = _conv_case(2, 1, 2, 2, (4, 3), (3, 3), torch.float64, False, True, (False, False, False), 47)
     if wrt == "x":
         fn, at = (lambda t: LF.patchnorm_conv2d(t, w, b, padding=1).transpose(2, 3)), x
     else:
         fn, at = (lambda t: LF.patchnorm_conv2d(x, t, b, padding=1).transpose(2, 3)), w
-    looped = torch.autograd.functional.jacobian(fn, at)
-    torch.testing.assert_close(torch.autograd.functional.jacobian(fn, at, vectorize=True), looped, rtol=1e-12,
-                               atol=1e-12)
+    assert type(fn(at.detach().requires_grad_()).grad_fn).__name__ == "TransposeBackward0"
+    assert type(fn(at.detach().requires_grad_()).grad_fn.next_functions[0][0]).__name__ == "CppFunction"
+    looped = torch.autograd.functional.jacobian(fn, at)  # (with wrt="x", each backward after the first
+    before = len(python_backwards)                       # calls the Function's: z was released)
+    vectorised = torch.autograd.functional.jacobian(fn, at, vectorize=True)
+    assert len(python_backwards) == before + 1
+    torch.testing.assert_close(vectorised, looped, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("contexts", [[], PYTHON], ids=["node", "Python Function"])
+@pytest.mark.parametrize("contexts", [pytest.param([], marks=needs_nodes), PYTHON], ids=["node", "Python Function"])
 def test_a_conv_under_inference_mode_gives_the_recorded_forward(contexts):
     # (an inference tensor has no version counter: neither path may hold z there)
     x, w, b, _ = _conv_case(2, 1, 2, 3, (5, 5), (3, 3), torch.float32, False, True, (True, True, True), 53)
+    geometry = ((1, 1), (1, 1), (1, 1), 1)
     with contextlib.ExitStack() as stack:
         for context in contexts:
             stack.enter_context(context())
         recorded = LF.patchnorm_conv2d(x, w, b, padding=1)
         with torch.inference_mode():
             assert torch.equal(LF.patchnorm_conv2d(x, w, b, padding=1), recorded)
+            assert (_native.patchnorm_conv(x, w, b, *geometry) is not None) == (not contexts)
         with torch.no_grad():
             assert torch.equal(LF.patchnorm_conv2d(x, w, b, padding=1), recorded)
 
