@@ -62,7 +62,8 @@ struct Passes {
     void (*scale_and_dot[2])(const T*, const T*, const T*, int64_t, int64_t, int64_t, int64_t, T*, T*, int) = {};
     void (*group_update[2])(T*, const T*, const T*, int64_t, int64_t, int64_t, int64_t, int) = {};
     void (*box)(const T*, T*, int64_t, const int64_t*, int, int) = nullptr;
-    void (*scale_and_dot_to_cl)(const T*, const T*, const T*, int64_t, int64_t, int64_t, int64_t, T*, T*, int) = nullptr;
+    void (*scale_and_dot_to_cl)(const T*, const T*, const T*, int64_t, int64_t, int64_t, int64_t, T*, T*,
+                                int) = nullptr;
     void (*group_update_from_cl)(const T*, const T*, const T*, int64_t, int64_t, int64_t, int64_t, T*, int) = nullptr;
 };
 #define AFFDIV_SAME_TYPE(field, function)                                                                 \
@@ -101,13 +102,17 @@ bool bind_symbol(void* lib, F*& function, const std::string& name) {
 template <typename T>
 bool bind_type(void* lib, const std::string& s) {
     Passes<T>& p = passes<T>();
-    return bind_symbol(lib, p.scale_outputs, "scale_outputs_" + s) && bind_symbol(lib, p.scale_grad, "scale_grad_" + s)
-           && bind_symbol(lib, p.minus_radial, "minus_radial_" + s) && bind_symbol(lib, p.group_squares[0], "group_squares_" + s)
+    return bind_symbol(lib, p.scale_outputs, "scale_outputs_" + s)
+           && bind_symbol(lib, p.scale_grad, "scale_grad_" + s)
+           && bind_symbol(lib, p.minus_radial, "minus_radial_" + s)
+           && bind_symbol(lib, p.group_squares[0], "group_squares_" + s)
            && bind_symbol(lib, p.group_squares[1], "group_squares_cl_" + s)
            && bind_symbol(lib, p.scale_and_dot[0], "scale_and_dot_" + s)
            && bind_symbol(lib, p.scale_and_dot[1], "scale_and_dot_cl_" + s)
-           && bind_symbol(lib, p.group_update[0], "group_update_" + s) && bind_symbol(lib, p.group_update[1], "group_update_cl_" + s)
-           && bind_symbol(lib, p.box, "box_" + s) && bind_symbol(lib, p.scale_and_dot_to_cl, "scale_and_dot_to_cl_" + s)
+           && bind_symbol(lib, p.group_update[0], "group_update_" + s)
+           && bind_symbol(lib, p.group_update[1], "group_update_cl_" + s)
+           && bind_symbol(lib, p.box, "box_" + s)
+           && bind_symbol(lib, p.scale_and_dot_to_cl, "scale_and_dot_to_cl_" + s)
            && bind_symbol(lib, p.group_update_from_cl, "group_update_from_cl_" + s);
 }
 
@@ -470,9 +475,9 @@ Ints with_spatial(const Tensor& t, int64_t dim1, at::IntArrayRef spatial) {  // 
 std::pair<Tensor, bool> group_squares(const Tensor& x, int64_t groups) {
     Tensor sq = at::empty(with_spatial(x, groups, x.sizes().slice(2)), x.options());
     int64_t unsafe = AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "group_squares", [&] {
-        return passes<scalar_t>().group_squares[layout_index(x)](x.data_ptr<scalar_t>(), x.size(0), x.size(1), spatial_size(x),
-                                                       groups, std::numeric_limits<scalar_t>::max(),
-                                                       sq.data_ptr<scalar_t>(), at::get_num_threads());
+        auto pass = passes<scalar_t>().group_squares[layout_index(x)];
+        return pass(x.data_ptr<scalar_t>(), x.size(0), x.size(1), spatial_size(x), groups,
+                    std::numeric_limits<scalar_t>::max(), sq.data_ptr<scalar_t>(), at::get_num_threads());
     });
     return {sq, unsafe == 0};
 }
@@ -482,7 +487,8 @@ std::pair<Tensor, bool> group_squares(const Tensor& x, int64_t groups) {
 // the geometry is that of _fused._geometry.
 Tensor box(const Tensor& source, at::IntArrayRef in_spatial, at::IntArrayRef out_spatial, at::IntArrayRef kernel,
            const Ints& stride, const Ints& padding, const Ints& dilation, bool transpose) {
-    Tensor out = at::empty(with_spatial(source, source.size(1), transpose ? in_spatial : out_spatial), source.options());
+    Tensor out =
+        at::empty(with_spatial(source, source.size(1), transpose ? in_spatial : out_spatial), source.options());
     int64_t geometry[12];
     for (int d = 0; d < 2; ++d) {
         for (auto [field, value] : {std::pair{0, in_spatial[d]}, {1, out_spatial[d]}, {2, kernel[d]}, {3, stride[d]},
@@ -510,7 +516,8 @@ std::pair<Tensor, Tensor> scale_and_dot(const Tensor& gz, const Tensor& z, const
     Tensor e = with_dot ? at::empty_like(r) : Tensor();
     Tensor gy = to_channels_last ? channels_last_view(into.defined() ? into : at::empty_like(gz)) : at::empty_like(gz);
     AT_DISPATCH_FLOATING_TYPES(gz.scalar_type(), "scale_and_dot", [&] {
-        auto pass = to_channels_last ? passes<scalar_t>().scale_and_dot_to_cl : passes<scalar_t>().scale_and_dot[layout_index(gz)];
+        auto pass = to_channels_last ? passes<scalar_t>().scale_and_dot_to_cl
+                                     : passes<scalar_t>().scale_and_dot[layout_index(gz)];
         pass(gz.data_ptr<scalar_t>(), ptr_or_null<scalar_t>(z), ptr_or_null<scalar_t>(r), gz.size(0), gz.size(1),
              spatial_size(gz), groups, gy.data_ptr<scalar_t>(), e.defined() ? e.data_ptr<scalar_t>() : nullptr,
              at::get_num_threads());
@@ -625,7 +632,8 @@ public:
         } else {
             std::tie(gy, e) = scale_and_dot(grad_z, z, r, groups, need_x, /*to_channels_last=*/false);
         }
-        const at::OptionalIntArrayRef bias_sizes = bias.defined() ? at::OptionalIntArrayRef(bias.sizes()) : std::nullopt;
+        const at::OptionalIntArrayRef bias_sizes =
+            bias.defined() ? at::OptionalIntArrayRef(bias.sizes()) : std::nullopt;
         auto [dx, dw, db] = at::convolution_backward(gy, x_conv, weight, bias_sizes, stride, padding, dilation, false,
                                                      {0, 0}, groups, {need_x, need_w, need_b});
         if (dx_buffer.defined() && dw.defined()) {  // (oneDNN returns it channels_last)
