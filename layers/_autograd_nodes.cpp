@@ -621,7 +621,7 @@ public:
             fused = passes_usable({grad_z, z}, layout);
         }
         if (!fused) {
-            return python_grads(x, weight, r, bias, z, grads[0], grad_r, {stride, padding, dilation}, groups, need_x,
+            return python_grads(x, weight, r, bias, z, grads[0], grad_r, stride, padding, dilation, groups, need_x,
                                 need_w, need_b);
         }
         Tensor gy, e, dx_buffer, x_conv = x;
@@ -657,14 +657,14 @@ public:
 private:
     // The Python Function's backward (_autograd.patchnorm_conv_grads) for what the fused branch does not take.
     static variable_list python_grads(const Tensor& x, const Tensor& weight, const Tensor& r, const Tensor& bias,
-                                      const Tensor& z, const Tensor& grad_z, const Tensor& grad_r,
-                                      const std::array<Ints, 3>& geometry, int64_t groups, bool need_x, bool need_w,
-                                      bool need_b) {
+                                      const Tensor& z, const Tensor& grad_z, const Tensor& grad_r, const Ints& stride,
+                                      const Ints& padding, const Ints& dilation, int64_t groups, bool need_x,
+                                      bool need_w, bool need_b) {
         pybind11::gil_scoped_acquire gil;
         auto none_if_undefined = [](const Tensor& t) { return t.defined() ? pybind11::cast(t) : pybind11::none(); };
         auto grads = pybind11::module_::import("affdiv.layers._autograd").attr("patchnorm_conv_grads")(
             x, weight, r, none_if_undefined(bias), none_if_undefined(z), none_if_undefined(grad_z),
-            none_if_undefined(grad_r), pybind11::make_tuple(geometry[0], geometry[1], geometry[2], groups),
+            none_if_undefined(grad_r), pybind11::make_tuple(stride, padding, dilation, groups),
             pybind11::make_tuple(need_x, need_w, need_b));
         variable_list out;
         for (auto grad : grads) {
