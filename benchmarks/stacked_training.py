@@ -2,7 +2,7 @@
 
     python benchmarks/stacked_training.py [--threads 2] [--rounds 3] [--seconds 1.5] [--json PATH]
                                           [--arms mlp cnn vit ...] [--batch-sizes B ...] [--members K ...]
-                                          [--vmap] [--plain]
+                                          [--vmap] [--plain] [--compiled]
 
 A *cell* is a batch size of a Fashion-MNIST study with 8 seeds × 6 learning rates = 48 models: the
 MLP arm (784-256-256-256-10, tanh) and the CNN arm (3 blocks of 32 channels, relu), each at B = 16,
@@ -13,7 +13,9 @@ batch sizes in ``ARMS``: another architecture is one more entry). The variants a
 engines (``training.OneAtATime``; the stacked engine ``training.stacked_engine`` picks for the arm,
 named in the table; ``--vmap`` also times ``stacked.StackedEnsemble``, the vmapped fallback;
 ``--plain`` times the stacked engine again inside ``affdiv.layers._fused.disabled()``, without the
-compiled passes, which on the CNN arms is without the fused blocks described below) taking SGD
+compiled passes, which on the CNN arms is without the fused blocks described below; ``--compiled``
+times it with its batched forward compiled by ``torch.compile`` (inductor; autograd then runs the
+compiled backward; the compilation, in an untimed first step, is not counted)) taking SGD
 steps on real batches (each model its own shuffle), so a model-step costs what it costs in a sweep;
 whole runs differ only by their evaluations (a few per run). The stacked ensemble holds as many of
 the cell's models as fit the default ensemble memory (``ensembles.member_bytes``), at most 48; one
@@ -243,11 +245,20 @@ def _variant_context(name: str) -> contextlib.AbstractContextManager:
     return _fused.disabled() if name == "plain" else contextlib.nullcontext()
 
 
+def compile_forward(engine, backend="inductor") -> None:
+    """``engine``'s batched forward replaced by its ``torch.compile`` (with ``backend``), which
+    compiles it at the next step."""
+    if not hasattr(engine, "_batched_logits"):
+        raise ValueError(f"--compiled times the batched engine's forward; {type(engine).__name__} has none")
+    engine._batched_logits = torch.compile(engine._batched_logits, backend=backend, dynamic=False)
+
+
 def measure(arm: str, batch: int, data, rounds: int, seconds: float, members: int | None = None,
-            vmap: bool = False, plain: bool = False) -> dict:
+            vmap: bool = False, plain: bool = False, compiled: bool = False) -> dict:
     """One row: ``members`` stacked models (default: as many as fit the default ensemble memory,
     at most the cell's 48) against one at a time (and the vmapped engine if ``vmap``, the stacked
-    engine without the compiled passes if ``plain``)."""
+    engine without the compiled passes if ``plain``, with its forward compiled by torch.compile if
+    ``compiled``)."""
     settings, _sizes = ARMS[arm]
     config = RunConfig(dataset="fashion-mnist", batch_size=batch, seed=0, **settings)
     stacked_models = members or cell_models(config, data)
@@ -258,7 +269,12 @@ def measure(arm: str, batch: int, data, rounds: int, seconds: float, members: in
         kinds["vmap"] = (StackedEnsemble, stacked_models)
     if plain:
         kinds["plain"] = kinds["stacked"]
+    if compiled:
+        kinds["compiled"] = kinds["stacked"]
     engines = {name: (*_engine(kind, config, data, k), k) for name, (kind, k) in kinds.items()}
+    if compiled:
+        compile_forward(engines["compiled"][0])
+        _time_steps(*engines["compiled"][:2], batch, 1, 0)  # (the compilation: not timed)
     # Steps per measurement: about ``seconds`` of the slowest variant, from one warm-up step each.
     warm = {}
     for name, (engine, orders, _k) in engines.items():
@@ -310,10 +326,12 @@ def measure(arm: str, batch: int, data, rounds: int, seconds: float, members: in
     if vmap:
         row["vmap_ms_per_model_step"] = 1e3 * median["vmap"]
         row["vmap_over_stacked"] = statistics.median(v / s for v, s in zip(per_model["vmap"], per_model["stacked"]))
-    if plain:
-        row["plain_ms_per_model_step"] = 1e3 * median["plain"]
-        row["plain_over_stacked"] = statistics.median(p / s for p, s in zip(per_model["plain"], per_model["stacked"]))
-        row["plain_over_floor"] = over_floor["plain"]
+    for name in ("plain", "compiled"):
+        if name in per_model:
+            row[f"{name}_ms_per_model_step"] = 1e3 * median[name]
+            row[f"{name}_over_stacked"] = statistics.median(
+                v / s for v, s in zip(per_model[name], per_model["stacked"]))
+            row[f"{name}_over_floor"] = over_floor[name]
     return row
 
 
@@ -325,7 +343,8 @@ COLUMNS = (("arm", "4", "arm"), ("B", ">5", "batch_size"), ("engine", "16", "eng
            ("kernels ms", ">10.3f", "kernels_ms_per_model_step"), ("stacked/kernels", ">15.2f", "stacked_over_kernels"),
            ("kernels/floor", ">13.2f", "kernels_over_floor"),
            ("vmap/stacked", ">12.2f", "vmap_over_stacked"), ("plain/stacked", ">13.2f", "plain_over_stacked"),
-           ("plain/floor", ">11.2f", "plain_over_floor"))
+           ("plain/floor", ">11.2f", "plain_over_floor"), ("compiled/stacked", ">16.2f", "compiled_over_stacked"),
+           ("compiled/floor", ">14.2f", "compiled_over_floor"))
 
 
 def format_row(row: dict) -> str:
@@ -395,6 +414,8 @@ def main(argv=None) -> int:
     parser.add_argument("--vmap", action="store_true", help="also time the vmapped engine (StackedEnsemble)")
     parser.add_argument("--plain", action="store_true",
                         help="also time the stacked engine without the compiled passes (_fused.disabled())")
+    parser.add_argument("--compiled", action="store_true",
+                        help="also time the stacked engine with its forward compiled by torch.compile (inductor)")
     parser.add_argument("--checks", nargs="*", type=int, default=[], metavar="B",
                         help="also time a steps-to-target run at each batch size B, the share of it in checks")
     parser.add_argument("--read-spacing", type=float, default=CHECK_SETTINGS["read_spacing"], metavar="r",
@@ -419,7 +440,8 @@ def main(argv=None) -> int:
     print(format_table([]), flush=True)
     for arm in args.arms:
         for batch, members in itertools.product(args.batch_sizes or ARMS[arm][1], args.members or [None]):
-            rows.append(measure(arm, batch, data, args.rounds, args.seconds, members, args.vmap, args.plain))
+            rows.append(measure(arm, batch, data, args.rounds, args.seconds, members, args.vmap, args.plain,
+                                args.compiled))
             print(format_row(rows[-1]), flush=True)
     checks = []
     for batch in args.checks:

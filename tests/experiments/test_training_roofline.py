@@ -43,3 +43,34 @@ def test_a_replayed_tensor_has_the_recorded_layout_over_its_own_storage():
         assert (like.shape, like.stride(), like.dtype) == (recorded.shape, recorded.stride(), recorded.dtype)
         assert like.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
     assert roofline._like(3) == 3 and roofline._like([1, 2]) == [1, 2]
+
+
+def test_the_compiled_variant_trains_the_models_the_stacked_engine_trains(digits):
+    # the --compiled row times the same steps, through the compiled code: inductor reorders float32
+    # sums within its fused kernels (rounding, ~1e-7 relative), and three SGD steps carry that into
+    # the parameters
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    config = RunConfig(dataset="digits", method="affine_like", depth=1, width=8, batch_size=8, seed=0)
+    split = (torch.as_tensor(digits.train.x), torch.as_tensor(digits.train.y))
+    orders = torch.stack([torch.randperm(len(split[1]), generator=torch.Generator().manual_seed(s)) for s in (0, 1)])
+    counter = CompileCounterWithBackend("inductor")
+    engines = []
+    for compiled in (False, True):
+        models = [build_member(config, digits, seed) for seed in (0, 1)]
+        engine = stacked_engine(models[0])(models, "sgd", [0.1, 0.2], [None, None], [split] * 2, [split] * 2)
+        if compiled:
+            roofline.compile_forward(engine, backend=counter)
+        initial = {name: p.clone() for name, p in engine.params.items()}
+        roofline._time_steps(engine, orders, 8, 3, 0)
+        assert all(not torch.equal(p, initial[name]) for name, p in engine.params.items())
+        engines.append(engine)
+    eager, compiled = engines
+    assert counter.frame_count == 1  # one graph, compiled once, for the three steps
+    for name, p in eager.params.items():
+        torch.testing.assert_close(compiled.params[name], p, rtol=1e-5, atol=1e-6)
+
+
+def test_the_compiled_variant_names_an_engine_without_a_batched_forward():
+    with pytest.raises(ValueError, match="--compiled times the batched engine's forward; object has none"):
+        roofline.compile_forward(object())

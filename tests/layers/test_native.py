@@ -489,6 +489,37 @@ def test_eager_cpu_convolutions_take_the_node_and_others_the_python_function():
         assert _native.patchnorm_conv(x, w, b, *geometry) is None
 
 
+@needs_nodes
+@pytest.mark.parametrize("member", [*sorted(DENSE), "patchnorm_conv"])
+def test_compiled_autograd_runs_the_nodes_own_backward_bit_for_bit(member, python_backwards):
+    # compiled autograd traces the backward graph; a C++ node it cannot trace splits the graph and
+    # runs in eager between the compiled pieces: its own backward (not the Function's, counted),
+    # with the eager gradients
+    if member == "patchnorm_conv":
+        x, w, b, g = _conv_case(2, 2, 2, 3, (6, 5), (3, 3), torch.float32, False, True, (True, True, True), 5)
+        grad = torch.randn(2, 6, 6, 5, generator=g)
+        fn = lambda x, w, b: LF.patchnorm_conv2d(x, w, b, padding=1, groups=2)  # noqa: E731
+    else:
+        x, w, b, grad = _case(5, 4, 3, torch.float32, True, (True, True, True), 5, "normal")
+        fn = DENSE[member]
+
+    def gradients():
+        z = fn(x, w, b)
+        assert type(z.grad_fn).__name__ == "CppFunction"
+        (z * grad).sum().backward()
+        out = [t.grad for t in (x, w, b)]
+        for t in (x, w, b):
+            t.grad = None
+        return out
+
+    eager = gradients()
+    torch._dynamo.reset()
+    with torch._dynamo.compiled_autograd._enable(torch.compile(backend="aot_eager")):
+        compiled = gradients()
+    assert python_backwards == []
+    _assert_bitwise_equal(compiled, eager)
+
+
 def test_a_traced_conv_computes_the_layer_on_new_inputs():
     # (as the dense layers': the node's passes would not be recorded)
     layer, x = PatchNormConv2d(2, 3, 3, padding=1), torch.randn(2, 2, 5, 5)
