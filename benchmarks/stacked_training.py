@@ -30,7 +30,9 @@ memory for reuse as the sweep's workers do (``sweep.keep_freed_memory``), for bo
 
 The floor: the arithmetic of a stacked step (K × the FLOPs of one model's step, counted by
 ``torch.utils.flop_counter`` on forward + backward), its matrix products at the machine's GEMM rate
-(a ``torch.mm`` of square matrices with the same FLOPs) and its convolutions at the machine's
+(square matrices with the same FLOPs multiplied by ``torch.mm`` or by oneDNN, whichever is faster,
+named in the table: where torch's BLAS does not use the processor's widest vectors, as MKL on an
+AMD processor with AVX-512, oneDNN runs up to twice as fast) and its convolutions at the machine's
 convolution rate (forward + both backward passes of the arm's widest convolution, one model at batch
 256, the faster of the two memory orders), both measured in every round; printed as the median over
 rounds of stacked time / floor time (1 would be every FLOP at the rate of one large GEMM or
@@ -197,10 +199,24 @@ def _median_seconds(fn, repeats: int = 3) -> float:
 
 
 def gemm_timer(flops: int):
-    """(a torch.mm of square float32 matrices with about ``flops`` FLOPs, its FLOPs)."""
+    """(the faster of two products of square float32 matrices with about ``flops`` FLOPs:
+    ``torch.mm``, which calls torch's BLAS, and oneDNN's matmul (a linear layer converted by
+    ``torch.utils.mkldnn``), where torch has oneDNN; their FLOPs). On a CPU that the BLAS serves
+    with narrower vectors than it has (MKL on AMD processors: AVX2 on AVX-512 cores) the two
+    differ up to 2×, and the floor is the machine's, not one library's; and the faster's name)."""
     n = max(16, round((max(flops, 1) / 2) ** (1 / 3)))
     a, b = torch.randn(n, n), torch.randn(n, n)
-    return (lambda: torch.mm(a, b)), 2 * n**3
+    products = {"BLAS": lambda: torch.mm(a, b)}
+    if torch.backends.mkldnn.is_available():
+        from torch.utils import mkldnn
+
+        linear = torch.nn.Linear(n, n, bias=False)
+        with torch.no_grad():
+            linear.weight.copy_(b.t())
+        onednn, x = mkldnn.to_mkldnn(linear), a.to_mkldnn()
+        products["oneDNN"] = torch.no_grad()(lambda: onednn(x))
+    fastest = min(products, key=lambda name: _median_seconds(products[name]))
+    return products[fastest], 2 * n**3, fastest
 
 
 def conv_timer(config, data):
@@ -250,6 +266,7 @@ def compile_forward(engine, backend="inductor") -> None:
     compiles it at the next step."""
     if not hasattr(engine, "_batched_logits"):
         raise ValueError(f"--compiled times the batched engine's forward; {type(engine).__name__} has none")
+    torch._dynamo.reset()  # (one compiled forward per engine: the cache limit would cap the cells)
     engine._batched_logits = torch.compile(engine._batched_logits, backend=backend, dynamic=False)
 
 
@@ -282,7 +299,8 @@ def measure(arm: str, batch: int, data, rounds: int, seconds: float, members: in
             warm[name] = _time_steps(engine, orders, batch, 1, 0)
     steps = max(1, round(seconds / max(warm.values())))
     flops = {kind: n * stacked_models for kind, n in _step_flops(config, data).items()}
-    timers = {"gemm": gemm_timer(flops["gemm"]), "conv": conv_timer(config, data) if flops["conv"] else None}
+    *gemm_timed, gemm_library = gemm_timer(flops["gemm"])
+    timers = {"gemm": gemm_timed, "conv": conv_timer(config, data) if flops["conv"] else None}
     replay = kernel_replay(*engines["stacked"][:2], batch)
     per_model = {name: [] for name in engines}
     rates = {kind: [] for kind, timer in timers.items() if timer}
@@ -312,7 +330,7 @@ def measure(arm: str, batch: int, data, rounds: int, seconds: float, members: in
         "speedup": statistics.median(ratios), "speedup_rounds": ratios, "target": target,
         "met": None if target is None else statistics.median(ratios) >= target,
         "stacked_step_gflop": (flops["gemm"] + flops["conv"]) / 1e9, "conv_gflop": flops["conv"] / 1e9,
-        "gemm_gflops_per_s": gemm / 1e9, "conv_gflops_per_s": None if conv is None else conv / 1e9,
+        "gemm_gflops_per_s": gemm / 1e9, "gemm_library": gemm_library, "conv_gflops_per_s": None if conv is None else conv / 1e9,
         "floor_ms_per_model_step": 1e3 * floor / stacked_models,
         "stacked_over_floor": over_floor["stacked"], "stacked_over_floor_rounds": [
             t * stacked_models / f for t, f in zip(per_model["stacked"], floors)],
@@ -338,7 +356,7 @@ def measure(arm: str, batch: int, data, rounds: int, seconds: float, members: in
 COLUMNS = (("arm", "4", "arm"), ("B", ">5", "batch_size"), ("engine", "16", "engine"), ("K", ">3", "stacked_models"),
            ("alone ms", ">9.3f", "alone_ms_per_model_step"), ("stacked ms", ">10.3f", "stacked_ms_per_model_step"),
            ("floor ms", ">9.3f", "floor_ms_per_model_step"), ("speed-up", ">8.2f", "speedup"),
-           ("GEMM GF/s", ">9.1f", "gemm_gflops_per_s"), ("conv GF/s", ">9.1f", "conv_gflops_per_s"),
+           ("GEMM GF/s", ">9.1f", "gemm_gflops_per_s"), ("GEMM by", ">7", "gemm_library"), ("conv GF/s", ">9.1f", "conv_gflops_per_s"),
            ("stacked/floor", ">13.2f", "stacked_over_floor"), ("alone/floor", ">11.2f", "alone_over_floor"),
            ("kernels ms", ">10.3f", "kernels_ms_per_model_step"), ("stacked/kernels", ">15.2f", "stacked_over_kernels"),
            ("kernels/floor", ">13.2f", "kernels_over_floor"),
