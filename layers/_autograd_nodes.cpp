@@ -739,10 +739,54 @@ std::optional<Tensor> patchnorm_conv(const Tensor& x, const Tensor& weight, cons
     return PatchNormConvFunction::apply(x, weight, bias, sq, stride, padding, dilation, groups, hold)[0];
 }
 
+// ------------------------------------------------------------------------------------------
+// oneDNN's batched matrix product (for the stacked training engine, experiments/runs/stacked_matmul.py).
+// torch multiplies float32 matrices with its BLAS; torch's own call of oneDNN's matmul,
+// at::native::mkldnn_matmul (which torch uses in its reduced-precision matmul modes), is exported by
+// libtorch_cpu but not declared in the headers torch installs: it is bound here by its symbol, from
+// the library that holds at::globalContext, at the first call (null where this torch has none).
+
+using OnednnMatmul = void(const Tensor&, const Tensor&, const Tensor&, float, float);
+
+OnednnMatmul* onednn_matmul_symbol() {
+    static OnednnMatmul* const symbol = []() -> OnednnMatmul* {
+        Dl_info info;
+        if (!at::hasMKLDNN() || dladdr(reinterpret_cast<void*>(&at::globalContext), &info) == 0) {
+            return nullptr;
+        }
+        void* lib = dlopen(info.dli_fname, RTLD_NOW | RTLD_NOLOAD);
+        return lib == nullptr ? nullptr
+                              : reinterpret_cast<OnednnMatmul*>(
+                                    dlsym(lib, "_ZN2at6native13mkldnn_matmulERKNS_6TensorES3_S3_ff"));
+    }();
+    return symbol;
+}
+
+bool onednn_available() {
+    return onednn_matmul_symbol() != nullptr;
+}
+
+// out = beta·out + alpha·(a b) for float32 CPU tensors a (K, M, L), b (K, L, N), out (K, M, N)
+// contiguous (a and b may be transposed in their last two dimensions: oneDNN reads them as they are).
+void onednn_bmm_(const Tensor& out, const Tensor& a, const Tensor& b, double beta, double alpha) {
+    OnednnMatmul* matmul = onednn_matmul_symbol();
+    TORCH_CHECK(matmul != nullptr, "onednn_bmm_: this torch has no oneDNN matmul");
+    TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && out.dim() == 3 && a.size(0) == b.size(0) && a.size(0) == out.size(0)
+                    && a.size(2) == b.size(1) && out.size(1) == a.size(1) && out.size(2) == b.size(2),
+                "onednn_bmm_: expected a (K, M, L), b (K, L, N) and out (K, M, N), got ", a.sizes(), ", ", b.sizes(),
+                " and ", out.sizes());
+    for (const Tensor* t : {&out, &a, &b}) {
+        TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_cpu() && t->layout() == at::kStrided,
+                    "onednn_bmm_: expected strided float32 CPU tensors");
+    }
+    TORCH_CHECK(out.is_contiguous(), "onednn_bmm_: out must be contiguous");
+    matmul(a, b, out, static_cast<float>(beta), static_cast<float>(alpha));
+}
+
 }  // namespace affdiv
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.doc() = "The corrected layers' autograd nodes in C++ (see affdiv.layers._native).";
+    m.doc() = "The corrected layers' autograd nodes in C++, and oneDNN's batched matmul (see affdiv.layers._native).";
     // (the GIL released while they run, as torch releases it in its own ops)
     m.def("affine_like", &affdiv::affine_like, "z = (x Wᵀ + b)/√(‖x‖² + 1) per row of a 2-D x (None: not servable)",
           pybind11::call_guard<pybind11::gil_scoped_release>());
@@ -751,12 +795,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("patchnorm_conv", &affdiv::patchnorm_conv,
           "z = r·(conv(x, W) + b), r = 1/√(‖P‖² + 1) per group and position, of a 4-D x (None: not servable)",
           pybind11::call_guard<pybind11::gil_scoped_release>());
+    m.def("onednn_available", &affdiv::onednn_available, "whether this torch's oneDNN matmul is bound");
+    m.def("onednn_bmm_", &affdiv::onednn_bmm_, "out = beta·out + alpha·(a b), batched, by oneDNN (float32)",
+          pybind11::call_guard<pybind11::gil_scoped_release>());
     m.def("passes_bound", &affdiv::passes_are_bound, "whether the fused passes are bound");
     m.def("bind_passes", &affdiv::bind_passes, "bind the fused passes of the loaded library at this path "
           "(an empty path unbinds them); returns whether they are bound");
-    // the version of what the nodes expect of the Python side (_autograd.patchnorm_conv_grads'
-    // signature): affdiv.layers._native loads only the version it was written for
-    m.attr("PYTHON_INTERFACE") = 1;
+    // the version of the module's interface with the Python side (_autograd.patchnorm_conv_grads'
+    // signature, the functions here): affdiv.layers._native loads only the version it was written for
+    m.attr("PYTHON_INTERFACE") = 2;
     // an extension only loads into the torch it was compiled against (affdiv.layers._native checks)
     m.attr("BUILT_FOR_TORCH") = pybind11::make_tuple(TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR, TORCH_VERSION_PATCH);
 }

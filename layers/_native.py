@@ -1,4 +1,4 @@
-"""The corrected layers' autograd nodes in C++ (``_autograd_nodes.cpp``).
+"""The corrected layers' autograd nodes in C++ (``_autograd_nodes.cpp``), and oneDNN's batched matmul.
 
 A Python ``autograd.Function`` costs a small layer's call more than its arithmetic: an identity
 Function after ``nn.Linear`` alone takes 1.1-1.35× the time of ``nn.Linear`` at batch 16 and 1.4×
@@ -27,6 +27,10 @@ dispatch mode or forward-mode AD: those need the Python Functions' vmap rules an
 of a subclass (whose overrides a node would skip), or x not a 2-D plain CPU float32/float64 tensor
 with weight and bias of its dtype (checked in C++, where it costs a fraction of a microsecond).
 A graph may be recorded: the nodes' backward is itself differentiable.
+
+The extension also binds torch's own call of oneDNN's matmul (``at::native::mkldnn_matmul``, not
+declared in the headers torch installs: bound by its symbol), for the stacked training engine's
+float32 batched products (``onednn_bmm_``; see ``affdiv.experiments.runs.stacked_matmul``).
 """
 
 from __future__ import annotations
@@ -51,9 +55,9 @@ from affdiv.layers._torch_internals import (
 )
 
 _state = {"disabled": False}  # process-wide (``disabled`` is for tests and benchmarks)
-#: The version of what the extension expects of the Python side (``_autograd.patchnorm_conv_grads``'s
-#: signature), its ``PYTHON_INTERFACE``: raise both with any change of it.
-PYTHON_INTERFACE = 1
+#: The version of the extension's interface with the Python side (``_autograd.patchnorm_conv_grads``'s
+#: signature, the extension's functions), its ``PYTHON_INTERFACE``: raise both with any change of it.
+PYTHON_INTERFACE = 2
 
 
 def _running_torch() -> tuple[int, int, int] | None:
@@ -104,8 +108,23 @@ def passes_bound() -> bool:
     return _MODULE is not None and _MODULE.passes_bound()
 
 
+def onednn_available() -> bool:
+    """Whether the extension loaded and bound this torch's oneDNN matmul, and ``disabled`` is not
+    in force."""
+    return _MODULE is not None and not _state["disabled"] and _MODULE.onednn_available()
+
+
+def onednn_bmm_(out: Tensor, a: Tensor, b: Tensor, beta: float = 0.0, alpha: float = 1.0) -> Tensor:
+    """out = beta·out + alpha·(a b) by oneDNN, for float32 CPU tensors a (K, M, L), b (K, L, N) and
+    out (K, M, N), out contiguous (a and b may be transposed in their last two dimensions); with
+    beta = 0, out's values are not read. Returns out. Call only where :func:`onednn_available`."""
+    _MODULE.onednn_bmm_(out, a, b, beta, alpha)
+    return out
+
+
 def disabled() -> contextlib.AbstractContextManager:
-    """Run the Python Functions inside the block (for tests and benchmarks of both paths)."""
+    """Run the Python Functions inside the block, and torch's products instead of oneDNN's (for
+    tests and benchmarks of both paths)."""
     return _fused.flag_raised(_state, "disabled")
 
 

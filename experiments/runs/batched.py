@@ -4,7 +4,8 @@ For an ``nn.Sequential`` of the layers in :data:`LAYER_NAMES` (every MLP method 
 conv+batchnorm and patchnorm CNNs of :mod:`~affdiv.experiments.runs.models`), :class:`BatchedEnsemble` runs the
 K stacked models as one ordinary autograd graph, without ``torch.func``: the activations of an
 MLP are (K, B, F) and a linear layer is one batched product, z_kᵀ = W_k x_kᵀ + b_k
-(``baddbmm``); the activations of a CNN are (B, K·C, H, W) in channels-last memory order, so a
+(``baddbmm``; in float32 on oneDNN where it may run, :mod:`~affdiv.experiments.runs.stacked_matmul`);
+the activations of a CNN are (B, K·C, H, W) in channels-last memory order, so a
 convolution is one grouped convolution (groups = K) and BatchNorm, pooling and the activations
 act per channel on that layout unchanged (the running statistics are the stacked buffers seen as
 K·C channels, updated in place as each model's would be); a nondecreasing activation followed by
@@ -51,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from affdiv.experiments.runs import conv_pool, pool_relu
+from affdiv.experiments.runs import conv_pool, pool_relu, stacked_matmul
 from affdiv.experiments.runs.stacked import StackedEnsemble
 from affdiv.layers.functional import patchnorm_conv2d
 
@@ -82,19 +83,17 @@ def _to_channels(x: Tensor, k: int) -> Tensor:
 
 def _linear(x: Tensor, p: Stacked, k: int, _training: bool = True) -> Tensor:
     """zᵀ = W xᵀ + b, computed in that orientation so that the weight's gradient, dzᵀ x, comes out
-    contiguous (the optimiser's update then runs over contiguous memory); z is a transposed view."""
+    contiguous (the optimiser's update then runs over contiguous memory); z is a transposed view.
+    (The products: :func:`~affdiv.experiments.runs.stacked_matmul.baddbmm`.)"""
     xt = _to_rows(x, k).transpose(1, 2)
-    if "bias" in p:
-        return torch.baddbmm(p["bias"].unsqueeze(2), p["weight"], xt).transpose(1, 2)
-    return torch.bmm(p["weight"], xt).transpose(1, 2)
+    return stacked_matmul.baddbmm(p["bias"].unsqueeze(2) if "bias" in p else None, p["weight"], xt).transpose(1, 2)
 
 
 def _token_linear(x: Tensor, p: Stacked, k: int, _training: bool = True) -> Tensor:
     """z = x Wᵀ + b with z contiguous: for many rows of few features (a transformer's tokens), whose
     activations are then split into heads and normalised row by row (the weight's gradient, small,
     comes out transposed)."""
-    wt = p["weight"].transpose(1, 2)
-    return torch.baddbmm(p["bias"].unsqueeze(1), x, wt) if "bias" in p else torch.bmm(x, wt)
+    return stacked_matmul.baddbmm(p["bias"].unsqueeze(1) if "bias" in p else None, x, p["weight"].transpose(1, 2))
 
 
 def _affine_like(x: Tensor, p: Stacked, k: int, _training: bool, linear: Layer = _linear) -> Tensor:

@@ -1,0 +1,85 @@
+"""The stacked engine's batched products, on oneDNN where it may run them, else on torch's.
+
+A stacked linear layer is a batched product with a bias,
+
+    baddbmm(c, a, b) = c + a b,    a (K, M, L), b (K, L, N), c (K, M, 1), (K, 1, N) or none,
+
+and its backward, for the gradient g of the output,
+
+    ∂/∂a = g bᵀ,    ∂/∂b = aᵀ g,    ∂/∂c = g summed over the dimensions c broadcasts.
+
+torch multiplies float32 matrices with its BLAS. The BLAS of torch's CPU wheels is MKL, which on
+an AMD processor with AVX-512 runs its AVX2 code: there, on one core, ``torch.mm`` of square
+matrices ran at about 105 GF/s and oneDNN's matmul at 200-230 (``benchmarks/stacked_training.py``
+measures both and names the faster for its floor). torch has no op that reaches oneDNN's float32
+matmul; the package's C++ extension binds torch's own call of it
+(:func:`affdiv.layers._native.onednn_bmm_`), and :class:`OnednnBaddbmm` is written here around it.
+Its numbers are the product's up to the order of summation inside the kernel: float32 rounding,
+which the engine's batched kernels already allow (:mod:`~affdiv.experiments.runs.batched`).
+
+:func:`baddbmm` takes oneDNN where :func:`usable`, else ``torch.baddbmm`` / ``torch.bmm``. The
+Function is once differentiable: the engine takes first-order gradients only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from affdiv.layers import _fused, _native
+from affdiv.layers._torch_internals import (
+    dispatch_mode_active,
+    forward_ad_active,
+    functorch_transforms_active,
+    is_compiling,
+)
+
+
+def usable(*tensors: Tensor | None) -> bool:
+    """Whether oneDNN may take a product of these tensors (None entries ignored): the extension bound
+    it and ``affdiv.layers._native.disabled`` is not in force; no trace by torch.compile, torch.func
+    transform, dispatch mode or forward-mode AD (whose rules only torch's ops have); each a plain
+    float32 CPU tensor (no subclass, not wrapped), none empty."""
+    if not _native.onednn_available() or is_compiling() or functorch_transforms_active() \
+            or dispatch_mode_active() or forward_ad_active():
+        return False
+    return all(t is None or (t.dtype == torch.float32 and t.is_cpu and t.numel() > 0 and _fused.plain(t))
+               for t in tensors)
+
+
+def baddbmm(c: Tensor | None, a: Tensor, b: Tensor) -> Tensor:
+    """c + a b (a b without c): a (K, M, L), b (K, L, N), c broadcast to (K, M, N); by oneDNN where
+    :func:`usable`, a contiguous (K, M, N) tensor."""
+    if usable(c, a, b):
+        return OnednnBaddbmm.apply(c, a, b)
+    return torch.bmm(a, b) if c is None else torch.baddbmm(c, a, b)
+
+
+def _product(a: Tensor, b: Tensor) -> Tensor:
+    """a b by oneDNN, a new contiguous tensor."""
+    return _native.onednn_bmm_(a.new_empty(a.shape[0], a.shape[1], b.shape[2]), a, b)
+
+
+class OnednnBaddbmm(torch.autograd.Function):
+    """:func:`baddbmm` on oneDNN (module docstring), once differentiable."""
+
+    @staticmethod
+    def forward(ctx, c: Tensor | None, a: Tensor, b: Tensor) -> Tensor:
+        if c is None:
+            out = _product(a, b)
+        else:  # c written out (a copy, never c itself), then the product added to it: oneDNN's sum post-op
+            out = c.expand(a.shape[0], a.shape[1], b.shape[2]).clone(memory_format=torch.contiguous_format)
+            _native.onednn_bmm_(out, a, b, 1.0)
+        ctx.save_for_backward(a, b)
+        ctx.c_shape = None if c is None else c.shape
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        a, b = ctx.saved_tensors
+        need_c, need_a, need_b = ctx.needs_input_grad
+        return (g.sum_to_size(ctx.c_shape) if need_c else None,
+                _product(g, b.transpose(1, 2)) if need_a else None,
+                _product(a.transpose(1, 2), g) if need_b else None)

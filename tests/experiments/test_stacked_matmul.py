@@ -1,0 +1,161 @@
+"""The stacked engine's batched products on oneDNN (``affdiv.experiments.runs.stacked_matmul``).
+
+oneDNN sums in its own order, so its float32 products are held to the float64 product of the same
+float32 operands by the rounding-error bound of a sum of L products (Higham, Accuracy and
+Stability of Numerical Algorithms, 2nd ed., eq. 3.5),
+
+    |fl(a b) − a b| ≤ γ_L |a| |b|,    γ_L = L u / (1 − L u),    u = 2⁻²⁴,
+
+elementwise, and the product added to c by one more rounding (u |a b + c|). A wrong transpose, a
+dropped bias or a gradient of the wrong operand is off by far more than that bound. The routing
+tests say which calls take oneDNN: plain eager float32 CPU tensors only.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.utils.flop_counter import FlopCounterMode
+
+from affdiv.experiments.runs import stacked_matmul
+from affdiv.experiments.runs.config import RunConfig
+from affdiv.experiments.runs.training import build_member, stacked_engine
+from affdiv.layers import _native
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.skipif(not _native.onednn_available(), reason="oneDNN's matmul is not bound")]
+
+U = 2.0**-24
+
+
+def test_onednn_was_bound_where_required():
+    # tox sets AFFDIV_REQUIRE_CPU_KERNELS=1: there a torch with oneDNN must have it bound
+    if os.environ.get("AFFDIV_REQUIRE_CPU_KERNELS") != "1" or not torch.backends.mkldnn.is_available():
+        pytest.skip("the C++ extension is optional here")
+    assert _native.onednn_available()
+
+
+def _within_bound(got: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None) -> None:
+    """got (float32) against c + a b in float64, by the bound of the module docstring."""
+    exact = torch.bmm(a.double(), b.double()) + (0 if c is None else c.double())
+    length = a.shape[2]
+    gamma = length * U / (1 - length * U)
+    bound = gamma * torch.bmm(a.double().abs(), b.double().abs()) + U * exact.abs()
+    assert got.dtype == torch.float32 and got.shape == exact.shape
+    assert ((got.double() - exact).abs() <= bound).all()
+
+
+def _operands(k, m, length, n, bias, transposed, seed):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(k, m, length, generator=g)
+    b = torch.randn(k, length, n, generator=g)
+    if transposed[0]:  # the same values, laid out transposed in the last two dimensions
+        a = a.transpose(1, 2).contiguous().transpose(1, 2)
+    if transposed[1]:
+        b = b.transpose(1, 2).contiguous().transpose(1, 2)
+    c = {"none": None, "rows": torch.randn(k, m, 1, generator=g), "columns": torch.randn(k, 1, n, generator=g),
+         "full": torch.randn(k, m, n, generator=g)}[bias]
+    return a, b, c, torch.randn(k, m, n, generator=g)
+
+
+@given(k=st.integers(1, 4), m=st.integers(1, 24), length=st.integers(1, 40), n=st.integers(1, 24),
+       bias=st.sampled_from(["none", "rows", "columns", "full"]), transposed=st.tuples(st.booleans(), st.booleans()),
+       needs=st.tuples(st.booleans(), st.booleans(), st.booleans()).filter(any), seed=st.integers(0, 2**16))
+def test_the_product_and_its_gradients_are_the_exact_ones_within_float32_rounding(k, m, length, n, bias, transposed,
+                                                                                 needs, seed):
+    a, b, c, g = _operands(k, m, length, n, bias, transposed, seed)
+    inputs = [t.requires_grad_(need) if t is not None else None for t, need in zip((c, a, b), needs)]
+    z = stacked_matmul.baddbmm(*inputs)
+    _within_bound(z, a, b, c)
+    wanted = [t for t in inputs if t is not None and t.requires_grad]
+    if not wanted:
+        return
+    assert type(z.grad_fn).__name__ == "OnednnBaddbmmBackward"
+    grads = dict(zip(map(id, wanted), torch.autograd.grad(z, wanted, g)))
+    if c is not None and c.requires_grad:  # g summed over c's broadcast dimensions: at most max(m, n) terms
+        exact = g.double().sum_to_size(c.shape)
+        terms = max(1, g.numel() // c.numel())
+        assert ((grads[id(c)].double() - exact).abs() <= terms * U * g.double().abs().sum_to_size(c.shape)).all()
+    if a.requires_grad:
+        _within_bound(grads[id(a)], g, b.detach().transpose(1, 2), None)
+    if b.requires_grad:
+        _within_bound(grads[id(b)], a.detach().transpose(1, 2), g, None)
+
+
+def test_an_offset_operand_does_not_fool_the_bound():
+    # (the bound is tight enough to fail a product computed from a transposed b: a mutation check)
+    a, b, c, _ = _operands(2, 5, 5, 5, "rows", (False, False), 3)
+    wrong = stacked_matmul.baddbmm(c, a, b.transpose(1, 2))
+    with pytest.raises(AssertionError):
+        _within_bound(wrong, a, b, c)
+
+
+def _grad_fn(c, a, b) -> str:
+    return type(stacked_matmul.baddbmm(c, a.requires_grad_(), b).grad_fn).__name__
+
+
+def test_plain_eager_float32_products_take_onednn_and_every_other_call_torch():
+    a, b, c, _ = _operands(2, 3, 4, 5, "rows", (False, False), 1)
+    assert _grad_fn(c, a, b) == "OnednnBaddbmmBackward"
+    assert _grad_fn(None, a, b) == "OnednnBaddbmmBackward"
+    assert _grad_fn(c.double(), a.double(), b.double()) == "BaddbmmBackward0"  # float64: torch's
+    assert _grad_fn(None, a.double(), b.double()) == "BmmBackward0"
+    with _native.disabled():
+        assert _grad_fn(c, a, b) == "BaddbmmBackward0"
+    assert _grad_fn(c, a[:, :, :0], b[:, :0]) == "BaddbmmBackward0"  # (empty)
+    with FlopCounterMode(display=False) as counter:  # a dispatch mode sees torch's op, counted
+        stacked_matmul.baddbmm(c, a, b)
+    assert counter.get_total_flops() == 2 * 2 * 3 * 4 * 5
+    vmapped = torch.func.vmap(lambda a, b: stacked_matmul.baddbmm(None, a, b))(a[None], b[None])
+    assert torch.equal(vmapped[0], torch.bmm(a, b).detach())  # torch.func: torch's product
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(a.detach(), torch.ones_like(a))
+        tangent = torch.autograd.forward_ad.unpack_dual(stacked_matmul.baddbmm(c, dual, b)).tangent
+    assert torch.equal(tangent, torch.bmm(torch.ones_like(a), b))  # forward-mode AD: torch's, with its jvp
+
+
+def test_a_double_backward_names_the_once_differentiable_function():
+    a, b, c, g = _operands(2, 3, 4, 5, "rows", (False, False), 2)
+    a.requires_grad_()
+    ga, = torch.autograd.grad(stacked_matmul.baddbmm(c, a, b), a, g, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad|OnednnBaddbmm"):
+        torch.autograd.grad(ga.sum(), a)
+
+
+@pytest.mark.parametrize("method, depth", [("affine", 2), ("affine_like", 2), ("vit", 1)])
+def test_the_stacked_engine_takes_onednn_in_float32_with_torchs_numbers_within_rounding(digits, method, depth):
+    # one SGD step of the same models with and without oneDNN: float32 rounding apart (the step
+    # multiplies gradients of ~1 by lr ≤ 0.2; relative 1e-5 is ~100 u), and float64 bit for bit
+    # (oneDNN takes no float64 product)
+    orders = torch.stack([torch.randperm(len(digits.train.y), generator=torch.Generator().manual_seed(s))
+                          for s in (0, 1)])
+    for dtype in ("float32", "float64"):
+        split = (torch.as_tensor(digits.train.x).to(getattr(torch, dtype)), torch.as_tensor(digits.train.y))
+        config = RunConfig(dataset="digits", method=method, depth=depth, width=16, batch_size=8, seed=0, dtype=dtype)
+        engines = []
+        for context in (_native.disabled, None):
+            models = [build_member(config, digits, seed) for seed in (0, 1)]
+            engine = stacked_engine(models[0])(models, "sgd", [0.1, 0.2], [None, None], [split] * 2, [split] * 2)
+            calls = []
+            real = stacked_matmul.OnednnBaddbmm.apply
+            stacked_matmul.OnednnBaddbmm.apply = lambda *args: calls.append(1) or real(*args)
+            try:
+                if context is None:
+                    engine.step(orders[:, :8])
+                else:
+                    with context():
+                        engine.step(orders[:, :8])
+            finally:
+                stacked_matmul.OnednnBaddbmm.apply = real
+            engines.append((engine, len(calls)))
+        (torch_engine, torch_calls), (onednn_engine, onednn_calls) = engines
+        assert torch_calls == 0 and (onednn_calls > 0) == (dtype == "float32")
+        for name, p in torch_engine.params.items():
+            if dtype == "float64":
+                assert torch.equal(onednn_engine.params[name], p)
+            else:
+                torch.testing.assert_close(onednn_engine.params[name], p, rtol=1e-5, atol=1e-6)
