@@ -13,7 +13,9 @@ tests say which calls take oneDNN: plain eager float32 CPU tensors only.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import unittest.mock
 
 import pytest
 import torch
@@ -137,21 +139,13 @@ def test_the_stacked_engine_takes_onednn_in_float32_with_torchs_numbers_within_r
         split = (torch.as_tensor(digits.train.x).to(getattr(torch, dtype)), torch.as_tensor(digits.train.y))
         config = RunConfig(dataset="digits", method=method, depth=depth, width=16, batch_size=8, seed=0, dtype=dtype)
         engines = []
-        for context in (_native.disabled, None):
+        for context in (_native.disabled, contextlib.nullcontext):
             models = [build_member(config, digits, seed) for seed in (0, 1)]
             engine = stacked_engine(models[0])(models, "sgd", [0.1, 0.2], [None, None], [split] * 2, [split] * 2)
-            calls = []
-            real = stacked_matmul.OnednnBaddbmm.apply
-            stacked_matmul.OnednnBaddbmm.apply = lambda *args: calls.append(1) or real(*args)
-            try:
-                if context is None:
-                    engine.step(orders[:, :8])
-                else:
-                    with context():
-                        engine.step(orders[:, :8])
-            finally:
-                stacked_matmul.OnednnBaddbmm.apply = real
-            engines.append((engine, len(calls)))
+            with unittest.mock.patch.object(stacked_matmul.OnednnBaddbmm, "apply",
+                                            wraps=stacked_matmul.OnednnBaddbmm.apply) as spy, context():
+                engine.step(orders[:, :8])
+            engines.append((engine, spy.call_count))
         (torch_engine, torch_calls), (onednn_engine, onednn_calls) = engines
         assert torch_calls == 0 and (onednn_calls > 0) == (dtype == "float32")
         for name, p in torch_engine.params.items():
