@@ -30,9 +30,10 @@ memory for reuse as the sweep's workers do (``sweep.keep_freed_memory``), for bo
 
 The floor: the arithmetic of a stacked step (K × the FLOPs of one model's step, counted by
 ``torch.utils.flop_counter`` on forward + backward), its matrix products at the machine's GEMM rate
-(square matrices with the same FLOPs multiplied by ``torch.mm`` or by oneDNN, whichever is faster,
-named in the table: where torch's BLAS does not use the processor's widest vectors, as MKL on an
-AMD processor with AVX-512, oneDNN runs up to twice as fast) and its convolutions at the machine's
+(square matrices with the same FLOPs multiplied by ``torch.mm``, torch's BLAS, and by oneDNN, the
+faster of the two in each round; the table prints both rates and names the faster: where torch's
+BLAS does not use the processor's widest vectors, as MKL on an AMD processor with AVX-512, oneDNN
+runs up to twice as fast) and its convolutions at the machine's
 convolution rate (forward + both backward passes of the arm's widest convolution, one model at batch
 256, the faster of the two memory orders), both measured in every round; printed as the median over
 rounds of stacked time / floor time (1 would be every FLOP at the rate of one large GEMM or
@@ -198,15 +199,15 @@ def _median_seconds(fn, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
-def gemm_timer(flops: int):
-    """(the faster of two products of square float32 matrices with about ``flops`` FLOPs:
-    ``torch.mm``, which calls torch's BLAS, and oneDNN's matmul (a linear layer converted by
-    ``torch.utils.mkldnn``), where torch has oneDNN; their FLOPs). On a CPU that the BLAS serves
-    with narrower vectors than it has (MKL on AMD processors: AVX2 on AVX-512 cores) the two
-    differ up to 2×, and the floor is the machine's, not one library's; and the faster's name)."""
+def gemm_timers(flops: int) -> dict:
+    """Products of square float32 matrices with about ``flops`` FLOPs, by library: "BLAS"
+    (``torch.mm``, torch's BLAS) and, where torch has oneDNN, "oneDNN" (its matmul: a linear layer
+    converted by ``torch.utils.mkldnn``); each (function, its FLOPs). The floor takes the faster in
+    each round: where the BLAS does not use the processor's widest vectors (MKL on an AMD processor
+    with AVX-512) the two differ up to 2×, and the floor is the machine's, not one library's."""
     n = max(16, round((max(flops, 1) / 2) ** (1 / 3)))
     a, b = torch.randn(n, n), torch.randn(n, n)
-    products = {"BLAS": lambda: torch.mm(a, b)}
+    products = {"BLAS": (lambda: torch.mm(a, b), 2 * n**3)}
     if torch.backends.mkldnn.is_available():
         from torch.utils import mkldnn
 
@@ -214,9 +215,8 @@ def gemm_timer(flops: int):
         with torch.no_grad():
             linear.weight.copy_(b.t())
         onednn, x = mkldnn.to_mkldnn(linear), a.to_mkldnn()
-        products["oneDNN"] = torch.no_grad()(lambda: onednn(x))
-    fastest = min(products, key=lambda name: _median_seconds(products[name]))
-    return products[fastest], 2 * n**3, fastest
+        products["oneDNN"] = (torch.no_grad()(lambda: onednn(x)), 2 * n**3)
+    return products
 
 
 def conv_timer(config, data):
@@ -299,24 +299,25 @@ def measure(arm: str, batch: int, data, rounds: int, seconds: float, members: in
             warm[name] = _time_steps(engine, orders, batch, 1, 0)
     steps = max(1, round(seconds / max(warm.values())))
     flops = {kind: n * stacked_models for kind, n in _step_flops(config, data).items()}
-    *gemm_timed, gemm_library = gemm_timer(flops["gemm"])
-    timers = {"gemm": gemm_timed, "conv": conv_timer(config, data) if flops["conv"] else None}
+    libraries = gemm_timers(flops["gemm"])
+    timers = {**libraries, **({"conv": conv_timer(config, data)} if flops["conv"] else {})}
     replay = kernel_replay(*engines["stacked"][:2], batch)
     per_model = {name: [] for name in engines}
-    rates = {kind: [] for kind, timer in timers.items() if timer}
+    rates = {kind: [] for kind in timers}
     kernels = []
     for r in range(rounds):
         for name, (engine, orders, k) in engines.items():
             with _variant_context(name):
                 per_model[name].append(_time_steps(engine, orders, batch, steps, 1 + r * steps) / (steps * k))
-        for kind in rates:  # the rates in every round too: the floor sees the machine's drifts
-            fn, done = timers[kind]
+        for kind, (fn, done) in timers.items():  # in every round too: the floor sees the machine's drifts
             rates[kind].append(done / _median_seconds(fn))
         kernels.append(_median_seconds(replay) / stacked_models)
     ratios = [a / s for a, s in zip(per_model["alone"], per_model["stacked"])]
-    floors = [sum(flops[kind] / rates[kind][r] for kind in rates) for r in range(rounds)]
+    gemm_rates = [max(rates[library][r] for library in libraries) for r in range(rounds)]
+    floors = [flops["gemm"] / gemm_rates[r] + (flops["conv"] / rates["conv"][r] if "conv" in rates else 0.0)
+              for r in range(rounds)]
     floor = statistics.median(floors)
-    gemm = statistics.median(rates["gemm"])
+    gemm = statistics.median(gemm_rates)
     conv = statistics.median(rates["conv"]) if "conv" in rates else None
     median = {name: statistics.median(times) for name, times in per_model.items()}
     over_floor = {name: statistics.median(t * stacked_models / f for t, f in zip(times, floors))
@@ -330,7 +331,9 @@ def measure(arm: str, batch: int, data, rounds: int, seconds: float, members: in
         "speedup": statistics.median(ratios), "speedup_rounds": ratios, "target": target,
         "met": None if target is None else statistics.median(ratios) >= target,
         "stacked_step_gflop": (flops["gemm"] + flops["conv"]) / 1e9, "conv_gflop": flops["conv"] / 1e9,
-        "gemm_gflops_per_s": gemm / 1e9, "gemm_library": gemm_library,
+        "gemm_gflops_per_s": gemm / 1e9,
+        "gemm_library": max(libraries, key=lambda library: statistics.median(rates[library])),
+        **{f"{library.lower()}_gflops_per_s": statistics.median(rates[library]) / 1e9 for library in libraries},
         "conv_gflops_per_s": None if conv is None else conv / 1e9,
         "floor_ms_per_model_step": 1e3 * floor / stacked_models,
         "stacked_over_floor": over_floor["stacked"], "stacked_over_floor_rounds": [
@@ -357,7 +360,8 @@ def measure(arm: str, batch: int, data, rounds: int, seconds: float, members: in
 COLUMNS = (("arm", "4", "arm"), ("B", ">5", "batch_size"), ("engine", "16", "engine"), ("K", ">3", "stacked_models"),
            ("alone ms", ">9.3f", "alone_ms_per_model_step"), ("stacked ms", ">10.3f", "stacked_ms_per_model_step"),
            ("floor ms", ">9.3f", "floor_ms_per_model_step"), ("speed-up", ">8.2f", "speedup"),
-           ("GEMM GF/s", ">9.1f", "gemm_gflops_per_s"), ("GEMM by", ">7", "gemm_library"),
+           ("GEMM GF/s", ">9.1f", "gemm_gflops_per_s"), ("BLAS GF/s", ">9.1f", "blas_gflops_per_s"),
+           ("oneDNN GF/s", ">11.1f", "onednn_gflops_per_s"), ("GEMM by", ">7", "gemm_library"),
            ("conv GF/s", ">9.1f", "conv_gflops_per_s"),
            ("stacked/floor", ">13.2f", "stacked_over_floor"), ("alone/floor", ">11.2f", "alone_over_floor"),
            ("kernels ms", ">10.3f", "kernels_ms_per_model_step"), ("stacked/kernels", ">15.2f", "stacked_over_kernels"),
