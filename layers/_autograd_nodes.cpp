@@ -744,7 +744,8 @@ std::optional<Tensor> patchnorm_conv(const Tensor& x, const Tensor& weight, cons
 // torch multiplies float32 matrices with its BLAS; torch's own call of oneDNN's matmul,
 // at::native::mkldnn_matmul (which torch uses in its reduced-precision matmul modes), is exported by
 // libtorch_cpu but not declared in the headers torch installs: it is bound here by its symbol, from
-// the library that holds at::globalContext, at the first call (null where this torch has none).
+// the library that holds at::globalContext, at the first call (null where this torch has none; the
+// mangled name encodes the parameter types, so a torch that changed them has no such symbol).
 
 using OnednnMatmul = void(const Tensor&, const Tensor&, const Tensor&, float, float);
 
