@@ -51,25 +51,34 @@ def _within_bound(got: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.
     assert ((got.double() - exact).abs() <= bound).all()
 
 
-def _operands(k, m, length, n, bias, transposed, seed):
+def _laid_out(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """t's values, contiguous, transposed in the last two dimensions, or strided (every other
+    element of a larger tensor, models interleaved with the rows as the CNN read-out's input is)."""
+    if layout == "transposed":
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+    if layout == "strided":
+        wide = torch.zeros(t.shape[1], t.shape[0], 2 * t.shape[2])
+        wide[:, :, ::2] = t.transpose(0, 1)
+        return wide.transpose(0, 1)[:, :, ::2]
+    return t
+
+
+def _operands(k, m, length, n, bias, layouts, seed):
     g = torch.Generator().manual_seed(seed)
-    a = torch.randn(k, m, length, generator=g)
-    b = torch.randn(k, length, n, generator=g)
-    if transposed[0]:  # the same values, laid out transposed in the last two dimensions
-        a = a.transpose(1, 2).contiguous().transpose(1, 2)
-    if transposed[1]:
-        b = b.transpose(1, 2).contiguous().transpose(1, 2)
+    a = _laid_out(torch.randn(k, m, length, generator=g), layouts[0])
+    b = _laid_out(torch.randn(k, length, n, generator=g), layouts[1])
     c = {"none": None, "rows": torch.randn(k, m, 1, generator=g), "columns": torch.randn(k, 1, n, generator=g),
          "full": torch.randn(k, m, n, generator=g)}[bias]
     return a, b, c, torch.randn(k, m, n, generator=g)
 
 
 @given(k=st.integers(1, 4), m=st.integers(1, 24), length=st.integers(1, 40), n=st.integers(1, 24),
-       bias=st.sampled_from(["none", "rows", "columns", "full"]), transposed=st.tuples(st.booleans(), st.booleans()),
+       bias=st.sampled_from(["none", "rows", "columns", "full"]),
+       layouts=st.tuples(*[st.sampled_from(["contiguous", "transposed", "strided"])] * 2),
        needs=st.tuples(st.booleans(), st.booleans(), st.booleans()).filter(any), seed=st.integers(0, 2**16))
-def test_the_product_and_its_gradients_are_the_exact_ones_within_float32_rounding(k, m, length, n, bias, transposed,
+def test_the_product_and_its_gradients_are_the_exact_ones_within_float32_rounding(k, m, length, n, bias, layouts,
                                                                                  needs, seed):
-    a, b, c, g = _operands(k, m, length, n, bias, transposed, seed)
+    a, b, c, g = _operands(k, m, length, n, bias, layouts, seed)
     inputs = [t.requires_grad_(need) if t is not None else None for t, need in zip((c, a, b), needs)]
     z = stacked_matmul.baddbmm(*inputs)
     _within_bound(z, a, b, c)
@@ -90,7 +99,7 @@ def test_the_product_and_its_gradients_are_the_exact_ones_within_float32_roundin
 
 def test_an_offset_operand_does_not_fool_the_bound():
     # (the bound is tight enough to fail a product computed from a transposed b: a mutation check)
-    a, b, c, _ = _operands(2, 5, 5, 5, "rows", (False, False), 3)
+    a, b, c, _ = _operands(2, 5, 5, 5, "rows", ("contiguous", "contiguous"), 3)
     wrong = stacked_matmul.baddbmm(c, a, b.transpose(1, 2))
     with pytest.raises(AssertionError):
         _within_bound(wrong, a, b, c)
@@ -101,7 +110,7 @@ def _grad_fn(c, a, b) -> str:
 
 
 def test_plain_eager_float32_products_take_onednn_and_every_other_call_torch():
-    a, b, c, _ = _operands(2, 3, 4, 5, "rows", (False, False), 1)
+    a, b, c, _ = _operands(2, 3, 4, 5, "rows", ("contiguous", "contiguous"), 1)
     assert _grad_fn(c, a, b) == "OnednnBaddbmmBackward"
     assert _grad_fn(None, a, b) == "OnednnBaddbmmBackward"
     assert _grad_fn(c.double(), a.double(), b.double()) == "BaddbmmBackward0"  # float64: torch's
@@ -121,7 +130,7 @@ def test_plain_eager_float32_products_take_onednn_and_every_other_call_torch():
 
 
 def test_a_double_backward_names_the_once_differentiable_function():
-    a, b, c, g = _operands(2, 3, 4, 5, "rows", (False, False), 2)
+    a, b, c, g = _operands(2, 3, 4, 5, "rows", ("contiguous", "contiguous"), 2)
     a.requires_grad_()
     ga, = torch.autograd.grad(stacked_matmul.baddbmm(c, a, b), a, g, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable|does not require grad|OnednnBaddbmm"):
