@@ -12,15 +12,18 @@ BatchNorm2d after each convolution ("conv+batchnorm") (an arm is a name → RunC
 batch sizes in ``ARMS``: another architecture is one more entry). The variants are the harness's own
 engines (``training.OneAtATime``; the stacked engine ``training.stacked_engine`` picks for the arm,
 named in the table; ``--vmap`` also times ``stacked.StackedEnsemble``, the vmapped fallback;
-``--plain`` times the stacked engine again inside ``affdiv.layers._fused.disabled()``, without the
-compiled passes, which on the CNN arms is without the fused blocks described below; ``--compiled``
+``--plain`` times the stacked engine again inside ``affdiv.layers._fused.disabled()`` and
+``affdiv.layers._native.disabled()``, without the compiled passes (on the CNN arms without the fused
+blocks described below) and with torch's products instead of oneDNN's; ``--compiled``
 times it with its batched forward compiled by ``torch.compile`` (inductor; autograd then runs the
 compiled backward; the compilation, in an untimed first step, is not counted)) taking SGD
 steps on real batches (each model its own shuffle), so a model-step costs what it costs in a sweep;
 whole runs differ only by their evaluations (a few per run). The stacked ensemble holds as many of
 the cell's models as fit the default ensemble memory (``ensembles.member_bytes``), at most 48; one
 at a time is timed on 8 models (its cost per model-step does not depend on how many there are); its
-step is the bare loop (forward, ``zero_grad``, ``backward``, ``torch.optim`` step, the loss kept).
+step is the bare loop (forward, ``zero_grad``, ``backward``, ``torch.optim`` step, the loss kept),
+its products torch's (``nn.Linear``), so where the stacked engine multiplies on oneDNN the speed-up
+holds that change of library too (``--plain`` times the stacked engine on torch's products).
 ``--members K ...`` times K stacked models instead, a row per K (how the gain grows with K). Each
 round times one measurement of each variant (a fixed number of steps, about ``--seconds`` long),
 rounds interleaved so that the machine's drifts hit all; the speed-up is the median over rounds of
@@ -30,10 +33,10 @@ memory for reuse as the sweep's workers do (``sweep.keep_freed_memory``), for bo
 
 The floor: the arithmetic of a stacked step (K × the FLOPs of one model's step, counted by
 ``torch.utils.flop_counter`` on forward + backward), its matrix products at the machine's GEMM rate
-(square matrices with the same FLOPs multiplied by ``torch.mm``, torch's BLAS, and by oneDNN, the
-faster of the two in each round; the table prints both rates and names the faster: where torch's
-BLAS does not use the processor's widest vectors, as MKL on an AMD processor with AVX-512, oneDNN
-runs up to twice as fast) and its convolutions at the machine's
+(square matrices with the same FLOPs multiplied by ``torch.mm``, torch's BLAS, and by oneDNN's
+matmul as the stacked engine calls it, the faster of the two in each round; the table prints both
+rates and names the faster: where torch's BLAS does not use the processor's widest vectors, as MKL
+on an AMD processor with AVX-512, oneDNN runs up to twice as fast) and its convolutions at the machine's
 convolution rate (forward + both backward passes of the arm's widest convolution, one model at batch
 256, the faster of the two memory orders), both measured in every round; printed as the median over
 rounds of stacked time / floor time (1 would be every FLOP at the rate of one large GEMM or
@@ -88,7 +91,7 @@ from affdiv.experiments.runs.options import DEFAULT_ENSEMBLE_MEMORY
 from affdiv.experiments.runs.stacked import StackedEnsemble
 from affdiv.experiments.runs.sweep import keep_freed_memory
 from affdiv.experiments.runs.training import OneAtATime, build_member, stacked_engine
-from affdiv.layers import _fused
+from affdiv.layers import _fused, _native
 from affdiv.provenance import provenance
 
 CELL = 48  # 8 seeds × 6 learning rates
@@ -201,21 +204,16 @@ def _median_seconds(fn, repeats: int = 3) -> float:
 
 def gemm_timers(flops: int) -> dict:
     """Products of square float32 matrices with about ``flops`` FLOPs, by library: "BLAS"
-    (``torch.mm``, torch's BLAS) and, where torch has oneDNN, "oneDNN" (its matmul: a linear layer
-    converted by ``torch.utils.mkldnn``); each (function, its FLOPs). The floor takes the faster in
-    each round: where the BLAS does not use the processor's widest vectors (MKL on an AMD processor
-    with AVX-512) the two differ up to 2×, and the floor is the machine's, not one library's."""
+    (``torch.mm``, torch's BLAS) and, where the package bound it, "oneDNN" (oneDNN's matmul as the
+    stacked engine calls it, ``affdiv.layers._native.onednn_bmm_``); each (function, its FLOPs). The
+    floor takes the faster in each round: where the BLAS does not use the processor's widest vectors
+    (MKL on an AMD processor with AVX-512) the two differ up to 2×."""
     n = max(16, round((max(flops, 1) / 2) ** (1 / 3)))
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    products = {"BLAS": (lambda: torch.mm(a, b), 2 * n**3)}
-    if torch.backends.mkldnn.is_available():
-        from torch.utils import mkldnn
-
-        linear = torch.nn.Linear(n, n, bias=False)
-        with torch.no_grad():
-            linear.weight.copy_(b.t())
-        onednn, x = mkldnn.to_mkldnn(linear), a.to_mkldnn()
-        products["oneDNN"] = (torch.no_grad()(lambda: onednn(x)), 2 * n**3)
+    a, b = torch.randn(1, n, n), torch.randn(1, n, n)
+    products = {"BLAS": (lambda: torch.mm(a[0], b[0]), 2 * n**3)}
+    if _native.onednn_enabled():
+        out = torch.empty(1, n, n)
+        products["oneDNN"] = (lambda: _native.onednn_bmm_(out, a, b), 2 * n**3)
     return products
 
 
@@ -257,8 +255,14 @@ def conv_timer(config, data):
 
 
 def _variant_context(name: str) -> contextlib.AbstractContextManager:
-    """The "plain" variant runs without the compiled passes; the others as they are."""
-    return _fused.disabled() if name == "plain" else contextlib.nullcontext()
+    """The "plain" variant runs without the compiled passes and with torch's products (not
+    oneDNN's); the others as they are."""
+    if name != "plain":
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(_fused.disabled())
+    stack.enter_context(_native.disabled())
+    return stack
 
 
 def compile_forward(engine, backend="inductor") -> None:

@@ -28,6 +28,7 @@
 #include <torch/extension.h>
 #include <torch/version.h>
 
+#include <ATen/MemoryOverlap.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <dlfcn.h>
 #include <torch/csrc/jit/frontend/tracer.h>
@@ -744,10 +745,33 @@ std::optional<Tensor> patchnorm_conv(const Tensor& x, const Tensor& weight, cons
 // torch multiplies float32 matrices with its BLAS; torch's own call of oneDNN's matmul,
 // at::native::mkldnn_matmul (which torch uses in its reduced-precision matmul modes), is exported by
 // libtorch_cpu but not declared in the headers torch installs: it is bound here by its symbol, from
-// the library that holds at::globalContext, at the first call (null where this torch has none; the
-// mangled name encodes the parameter types, so a torch that changed them has no such symbol).
+// the library that holds at::globalContext, at the first call. The mangled name encodes the
+// parameter types only, and the function has preconditions of its own (on x86 its float32 path
+// needs AVX-512 or AVX-NE-CONVERT): so it is kept only if a small product through it, with beta 0
+// and 1, runs and matches at::bmm; else null, and the engine multiplies with torch's ops.
 
 using OnednnMatmul = void(const Tensor&, const Tensor&, const Tensor&, float, float);
+
+// Whether `matmul` computes out = beta·out + alpha·(a b) on a (2, 3, 5) @ (2, 5, 4) product, with
+// its first operand transposed, for beta = 0 and 1 (within float32 rounding of these sums).
+bool passes_self_test(OnednnMatmul* matmul) {
+    try {
+        at::NoGradGuard no_grad;
+        const auto options = at::TensorOptions().dtype(at::kFloat);
+        const Tensor a = at::arange(30, options).reshape({2, 5, 3}).transpose(1, 2).div(7);
+        const Tensor b = at::arange(40, options).reshape({2, 5, 4}).sub(9).div(5);
+        const Tensor c = at::arange(24, options).reshape({2, 3, 4}).div(3);
+        const Tensor product = at::bmm(a, b);
+        Tensor out = at::empty({2, 3, 4}, options);
+        matmul(a, b, out, 0.0f, 1.0f);
+        bool ok = at::allclose(out, product, 1e-5, 1e-5);
+        out.copy_(c);
+        matmul(a, b, out, 1.0f, -0.5f);
+        return ok && at::allclose(out, c - 0.5 * product, 1e-5, 1e-5);
+    } catch (const std::exception&) {
+        return false;
+    }
+}
 
 OnednnMatmul* onednn_matmul_symbol() {
     static OnednnMatmul* const symbol = []() -> OnednnMatmul* {
@@ -756,22 +780,25 @@ OnednnMatmul* onednn_matmul_symbol() {
             return nullptr;
         }
         void* lib = dlopen(info.dli_fname, RTLD_NOW | RTLD_NOLOAD);
-        return lib == nullptr ? nullptr
-                              : reinterpret_cast<OnednnMatmul*>(
-                                    dlsym(lib, "_ZN2at6native13mkldnn_matmulERKNS_6TensorES3_S3_ff"));
+        auto* matmul = lib == nullptr ? nullptr
+                                      : reinterpret_cast<OnednnMatmul*>(
+                                            dlsym(lib, "_ZN2at6native13mkldnn_matmulERKNS_6TensorES3_S3_ff"));
+        return matmul != nullptr && passes_self_test(matmul) ? matmul : nullptr;
     }();
     return symbol;
 }
 
-bool onednn_available() {
+bool onednn_bound() {
     return onednn_matmul_symbol() != nullptr;
 }
 
 // out = beta·out + alpha·(a b) for float32 CPU tensors a (K, M, L), b (K, L, N), out (K, M, N)
-// contiguous (a and b may be transposed in their last two dimensions: oneDNN reads them as they are).
+// contiguous and overlapping neither (a and b may be transposed in their last two dimensions:
+// oneDNN reads them as they are; other layouts it copies first). out is written in place (its
+// version bumped), except that alpha = 0 leaves it as it is (oneDNN's matmul returns at once).
 void onednn_bmm_(const Tensor& out, const Tensor& a, const Tensor& b, double beta, double alpha) {
     OnednnMatmul* matmul = onednn_matmul_symbol();
-    TORCH_CHECK(matmul != nullptr, "onednn_bmm_: this torch has no oneDNN matmul");
+    TORCH_CHECK(matmul != nullptr, "onednn_bmm_: this torch has no usable oneDNN matmul");
     TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && out.dim() == 3 && a.size(0) == b.size(0) && a.size(0) == out.size(0)
                     && a.size(2) == b.size(1) && out.size(1) == a.size(1) && out.size(2) == b.size(2),
                 "onednn_bmm_: expected a (K, M, L), b (K, L, N) and out (K, M, N), got ", a.sizes(), ", ", b.sizes(),
@@ -781,7 +808,10 @@ void onednn_bmm_(const Tensor& out, const Tensor& a, const Tensor& b, double bet
                     "onednn_bmm_: expected strided float32 CPU tensors");
     }
     TORCH_CHECK(out.is_contiguous(), "onednn_bmm_: out must be contiguous");
+    at::assert_no_overlap(out, a);
+    at::assert_no_overlap(out, b);
     matmul(a, b, out, static_cast<float>(beta), static_cast<float>(alpha));
+    out.unsafeGetTensorImpl()->bump_version();
 }
 
 }  // namespace affdiv
@@ -796,7 +826,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("patchnorm_conv", &affdiv::patchnorm_conv,
           "z = r·(conv(x, W) + b), r = 1/√(‖P‖² + 1) per group and position, of a 4-D x (None: not servable)",
           pybind11::call_guard<pybind11::gil_scoped_release>());
-    m.def("onednn_available", &affdiv::onednn_available, "whether this torch's oneDNN matmul is bound");
+    m.def("onednn_bound", &affdiv::onednn_bound, "whether this torch's oneDNN matmul is bound (and passed its self-test)");
     m.def("onednn_bmm_", &affdiv::onednn_bmm_, "out = beta·out + alpha·(a b), batched, by oneDNN (float32)",
           pybind11::call_guard<pybind11::gil_scoped_release>());
     m.def("passes_bound", &affdiv::passes_are_bound, "whether the fused passes are bound");

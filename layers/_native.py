@@ -29,8 +29,9 @@ with weight and bias of its dtype (checked in C++, where it costs a fraction of 
 A graph may be recorded: the nodes' backward is itself differentiable.
 
 The extension also binds torch's own call of oneDNN's matmul (``at::native::mkldnn_matmul``, not
-declared in the headers torch installs: bound by its symbol), for the stacked training engine's
-float32 batched products (``onednn_bmm_``; see ``affdiv.experiments.runs.stacked_matmul``).
+declared in the headers torch installs: bound by its symbol, and kept only if a small product
+through it matches torch's), for the stacked training engine's float32 batched products
+(``onednn_bmm_``; see ``affdiv.experiments.runs.stacked_matmul``).
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ def _load():
 
 
 _MODULE = _load()
+_ONEDNN_BOUND = _MODULE is not None and _MODULE.onednn_bound()
 
 
 def available() -> bool:
@@ -108,16 +110,18 @@ def passes_bound() -> bool:
     return _MODULE is not None and _MODULE.passes_bound()
 
 
-def onednn_available() -> bool:
-    """Whether the extension loaded and bound this torch's oneDNN matmul, and ``disabled`` is not
-    in force."""
-    return _MODULE is not None and not _state["disabled"] and _MODULE.onednn_available()
+def onednn_enabled() -> bool:
+    """Whether the extension bound this torch's oneDNN matmul (it passed its self-test: on x86 the
+    float32 path needs AVX-512 or AVX-NE-CONVERT) and ``disabled`` is not in force. Plain Python
+    (a flag read at import), so that torch.compile traces through it."""
+    return _ONEDNN_BOUND and not _state["disabled"]
 
 
 def onednn_bmm_(out: Tensor, a: Tensor, b: Tensor, beta: float = 0.0, alpha: float = 1.0) -> Tensor:
     """out = beta·out + alpha·(a b) by oneDNN, for float32 CPU tensors a (K, M, L), b (K, L, N) and
-    out (K, M, N), out contiguous (a and b may be transposed in their last two dimensions); with
-    beta = 0, out's values are not read. Returns out. Call only where :func:`onednn_available`."""
+    out (K, M, N), out contiguous and overlapping neither (a and b may be transposed in their last
+    two dimensions); with beta = 0 out's values are not read, with alpha = 0 out is left as it is.
+    Returns out. Private: call only where :func:`onednn_enabled`."""
     _MODULE.onednn_bmm_(out, a, b, beta, alpha)
     return out
 

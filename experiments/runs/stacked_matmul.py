@@ -10,22 +10,23 @@ and its backward, for the gradient g of the output,
 
 torch multiplies float32 matrices with its BLAS. The BLAS of torch's CPU wheels is MKL, which on
 an AMD processor with AVX-512 runs its AVX2 code: there, on one core, ``torch.mm`` of square
-matrices ran at about 105 GF/s and oneDNN's matmul at 200-230 (``benchmarks/stacked_training.py``
-measures both and names the faster for its floor). torch has no op that reaches oneDNN's float32
-matmul; the package's C++ extension binds torch's own call of it
-(:func:`affdiv.layers._native.onednn_bmm_`), and :class:`OnednnBaddbmm` is written here around it.
-Its numbers are the product's up to the order of summation inside the kernel: float32 rounding,
-which the engine's batched kernels already allow (:mod:`~affdiv.experiments.runs.batched`).
+matrices ran at 94-110 GF/s and oneDNN's matmul at 168-238 (``benchmarks/stacked_training.py``
+measures both in every round). torch has no op that reaches oneDNN's float32 matmul; the
+package's C++ extension binds torch's own call of it (:func:`affdiv.layers._native.onednn_bmm_`),
+and :class:`OnednnBaddbmm` is written here around it. Its numbers are the product's up to the order
+of summation inside the kernel: float32 rounding, which the engine's batched kernels already allow
+(:mod:`~affdiv.experiments.runs.batched`).
 
 :func:`baddbmm` takes oneDNN where :func:`usable`, else ``torch.baddbmm`` / ``torch.bmm``. The
-Function is once differentiable: the engine takes first-order gradients only.
+backward checks again: a backward that records a graph (a double backward), carries forward-mode
+tangents or batched gradients takes torch's products, which are differentiable and have those
+rules.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from affdiv.layers import _fused, _native
 from affdiv.layers._torch_internals import (
@@ -37,12 +38,15 @@ from affdiv.layers._torch_internals import (
 
 
 def usable(*tensors: Tensor | None) -> bool:
-    """Whether oneDNN may take a product of these tensors (None entries ignored): the extension bound
-    it and ``affdiv.layers._native.disabled`` is not in force; no trace by torch.compile, torch.func
-    transform, dispatch mode or forward-mode AD (whose rules only torch's ops have); each a plain
-    float32 CPU tensor (no subclass, not wrapped), none empty."""
-    if not _native.onednn_available() or is_compiling() or functorch_transforms_active() \
-            or dispatch_mode_active() or forward_ad_active():
+    """Whether oneDNN may take a product of these tensors (None entries ignored): not traced by
+    torch.compile, no torch.func transform, dispatch mode or forward-mode AD (whose rules only
+    torch's ops have); the extension bound oneDNN's matmul and ``affdiv.layers._native.disabled``
+    is not in force; torch's own oneDNN switch on and its float32 matmul precision full
+    (``torch.backends.mkldnn``: oneDNN's matmul follows it, so a reduced precision would apply at
+    every size); each tensor a plain float32 CPU tensor (no subclass, not wrapped), none empty."""
+    if is_compiling() or functorch_transforms_active() or dispatch_mode_active() or forward_ad_active() \
+            or not _native.onednn_enabled() or not torch.backends.mkldnn.enabled \
+            or torch.backends.mkldnn.matmul.fp32_precision not in ("none", "ieee"):
         return False
     return all(t is None or (t.dtype == torch.float32 and t.is_cpu and t.numel() > 0 and _fused.plain(t))
                for t in tensors)
@@ -62,7 +66,7 @@ def _product(a: Tensor, b: Tensor) -> Tensor:
 
 
 class OnednnBaddbmm(torch.autograd.Function):
-    """:func:`baddbmm` on oneDNN (module docstring), once differentiable."""
+    """:func:`baddbmm` on oneDNN (module docstring)."""
 
     @staticmethod
     def forward(ctx, c: Tensor | None, a: Tensor, b: Tensor) -> Tensor:
@@ -76,10 +80,11 @@ class OnednnBaddbmm(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, g: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         a, b = ctx.saved_tensors
         need_c, need_a, need_b = ctx.needs_input_grad
+        # (a graph recorded, tangents or batched gradients: torch's products, differentiable)
+        product = _product if not torch.is_grad_enabled() and usable(g, a, b) else torch.bmm
         return (g.sum_to_size(ctx.c_shape) if need_c else None,
-                _product(g, b.transpose(1, 2)) if need_a else None,
-                _product(a.transpose(1, 2), g) if need_b else None)
+                product(g, b.transpose(1, 2)) if need_a else None,
+                product(a.transpose(1, 2), g) if need_b else None)

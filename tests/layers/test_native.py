@@ -23,7 +23,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,6 +59,32 @@ def test_nodes_were_built_where_required():
         pytest.skip("AFFDIV_REQUIRE_CPU_KERNELS is not set: the C++ nodes are optional here")
     assert _native.available(), "the C++ extension affdiv.layers._autograd_nodes was not built for this torch"
     assert _native.passes_bound(), "the C++ nodes did not bind the fused passes"
+
+
+def test_onednn_was_bound_exactly_where_the_processor_has_its_float32_path():
+    # tox: the extension binds torch's oneDNN matmul where a small product through it matches
+    # torch's; on x86 its float32 path needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT
+    if os.environ.get("AFFDIV_REQUIRE_CPU_KERNELS") != "1":
+        pytest.skip("AFFDIV_REQUIRE_CPU_KERNELS is not set: the C++ extension is optional here")
+    cpuinfo = Path("/proc/cpuinfo")
+    if platform.machine() not in ("x86_64", "AMD64") or not cpuinfo.exists():
+        pytest.skip("the processor's features are read from /proc/cpuinfo on x86 only")
+    flags = set(next((line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), "").split())
+    has_path = {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
+    assert _native.onednn_enabled() == (torch.backends.mkldnn.is_available() and has_path)
+
+
+@needs_nodes
+def test_a_processor_without_onednns_float32_path_keeps_torchs_products():
+    # oneDNN told to use AVX2 at most, as on a processor without AVX-512: its float32 matmul
+    # raises there, so the self-test must refuse it and the engine's products must be torch's
+    script = ("import torch; from affdiv.layers import _native; from affdiv.experiments.runs import stacked_matmul; "
+              "a, b = torch.randn(2, 3, 4), torch.randn(2, 4, 5); "
+              "print(_native.onednn_enabled(), torch.equal(stacked_matmul.baddbmm(None, a, b), torch.bmm(a, b)))")
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "True"]
 
 
 def _results(fn, x, w, b, grad, contexts):
