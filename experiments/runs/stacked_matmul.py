@@ -10,7 +10,7 @@ and its backward, for the gradient g of the output,
 
 torch multiplies float32 matrices with its BLAS. The BLAS of torch's CPU wheels is MKL, which on
 an AMD processor with AVX-512 runs its AVX2 code: there, on one core, ``torch.mm`` of square
-matrices ran at 94-110 GF/s and oneDNN's matmul at 168-238 (``benchmarks/stacked_training.py``
+matrices ran at 87-106 GF/s and oneDNN's matmul at 197-233 (``benchmarks/stacked_training.py``
 measures both in every round). torch has no op that reaches oneDNN's float32 matmul; the
 package's C++ extension binds torch's own call of it (:func:`affdiv.layers._native.onednn_bmm_`),
 and :class:`OnednnBaddbmm` is written here around it. Its numbers are the product's up to the order

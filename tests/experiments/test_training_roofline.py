@@ -46,9 +46,9 @@ def test_a_replayed_tensor_has_the_recorded_layout_over_its_own_storage():
 
 
 def test_the_compiled_variant_trains_the_models_the_stacked_engine_trains(digits):
-    # the --compiled row times the same steps, through the compiled code: inductor reorders float32
-    # sums within its fused kernels (rounding, ~1e-7 relative), and three SGD steps carry that into
-    # the parameters
+    # the --compiled row times the same steps, through the compiled code, which takes torch's
+    # products where the eager engine may take oneDNN's and reorders float32 sums within its fused
+    # kernels: rounding (~1e-7 relative) either way, which three SGD steps carry into the parameters
     from torch._dynamo.testing import CompileCounterWithBackend
 
     config = RunConfig(dataset="digits", method="affine_like", depth=1, width=8, batch_size=8, seed=0)
