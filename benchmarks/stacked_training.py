@@ -210,9 +210,9 @@ def gemm_timers(flops: int) -> dict:
     (MKL on an AMD processor with AVX-512) the two differ up to 2×."""
     n = max(16, round((max(flops, 1) / 2) ** (1 / 3)))
     a, b = torch.randn(1, n, n), torch.randn(1, n, n)
-    products = {"BLAS": (lambda: torch.mm(a[0], b[0]), 2 * n**3)}
+    out = torch.empty(1, n, n)
+    products = {"BLAS": (lambda: torch.mm(a[0], b[0], out=out[0]), 2 * n**3)}
     if _native.onednn_enabled():
-        out = torch.empty(1, n, n)
         products["oneDNN"] = (lambda: _native.onednn_bmm_(out, a, b), 2 * n**3)
     return products
 
@@ -254,15 +254,15 @@ def conv_timer(config, data):
     return fastest, counter.get_total_flops()
 
 
-def _variant_context(name: str) -> contextlib.AbstractContextManager:
+@contextlib.contextmanager
+def _variant_context(name: str):
     """The "plain" variant runs without the compiled passes and with torch's products (not
     oneDNN's); the others as they are."""
     if name != "plain":
-        return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    stack.enter_context(_fused.disabled())
-    stack.enter_context(_native.disabled())
-    return stack
+        yield
+        return
+    with _fused.disabled(), _native.disabled():
+        yield
 
 
 def compile_forward(engine, backend="inductor") -> None:

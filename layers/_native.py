@@ -96,7 +96,7 @@ def _load():
 
 
 _MODULE = _load()
-_ONEDNN_BOUND = _MODULE is not None and _MODULE.onednn_bound()
+_onednn = {"bound": None}  # whether the extension bound oneDNN's matmul: asked at the first use
 
 
 def available() -> bool:
@@ -112,9 +112,14 @@ def passes_bound() -> bool:
 
 def onednn_enabled() -> bool:
     """Whether the extension bound this torch's oneDNN matmul (it passed its self-test: on x86 the
-    float32 path needs AVX-512 or AVX-NE-CONVERT) and ``disabled`` is not in force. Plain Python
-    (a flag read at import), so that torch.compile traces through it."""
-    return _ONEDNN_BOUND and not _state["disabled"]
+    float32 path needs AVX-512 or AVX-NE-CONVERT) and ``disabled`` is not in force. The self-test
+    runs at the first call, which should come in eager mode with no dispatch mode active (as
+    ``stacked_matmul.usable`` calls it): a mode active then would see its products."""
+    if _state["disabled"] or _MODULE is None:
+        return False
+    if _onednn["bound"] is None:  # (the extension's self-test, once: a few small products)
+        _onednn["bound"] = bool(_MODULE.onednn_bound())
+    return _onednn["bound"]
 
 
 def onednn_bmm_(out: Tensor, a: Tensor, b: Tensor, beta: float = 0.0, alpha: float = 1.0) -> Tensor:

@@ -15,7 +15,8 @@ measures both in every round). torch has no op that reaches oneDNN's float32 mat
 package's C++ extension binds torch's own call of it (:func:`affdiv.layers._native.onednn_bmm_`),
 and :class:`OnednnBaddbmm` is written here around it. Its numbers are the product's up to the order
 of summation inside the kernel: float32 rounding, which the engine's batched kernels already allow
-(:mod:`~affdiv.experiments.runs.batched`).
+(:mod:`~affdiv.experiments.runs.batched`). It is taken wherever the processor can run it, measured
+faster only on that AMD processor (on an Intel processor with AVX-512, MKL uses AVX-512 itself).
 
 :func:`baddbmm` takes oneDNN where :func:`usable`, else ``torch.baddbmm`` / ``torch.bmm``. The
 backward checks again: a backward that records a graph (a double backward), carries forward-mode
@@ -40,16 +41,25 @@ from affdiv.layers._torch_internals import (
 def usable(*tensors: Tensor | None) -> bool:
     """Whether oneDNN may take a product of these tensors (None entries ignored): not traced by
     torch.compile, no torch.func transform, dispatch mode or forward-mode AD (whose rules only
-    torch's ops have); the extension bound oneDNN's matmul and ``affdiv.layers._native.disabled``
-    is not in force; torch's own oneDNN switch on and its float32 matmul precision full
-    (``torch.backends.mkldnn``: oneDNN's matmul follows it, so a reduced precision would apply at
-    every size); each tensor a plain float32 CPU tensor (no subclass, not wrapped), none empty."""
+    torch's ops have); torch's own oneDNN switch on and its float32 matmul precision full
+    (:func:`_full_float32_precision`); the extension bound oneDNN's matmul (its self-test runs at
+    the first call that gets this far) and ``affdiv.layers._native.disabled`` is not in force;
+    each tensor a plain strided float32 CPU tensor (no subclass, not wrapped), none empty."""
     if is_compiling() or functorch_transforms_active() or dispatch_mode_active() or forward_ad_active() \
-            or not _native.onednn_enabled() or not torch.backends.mkldnn.enabled \
-            or torch.backends.mkldnn.matmul.fp32_precision not in ("none", "ieee"):
+            or not torch.backends.mkldnn.enabled or not _full_float32_precision() or not _native.onednn_enabled():
         return False
-    return all(t is None or (t.dtype == torch.float32 and t.is_cpu and t.numel() > 0 and _fused.plain(t))
+    return all(t is None or (t.dtype == torch.float32 and t.is_cpu and t.layout == torch.strided and t.numel() > 0
+                             and _fused.plain(t))
                for t in tensors)
+
+
+def _full_float32_precision() -> bool:
+    """Whether torch asks oneDNN's float32 matmul for full precision: from torch 2.9 its
+    ``backends.mkldnn.matmul.fp32_precision`` ("ieee", or "none": inherited), before that the
+    float32 matmul precision "highest" (``set_float32_matmul_precision("high")`` or "medium" ask
+    for TF32 or bfloat16 products, which oneDNN's matmul would then compute at every size)."""
+    setting = getattr(getattr(torch.backends.mkldnn, "matmul", None), "fp32_precision", None)
+    return setting in ("none", "ieee") if setting is not None else torch.get_float32_matmul_precision() == "highest"
 
 
 def baddbmm(c: Tensor | None, a: Tensor, b: Tensor) -> Tensor:
