@@ -47,13 +47,7 @@ import torch
 from torch import Tensor
 
 from affdiv.layers import _fused
-from affdiv.layers._torch_internals import (
-    dispatch_mode_active,
-    forward_ad_active,
-    functorch_transforms_active,
-    is_compiling,
-    saved_tensors_hooks_active,
-)
+from affdiv.layers._torch_internals import saved_tensors_hooks_active, untraced_eager
 
 _state = {"disabled": False}  # process-wide (``disabled`` is for tests and benchmarks)
 #: The version of the extension's interface with the Python side (``_autograd.patchnorm_conv_grads``'s
@@ -154,8 +148,7 @@ def _servable(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     """Whether the state lets a call take the C++ nodes and the tensors are of torch's own types:
     built and not disabled; no trace, torch.func transform, dispatch mode or forward-mode AD active;
     no subclass (the extension checks the rest of the tensors)."""
-    return not (_MODULE is None or _state["disabled"] or _fused.is_disabled() or is_compiling()
-                or functorch_transforms_active() or dispatch_mode_active() or forward_ad_active()
+    return not (_MODULE is None or _state["disabled"] or _fused.is_disabled() or not untraced_eager()
                 or type(x) not in _fused.PLAIN_TYPES or type(weight) not in _fused.PLAIN_TYPES
                 or (bias is not None and type(bias) not in _fused.PLAIN_TYPES))
 

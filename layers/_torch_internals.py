@@ -52,6 +52,13 @@ def dispatch_mode_active() -> bool:
     return bool(torch._C._len_torch_dispatch_stack())
 
 
+def untraced_eager() -> bool:
+    """True where a call runs eagerly on real tensors: not traced by torch.compile, under no
+    torch.func transform, dispatch mode or forward-mode AD, whose rules only torch's ops have (the
+    condition for a kernel of the package's own, C or C++, to run at all)."""
+    return not (is_compiling() or functorch_transforms_active() or dispatch_mode_active() or forward_ad_active())
+
+
 def saved_tensors_hooks_active() -> bool:
     """True inside ``torch.autograd.graph.saved_tensors_hooks`` (activation checkpointing,
     ``save_on_cpu``): a tensor kept for backward outside ``save_for_backward`` would escape them."""

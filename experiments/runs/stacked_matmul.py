@@ -30,12 +30,7 @@ import torch
 from torch import Tensor
 
 from affdiv.layers import _fused, _native
-from affdiv.layers._torch_internals import (
-    dispatch_mode_active,
-    forward_ad_active,
-    functorch_transforms_active,
-    is_compiling,
-)
+from affdiv.layers._torch_internals import untraced_eager
 
 
 def usable(*tensors: Tensor | None) -> bool:
@@ -45,8 +40,8 @@ def usable(*tensors: Tensor | None) -> bool:
     (:func:`_full_float32_precision`); the extension bound oneDNN's matmul (its self-test runs at
     the first call that gets this far) and ``affdiv.layers._native.disabled`` is not in force;
     each tensor a plain strided float32 CPU tensor (no subclass, not wrapped), none empty."""
-    if is_compiling() or functorch_transforms_active() or dispatch_mode_active() or forward_ad_active() \
-            or not torch.backends.mkldnn.enabled or not _full_float32_precision() or not _native.onednn_enabled():
+    if not untraced_eager() or not torch.backends.mkldnn.enabled or not _full_float32_precision() \
+            or not _native.onednn_enabled():
         return False
     return all(t is None or (t.dtype == torch.float32 and t.is_cpu and t.layout == torch.strided and t.numel() > 0
                              and _fused.plain(t))
