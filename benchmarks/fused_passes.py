@@ -1,15 +1,17 @@
-"""What each of the stacked CNN's compiled passes buys in the training step, one pass at a time.
+"""What each of the stacked engine's compiled passes buys in the training step, one pass at a time.
 
-    python benchmarks/fused_passes.py [--arms cnn conv+batchnorm] [--batch-sizes 16 64 256]
-                                      [--rounds 5] [--threads 1] [--json PATH]
+    python benchmarks/fused_passes.py [--arms cnn conv+batchnorm mlp-affine_like vit-affine_like]
+                                      [--batch-sizes 16 64 256] [--rounds 5] [--threads 1] [--json PATH]
 
-For a CNN arm of the training roofline (``stacked_training.ARMS``) at each batch size, with as
-many stacked models as the roofline holds, the stacked engine is built twice: as it is, and with
-one pass routed off (the first block, ``experiments.runs.conv_pool``, or the later max-pools with
-their ReLU, ``experiments.runs.pool_relu``), so that those layers run as the batched engine runs
-them unfused; every other pass stays on in both. Their SGD steps are timed in interleaved rounds
-(each model its own shuffle, as in ``stacked_training``); the printed figure is the median over
-rounds of the paired ratio without / with the pass (above 1: the pass makes the step faster).
+For an arm of the training roofline (``stacked_training.ARMS``) at each batch size, with as
+many stacked models as the roofline holds, the stacked engine is built twice for each pass the
+arm's layers take: as it is, and with that pass routed off (a CNN's first block,
+``experiments.runs.conv_pool``; its later max-pools with their ReLU, ``experiments.runs.pool_relu``;
+the AffineLike and NormLike Functions, ``experiments.runs.stacked_dense``), so that those layers run
+as the batched engine writes them in torch operations; every other pass stays on in both. Their
+SGD steps are timed in interleaved rounds (each model its own shuffle, as in ``stacked_training``);
+the printed figure is the median over rounds of the paired ratio without / with the pass (above 1:
+the pass makes the step faster).
 Both engines train the same models, so the figure is of the step alone, not of a study.
 """
 
@@ -25,7 +27,7 @@ import torch
 
 from affdiv.atomic import atomic_write, check_writable_file
 from affdiv.experiments.data.dataset import load_dataset
-from affdiv.experiments.runs import conv_pool, pool_relu
+from affdiv.experiments.runs import conv_pool, pool_relu, stacked_dense
 from affdiv.experiments.runs.config import RunConfig
 from affdiv.experiments.runs.sweep import keep_freed_memory
 from affdiv.experiments.runs.training import build_member, stacked_engine
@@ -34,9 +36,13 @@ from affdiv.provenance import provenance
 sys.path.insert(0, str(Path(__file__).parent))
 from stacked_training import ARMS, _engine, _time_steps, cell_models  # noqa: E402  (the roofline's arms and engines)
 
-#: The passes, each as the routing function that, patched to say "no", sends its layers unfused.
-PASSES = {"first block": (conv_pool, "first_block_length", lambda layers: 0),
-          "later pools": (pool_relu, "is_pool_2x2", lambda pool: False)}
+#: The passes, each as the routing function that, patched to say "no", sends its layers unfused,
+#: and the methods whose layers take it.
+CNN_METHODS = ("conv", "conv+batchnorm", "patchnorm")
+DENSE_METHODS = ("affine_like", "norm_l2", "vit-affine_like", "vit-affine_like-qknorm")
+PASSES = {"first block": (conv_pool, "first_block_length", lambda layers: 0, CNN_METHODS),
+          "later pools": (pool_relu, "is_pool_2x2", lambda pool: False, CNN_METHODS),
+          "dense scale": (stacked_dense, "usable", lambda *tensors: False, DENSE_METHODS)}
 
 
 def measure(arm: str, batch: int, data, rounds: int) -> list[dict]:
@@ -48,7 +54,9 @@ def measure(arm: str, batch: int, data, rounds: int) -> list[dict]:
     steps = max(2, 400 // batch)
     with_pass, orders = _engine(kind, config, data, models)
     rows = []
-    for name, (module, routing, off) in PASSES.items():
+    for name, (module, routing, off, methods) in PASSES.items():
+        if settings["method"] not in methods:
+            continue
         real = getattr(module, routing)
         setattr(module, routing, off)
         try:
@@ -65,7 +73,7 @@ def measure(arm: str, batch: int, data, rounds: int) -> list[dict]:
                      "with_ms_per_step": statistics.median(times["with"]),
                      "without_ms_per_step": statistics.median(times["without"]),
                      "without_over_with": statistics.median(ratios), "rounds": ratios})
-        print(f"{arm:15s} B={batch:<5d} K={models:<3d} {name:12s} with {rows[-1]['with_ms_per_step']:8.1f} ms  "
+        print(f"{arm:16s} B={batch:<5d} K={models:<3d} {name:12s} with {rows[-1]['with_ms_per_step']:8.1f} ms  "
               f"without {rows[-1]['without_ms_per_step']:8.1f} ms  without/with {rows[-1]['without_over_with']:.3f}",
               flush=True)
     return rows
@@ -73,9 +81,9 @@ def measure(arm: str, batch: int, data, rounds: int) -> list[dict]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    cnn_arms = [arm for arm, (settings, _sizes) in ARMS.items() if settings["method"] in ("conv", "conv+batchnorm",
-                                                                                          "patchnorm")]
-    parser.add_argument("--arms", nargs="+", choices=cnn_arms, default=cnn_arms)
+    arms = [arm for arm, (settings, _sizes) in ARMS.items()
+            if any(settings["method"] in methods for *_pass, methods in PASSES.values())]
+    parser.add_argument("--arms", nargs="+", choices=arms, default=arms)
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[16, 64, 256])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)

@@ -101,6 +101,9 @@ BATCH_SIZES = (16, 64, 256, 1024)
 #: arm -> (RunConfig settings, default batch sizes). A new architecture is one more entry here.
 ARMS = {
     "mlp": (dict(method="affine", depth=3, width=256, activation="tanh"), BATCH_SIZES),
+    # the MLP's corrected layers, on request
+    **{f"mlp-{method}": (dict(method=method, depth=3, width=256, activation="tanh"), BATCH_SIZES)
+       for method in ("affine_like", "norm_l2")},
     "cnn": (dict(method="conv", depth=3, width=32, activation="relu"), BATCH_SIZES),
     **{method: (dict(method=method, depth=3, width=32, activation="relu"), BATCH_SIZES)  # on request
        for method in ("patchnorm", "conv+batchnorm")},

@@ -34,9 +34,9 @@ too (:func:`batched_vit`): its tokens are rows, (K, B·T, d), so that every proj
 activation and QK-norm is one of the layers above, and attention is two batched products over the
 K·B·H (sequence, head) pairs, softmax(Q_h K_hᵀ/√d_h) V_h, as the model computes it per sequence.
 
-AffineLike and NormLike are written here with torch operations (their formulas,
-:mod:`affdiv.layers.functional`), not their fused kernels; the K models' PatchNormConv2d is one
-PatchNorm convolution of K times the groups, with its fused kernels. Any other layer, or a layer
+AffineLike and NormLike are one autograd Function each around the batched product, with the
+layers' fused row passes (:mod:`~affdiv.experiments.runs.stacked_dense`); the K models'
+PatchNormConv2d is one PatchNorm convolution of K times the groups, with its fused kernels. Any other layer, or a layer
 setting not listed (a strided or dilated convolution, a normalisation over more than the last
 dimension),
 makes :func:`is_batched` false: such a model trains on the vmapped engine.
@@ -44,7 +44,6 @@ makes :func:`is_batched` false: such a model trains on the vmapped engine.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 
@@ -52,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from affdiv.experiments.runs import conv_pool, pool_relu, stacked_matmul
+from affdiv.experiments.runs import conv_pool, pool_relu, stacked_dense, stacked_matmul
 from affdiv.experiments.runs.stacked import StackedEnsemble
 from affdiv.layers.functional import patchnorm_conv2d
 
@@ -96,20 +95,19 @@ def _token_linear(x: Tensor, p: Stacked, k: int, _training: bool = True) -> Tens
     return stacked_matmul.baddbmm(p["bias"].unsqueeze(1) if "bias" in p else None, x, p["weight"].transpose(1, 2))
 
 
-def _affine_like(x: Tensor, p: Stacked, k: int, _training: bool, linear: Layer = _linear) -> Tensor:
-    """z = (W x + b)/√(‖x‖² + 1), W x + b by ``linear``."""
-    x = _to_rows(x, k)
-    return linear(x, p, k, _training) / (x.square().sum(2, keepdim=True) + 1).sqrt()
+def _affine_like(x: Tensor, p: Stacked, k: int, _training: bool) -> Tensor:
+    """z = (W x + b)/√(‖x‖² + 1) (:func:`~affdiv.experiments.runs.stacked_dense.affine_like`)."""
+    return stacked_dense.affine_like(_to_rows(x, k), p["weight"], p.get("bias"))
 
 
 def _norm_like(module: nn.Module) -> Layer:
-    """z = W c x/max(‖x‖, ε) + b, c = 1 (l2) or √m (rms)."""
+    """z = W c x/max(‖x‖, ε) + b, c = 1 (l2) or √m (rms)
+    (:func:`~affdiv.experiments.runs.stacked_dense.norm_like`)."""
     mode, eps = module.mode, module.eps
 
     def layer(x: Tensor, p: Stacked, k: int, _training: bool) -> Tensor:
         x = _to_rows(x, k)
-        scale = 1.0 if mode == "l2" else x.shape[2] ** 0.5
-        return _linear(scale * x / torch.linalg.vector_norm(x, dim=2, keepdim=True).clamp_min(eps), p, k)
+        return stacked_dense.norm_like(x, p["weight"], p.get("bias"), 1.0 if mode == "l2" else x.shape[2] ** 0.5, eps)
     return layer
 
 
@@ -318,7 +316,7 @@ def batched_vit(model: nn.Module) -> Forward | None:
 
     leaves = {name: module for name, module in model.named_modules()
               if name and not any(module.children()) and type(module) not in (Patches, PositionEmbedding, nn.Softmax)}
-    projections = {nn.Linear: _token_linear, AffineLike: functools.partial(_affine_like, linear=_token_linear)}
+    projections = {nn.Linear: _token_linear, AffineLike: _affine_like}
     layers = {name: projections.get(type(module)) or _layer(module) for name, module in leaves.items()}
     if any(layer is None for layer in layers.values()):
         return None

@@ -65,6 +65,12 @@ def baddbmm(c: Tensor | None, a: Tensor, b: Tensor) -> Tensor:
     return torch.bmm(a, b) if c is None else torch.baddbmm(c, a, b)
 
 
+def product(a: Tensor, b: Tensor) -> Tensor:
+    """a b, a (K, M, L), b (K, L, N), by oneDNN where :func:`usable`, else ``torch.bmm``; not
+    recorded by autograd (for backwards: :func:`baddbmm` is the differentiable product)."""
+    return _product(a, b) if usable(a, b) else torch.bmm(a, b)
+
+
 def _product(a: Tensor, b: Tensor) -> Tensor:
     """a b by oneDNN, a new contiguous tensor."""
     return _native.onednn_bmm_(a.new_empty(a.shape[0], a.shape[1], b.shape[2]), a, b)
@@ -89,7 +95,7 @@ class OnednnBaddbmm(torch.autograd.Function):
         a, b = ctx.saved_tensors
         need_c, need_a, need_b = ctx.needs_input_grad
         # (a graph recorded, tangents or batched gradients: torch's products, differentiable)
-        product = _product if not torch.is_grad_enabled() and usable(g, a, b) else torch.bmm
+        mm = torch.bmm if torch.is_grad_enabled() else product
         return (g.sum_to_size(ctx.c_shape) if need_c else None,
-                product(g, b.transpose(1, 2)) if need_a else None,
-                product(a.transpose(1, 2), g) if need_b else None)
+                mm(g, b.transpose(1, 2)) if need_a else None,
+                mm(a.transpose(1, 2), g) if need_b else None)

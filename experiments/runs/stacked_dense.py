@@ -1,0 +1,161 @@
+"""The stacked engine's AffineLike and NormLike layers: the batched product and the layers' own
+fused row passes around it, in one autograd Function each.
+
+For K models' rows x (K, M, L), weights W (K, N, L) and biases b (K, N), model by model and row
+by row (the layers' formulas, :mod:`affdiv.layers._autograd`):
+
+    AffineLike   z = r·(x Wᵀ + b),   r = 1/√(‖x‖² + 1)
+    NormLike     z = q·(x Wᵀ) + b,   q = c/max(‖x‖, eps),   c = 1 (l2) or √L (rms)
+
+and for the gradient g of z, with the row scale s (r or q) and gy = s·g,
+
+    ∂W = gyᵀ x,   ∂b = Σ_rows gy (AffineLike) or Σ_rows g (NormLike),   u = gy W,
+    AffineLike   ∂x = u − r²·(⟨u, x⟩ + ⟨gy, b⟩)·x
+    NormLike     ∂x = u − ⟨u, x⟩/‖x‖²·x  where ‖x‖ > eps,   u where q = c/eps is constant.
+
+Written in torch operations (square, sum, sqrt, a broadcast division and their backwards) a
+layer makes a dozen passes over its (K, M, N) output; it cost the vit-affine_like arm more than
+its matrix products. Here the product is :func:`~affdiv.experiments.runs.stacked_matmul.baddbmm`'s
+(oneDNN in float32 where it may run), the scale is one pass (``_fused.scale_outputs``), and the
+backward is one pass that scales g (``_fused.scale_grad``), the two products and one pass that takes
+off the radial part (``_fused.minus_radial_``), each row's arithmetic that of the layer alone.
+
+:func:`affine_like` and :func:`norm_like` take the Functions where :func:`usable`, else the
+torch operations (:func:`affine_like_composite`, :func:`norm_like_composite`), which torch.func,
+forward-mode AD, torch.compile and dispatch modes differentiate or trace. A Function's backward
+runs its formulas in torch operations (differentiable, so a double backward, tangents and batched
+gradients keep working) where it records a graph or the passes may not run; so does a forward whose
+norms overflow or underflow (the passes' ``safe`` flag), on the composite formula.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from affdiv.experiments.runs import stacked_matmul
+from affdiv.layers import _fused
+from affdiv.layers._scale import small_norm
+from affdiv.layers._torch_internals import untraced_eager
+
+
+def usable(*tensors: Tensor | None) -> bool:
+    """Whether the fused Functions may take these tensors (None entries ignored): an untraced eager
+    call (:func:`~affdiv.layers._torch_internals.untraced_eager`) with the fused passes loaded and
+    not ``_fused.disabled()``, and plain CPU tensors of one dtype, float32 or float64."""
+    if not untraced_eager() or not _fused.eager_kernels_allowed():
+        return False
+    dtype = tensors[0].dtype
+    return dtype in (torch.float32, torch.float64) and all(
+        t is None or (_fused.plain(t) and t.is_cpu and t.dtype == dtype) for t in tensors)
+
+
+def affine_like(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """z = (x Wᵀ + b)/√(‖x‖² + 1) per row, for rows x (K, M, L), weight (K, N, L), bias (K, N)
+    or None: (K, M, N) (module docstring)."""
+    if usable(x, weight, bias):
+        return StackedAffineLike.apply(x.contiguous(), weight, bias)
+    return affine_like_composite(x, weight, bias)
+
+
+def norm_like(x: Tensor, weight: Tensor, bias: Tensor | None, c: float, eps: float) -> Tensor:
+    """z = c·(x/max(‖x‖, eps)) Wᵀ + b per row, shapes as :func:`affine_like`."""
+    if usable(x, weight, bias):
+        return StackedNormLike.apply(x.contiguous(), weight, bias, c, eps)
+    return norm_like_composite(x, weight, bias, c, eps)
+
+
+def affine_like_composite(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """:func:`affine_like` in torch operations."""
+    return _linear(x, weight, bias) / (x.square().sum(2, keepdim=True) + 1).sqrt()
+
+
+def norm_like_composite(x: Tensor, weight: Tensor, bias: Tensor | None, c: float, eps: float) -> Tensor:
+    """:func:`norm_like` in torch operations."""
+    return _linear(c * x / torch.linalg.vector_norm(x, dim=2, keepdim=True).clamp_min(eps), weight, bias)
+
+
+def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """x Wᵀ + b for rows x (K, M, L): (K, M, N)."""
+    return stacked_matmul.baddbmm(None if bias is None else bias.unsqueeze(1), x, weight.transpose(1, 2))
+
+
+def _rows(t: Tensor) -> Tensor:
+    """(K, M, F) contiguous as (K·M, F), the fused passes' rows."""
+    return t.view(-1, t.shape[2])
+
+
+class StackedAffineLike(torch.autograd.Function):
+    """:func:`affine_like` on the fused passes (module docstring); x contiguous."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        z = _linear(x, weight, bias)
+        r, safe = _fused.scale_outputs(_rows(z), _rows(x), "affine_like")
+        ctx.fused = safe
+        if not safe:  # some ‖x‖² overflowed (or is NaN): the composite's numbers
+            z = affine_like_composite(x, weight, bias)
+        ctx.save_for_backward(x, weight, bias, r)
+        return z
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight, bias, r = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad
+        g = g.contiguous()
+        if not (ctx.fused and _fused.usable(x, weight, bias, r, g)):
+            return _composite_grads(affine_like_composite, (x, weight, bias), g, ctx.needs_input_grad)
+        gy = _fused.scale_grad(_rows(g), r)[0].view(g.shape)
+        dx = None
+        if need_x:  # (before dW: the radial pass then finds u in cache)
+            offset = None if bias is None else _rows(torch.bmm(gy, bias.unsqueeze(2)))  # ⟨gy, b⟩ per row
+            dx = _fused.minus_radial_(_rows(stacked_matmul.product(gy, weight)), _rows(x), r, c=offset)
+        return (None if dx is None else dx.view(x.shape),
+                stacked_matmul.product(gy.transpose(1, 2), x) if need_w else None,
+                gy.sum(1) if need_b and bias is not None else None)
+
+
+class StackedNormLike(torch.autograd.Function):
+    """:func:`norm_like` on the fused passes (module docstring); x contiguous."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, c: float, eps: float) -> Tensor:
+        z = _linear(x, weight, None)
+        small = 0.0 if eps >= small_norm(x.dtype) else small_norm(x.dtype)  # eps too small to hide underflow
+        q, safe = _fused.scale_outputs(_rows(z), _rows(x), "norm_like", k=c, eps=eps, small=small)
+        ctx.fused, ctx.c, ctx.eps = safe, c, eps
+        if not safe:  # some ‖x‖² overflowed, is NaN or underflowed: the composite's numbers
+            z = norm_like_composite(x, weight, bias, c, eps)
+        elif bias is not None:
+            z.add_(bias.unsqueeze(1))
+        ctx.save_for_backward(x, weight, bias, q)
+        return z
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight, bias, q = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        g = g.contiguous()
+        if not (ctx.fused and _fused.usable(x, weight, bias, q, g)):
+            return *_composite_grads(lambda *inputs: norm_like_composite(*inputs, ctx.c, ctx.eps), (x, weight, bias),
+                                     g, ctx.needs_input_grad[:3]), None, None
+        gy = _fused.scale_grad(_rows(g), q)[0].view(g.shape)
+        dx = None
+        if need_x:  # ∂x = u − a·⟨u, x⟩·x, a = (q/c)² = 1/‖x‖² where q < c/eps, else 0
+            dx = _fused.minus_radial_(_rows(stacked_matmul.product(gy, weight)), _rows(x), q, 1 / ctx.c,
+                                      ctx.c / ctx.eps)
+        return (None if dx is None else dx.view(x.shape),
+                stacked_matmul.product(gy.transpose(1, 2), x) if need_w else None,
+                g.sum(1) if need_b and bias is not None else None, None, None)
+
+
+def _composite_grads(composite, inputs: tuple[Tensor | None, ...], g: Tensor, needs) -> tuple[Tensor | None, ...]:
+    """The gradients of ``composite(*inputs)`` for g, by autograd of its torch operations: a graph
+    of them where the caller's backward records one (a double backward), plain ones otherwise."""
+    graph = torch.is_grad_enabled()
+    with torch.enable_grad():
+        leaves = [t if t is None or graph else t.detach().requires_grad_(need) for t, need in zip(inputs, needs)]
+        wanted = [t for t, need in zip(leaves, needs) if need and t is not None]
+        found = iter(torch.autograd.grad(composite(*leaves), wanted, g, create_graph=graph)) if wanted else iter(())
+    return tuple(next(found) if need and t is not None else None for t, need in zip(leaves, needs))
+
