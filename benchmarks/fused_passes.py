@@ -18,9 +18,12 @@ Both engines train the same models, so the figure is of the step alone, not of a
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import statistics
 import sys
+import unittest.mock
 from pathlib import Path
 
 import torch
@@ -57,17 +60,16 @@ def measure(arm: str, batch: int, data, rounds: int) -> list[dict]:
     for name, (module, routing, off, methods) in PASSES.items():
         if settings["method"] not in methods:
             continue
-        real = getattr(module, routing)
-        setattr(module, routing, off)
-        try:
+        routed_off = functools.partial(unittest.mock.patch.object, module, routing, off)
+        with routed_off():
             without, _orders = _engine(kind, config, data, models)
-        finally:
-            setattr(module, routing, real)
+            _time_steps(without, orders, batch, 2, 0)
         times = {"with": [], "without": []}
-        _time_steps(without, orders, batch, 2, 0)
+        engines = (("with", with_pass, contextlib.nullcontext), ("without", without, routed_off))
         for r in range(rounds):
-            for label, engine in (("with", with_pass), ("without", without)):
-                times[label].append(_time_steps(engine, orders, batch, steps, 2 + r * steps) / steps * 1000)
+            for label, engine, routes in engines:
+                with routes():  # (routed when the engine is built, or at every call)
+                    times[label].append(_time_steps(engine, orders, batch, steps, 2 + r * steps) / steps * 1000)
         ratios = [b / a for a, b in zip(times["with"], times["without"])]
         rows.append({"arm": arm, "batch_size": batch, "stacked_models": models, "pass": name,
                      "with_ms_per_step": statistics.median(times["with"]),
