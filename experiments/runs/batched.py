@@ -44,6 +44,7 @@ makes :func:`is_batched` false: such a model trains on the vmapped engine.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 
@@ -81,23 +82,29 @@ def _to_channels(x: Tensor, k: int) -> Tensor:
 
 
 def _linear(x: Tensor, p: Stacked, k: int, _training: bool = True) -> Tensor:
-    """zᵀ = W xᵀ + b, computed in that orientation so that the weight's gradient, dzᵀ x, comes out
-    contiguous (the optimiser's update then runs over contiguous memory); z is a transposed view.
-    (The products: :func:`~affdiv.experiments.runs.stacked_matmul.baddbmm`.)"""
-    xt = _to_rows(x, k).transpose(1, 2)
-    return stacked_matmul.baddbmm(p["bias"].unsqueeze(2) if "bias" in p else None, p["weight"], xt).transpose(1, 2)
+    """z = x Wᵀ + b, by :func:`_column_product`."""
+    return _column_product(_to_rows(x, k), p["weight"], p.get("bias"))
 
 
 def _token_linear(x: Tensor, p: Stacked, k: int, _training: bool = True) -> Tensor:
-    """z = x Wᵀ + b with z contiguous: for many rows of few features (a transformer's tokens), whose
-    activations are then split into heads and normalised row by row (the weight's gradient, small,
-    comes out transposed)."""
-    return stacked_matmul.baddbmm(p["bias"].unsqueeze(1) if "bias" in p else None, x, p["weight"].transpose(1, 2))
+    """z = x Wᵀ + b with z contiguous (:func:`~affdiv.experiments.runs.stacked_dense.row_product`): for
+    many rows of few features (a transformer's tokens), whose activations are then split into heads
+    and normalised row by row (the weight's gradient, small, comes out transposed)."""
+    return stacked_dense.row_product(x, p["weight"], p.get("bias"))
 
 
-def _affine_like(x: Tensor, p: Stacked, k: int, _training: bool) -> Tensor:
-    """z = (W x + b)/√(‖x‖² + 1) (:func:`~affdiv.experiments.runs.stacked_dense.affine_like`)."""
-    return stacked_dense.affine_like(_to_rows(x, k), p["weight"], p.get("bias"))
+def _column_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """zᵀ = W xᵀ + b, computed in that orientation so that the weight's gradient, dzᵀ x, comes out
+    contiguous (the optimiser's update then runs over contiguous memory); z is a transposed view.
+    (The products: :func:`~affdiv.experiments.runs.stacked_matmul.baddbmm`.)"""
+    zt = stacked_matmul.baddbmm(None if bias is None else bias.unsqueeze(2), weight, x.transpose(1, 2))
+    return zt.transpose(1, 2)
+
+
+def _affine_like(x: Tensor, p: Stacked, k: int, _training: bool, product=_column_product) -> Tensor:
+    """z = (W x + b)/√(‖x‖² + 1) (:func:`~affdiv.experiments.runs.stacked_dense.affine_like`; W x + b
+    by ``product`` where it runs in torch operations)."""
+    return stacked_dense.affine_like(_to_rows(x, k), p["weight"], p.get("bias"), product)
 
 
 def _norm_like(module: nn.Module) -> Layer:
@@ -107,7 +114,8 @@ def _norm_like(module: nn.Module) -> Layer:
 
     def layer(x: Tensor, p: Stacked, k: int, _training: bool) -> Tensor:
         x = _to_rows(x, k)
-        return stacked_dense.norm_like(x, p["weight"], p.get("bias"), 1.0 if mode == "l2" else x.shape[2] ** 0.5, eps)
+        scale = 1.0 if mode == "l2" else x.shape[2] ** 0.5
+        return stacked_dense.norm_like(x, p["weight"], p.get("bias"), scale, eps, _column_product)
     return layer
 
 
@@ -316,7 +324,8 @@ def batched_vit(model: nn.Module) -> Forward | None:
 
     leaves = {name: module for name, module in model.named_modules()
               if name and not any(module.children()) and type(module) not in (Patches, PositionEmbedding, nn.Softmax)}
-    projections = {nn.Linear: _token_linear, AffineLike: _affine_like}
+    projections = {nn.Linear: _token_linear,
+                   AffineLike: functools.partial(_affine_like, product=stacked_dense.row_product)}
     layers = {name: projections.get(type(module)) or _layer(module) for name, module in leaves.items()}
     if any(layer is None for layer in layers.values()):
         return None

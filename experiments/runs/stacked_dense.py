@@ -30,6 +30,8 @@ norms overflow or underflow (the passes' ``safe`` flag), on the composite formul
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -37,6 +39,9 @@ from affdiv.experiments.runs import stacked_matmul
 from affdiv.layers import _fused
 from affdiv.layers._scale import small_norm
 from affdiv.layers._torch_internals import untraced_eager
+
+#: x Wᵀ + b for rows x (K, M, L), weight (K, N, L), bias (K, N) or None: (K, M, N).
+Product = Callable[[Tensor, Tensor, Tensor | None], Tensor]
 
 
 def usable(*tensors: Tensor | None) -> bool:
@@ -50,34 +55,38 @@ def usable(*tensors: Tensor | None) -> bool:
         t is None or (_fused.plain(t) and t.is_cpu and t.dtype == dtype) for t in tensors)
 
 
-def affine_like(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+def row_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """x Wᵀ + b for rows x (K, M, L), contiguous (K, M, N)
+    (:func:`~affdiv.experiments.runs.stacked_matmul.baddbmm`)."""
+    return stacked_matmul.baddbmm(None if bias is None else bias.unsqueeze(1), x, weight.transpose(1, 2))
+
+
+def affine_like(x: Tensor, weight: Tensor, bias: Tensor | None, product: Product = row_product) -> Tensor:
     """z = (x Wᵀ + b)/√(‖x‖² + 1) per row, for rows x (K, M, L), weight (K, N, L), bias (K, N)
-    or None: (K, M, N) (module docstring)."""
+    or None: (K, M, N) (module docstring); x Wᵀ + b by ``product`` where it runs in torch
+    operations (default: :func:`row_product`)."""
     if usable(x, weight, bias):
         return StackedAffineLike.apply(x.contiguous(), weight, bias)
-    return affine_like_composite(x, weight, bias)
+    return affine_like_composite(x, weight, bias, product)
 
 
-def norm_like(x: Tensor, weight: Tensor, bias: Tensor | None, c: float, eps: float) -> Tensor:
-    """z = c·(x/max(‖x‖, eps)) Wᵀ + b per row, shapes as :func:`affine_like`."""
+def norm_like(x: Tensor, weight: Tensor, bias: Tensor | None, c: float, eps: float,
+              product: Product = row_product) -> Tensor:
+    """z = c·(x/max(‖x‖, eps)) Wᵀ + b per row, shapes and ``product`` as :func:`affine_like`."""
     if usable(x, weight, bias):
         return StackedNormLike.apply(x.contiguous(), weight, bias, c, eps)
-    return norm_like_composite(x, weight, bias, c, eps)
+    return norm_like_composite(x, weight, bias, c, eps, product)
 
 
-def affine_like_composite(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+def affine_like_composite(x: Tensor, weight: Tensor, bias: Tensor | None, product: Product = row_product) -> Tensor:
     """:func:`affine_like` in torch operations."""
-    return _linear(x, weight, bias) / (x.square().sum(2, keepdim=True) + 1).sqrt()
+    return product(x, weight, bias) / (x.square().sum(2, keepdim=True) + 1).sqrt()
 
 
-def norm_like_composite(x: Tensor, weight: Tensor, bias: Tensor | None, c: float, eps: float) -> Tensor:
+def norm_like_composite(x: Tensor, weight: Tensor, bias: Tensor | None, c: float, eps: float,
+                        product: Product = row_product) -> Tensor:
     """:func:`norm_like` in torch operations."""
-    return _linear(c * x / torch.linalg.vector_norm(x, dim=2, keepdim=True).clamp_min(eps), weight, bias)
-
-
-def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """x Wᵀ + b for rows x (K, M, L): (K, M, N)."""
-    return stacked_matmul.baddbmm(None if bias is None else bias.unsqueeze(1), x, weight.transpose(1, 2))
+    return product(c * x / torch.linalg.vector_norm(x, dim=2, keepdim=True).clamp_min(eps), weight, bias)
 
 
 def _rows(t: Tensor) -> Tensor:
@@ -90,7 +99,7 @@ class StackedAffineLike(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        z = _linear(x, weight, bias)
+        z = row_product(x, weight, bias)
         r, safe = _fused.scale_outputs(_rows(z), _rows(x), "affine_like")
         ctx.fused = safe
         if not safe:  # some ‖x‖² overflowed (or is NaN): the composite's numbers
@@ -120,7 +129,7 @@ class StackedNormLike(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, c: float, eps: float) -> Tensor:
-        z = _linear(x, weight, None)
+        z = row_product(x, weight, None)
         small = 0.0 if eps >= small_norm(x.dtype) else small_norm(x.dtype)  # eps too small to hide underflow
         q, safe = _fused.scale_outputs(_rows(z), _rows(x), "norm_like", k=c, eps=eps, small=small)
         ctx.fused, ctx.c, ctx.eps = safe, c, eps
