@@ -117,7 +117,8 @@ class StackedAffineLike(torch.autograd.Function):
         gy = _fused.scale_grad(_rows(g), r)[0].view(g.shape)
         dx = None
         if need_x:  # (before dW: the radial pass then finds u in cache)
-            offset = None if bias is None else _rows(torch.bmm(gy, bias.unsqueeze(2)))  # ⟨gy, b⟩ per row
+            # ⟨gy, b⟩ per row, as (K, 1, M) (a row vector times gyᵀ: several times faster than gy b)
+            offset = None if bias is None else stacked_matmul.product(bias.unsqueeze(1), gy.transpose(1, 2)).view(-1, 1)
             dx = _fused.minus_radial_(_rows(stacked_matmul.product(gy, weight)), _rows(x), r, c=offset)
         return (None if dx is None else dx.view(x.shape),
                 stacked_matmul.product(gy.transpose(1, 2), x) if need_w else None,
