@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import statistics
 import sys
@@ -44,8 +43,16 @@ from stacked_training import ARMS, _engine, _time_steps, cell_models  # noqa: E4
 CNN_METHODS = ("conv", "conv+batchnorm", "patchnorm")
 DENSE_METHODS = ("affine_like", "norm_l2", "vit-affine_like", "vit-affine_like-qknorm")
 PASSES = {"first block": (conv_pool, "first_block_length", lambda layers: 0, CNN_METHODS),
-          "later pools": (pool_relu, "is_pool_2x2", lambda pool: False, CNN_METHODS),
+          "later pools": (pool_relu, "takes", lambda pool: False, CNN_METHODS),
           "dense scale": (stacked_dense, "usable", lambda *tensors: False, DENSE_METHODS)}
+
+
+def routed_off(name: str) -> contextlib.AbstractContextManager:
+    """Inside the block, the pass ``name`` of PASSES sends its layers unfused: engines built there
+    (the CNN passes are chosen when the engine is built) and steps taken there (the dense one is
+    chosen at every call)."""
+    module, routing, off, _methods = PASSES[name]
+    return unittest.mock.patch.object(module, routing, off)
 
 
 def measure(arm: str, batch: int, data, rounds: int) -> list[dict]:
@@ -57,18 +64,17 @@ def measure(arm: str, batch: int, data, rounds: int) -> list[dict]:
     steps = max(2, 400 // batch)
     with_pass, orders = _engine(kind, config, data, models)
     rows = []
-    for name, (module, routing, off, methods) in PASSES.items():
+    for name, (*_routing, methods) in PASSES.items():
         if settings["method"] not in methods:
             continue
-        routed_off = functools.partial(unittest.mock.patch.object, module, routing, off)
-        with routed_off():
+        with routed_off(name):
             without, _orders = _engine(kind, config, data, models)
             _time_steps(without, orders, batch, 2, 0)
         times = {"with": [], "without": []}
-        engines = (("with", with_pass, contextlib.nullcontext), ("without", without, routed_off))
+        engines = (("with", with_pass, contextlib.nullcontext()), ("without", without, routed_off(name)))
         for r in range(rounds):
             for label, engine, routes in engines:
-                with routes():  # (routed when the engine is built, or at every call)
+                with routes:
                     times[label].append(_time_steps(engine, orders, batch, steps, 2 + r * steps) / steps * 1000)
         ratios = [b / a for a, b in zip(times["with"], times["without"])]
         rows.append({"arm": arm, "batch_size": batch, "stacked_models": models, "pass": name,

@@ -244,7 +244,7 @@ def batched_layers(model: nn.Module) -> list[tuple[str | tuple[str, ...], nn.Mod
     layers, i = [], 0
     while i < len(children):
         name, module = children[i]
-        pooled = first if i == 0 else 1 if pool_relu.is_pool_2x2(module) else 0  # layers up to the ReLU
+        pooled = first if i == 0 else 1 if pool_relu.takes(module) else 0  # layers up to the ReLU
         if not pooled:
             layers.append((name, module, _layer(module)))
             i += 1

@@ -38,6 +38,13 @@ def is_pool_2x2(pool: nn.Module) -> bool:
     return window == ((2, 2), (2, 2), (0, 0), (1, 1)) and not pool.ceil_mode and not pool.return_indices
 
 
+def takes(pool: nn.Module) -> bool:
+    """Whether the batched engine runs ``pool``, a max-pool after a CNN's first block, with the
+    ReLU after it as this pass: a 2×2 max-pool (:func:`is_pool_2x2`). (The first block's pool is
+    the first block's pass, ``conv_pool``, which asks :func:`is_pool_2x2` itself.)"""
+    return is_pool_2x2(pool)
+
+
 def usable(x: Tensor) -> bool:
     """Whether :func:`max_pool_relu` may take this call: the mode allows the compiled passes
     (``_fused.eager_kernels_allowed``; a graph may be recorded: the pass is its own autograd

@@ -1,0 +1,55 @@
+"""benchmarks/fused_passes.py: inside ``routed_off(name)`` the pass ``name`` is off for the
+engine being timed, whether it is chosen when the engine is built (the CNN passes) or at every
+call (the dense one), and the other passes stay on."""
+
+import importlib.util
+import unittest.mock
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+import torch
+
+from affdiv.experiments.runs import stacked_dense
+from affdiv.experiments.runs.config import RunConfig
+from affdiv.experiments.runs.training import build_member, stacked_engine
+from affdiv.layers import _fused
+
+pytestmark = pytest.mark.skipif(not _fused.available(), reason="the fused passes are not built here")
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("affdiv_benchmarks_fused_passes", ROOT / "benchmarks" /
+                                               "fused_passes.py")
+fused_passes = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fused_passes)
+
+#: What each pass calls in a step: the kernel, or the Function, that only it runs.
+CALLS = {"first block": (_fused, "conv_pool"), "later pools": (_fused, "max_pool2"),
+         "dense scale": (stacked_dense.StackedAffineLike, "apply")}
+
+
+def _calls_in_a_step(method: str, digits, routed: str | None) -> dict[str, int]:
+    """How often each pass's call ran in one SGD step of two models, built and stepped inside
+    ``routed_off(routed)`` (no pass routed off for None)."""
+    config = RunConfig(dataset="digits", method=method, depth=2, width=4 if method == "conv" else 8, batch_size=8,
+                       seed=0)
+    split = (torch.as_tensor(digits.train.x), torch.as_tensor(digits.train.y))
+    with ExitStack() as stack:
+        if routed is not None:
+            stack.enter_context(fused_passes.routed_off(routed))
+        models = [build_member(config, digits, seed) for seed in (0, 1)]
+        engine = stacked_engine(models[0])(models, "sgd", [0.1, 0.2], [None, None], [split] * 2, [split] * 2)
+        spies = {name: stack.enter_context(unittest.mock.patch.object(owner, attr, wraps=getattr(owner, attr)))
+                 for name, (owner, attr) in CALLS.items()}
+        engine.step(torch.arange(16).reshape(2, 8))
+    return {name: spy.call_count for name, spy in spies.items()}
+
+
+@pytest.mark.parametrize("method, passes", [("conv", ["first block", "later pools"]),
+                                            ("affine_like", ["dense scale"]), ("vit-affine_like", ["dense scale"])])
+def test_a_pass_routed_off_is_off_and_the_others_stay_on(digits, method, passes):
+    assert all(method in fused_passes.PASSES[name][-1] for name in passes)
+    assert all(_calls_in_a_step(method, digits, None)[name] > 0 for name in passes)
+    for off in passes:
+        calls = _calls_in_a_step(method, digits, off)
+        assert calls[off] == 0 and all(calls[name] > 0 for name in passes if name != off), (off, calls)
