@@ -175,6 +175,20 @@ def test_calls_a_pass_cannot_serve_take_the_torch_operations():
     assert torch.equal(tangent, want)
 
 
+@pytest.mark.parametrize("kind", ["norm_l2", "norm_rms"])
+def test_a_row_below_eps_has_the_constant_scales_gradient(kind):
+    # NormLike's q = c/eps is constant where ‖x‖ ≤ eps: ∂x = u there, no radial part (a row of norm
+    # 2e-14 < eps here, whose radial part, were it taken, would move ∂x by 2e-4 of itself)
+    layer, composite = _layers(kind)
+    x, w, b, g = _inputs(2, 3, 4, 5, True, "contiguous", 5)
+    with torch.no_grad():
+        x[0, 1] = 1e-14
+    _, _, (dx, *_) = _value_and_grads(layer, x, w, b, g)
+    _, _, (want, *_) = _value_and_grads(composite, x, w, b, g)
+    assert float(want[0, 1].abs().max()) > 1e10  # (c/eps)·g W: the constant branch's gradient
+    _close(dx, want)
+
+
 @pytest.mark.parametrize("kind, row, eps", [("affine_like", 1e25, EPS), ("norm_l2", 1e25, EPS),
                                             ("norm_l2", 1e-20, 1e-30)])
 def test_rows_whose_norms_overflow_or_underflow_take_the_composite(kind, row, eps):
