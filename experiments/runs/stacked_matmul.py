@@ -97,5 +97,14 @@ class OnednnBaddbmm(torch.autograd.Function):
         # (a graph recorded, tangents or batched gradients: torch's products, differentiable)
         mm = torch.bmm if torch.is_grad_enabled() else product
         return (g.sum_to_size(ctx.c_shape) if need_c else None,
-                mm(g, b.transpose(1, 2)) if need_a else None,
-                mm(a.transpose(1, 2), g) if need_b else None)
+                _laid_out_as(a, mm, g, b.transpose(1, 2)) if need_a else None,
+                _laid_out_as(b, mm, a.transpose(1, 2), g) if need_b else None)
+
+
+def _laid_out_as(operand: Tensor, mm, left: Tensor, right: Tensor) -> Tensor:
+    """left right, the gradient of ``operand``, in its layout: for an operand stored transposed (a
+    transposed view of a contiguous tensor, as a weight W passed as Wᵀ), (rightᵀ leftᵀ)ᵀ, so that
+    the gradient reaches the weight contiguous, as torch's own mm backward lays it out."""
+    if not operand.is_contiguous() and operand.transpose(1, 2).is_contiguous():
+        return mm(right.transpose(1, 2), left.transpose(1, 2)).transpose(1, 2)
+    return mm(left, right)

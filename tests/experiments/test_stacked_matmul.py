@@ -92,6 +92,17 @@ def test_the_product_and_its_gradients_are_the_exact_ones_within_float32_roundin
         _within_bound(grads[id(b)], a.detach().transpose(1, 2), g, None)
 
 
+def test_an_operand_stored_transposed_gets_its_gradient_in_its_layout():
+    # a weight W passed as Wᵀ (the vit's token projections, row_product) gets ∂W contiguous, as
+    # autograd.grad hands it to the stacked optimiser (its values: the bound test's transposed layouts)
+    w, x = torch.randn(2, 5, 4, requires_grad=True), torch.randn(2, 3, 4, requires_grad=True)
+    xt = torch.randn(2, 4, 3, requires_grad=True)
+    for a, b, leaves in ((x, w.transpose(1, 2), (x, w)), (xt.transpose(1, 2), w.transpose(1, 2), (xt, w))):
+        z = stacked_matmul.baddbmm(None, a, b)
+        assert type(z.grad_fn).__name__ == "OnednnBaddbmmBackward"
+        assert all(grad.is_contiguous() for grad in torch.autograd.grad(z, leaves, torch.randn_like(z)))
+
+
 def test_a_transposed_operand_fails_the_bound():
     # (the bound is tight enough to fail a product computed from a transposed b: a mutation check)
     a, b, c, _ = _operands(2, 5, 5, 5, "rows", ("contiguous", "contiguous"), 3)
