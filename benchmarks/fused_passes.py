@@ -8,7 +8,8 @@ many stacked models as the roofline holds, the stacked engine is built twice for
 arm's layers take: as it is, and with that pass routed off (a CNN's first block,
 ``experiments.runs.conv_pool``; its later max-pools with their ReLU, ``experiments.runs.pool_relu``;
 the AffineLike and NormLike Functions, ``experiments.runs.stacked_dense``), so that those layers run
-as the batched engine writes them in torch operations; every other pass stays on in both. Their
+unfused (the dense layers in torch operations; with the first block off, its pool and ReLU take the
+later pools' pass); every other pass stays on in both. Their
 SGD steps are timed in interleaved rounds (each model its own shuffle, as in ``stacked_training``);
 the printed figure is the median over rounds of the paired ratio without / with the pass (above 1:
 the pass makes the step faster).
@@ -63,6 +64,7 @@ def measure(arm: str, batch: int, data, rounds: int) -> list[dict]:
     kind = stacked_engine(build_member(config, data, 0))
     steps = max(2, 400 // batch)
     with_pass, orders = _engine(kind, config, data, models)
+    _time_steps(with_pass, orders, batch, 2, 0)  # (warmed up as each engine without a pass is)
     rows = []
     for name, (*_routing, methods) in PASSES.items():
         if settings["method"] not in methods:

@@ -40,8 +40,8 @@ def is_pool_2x2(pool: nn.Module) -> bool:
 
 def takes(pool: nn.Module) -> bool:
     """Whether the batched engine runs ``pool``, a max-pool after a CNN's first block, with the
-    ReLU after it as this pass: a 2×2 max-pool (:func:`is_pool_2x2`). (The first block's pool is
-    the first block's pass, ``conv_pool``, which asks :func:`is_pool_2x2` itself.)"""
+    ReLU after it as this pass: a 2×2 max-pool (:func:`is_pool_2x2`). (A first block that
+    ``conv_pool`` fuses holds its own pool; that pass asks :func:`is_pool_2x2` itself.)"""
     return is_pool_2x2(pool)
 
 

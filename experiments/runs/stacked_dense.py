@@ -47,12 +47,21 @@ Product = Callable[[Tensor, Tensor, Tensor | None], Tensor]
 def usable(*tensors: Tensor | None) -> bool:
     """Whether the fused Functions may take these tensors (None entries ignored): an untraced eager
     call (:func:`~affdiv.layers._torch_internals.untraced_eager`) with the fused passes loaded and
-    not ``_fused.disabled()``, and plain CPU tensors of one dtype, float32 or float64."""
-    if not untraced_eager() or not _fused.eager_kernels_allowed():
+    not ``_fused.disabled()``, CPU autocast off (its products would come out in another dtype), and
+    plain non-empty CPU tensors of one dtype, float32 or float64."""
+    if not untraced_eager() or not _fused.eager_kernels_allowed() or torch.is_autocast_enabled("cpu"):
         return False
     dtype = tensors[0].dtype
     return dtype in (torch.float32, torch.float64) and all(
-        t is None or (_fused.plain(t) and t.is_cpu and t.dtype == dtype) for t in tensors)
+        t is None or (_fused.plain(t) and t.is_cpu and t.dtype == dtype and t.numel() > 0) for t in tensors)
+
+
+def _passes_may_run(x: Tensor, weight: Tensor, bias: Tensor | None, scale: Tensor, g: Tensor) -> bool:
+    """Whether a backward may take the fused passes: no graph recorded and the row operands (x, the
+    scale, g) as ``_fused.usable`` takes them; weight and bias enter only the products, which take
+    any strides."""
+    return _fused.usable(x, scale, g) and all(t is None or (_fused.plain(t) and t.dtype == x.dtype)
+                                              for t in (weight, bias))
 
 
 def row_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -112,11 +121,11 @@ class StackedAffineLike(torch.autograd.Function):
         x, weight, bias, r = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad
         g = g.contiguous()
-        if not (ctx.fused and _fused.usable(x, weight, bias, r, g)):
+        if not (ctx.fused and _passes_may_run(x, weight, bias, r, g)):
             return _composite_grads(affine_like_composite, (x, weight, bias), g, ctx.needs_input_grad)
         gy = _fused.scale_grad(_rows(g), r)[0].view(g.shape)
         dx = None
-        if need_x:  # (before dW: the radial pass then finds u in cache)
+        if need_x:
             # ⟨gy, b⟩ per row, as (K, 1, M) (a row vector times gyᵀ: several times faster than gy b)
             offset = None if bias is None else stacked_matmul.product(bias.unsqueeze(1), gy.transpose(1, 2)).view(-1, 1)
             dx = _fused.minus_radial_(_rows(stacked_matmul.product(gy, weight)), _rows(x), r, c=offset)
@@ -146,7 +155,7 @@ class StackedNormLike(torch.autograd.Function):
         x, weight, bias, q = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         g = g.contiguous()
-        if not (ctx.fused and _fused.usable(x, weight, bias, q, g)):
+        if not (ctx.fused and _passes_may_run(x, weight, bias, q, g)):
             return *_composite_grads(lambda *inputs: norm_like_composite(*inputs, ctx.c, ctx.eps), (x, weight, bias),
                                      g, ctx.needs_input_grad[:3]), None, None
         gy = _fused.scale_grad(_rows(g), q)[0].view(g.shape)

@@ -38,10 +38,11 @@ def usable(*tensors: Tensor | None) -> bool:
     torch.compile, no torch.func transform, dispatch mode or forward-mode AD (whose rules only
     torch's ops have); torch's own oneDNN switch on and its float32 matmul precision full
     (:func:`_full_float32_precision`); the extension bound oneDNN's matmul (its self-test runs at
-    the first call that gets this far) and ``affdiv.layers._native.disabled`` is not in force;
+    the first call that gets this far) and ``affdiv.layers._native.disabled`` is not in force; CPU
+    autocast off (torch's products follow it);
     each tensor a plain strided float32 CPU tensor (no subclass, not wrapped), none empty."""
     if not untraced_eager() or not torch.backends.mkldnn.enabled or not _full_float32_precision() \
-            or not _native.onednn_enabled():
+            or torch.is_autocast_enabled("cpu") or not _native.onednn_enabled():
         return False
     return all(t is None or (t.dtype == torch.float32 and t.is_cpu and t.layout == torch.strided and t.numel() > 0
                              and _fused.plain(t))

@@ -3,11 +3,12 @@ against autograd of the same formulas in torch operations (the ``*_composite`` f
 the engine ran before).
 
 Both sides evaluate one formula in float64 with sums of at most L + N + 2 ≤ 64 terms per output,
-in other orders: each is within γ_64·Σ|terms| ≈ 7e-15·Σ|terms| of the exact value, and with the
-terms at most 10² times the result's scale (the draws are O(1), the scales r, q ≤ √L) the two
-differ by at most 2 · 7e-15 · 100 ≈ 1.4e-12 of the result's largest entry: the tolerance RTOL
-below. A dropped term (the bias's part of the radial correction, the unscaled NormLike bias
-gradient, the bias itself) moves entries by O(1) of that scale.
+in other orders: each is within γ_64·Σ|terms| ≈ 7e-15·Σ|terms| of the exact value. The draws are
+O(1) and the scaled rows s·x have norm below √L (r‖x‖ < 1, q‖x‖ ≤ c ≤ √L), so at these sizes Σ|terms|
+is taken to be at most 10² times the result's largest entry (or, for ∂x, whose parts cancel, the
+largest |u|): the two differ by at most 2 · 7e-15 · 100 ≈ 1.4e-12 of it, the tolerance RTOL below.
+A dropped term (the bias's part of the radial correction, the unscaled NormLike bias gradient, the
+bias itself) moves entries by O(1) of that scale.
 """
 
 from __future__ import annotations
@@ -89,7 +90,9 @@ def _value_and_grads(layer, x, w, b, g):
 def test_the_functions_equal_autograd_of_the_formulas(kind, k, m, length, n, bias, layout, seed):
     layer, composite = _layers(kind)
     x, w, b, g = _inputs(k, m, length, n, bias, layout, seed)
-    z, node, grads = _value_and_grads(layer, x, w, b, g)
+    with unittest.mock.patch.object(_fused, "minus_radial_", wraps=_fused.minus_radial_) as radial:
+        z, node, grads = _value_and_grads(layer, x, w, b, g)
+    assert radial.call_count == 1  # the backward ran the passes, not the torch operations
     want_z, _, want_grads = _value_and_grads(composite, x, w, b, g)
     assert type(node).__name__ == ("StackedAffineLikeBackward" if kind == "affine_like" else "StackedNormLikeBackward")
     _close(z, want_z)
@@ -173,6 +176,26 @@ def test_calls_a_pass_cannot_serve_take_the_torch_operations():
         dual = torch.autograd.forward_ad.make_dual(x.detach(), torch.ones_like(x))
         want = torch.autograd.forward_ad.unpack_dual(stacked_dense.affine_like_composite(dual, w, b)).tangent
     assert torch.equal(tangent, want)
+
+
+def test_autocast_empty_features_and_a_strided_weight_are_routed_as_they_must_be():
+    # CPU autocast: the torch operations, whose products autocast casts (the passes would read
+    # bfloat16 products as float32); no feature: the torch operations; a weight stored transposed:
+    # the passes, in the backward too (the products take any strides)
+    x, w, b, g = _inputs(2, 3, 4, 5, True, "contiguous", 6, torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        z, want = stacked_dense.affine_like(x, w, b), stacked_dense.affine_like_composite(x, w, b)
+    assert type(z.grad_fn).__name__ == "DivBackward0" and torch.equal(z, want)
+    for empty_x, empty_w in ((x[..., :0], w[..., :0]), (x, w[:, :0])):
+        z = stacked_dense.affine_like(empty_x, empty_w, b[:, : empty_w.shape[1]])
+        assert z.shape == (2, 3, empty_w.shape[1]) and type(z.grad_fn).__name__ != "StackedAffineLikeBackward"
+    w_t = w.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+    with unittest.mock.patch.object(_fused, "minus_radial_", wraps=_fused.minus_radial_) as radial:
+        _, _, grads = _value_and_grads(stacked_dense.affine_like, x, w_t, b, g)
+    assert radial.call_count == 1
+    _, _, want = _value_and_grads(stacked_dense.affine_like_composite, x, w_t, b, g)
+    for got, wanted in zip(grads, want):
+        _close(got, wanted, 8e-4)
 
 
 @pytest.mark.parametrize("kind", ["norm_l2", "norm_rms"])

@@ -131,13 +131,15 @@ def test_plain_eager_float32_products_take_onednn_and_every_other_call_torch():
         torch.func.vmap(lambda a, b: stacked_matmul.baddbmm(None, a, b))(a[None], b[None])
         with torch.backends.mkldnn.flags(enabled=False):  # torch's oneDNN switch off
             stacked_matmul.baddbmm(c, a, b)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast: torch's product, in bfloat16
+            assert stacked_matmul.baddbmm(c, a, b).dtype == torch.bfloat16
         previous = torch.backends.mkldnn.matmul.fp32_precision
         torch.backends.mkldnn.matmul.fp32_precision = "bf16"  # oneDNN's matmul would follow it
         try:
             stacked_matmul.baddbmm(c, a, b)
         finally:
             torch.backends.mkldnn.matmul.fp32_precision = previous
-    assert spy.call_count == 0  # torch.func, the switch and the reduced precision: torch's products
+    assert spy.call_count == 0  # torch.func, the switch, autocast and the reduced precision: torch's products
     with torch.autograd.forward_ad.dual_level():
         dual = torch.autograd.forward_ad.make_dual(a.detach(), torch.ones_like(a))
         tangent = torch.autograd.forward_ad.unpack_dual(stacked_matmul.baddbmm(c, dual, b)).tangent
