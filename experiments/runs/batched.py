@@ -89,7 +89,8 @@ def _linear(x: Tensor, p: Stacked, k: int, _training: bool = True) -> Tensor:
 def _token_linear(x: Tensor, p: Stacked, k: int, _training: bool = True) -> Tensor:
     """z = x Wᵀ + b with z contiguous (:func:`~affdiv.experiments.runs.stacked_dense.row_product`): for
     many rows of few features (a transformer's tokens), whose activations are then split into heads
-    and normalised row by row (the weight's gradient, small, comes out transposed)."""
+    and normalised row by row (the weight, passed as Wᵀ, gets its gradient in W's layout:
+    :func:`~affdiv.experiments.runs.stacked_matmul.baddbmm`)."""
     return stacked_dense.row_product(x, p["weight"], p.get("bias"))
 
 

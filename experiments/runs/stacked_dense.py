@@ -14,11 +14,12 @@ and for the gradient g of z, with the row scale s (r or q) and gy = s·g,
     NormLike     ∂x = u − ⟨u, x⟩/‖x‖²·x  where ‖x‖ > eps,   u where q = c/eps is constant.
 
 Written in torch operations (square, sum, sqrt, a broadcast division and their backwards) a
-layer makes a dozen passes over its (K, M, N) output; it cost the vit-affine_like arm more than
-its matrix products. Here the product is :func:`~affdiv.experiments.runs.stacked_matmul.baddbmm`'s
-(oneDNN in float32 where it may run), the scale is one pass (``_fused.scale_outputs``), and the
-backward is one pass that scales g (``_fused.scale_grad``), the two products and one pass that takes
-off the radial part (``_fused.minus_radial_``), each row's arithmetic that of the layer alone.
+layer makes a dozen passes over its (K, M, N) output; in a profile of the vit-affine_like step
+they took more time than its matrix products. Here the product is
+:func:`~affdiv.experiments.runs.stacked_matmul.baddbmm`'s (oneDNN in float32 where it may run),
+the scale is one pass (``_fused.scale_outputs``), and the backward is one pass that scales g
+(``_fused.scale_grad``), the two products and one pass that takes off the radial part
+(``_fused.minus_radial_``), each row's arithmetic that of the layer alone.
 
 :func:`affine_like` and :func:`norm_like` take the Functions where :func:`usable`, else the
 torch operations (:func:`affine_like_composite`, :func:`norm_like_composite`), which torch.func,
