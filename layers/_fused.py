@@ -37,15 +37,25 @@ and its later 2×2 max-pools, each with the ReLU after it:
     max_pool2(x, relu, …)           relu(maxpool(x)), and each maximum's position
     max_pool2_backward(g, which, …) dx: g at each maximum, 0 elsewhere
 
+The stacked vision transformer's attention, on rows (N·T, H·d_h) of N sequences of T tokens,
+each (sequence, head) on its own:
+
+    attention_scores(q, k, …)       s = q kᵀ/√d_h                          (N, H, T, T)
+    attention_values(p, v, …)       y = p v, in the rows' layout
+    attention_backward(q, k, v, p, gy, …)
+                                    gv = pᵀ gy, ds = p ⊙ (gy vᵀ − Σ_u p ⊙ gy vᵀ)/√d_h,
+                                    gq = ds k, gk = dsᵀ q
+
 The row passes' dot products are accumulated in 16 partial sums in the tensors' dtype, combined
 pairwise (float32 rounding for float32, as torch's own vectorised sums), their tails in double;
 box sums in double; ``conv_pool``'s convolution outputs and PatchNorm's patch norms in tap order
-in the dtype, its gradients per sample, then over samples, in the dtype. The extension is optional (built at
-install where a C compiler with OpenMP is present); ``usable`` says whether a call may take
-it: the library loaded and not ``disabled``, every tensor a contiguous (or, for the
-convolutions, channels_last) plain CPU float32/float64 tensor of one dtype, in eager mode (not
-traced, not under torch.func, no dispatch mode, no forward-mode AD) and not recording a graph
-(a double backward needs the differentiable torch formulas, forward mode their tangents).
+in the dtype, its gradients per sample, then over samples, in the dtype; the attention's sums in
+the dtype, in the order written. The extension is optional (built at install where a C compiler
+with OpenMP is present); ``usable`` says whether a call may take it: the library loaded and not
+``disabled``, every tensor a contiguous (or, for the convolutions, channels_last) plain CPU
+float32/float64 tensor of one dtype, in eager mode (not traced, not under torch.func, no dispatch
+mode, no forward-mode AD) and not recording a graph (a double backward needs the differentiable
+torch formulas, forward mode their tangents).
 Otherwise the layers run the same passes as torch ops.
 """
 
@@ -68,12 +78,13 @@ from affdiv.layers._torch_internals import (
     is_compiling,
     is_functorch_wrapped,
     is_legacy_batched,
+    untraced_eager,
 )
 
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 #: The interface version this module is written for (``AFFDIV_FUSED_ABI`` of _fused_cpu.h): a
 #: library built from other sources is not loaded.
-FUSED_ABI = 1
+FUSED_ABI = 2
 _MAX = {dtype: torch.finfo(dtype).max for dtype in _SUFFIX}
 _state = {"disabled": False}  # process-wide (``disabled`` is for tests and benchmarks)
 
@@ -114,6 +125,10 @@ def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
         _declare(lib, f"conv_pool_backward_{suffix}", i32, [p, p, p, *sizes, i32, p, p, i32])
         _declare(lib, f"max_pool2_{suffix}", None, [p, i64, i64, i64, i64, i32, p, p, i32])
         _declare(lib, f"max_pool2_backward_{suffix}", None, [p, p, i64, i64, i64, i64, p, i32])
+        shape = [i64] * 4  # sequences, tokens, heads, size
+        _declare(lib, f"attention_scores_{suffix}", None, [p, p, *shape, f64, p, p, i32])
+        _declare(lib, f"attention_values_{suffix}", None, [p, p, *shape, p, i32])
+        _declare(lib, f"attention_backward_{suffix}", None, [p, p, p, p, p, *shape, f64, p, p, p, p, i32])
     return lib
 
 
@@ -162,6 +177,19 @@ def eager_kernels_allowed() -> bool:
     FlopCounterMode, …: it would not see the pass) and no forward-mode AD (tangents the pass
     would drop). ``usable`` adds that no graph is being recorded, and the tensors' checks."""
     return not (_LIB is None or _state["disabled"] or is_compiling() or dispatch_mode_active() or forward_ad_active())
+
+
+def functions_usable(*tensors: Tensor | None) -> bool:
+    """Whether an autograd Function of the stacked engine built on these passes may take these
+    tensors (None entries ignored; the first is not None): an untraced eager call
+    (``untraced_eager``) that ``eager_kernels_allowed``, CPU autocast off (its products would come
+    out in another dtype), and plain non-empty CPU tensors of one dtype, float32 or float64. A graph
+    may be recorded: such a Function's backward routes itself (``usable`` at that time)."""
+    if not untraced_eager() or not eager_kernels_allowed() or torch.is_autocast_enabled("cpu"):
+        return False
+    dtype = tensors[0].dtype
+    return dtype in _SUFFIX and all(
+        t is None or (plain(t) and t.is_cpu and t.dtype == dtype and t.numel() > 0) for t in tensors)
 
 
 def usable(*tensors: Tensor | None, memory_format: torch.memory_format | None = torch.contiguous_format) -> bool:
@@ -465,3 +493,50 @@ def group_update_from_channels_last(d: Tensor, r: Tensor, groups: int, src: Tens
         torch.get_num_threads(),
     )
     return out
+
+
+def attention_scores(q: Tensor, k: Tensor, tokens: int, heads: int) -> Tensor:
+    """s (N, heads, tokens, tokens) = q_h k_hᵀ/√d_h for each of the N sequences and each head h, from
+    rows q, k (N·tokens, heads·d_h) contiguous, head h's entries h·d_h … (h + 1)·d_h − 1 of each row."""
+    rows, width = q.shape
+    size, sequences = width // heads, rows // tokens
+    s = torch.empty((sequences, heads, tokens, tokens), dtype=q.dtype)
+    scratch = _scratch(size, tokens, q.dtype)  # (held until the pass returns)
+    _call("attention_scores", q.dtype)(
+        q.data_ptr(), k.data_ptr(), sequences, tokens, heads, size, math.sqrt(size), s.data_ptr(),
+        scratch.data_ptr(), torch.get_num_threads(),
+    )
+    return s
+
+
+def attention_values(p: Tensor, v: Tensor) -> Tensor:
+    """y (N·tokens, heads·d_h) = p_h v_h for each sequence and head h (entries as ``attention_scores``),
+    from probabilities p (N, heads, tokens, tokens) and rows v, both contiguous."""
+    sequences, heads, tokens, _ = p.shape
+    y = torch.empty_like(v)
+    _call("attention_values", v.dtype)(
+        p.data_ptr(), v.data_ptr(), sequences, tokens, heads, v.shape[1] // heads, y.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return y
+
+
+def attention_backward(q: Tensor, k: Tensor, v: Tensor, p: Tensor, gy: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(gq, gk, gv), the gradients of y = softmax(q kᵀ/√d_h) v per sequence and head (the rows and
+    p = the softmax as ``attention_values`` takes them) at the gradient gy of y: gv = pᵀ gy,
+    ds = p ⊙ (gy vᵀ − Σ_u p ⊙ gy vᵀ)/√d_h, gq = ds k, gk = dsᵀ q; all contiguous, in the rows' layout."""
+    sequences, heads, tokens, _ = p.shape
+    size = q.shape[1] // heads
+    gq, gk, gv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    scratch = _scratch(size, tokens, q.dtype)  # (held until the pass returns)
+    _call("attention_backward", q.dtype)(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), p.data_ptr(), gy.data_ptr(), sequences, tokens, heads, size,
+        math.sqrt(size), gq.data_ptr(), gk.data_ptr(), gv.data_ptr(), scratch.data_ptr(), torch.get_num_threads(),
+    )
+    return gq, gk, gv
+
+
+def _scratch(size: int, tokens: int, dtype: torch.dtype) -> Tensor:
+    """Each thread's working memory of the attention passes: a head's keys or values transposed and
+    a row of scores."""
+    return torch.empty(torch.get_num_threads() * (size * tokens + tokens), dtype=dtype)

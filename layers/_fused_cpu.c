@@ -22,6 +22,10 @@
    output (conv_pool, conv_pool_backward); and its later 2x2 max-pools with the ReLU after them
    (max_pool2, max_pool2_backward).
 
+   The stacked vision transformer's attention on short sequences: the scores of each
+   (sequence, head), its weighted values and their backward (attention_scores,
+   attention_values, attention_backward), reading and writing the projections' row layout.
+
    Dot products are accumulated in LANES partial sums in T, combined pairwise (as torch's own
    vectorised sums: float32 rounding for float32); column sums in per-thread partials in T
    (as torch's sum), reduced in thread order, so results are deterministic for a given thread
@@ -1004,6 +1008,121 @@ DEFINE_CONV_POOL(double, f64, 4)
 
 DEFINE_MAX_POOL2(float, f32, 8)
 DEFINE_MAX_POOL2(double, f64, 4)
+
+/* Multi-head self-attention of short sequences (the stacked vision transformer's,
+   experiments.runs.stacked_attention). N sequences of `tokens` rows; each row of q, k, v, y and
+   their gradients holds `width` = heads * size entries, head h's at h*size .. (h+1)*size - 1,
+   all row-major (N*tokens, width); scores and probabilities (N, heads, tokens, tokens)
+   contiguous. For one (sequence, head), with q_t, k_u, v_u, y_t its rows' head entries:
+     attention_scores    s_tu = <q_t, k_u> / root
+     attention_values    y_t = sum_u p_tu v_u
+     attention_backward  gv_u = sum_t p_tu gy_t,   dp_tu = <gy_t, v_u>,
+                         ds_tu = p_tu (dp_tu - sum_u' p_tu' dp_tu') / root,
+                         gq_t = sum_u ds_tu k_u,   gk_u = sum_t ds_tu q_t
+   (the softmax p = softmax_u(s_tu) between them is torch's). One (sequence, head) per work
+   item, its sums in the order written (the same for any thread count); each item transposes
+   its keys (values, in backward) into this thread's `scratch` (size * tokens + tokens entries
+   per thread) so that a row of scores is a sum of vectors over the u's. */
+#define DEFINE_ATTENTION(T, SUFFIX)                                                                \
+    VECTOR_CLONES static void attention_scores_item_##SUFFIX(                                     \
+        const T *restrict q, const T *restrict k, int64_t tokens, int64_t width, int64_t size,    \
+        T root, T *restrict s, T *restrict kt) {                                                   \
+        for (int64_t u = 0; u < tokens; ++u)                                                       \
+            for (int64_t j = 0; j < size; ++j) kt[j * tokens + u] = k[u * width + j];              \
+        for (int64_t t = 0; t < tokens; ++t) {                                                     \
+            T *row = s + t * tokens;                                                               \
+            for (int64_t u = 0; u < tokens; ++u) row[u] = 0;                                       \
+            for (int64_t j = 0; j < size; ++j) {                                                   \
+                const T a = q[t * width + j];                                                      \
+                for (int64_t u = 0; u < tokens; ++u) row[u] += a * kt[j * tokens + u];             \
+            }                                                                                      \
+            for (int64_t u = 0; u < tokens; ++u) row[u] /= root;                                   \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    void attention_scores_##SUFFIX(const T *q, const T *k, int64_t sequences, int64_t tokens,     \
+                                   int64_t heads, int64_t size, double root, T *s, T *scratch,    \
+                                   int threads) {                                                  \
+        const int64_t width = heads * size, per = size * tokens + tokens;                         \
+        _Pragma("omp parallel for schedule(static) num_threads(team_size(sequences * heads * tokens * tokens * size, threads))") \
+        for (int64_t item = 0; item < sequences * heads; ++item) {                                 \
+            const int64_t n = item / heads, h = item % heads, at = n * tokens * width + h * size;  \
+            attention_scores_item_##SUFFIX(q + at, k + at, tokens, width, size, (T)root,          \
+                                           s + item * tokens * tokens, scratch + my_thread() * per); \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    VECTOR_CLONES static void attention_values_item_##SUFFIX(                                     \
+        const T *restrict p, const T *restrict v, int64_t tokens, int64_t width, int64_t size,    \
+        T *restrict y) {                                                                           \
+        for (int64_t t = 0; t < tokens; ++t) {                                                     \
+            T *yt = y + t * width;                                                                 \
+            for (int64_t j = 0; j < size; ++j) yt[j] = 0;                                          \
+            for (int64_t u = 0; u < tokens; ++u) {                                                 \
+                const T a = p[t * tokens + u];                                                     \
+                for (int64_t j = 0; j < size; ++j) yt[j] += a * v[u * width + j];                  \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    void attention_values_##SUFFIX(const T *p, const T *v, int64_t sequences, int64_t tokens,     \
+                                   int64_t heads, int64_t size, T *y, int threads) {              \
+        const int64_t width = heads * size;                                                        \
+        _Pragma("omp parallel for schedule(static) num_threads(team_size(sequences * heads * tokens * tokens * size, threads))") \
+        for (int64_t item = 0; item < sequences * heads; ++item) {                                 \
+            const int64_t n = item / heads, h = item % heads, at = n * tokens * width + h * size;  \
+            attention_values_item_##SUFFIX(p + item * tokens * tokens, v + at, tokens, width, size, y + at); \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    VECTOR_CLONES static void attention_backward_item_##SUFFIX(                                   \
+        const T *restrict q, const T *restrict k, const T *restrict v, const T *restrict p,       \
+        const T *restrict gy, int64_t tokens, int64_t width, int64_t size, T root,                \
+        T *restrict gq, T *restrict gk, T *restrict gv, T *restrict vt, T *restrict ds) {          \
+        for (int64_t u = 0; u < tokens; ++u)                                                       \
+            for (int64_t j = 0; j < size; ++j) {                                                   \
+                vt[j * tokens + u] = v[u * width + j];                                             \
+                gk[u * width + j] = gv[u * width + j] = 0;                                         \
+            }                                                                                      \
+        for (int64_t t = 0; t < tokens; ++t) {                                                     \
+            const T *pt = p + t * tokens, *gyt = gy + t * width, *qt = q + t * width;             \
+            for (int64_t u = 0; u < tokens; ++u) ds[u] = 0;                                        \
+            for (int64_t j = 0; j < size; ++j)                                                     \
+                for (int64_t u = 0; u < tokens; ++u) ds[u] += gyt[j] * vt[j * tokens + u];         \
+            T mean = 0;                                                                            \
+            for (int64_t u = 0; u < tokens; ++u) mean += pt[u] * ds[u];                            \
+            for (int64_t u = 0; u < tokens; ++u) ds[u] = pt[u] * (ds[u] - mean) / root;            \
+            T *gqt = gq + t * width;                                                               \
+            for (int64_t j = 0; j < size; ++j) gqt[j] = 0;                                         \
+            for (int64_t u = 0; u < tokens; ++u) {                                                 \
+                const T *ku = k + u * width;                                                       \
+                T *gku = gk + u * width, *gvu = gv + u * width;                                    \
+                for (int64_t j = 0; j < size; ++j) {                                               \
+                    gqt[j] += ds[u] * ku[j];                                                       \
+                    gku[j] += ds[u] * qt[j];                                                       \
+                    gvu[j] += pt[u] * gyt[j];                                                      \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    void attention_backward_##SUFFIX(const T *q, const T *k, const T *v, const T *p, const T *gy, \
+                                     int64_t sequences, int64_t tokens, int64_t heads,            \
+                                     int64_t size, double root, T *gq, T *gk, T *gv, T *scratch,  \
+                                     int threads) {                                                \
+        const int64_t width = heads * size, per = size * tokens + tokens;                         \
+        _Pragma("omp parallel for schedule(static) num_threads(team_size(sequences * heads * tokens * tokens * size, threads))") \
+        for (int64_t item = 0; item < sequences * heads; ++item) {                                 \
+            const int64_t n = item / heads, h = item % heads, at = n * tokens * width + h * size;  \
+            T *mine = scratch + my_thread() * per;                                                 \
+            attention_backward_item_##SUFFIX(q + at, k + at, v + at, p + item * tokens * tokens,  \
+                                             gy + at, tokens, width, size, (T)root, gq + at,      \
+                                             gk + at, gv + at, mine, mine + size * tokens);       \
+        }                                                                                          \
+    }
+
+DEFINE_ATTENTION(float, f32)
+DEFINE_ATTENTION(double, f64)
 
 int affdiv_fused_abi(void) { return AFFDIV_FUSED_ABI; }
 

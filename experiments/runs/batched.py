@@ -31,8 +31,9 @@ splits of one size are evaluated in one pass per chunk.
 
 The vision transformer of the vit methods (:mod:`~affdiv.experiments.runs.transformer`) is batched
 too (:func:`batched_vit`): its tokens are rows, (K, B·T, d), so that every projection, LayerNorm,
-activation and QK-norm is one of the layers above, and attention is two batched products over the
-K·B·H (sequence, head) pairs, softmax(Q_h K_hᵀ/√d_h) V_h, as the model computes it per sequence.
+activation and QK-norm is one of the layers above, and attention, softmax(Q_h K_hᵀ/√d_h) V_h for
+each of the K·B·H (sequence, head) pairs as the model computes it per sequence, runs in fused
+passes over the projections' rows (:mod:`~affdiv.experiments.runs.stacked_attention`).
 
 AffineLike and NormLike are one autograd Function each around the batched product, with the
 layers' fused row passes (:mod:`~affdiv.experiments.runs.stacked_dense`); the K models'
@@ -45,14 +46,13 @@ makes :func:`is_batched` false: such a model trains on the vmapped engine.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from affdiv.experiments.runs import conv_pool, pool_relu, stacked_dense, stacked_matmul
+from affdiv.experiments.runs import conv_pool, pool_relu, stacked_attention, stacked_dense, stacked_matmul
 from affdiv.experiments.runs.stacked import StackedEnsemble
 from affdiv.layers.functional import patchnorm_conv2d
 
@@ -343,7 +343,7 @@ def batched_vit(model: nn.Module) -> Forward | None:
         h = (h.view(k, batch, count, -1) + state["position.weight"].unsqueeze(1)).flatten(1, 2)
         for i, block in enumerate(model.blocks):
             name = f"blocks.{i}"
-            h = h + _attention(run, f"{name}.attn", block.attn, run(f"{name}.norm1", h), (k, batch, count))
+            h = h + _attention(run, f"{name}.attn", block.attn, run(f"{name}.norm1", h), count)
             u = run(f"{name}.norm2", h)
             for j in range(len(block.mlp)):
                 u = run(f"{name}.mlp.{j}", u)
@@ -353,21 +353,15 @@ def batched_vit(model: nn.Module) -> Forward | None:
     return forward
 
 
-def _attention(run: Callable[[str, Tensor], Tensor], name: str, attn: nn.Module, x: Tensor,
-               shape: tuple[int, int, int]) -> Tensor:
+def _attention(run: Callable[[str, Tensor], Tensor], name: str, attn: nn.Module, x: Tensor, tokens: int) -> Tensor:
     """Multi-head self-attention of ``attn`` (its settings; ``run`` applies its batched
-    projections and QK-norms by name) on token rows x (K, B·T, d), ``shape`` = (K, B, T)."""
-    (k, batch, count), heads, size = shape, attn.heads, attn.head_dim
+    projections and QK-norms by name) on token rows x (K, B·T, d), T = ``tokens``."""
+    k, heads, size = x.shape[0], attn.heads, attn.head_dim
     q, key, v = (run(f"{name}.{part}", x) for part in "qkv")
     if attn.q_norm is not None:  # RMSNorm over each head's d_h entries of each token
-        q, key = run(f"{name}.q_norm", q.reshape(k, -1, size)), run(f"{name}.k_norm", key.reshape(k, -1, size))
-
-    def split(t: Tensor) -> Tensor:  # (K·B, H, T, d_h), as the model's _split per sequence
-        return t.reshape(k * batch, count, heads, size).transpose(1, 2)
-
-    q, key, v = split(q), split(key), split(v)
-    y = torch.softmax(q @ key.transpose(-1, -2) / math.sqrt(size), dim=-1) @ v
-    return run(f"{name}.o", y.transpose(1, 2).reshape(k, batch * count, heads * size))
+        q, key = (run(f"{name}.{norm}", t.reshape(k, -1, size)).reshape(v.shape)
+                  for norm, t in (("q_norm", q), ("k_norm", key)))
+    return run(f"{name}.o", stacked_attention.attention(q, key, v, tokens, heads))
 
 
 def is_batched(model: nn.Module) -> bool:

@@ -39,22 +39,16 @@ from torch import Tensor
 from affdiv.experiments.runs import stacked_matmul
 from affdiv.layers import _fused
 from affdiv.layers._scale import small_norm
-from affdiv.layers._torch_internals import untraced_eager
 
 #: x Wᵀ + b for rows x (K, M, L), weight (K, N, L), bias (K, N) or None: (K, M, N).
 Product = Callable[[Tensor, Tensor, Tensor | None], Tensor]
 
 
 def usable(*tensors: Tensor | None) -> bool:
-    """Whether the fused Functions may take these tensors (None entries ignored): an untraced eager
-    call (:func:`~affdiv.layers._torch_internals.untraced_eager`) with the fused passes loaded and
-    not ``_fused.disabled()``, CPU autocast off (its products would come out in another dtype), and
-    plain non-empty CPU tensors of one dtype, float32 or float64."""
-    if not untraced_eager() or not _fused.eager_kernels_allowed() or torch.is_autocast_enabled("cpu"):
-        return False
-    dtype = tensors[0].dtype
-    return dtype in (torch.float32, torch.float64) and all(
-        t is None or (_fused.plain(t) and t.is_cpu and t.dtype == dtype and t.numel() > 0) for t in tensors)
+    """Whether the dense Functions may take these tensors (None entries ignored):
+    ``_fused.functions_usable``. (The layers' routing, on its own so that a benchmark can route
+    them off alone.)"""
+    return _fused.functions_usable(*tensors)
 
 
 def _passes_may_run(x: Tensor, weight: Tensor, bias: Tensor | None, scale: Tensor, g: Tensor) -> bool:
@@ -123,7 +117,7 @@ class StackedAffineLike(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad
         g = g.contiguous()
         if not (ctx.fused and _passes_may_run(x, weight, bias, r, g)):
-            return _composite_grads(affine_like_composite, (x, weight, bias), g, ctx.needs_input_grad)
+            return composite_grads(affine_like_composite, (x, weight, bias), g, ctx.needs_input_grad)
         gy = _fused.scale_grad(_rows(g), r)[0].view(g.shape)
         dx = None
         if need_x:
@@ -157,7 +151,7 @@ class StackedNormLike(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         g = g.contiguous()
         if not (ctx.fused and _passes_may_run(x, weight, bias, q, g)):
-            return *_composite_grads(lambda *inputs: norm_like_composite(*inputs, ctx.c, ctx.eps), (x, weight, bias),
+            return *composite_grads(lambda *inputs: norm_like_composite(*inputs, ctx.c, ctx.eps), (x, weight, bias),
                                      g, ctx.needs_input_grad[:3]), None, None
         gy = _fused.scale_grad(_rows(g), q)[0].view(g.shape)
         dx = None
@@ -169,7 +163,7 @@ class StackedNormLike(torch.autograd.Function):
                 g.sum(1) if need_b and bias is not None else None, None, None)
 
 
-def _composite_grads(composite, inputs: tuple[Tensor | None, ...], g: Tensor, needs) -> tuple[Tensor | None, ...]:
+def composite_grads(composite, inputs: tuple[Tensor | None, ...], g: Tensor, needs) -> tuple[Tensor | None, ...]:
     """The gradients of ``composite(*inputs)`` for g, by autograd of its torch operations: a graph
     of them where the caller's backward records one (a double backward), plain ones otherwise."""
     graph = torch.is_grad_enabled()
