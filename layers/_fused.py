@@ -503,7 +503,7 @@ def attention_scores(q: Tensor, k: Tensor, tokens: int, heads: int) -> Tensor:
     s = torch.empty((sequences, heads, tokens, tokens), dtype=q.dtype)
     scratch = _scratch(size, tokens, q.dtype)  # (held until the pass returns)
     _call("attention_scores", q.dtype)(
-        q.data_ptr(), k.data_ptr(), sequences, tokens, heads, size, math.sqrt(size), s.data_ptr(),
+        q.data_ptr(), k.data_ptr(), sequences, tokens, heads, size, 1 / math.sqrt(size), s.data_ptr(),
         scratch.data_ptr(), torch.get_num_threads(),
     )
     return s
@@ -531,12 +531,12 @@ def attention_backward(q: Tensor, k: Tensor, v: Tensor, p: Tensor, gy: Tensor) -
     scratch = _scratch(size, tokens, q.dtype)  # (held until the pass returns)
     _call("attention_backward", q.dtype)(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), p.data_ptr(), gy.data_ptr(), sequences, tokens, heads, size,
-        math.sqrt(size), gq.data_ptr(), gk.data_ptr(), gv.data_ptr(), scratch.data_ptr(), torch.get_num_threads(),
+        1 / math.sqrt(size), gq.data_ptr(), gk.data_ptr(), gv.data_ptr(), scratch.data_ptr(), torch.get_num_threads(),
     )
     return gq, gk, gv
 
 
 def _scratch(size: int, tokens: int, dtype: torch.dtype) -> Tensor:
     """Each thread's working memory of the attention passes: a head's keys or values transposed and
-    a row of scores."""
-    return torch.empty(torch.get_num_threads() * (size * tokens + tokens), dtype=dtype)
+    the gradient of its scores."""
+    return torch.empty(torch.get_num_threads() * (size + tokens) * tokens, dtype=dtype)

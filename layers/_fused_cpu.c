@@ -1014,19 +1014,20 @@ DEFINE_MAX_POOL2(double, f64, 4)
    their gradients holds `width` = heads * size entries, head h's at h*size .. (h+1)*size - 1,
    all row-major (N*tokens, width); scores and probabilities (N, heads, tokens, tokens)
    contiguous. For one (sequence, head), with q_t, k_u, v_u, y_t its rows' head entries:
-     attention_scores    s_tu = <q_t, k_u> / root
+     attention_scores    s_tu = <q_t, k_u> * scale      (scale = 1/sqrt(size))
      attention_values    y_t = sum_u p_tu v_u
      attention_backward  gv_u = sum_t p_tu gy_t,   dp_tu = <gy_t, v_u>,
-                         ds_tu = p_tu (dp_tu - sum_u' p_tu' dp_tu') / root,
+                         ds_tu = p_tu (dp_tu - sum_u' p_tu' dp_tu') * scale,
                          gq_t = sum_u ds_tu k_u,   gk_u = sum_t ds_tu q_t
    (the softmax p = softmax_u(s_tu) between them is torch's). One (sequence, head) per work
    item, its sums in the order written (the same for any thread count); each item transposes
-   its keys (values, in backward) into this thread's `scratch` (size * tokens + tokens entries
-   per thread) so that a row of scores is a sum of vectors over the u's. */
+   its keys (values, in backward) into this thread's `scratch` ((size + tokens) * tokens
+   entries per thread, the rest for ds) so that a row of scores is a sum of vectors over the
+   u's. */
 #define DEFINE_ATTENTION(T, SUFFIX)                                                                \
-    VECTOR_CLONES static void attention_scores_item_##SUFFIX(                                     \
+    static inline __attribute__((always_inline)) void attention_scores_item_##SUFFIX(             \
         const T *restrict q, const T *restrict k, int64_t tokens, int64_t width, int64_t size,    \
-        T root, T *restrict s, T *restrict kt) {                                                   \
+        T scale, T *restrict s, T *restrict kt) {                                                   \
         for (int64_t u = 0; u < tokens; ++u)                                                       \
             for (int64_t j = 0; j < size; ++j) kt[j * tokens + u] = k[u * width + j];              \
         for (int64_t t = 0; t < tokens; ++t) {                                                     \
@@ -1036,23 +1037,11 @@ DEFINE_MAX_POOL2(double, f64, 4)
                 const T a = q[t * width + j];                                                      \
                 for (int64_t u = 0; u < tokens; ++u) row[u] += a * kt[j * tokens + u];             \
             }                                                                                      \
-            for (int64_t u = 0; u < tokens; ++u) row[u] /= root;                                   \
+            for (int64_t u = 0; u < tokens; ++u) row[u] *= scale;                                  \
         }                                                                                          \
     }                                                                                              \
                                                                                                    \
-    void attention_scores_##SUFFIX(const T *q, const T *k, int64_t sequences, int64_t tokens,     \
-                                   int64_t heads, int64_t size, double root, T *s, T *scratch,    \
-                                   int threads) {                                                  \
-        const int64_t width = heads * size, per = size * tokens + tokens;                         \
-        _Pragma("omp parallel for schedule(static) num_threads(team_size(sequences * heads * tokens * tokens * size, threads))") \
-        for (int64_t item = 0; item < sequences * heads; ++item) {                                 \
-            const int64_t n = item / heads, h = item % heads, at = n * tokens * width + h * size;  \
-            attention_scores_item_##SUFFIX(q + at, k + at, tokens, width, size, (T)root,          \
-                                           s + item * tokens * tokens, scratch + my_thread() * per); \
-        }                                                                                          \
-    }                                                                                              \
-                                                                                                   \
-    VECTOR_CLONES static void attention_values_item_##SUFFIX(                                     \
+    static inline __attribute__((always_inline)) void attention_values_item_##SUFFIX(             \
         const T *restrict p, const T *restrict v, int64_t tokens, int64_t width, int64_t size,    \
         T *restrict y) {                                                                           \
         for (int64_t t = 0; t < tokens; ++t) {                                                     \
@@ -1065,59 +1054,114 @@ DEFINE_MAX_POOL2(double, f64, 4)
         }                                                                                          \
     }                                                                                              \
                                                                                                    \
-    void attention_values_##SUFFIX(const T *p, const T *v, int64_t sequences, int64_t tokens,     \
-                                   int64_t heads, int64_t size, T *y, int threads) {              \
-        const int64_t width = heads * size;                                                        \
-        _Pragma("omp parallel for schedule(static) num_threads(team_size(sequences * heads * tokens * tokens * size, threads))") \
-        for (int64_t item = 0; item < sequences * heads; ++item) {                                 \
-            const int64_t n = item / heads, h = item % heads, at = n * tokens * width + h * size;  \
-            attention_values_item_##SUFFIX(p + item * tokens * tokens, v + at, tokens, width, size, y + at); \
-        }                                                                                          \
-    }                                                                                              \
-                                                                                                   \
-    VECTOR_CLONES static void attention_backward_item_##SUFFIX(                                   \
+    static inline __attribute__((always_inline)) void attention_backward_item_##SUFFIX(           \
         const T *restrict q, const T *restrict k, const T *restrict v, const T *restrict p,       \
-        const T *restrict gy, int64_t tokens, int64_t width, int64_t size, T root,                \
+        const T *restrict gy, int64_t tokens, int64_t width, int64_t size, T scale,                \
         T *restrict gq, T *restrict gk, T *restrict gv, T *restrict vt, T *restrict ds) {          \
         for (int64_t u = 0; u < tokens; ++u)                                                       \
-            for (int64_t j = 0; j < size; ++j) {                                                   \
-                vt[j * tokens + u] = v[u * width + j];                                             \
-                gk[u * width + j] = gv[u * width + j] = 0;                                         \
-            }                                                                                      \
-        for (int64_t t = 0; t < tokens; ++t) {                                                     \
-            const T *pt = p + t * tokens, *gyt = gy + t * width, *qt = q + t * width;             \
-            for (int64_t u = 0; u < tokens; ++u) ds[u] = 0;                                        \
+            for (int64_t j = 0; j < size; ++j) vt[j * tokens + u] = v[u * width + j];              \
+        for (int64_t t = 0; t < tokens; ++t) { /* ds's row t, and gq_t */                         \
+            const T *pt = p + t * tokens, *gyt = gy + t * width;                                   \
+            T *dst = ds + t * tokens, *gqt = gq + t * width;                                       \
+            for (int64_t u = 0; u < tokens; ++u) dst[u] = 0;                                       \
             for (int64_t j = 0; j < size; ++j)                                                     \
-                for (int64_t u = 0; u < tokens; ++u) ds[u] += gyt[j] * vt[j * tokens + u];         \
+                for (int64_t u = 0; u < tokens; ++u) dst[u] += gyt[j] * vt[j * tokens + u];        \
             T mean = 0;                                                                            \
-            for (int64_t u = 0; u < tokens; ++u) mean += pt[u] * ds[u];                            \
-            for (int64_t u = 0; u < tokens; ++u) ds[u] = pt[u] * (ds[u] - mean) / root;            \
-            T *gqt = gq + t * width;                                                               \
+            for (int64_t u = 0; u < tokens; ++u) mean += pt[u] * dst[u];                           \
+            for (int64_t u = 0; u < tokens; ++u) dst[u] = pt[u] * (dst[u] - mean) * scale;        \
             for (int64_t j = 0; j < size; ++j) gqt[j] = 0;                                         \
-            for (int64_t u = 0; u < tokens; ++u) {                                                 \
-                const T *ku = k + u * width;                                                       \
-                T *gku = gk + u * width, *gvu = gv + u * width;                                    \
+            for (int64_t u = 0; u < tokens; ++u)                                                   \
+                for (int64_t j = 0; j < size; ++j) gqt[j] += dst[u] * k[u * width + j];           \
+        }                                                                                          \
+        for (int64_t u = 0; u < tokens; ++u) { /* gk_u and gv_u, summed over t */                  \
+            T *gku = gk + u * width, *gvu = gv + u * width;                                        \
+            for (int64_t j = 0; j < size; ++j) gku[j] = gvu[j] = 0;                                \
+            for (int64_t t = 0; t < tokens; ++t) {                                                 \
+                const T d = ds[t * tokens + u], a = p[t * tokens + u];                             \
                 for (int64_t j = 0; j < size; ++j) {                                               \
-                    gqt[j] += ds[u] * ku[j];                                                       \
-                    gku[j] += ds[u] * qt[j];                                                       \
-                    gvu[j] += pt[u] * gyt[j];                                                      \
+                    gku[j] += d * q[t * width + j];                                                \
+                    gvu[j] += a * gy[t * width + j];                                               \
                 }                                                                                  \
             }                                                                                      \
         }                                                                                          \
     }                                                                                              \
                                                                                                    \
+    /* Items [first, last) of each pass, the item bodies inlined: the weighted values and the   \
+       backward with the harness vit's sizes (16 tokens, heads of 8) as constants where they    \
+       are these (the compiler then keeps a head's rows and a row of ds in registers: 2x and    \
+       more faster in a quick measurement; the scores ran slower so), else as read. */          \
+    VECTOR_CLONES static void attention_scores_range_##SUFFIX(                                     \
+        const T *q, const T *k, int64_t first, int64_t last, int64_t tokens, int64_t heads,       \
+        int64_t size, T scale, T *s, T *kt) {                                                      \
+        for (int64_t item = first; item < last; ++item) {                                          \
+            const int64_t at = (item / heads * tokens * heads + item % heads) * size;              \
+            attention_scores_item_##SUFFIX(q + at, k + at, tokens, heads * size, size, scale,      \
+                                           s + item * tokens * tokens, kt);                        \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    VECTOR_CLONES static void attention_values_range_##SUFFIX(                                     \
+        const T *p, const T *v, int64_t first, int64_t last, int64_t tokens, int64_t heads,       \
+        int64_t size, T *y) {                                                                      \
+        for (int64_t item = first; item < last; ++item) {                                          \
+            const int64_t at = (item / heads * tokens * heads + item % heads) * size;              \
+            const T *pi = p + item * tokens * tokens;                                              \
+            if (tokens == 16 && size == 8)                                                         \
+                attention_values_item_##SUFFIX(pi, v + at, 16, heads * 8, 8, y + at);              \
+            else                                                                                   \
+                attention_values_item_##SUFFIX(pi, v + at, tokens, heads * size, size, y + at);    \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    VECTOR_CLONES static void attention_backward_range_##SUFFIX(                                   \
+        const T *q, const T *k, const T *v, const T *p, const T *gy, int64_t first, int64_t last,  \
+        int64_t tokens, int64_t heads, int64_t size, T scale, T *gq, T *gk, T *gv, T *scratch) {   \
+        for (int64_t item = first; item < last; ++item) {                                          \
+            const int64_t at = (item / heads * tokens * heads + item % heads) * size;              \
+            const T *pi = p + item * tokens * tokens;                                              \
+            if (tokens == 16 && size == 8)                                                         \
+                attention_backward_item_##SUFFIX(q + at, k + at, v + at, pi, gy + at, 16, heads * 8, 8, \
+                                                 scale, gq + at, gk + at, gv + at, scratch,       \
+                                                 scratch + 8 * 16);                                \
+            else                                                                                   \
+                attention_backward_item_##SUFFIX(q + at, k + at, v + at, pi, gy + at, tokens,     \
+                                                 heads * size, size, scale, gq + at, gk + at,     \
+                                                 gv + at, scratch, scratch + size * tokens);      \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    /* Each pass: its items split over the team in contiguous blocks (my_rows); `scratch` holds   \
+       (size + tokens) * tokens entries per thread. */                                           \
+    void attention_scores_##SUFFIX(const T *q, const T *k, int64_t sequences, int64_t tokens,     \
+                                   int64_t heads, int64_t size, double scale, T *s, T *scratch,   \
+                                   int threads) {                                                  \
+        _Pragma("omp parallel num_threads(team_size(sequences * heads * tokens * tokens * size, threads))") { \
+            int64_t first, last;                                                                   \
+            my_rows(sequences * heads, &first, &last);                                             \
+            attention_scores_range_##SUFFIX(q, k, first, last, tokens, heads, size, (T)scale, s,   \
+                                            scratch + my_thread() * (size + tokens) * tokens);     \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    void attention_values_##SUFFIX(const T *p, const T *v, int64_t sequences, int64_t tokens,     \
+                                   int64_t heads, int64_t size, T *y, int threads) {              \
+        _Pragma("omp parallel num_threads(team_size(sequences * heads * tokens * tokens * size, threads))") { \
+            int64_t first, last;                                                                   \
+            my_rows(sequences * heads, &first, &last);                                             \
+            attention_values_range_##SUFFIX(p, v, first, last, tokens, heads, size, y);           \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
     void attention_backward_##SUFFIX(const T *q, const T *k, const T *v, const T *p, const T *gy, \
                                      int64_t sequences, int64_t tokens, int64_t heads,            \
-                                     int64_t size, double root, T *gq, T *gk, T *gv, T *scratch,  \
+                                     int64_t size, double scale, T *gq, T *gk, T *gv, T *scratch, \
                                      int threads) {                                                \
-        const int64_t width = heads * size, per = size * tokens + tokens;                         \
-        _Pragma("omp parallel for schedule(static) num_threads(team_size(sequences * heads * tokens * tokens * size, threads))") \
-        for (int64_t item = 0; item < sequences * heads; ++item) {                                 \
-            const int64_t n = item / heads, h = item % heads, at = n * tokens * width + h * size;  \
-            T *mine = scratch + my_thread() * per;                                                 \
-            attention_backward_item_##SUFFIX(q + at, k + at, v + at, p + item * tokens * tokens,  \
-                                             gy + at, tokens, width, size, (T)root, gq + at,      \
-                                             gk + at, gv + at, mine, mine + size * tokens);       \
+        _Pragma("omp parallel num_threads(team_size(sequences * heads * tokens * tokens * size, threads))") { \
+            int64_t first, last;                                                                   \
+            my_rows(sequences * heads, &first, &last);                                             \
+            attention_backward_range_##SUFFIX(q, k, v, p, gy, first, last, tokens, heads, size,    \
+                                              (T)scale, gq, gk, gv,                                \
+                                              scratch + my_thread() * (size + tokens) * tokens);   \
         }                                                                                          \
     }
 

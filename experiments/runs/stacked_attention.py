@@ -42,7 +42,15 @@ from affdiv.layers import _fused
 def attention(q: Tensor, k: Tensor, v: Tensor, tokens: int, heads: int) -> Tensor:
     """softmax(q_h k_hᵀ/√d_h) v_h for every sequence of ``tokens`` rows and every head h of
     q, k, v (K, B·tokens, heads·d_h): (K, B·tokens, heads·d_h), in the rows' layout (module
-    docstring)."""
+    docstring). A shape that does not split so is a ValueError."""
+    models, rows, width = q.shape
+    if rows % tokens:
+        raise ValueError(f"attention: cannot split {rows} rows into sequences of {tokens} tokens")
+    if width % heads:
+        raise ValueError(f"attention: cannot split {width} entries per row into {heads} heads")
+    if k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"attention: needs q, k and v of one shape, got {tuple(q.shape)}, {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
     if usable(q, k, v):
         return StackedAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), tokens, heads)
     return attention_composite(q, k, v, tokens, heads)

@@ -1,0 +1,200 @@
+"""The stacked vision transformer's attention (``affdiv.experiments.runs.stacked_attention``) against
+autograd of the model's formula in torch operations (``attention_composite``, which the engine ran
+before).
+
+Tolerance. Both sides evaluate y = softmax(q kᵀ/√d_h) v and its gradients in float64, in other
+orders of summation. A score sums d_h products, each side within γ_{d_h}·d_h·|q|·|k|/√d_h of the
+exact value (|·| the largest entry), so the two sides' scores differ by at most twice that, δ;
+softmax turns a perturbation δ of the scores into one of at most 2δ of each probability, relative
+to itself. Every other sum has at most T + d_h terms (γ_{T+d_h} of its terms' magnitudes, on each
+side). So each output differs by at most (4δ + 4γ_{T+d_h})·S, S the magnitude of its terms:
+S = |v| for y; T·|gy| for ∂v = pᵀ gy; for ∂q = ds k and ∂k = dsᵀ q, T·|ds|·|k| (|q|), with
+|ds| ≤ 2·d_h·|gy|·|v|/√d_h. :func:`_bound` computes it, at twice that for margin. A dropped
+or misplaced term (the softmax's mean in ds, p transposed, the gradients of q and k exchanged)
+moves entries by O(1) of S.
+"""
+
+from __future__ import annotations
+
+import math
+import unittest.mock
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.utils.flop_counter import FlopCounterMode
+
+from affdiv.experiments.runs import stacked_attention
+from affdiv.experiments.runs.config import RunConfig
+from affdiv.experiments.runs.training import build_member, stacked_engine
+from affdiv.layers import _fused
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.skipif(not _fused.available(), reason="the fused passes are not built here")]
+
+U = 2.0 ** -53
+
+
+def _gamma(n: int) -> float:
+    return n * U / (1 - n * U)
+
+
+def _inputs(k, sequences, tokens, heads, size, seed, dtype=torch.float64, layout="contiguous"):
+    g = torch.Generator().manual_seed(seed)
+    shape = (k, sequences * tokens, heads * size)
+    q, key, v = (torch.randn(*shape, generator=g, dtype=dtype) for _ in range(3))
+    if layout == "strided":  # each a view of every other column of a wider tensor
+        q, key, v = (torch.stack([t, torch.zeros_like(t)], 3)[..., 0] for t in (q, key, v))
+    return q.requires_grad_(), key.requires_grad_(), v.requires_grad_(), torch.randn(*shape, generator=g, dtype=dtype)
+
+
+def _bound(q, k, v, gy, tokens, size) -> dict[str, float]:
+    """Per output, the largest difference the module docstring allows between two float64
+    evaluations."""
+    m = {name: float(t.detach().abs().max()) for name, t in (("q", q), ("k", k), ("v", v), ("gy", gy))}
+    delta = 2 * _gamma(size) * size * m["q"] * m["k"] / math.sqrt(size)
+    rel = 2 * (4 * delta + 4 * _gamma(tokens + size))
+    ds = 2 * size * m["gy"] * m["v"] / math.sqrt(size)
+    return {"y": rel * m["v"], "v": rel * tokens * m["gy"], "q": rel * tokens * ds * m["k"],
+            "k": rel * tokens * ds * m["q"]}
+
+
+def _value_and_grads(function, q, k, v, gy, tokens, heads):
+    y = function(q, k, v, tokens, heads)
+    return y, y.grad_fn, torch.autograd.grad(y, (q, k, v), gy)
+
+
+def _within(got, want, bound):
+    assert got.shape == want.shape and got.dtype == want.dtype
+    difference = float((got.detach() - want.detach()).abs().max())
+    assert difference <= bound, (difference, bound)
+
+
+def _check(q, k, v, gy, tokens, heads):
+    """The Function's value and gradients against the composite's, within :func:`_bound`; the
+    backward ran the pass."""
+    with unittest.mock.patch.object(_fused, "attention_backward", wraps=_fused.attention_backward) as spy:
+        y, node, grads = _value_and_grads(stacked_attention.attention, q, k, v, gy, tokens, heads)
+    assert type(node).__name__ == "StackedAttentionBackward" and spy.call_count == 1
+    want_y, _, want_grads = _value_and_grads(stacked_attention.attention_composite, q, k, v, gy, tokens, heads)
+    bound = _bound(q, k, v, gy, tokens, q.shape[2] // heads)
+    _within(y, want_y, bound["y"])
+    for name, got, want in zip("qkv", grads, want_grads):
+        _within(got, want, bound[name])
+
+
+@given(k=st.integers(1, 3), sequences=st.integers(1, 4), tokens=st.integers(1, 16), heads=st.integers(1, 4),
+       size=st.integers(1, 8), layout=st.sampled_from(["contiguous", "strided"]), seed=st.integers(0, 2**16))
+def test_the_function_equals_autograd_of_the_formula(k, sequences, tokens, heads, size, layout, seed):
+    q, key, v, gy = _inputs(k, sequences, tokens, heads, size, seed, layout=layout)
+    _check(q, key, v, gy, tokens, heads)
+
+
+def test_the_harness_shapes_and_large_scores():
+    # the vit's 16 tokens and 4 heads of 8, and scores of several units (a sharp softmax)
+    q, key, v, gy = _inputs(2, 5, 16, 4, 8, 11)
+    with torch.no_grad():
+        q.mul_(3)
+    _check(q, key, v, gy, 16, 4)
+
+
+def test_float32_is_the_float64_formula_within_float32_rounding():
+    # the same bound at float32's unit roundoff: (4δ + 4γ_24)·2 with δ ≈ 2·8·8u·|q||k|/√8, |q|,
+    # |k| < 5: about 1.5e-3·S; 2e-3·S taken
+    q, key, v, gy = _inputs(3, 4, 16, 4, 8, 5, torch.float32)
+    y, _, grads = _value_and_grads(stacked_attention.attention, q, key, v, gy, 16, 4)
+    exact = [t.detach().double().requires_grad_() for t in (q, key, v)]
+    want_y, _, want_grads = _value_and_grads(stacked_attention.attention_composite, *exact, gy.double(), 16, 4)
+    scale = _bound(*exact, gy.double(), 16, 8)
+    rel = 2e-3 / (scale["y"] / float(v.detach().abs().max()))  # the float64 bound's S, at 2e-3
+    _within(y.double(), want_y, rel * scale["y"])
+    for name, got, want in zip("qkv", grads, want_grads):
+        _within(got.double(), want, rel * scale[name])
+
+
+@pytest.mark.parametrize("mutation", ["p transposed", "q and k exchanged"])
+def test_a_misplaced_term_fails_the_bound(mutation, monkeypatch):
+    q, key, v, gy = _inputs(2, 3, 6, 2, 4, 9)
+    if mutation == "p transposed":
+        real = _fused.attention_values
+        monkeypatch.setattr(_fused, "attention_values", lambda p, v: real(p.transpose(2, 3).contiguous(), v))
+    else:
+        real = _fused.attention_backward
+        monkeypatch.setattr(_fused, "attention_backward", lambda *args: (lambda gq, gk, gv: (gk, gq, gv))(*real(*args)))
+    with pytest.raises(AssertionError):
+        _check(q, key, v, gy, 6, 2)
+
+
+def test_second_derivatives_tangents_and_batched_gradients_go_through_the_formula():
+    q, key, v, gy = _inputs(2, 2, 3, 2, 2, 1)
+
+    def function(q, k, v):
+        return stacked_attention.attention(q, k, v, 3, 2)
+
+    assert torch.autograd.gradcheck(function, (q, key, v))
+    assert torch.autograd.gradgradcheck(function, (q, key, v))
+    y = function(q, key, v)
+    basis = torch.eye(y.numel(), dtype=y.dtype).reshape(-1, *y.shape)
+    batched, = torch.autograd.grad(y, q, basis, is_grads_batched=True, retain_graph=True)
+    looped = torch.stack([torch.autograd.grad(y, q, e, retain_graph=True)[0] for e in basis])
+    assert float((batched - looped).abs().max()) <= 1e-12
+
+    def tangent_of_grad(fn):  # forward over reverse: a dual gradient fed to the backward
+        with torch.autograd.forward_ad.dual_level():
+            dual = torch.autograd.forward_ad.make_dual(gy, torch.ones_like(gy))
+            gq, = torch.autograd.grad(fn(q, key, v, 3, 2), q, dual)
+            return torch.autograd.forward_ad.unpack_dual(gq).tangent
+
+    want = tangent_of_grad(stacked_attention.attention_composite)
+    assert float((tangent_of_grad(stacked_attention.attention) - want).abs().max()) <= 1e-12 * float(want.abs().max())
+
+
+def test_calls_the_passes_cannot_serve_take_the_torch_operations():
+    q, key, v, _ = _inputs(2, 2, 3, 2, 2, 2)
+    attention = stacked_attention.attention
+    with unittest.mock.patch.object(stacked_attention.StackedAttention, "apply",
+                                    wraps=stacked_attention.StackedAttention.apply) as spy:
+        attention(q, key, v, 3, 2)
+        assert spy.call_count == 1
+        with _fused.disabled():
+            attention(q, key, v, 3, 2)
+        torch.func.vmap(lambda *qkv: attention(*qkv, 3, 2))(q[None], key[None], v[None])
+        with FlopCounterMode(display=False) as counter:  # a dispatch mode sees torch's ops
+            attention(q, key, v, 3, 2)
+        with torch.autograd.forward_ad.dual_level():
+            dual = torch.autograd.forward_ad.make_dual(q.detach(), torch.ones_like(q))
+            tangent = torch.autograd.forward_ad.unpack_dual(attention(dual, key, v, 3, 2)).tangent
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            attention(q.float(), key.float(), v.float(), 3, 2)
+        attention(q.half(), key.half(), v.half(), 3, 2)
+        assert spy.call_count == 1
+    # two products per (sequence, head), 2 models × 2 sequences × 2 heads, of 3×2 by 2×3 and 3×3 by 3×2
+    assert counter.get_total_flops() == 2 * 8 * (2 * 3 * 3 * 2)
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(q.detach(), torch.ones_like(q))
+        want = torch.autograd.forward_ad.unpack_dual(stacked_attention.attention_composite(dual, key, v, 3, 2)).tangent
+    assert torch.equal(tangent, want)
+
+
+@pytest.mark.parametrize("shapes, tokens, heads, message", [
+    (((1, 6, 4),) * 3, 4, 2, "6 rows into sequences of 4 tokens"),
+    (((1, 6, 4),) * 3, 3, 3, "4 entries per row into 3 heads"),
+    (((1, 6, 4), (1, 6, 4), (1, 3, 4)), 3, 2, "q, k and v of one shape"),
+])
+def test_shapes_that_do_not_split_are_refused_in_one_line(shapes, tokens, heads, message):
+    with pytest.raises(ValueError, match=message):
+        stacked_attention.attention(*(torch.zeros(shape) for shape in shapes), tokens, heads)
+
+
+@pytest.mark.parametrize("method", ["vit", "vit-affine_like-qknorm"])
+def test_the_stacked_engine_takes_the_function(digits, method):
+    config = RunConfig(dataset="digits", method=method, depth=2, width=16, batch_size=8, seed=0, dtype="float64")
+    models = [build_member(config, digits, seed) for seed in (0, 1)]
+    split = (torch.as_tensor(digits.train.x).double(), torch.as_tensor(digits.train.y))
+    engine = stacked_engine(models[0])(models, "sgd", [0.1, 0.2], [None, None], [split] * 2, [split] * 2)
+    function = stacked_attention.StackedAttention
+    with unittest.mock.patch.object(function, "apply", wraps=function.apply) as spy, \
+            unittest.mock.patch.object(_fused, "attention_backward", wraps=_fused.attention_backward) as backward:
+        engine.step(torch.arange(16).reshape(2, 8))
+    assert spy.call_count == 2 and backward.call_count == 2  # one per block
