@@ -3,17 +3,17 @@
     python benchmarks/fused_passes.py [--arms cnn conv+batchnorm mlp-affine_like vit-affine_like]
                                       [--batch-sizes 16 64 256] [--rounds 5] [--threads 1] [--json PATH]
 
-For an arm of the training roofline (``stacked_training.ARMS``) at each batch size, with as
-many stacked models as the roofline holds, the stacked engine is built twice for each pass the
-arm's layers take: as it is, and with that pass routed off (a CNN's first block,
+For an arm of the training roofline (``stacked_training.ARMS``) at each batch size, with as many
+stacked models as the roofline holds, the stacked engine is built twice for each pass the arm's
+layers take: as it is, and with that pass routed off (a CNN's first block,
 ``experiments.runs.conv_pool``; its later max-pools with their ReLU, ``experiments.runs.pool_relu``;
 the AffineLike and NormLike Functions, ``experiments.runs.stacked_dense``; the vision transformer's
-attention, ``experiments.runs.stacked_attention``), so that those layers run unfused (the dense
-layers and attention in torch operations; with the first block off, its pool and ReLU take the
-later pools' pass); every other pass stays on in both. Their
-SGD steps are timed in interleaved rounds (each model its own shuffle, as in ``stacked_training``);
-the printed figure is the median over rounds of the paired ratio without / with the pass (above 1:
-the pass makes the step faster).
+attention, ``experiments.runs.stacked_attention``, and LayerNorms,
+``experiments.runs.stacked_layer_norm``), so that those layers run unfused (the dense layers,
+attention and LayerNorms in torch operations; with the first block off, its pool and ReLU take the
+later pools' pass); every other pass stays on in both. Their SGD steps are timed in interleaved
+rounds (each model its own shuffle, as in ``stacked_training``); the printed figure is the median
+over rounds of the paired ratio without / with the pass (above 1: the pass makes the step faster).
 Both engines train the same models, so the figure is of the step alone, not of a study.
 """
 
@@ -31,7 +31,7 @@ import torch
 
 from affdiv.atomic import atomic_write, check_writable_file
 from affdiv.experiments.data.dataset import load_dataset
-from affdiv.experiments.runs import conv_pool, pool_relu, stacked_attention, stacked_dense
+from affdiv.experiments.runs import conv_pool, pool_relu, stacked_attention, stacked_dense, stacked_layer_norm
 from affdiv.experiments.runs.config import VIT_METHODS, RunConfig
 from affdiv.experiments.runs.sweep import keep_freed_memory
 from affdiv.experiments.runs.training import build_member, stacked_engine
@@ -47,13 +47,15 @@ DENSE_METHODS = ("affine_like", "norm_l2", "vit-affine_like", "vit-affine_like-q
 PASSES = {"first block": (conv_pool, "first_block_length", lambda layers: 0, CNN_METHODS),
           "later pools": (pool_relu, "takes", lambda pool: False, CNN_METHODS),
           "dense scale": (stacked_dense, "usable", lambda *tensors: False, DENSE_METHODS),
-          "attention": (stacked_attention, "usable", lambda *tensors: False, VIT_METHODS)}
+          "attention": (stacked_attention, "usable", lambda *tensors: False, VIT_METHODS),
+          "layer norm": (stacked_layer_norm, "usable", lambda *tensors: False,
+                         tuple(method for method in VIT_METHODS if method != "vit-nonorm"))}
 
 
 def routed_off(name: str) -> contextlib.AbstractContextManager:
     """Inside the block, the pass ``name`` of PASSES sends its layers unfused: engines built there
-    (the CNN passes are chosen when the engine is built) and steps taken there (the dense and
-    attention ones are chosen at every call)."""
+    (the CNN passes are chosen when the engine is built) and steps taken there (the others are
+    chosen at every call)."""
     module, routing, off, _methods = PASSES[name]
     return unittest.mock.patch.object(module, routing, off)
 

@@ -46,12 +46,19 @@ each (sequence, head) on its own:
                                     gv = pᵀ gy, ds = p ⊙ (gy vᵀ − Σ_u p ⊙ gy vᵀ)/√d_h,
                                     gq = ds k, gk = dsᵀ q
 
+and its LayerNorms, on K models' rows (K, M, d) with each model's γ_k, β_k:
+
+    layer_norm(x, γ, β, eps)        y = x̂·γ_k + β_k, x̂ = (x − mean)·rstd, rstd = 1/√(var + eps)
+    layer_norm_backward(x, gy, …)   ∂x = rstd·(g − ⟨g⟩/d − x̂·⟨g, x̂⟩/d), g = gy·γ_k;
+                                    ∂γ_k = Σ_rows gy·x̂, ∂β_k = Σ_rows gy
+
 The row passes' dot products are accumulated in 16 partial sums in the tensors' dtype, combined
-pairwise (float32 rounding for float32, as torch's own vectorised sums), their tails in double;
-box sums in double; ``conv_pool``'s convolution outputs and PatchNorm's patch norms in tap order
-in the dtype, its gradients per sample, then over samples, in the dtype; the attention's sums in
-the dtype, in the order written. The extension is optional (built at install where a C compiler
-with OpenMP is present); ``usable`` says whether a call may take it: the library loaded and not
+pairwise (float32 rounding for float32, as torch's own vectorised sums), their tails in double; box
+sums in double; ``conv_pool``'s convolution outputs and PatchNorm's patch norms in tap order in the
+dtype, its gradients per sample, then over samples, in the dtype; the attention's sums in the dtype,
+in the order written; the LayerNorm's row moments in the dtype and its column sums in blocks of
+rows, the blocks in double. The extension is optional (built at install where a C compiler with
+OpenMP is present); ``usable`` says whether a call may take it: the library loaded and not
 ``disabled``, every tensor a contiguous (or, for the convolutions, channels_last) plain CPU
 float32/float64 tensor of one dtype, in eager mode (not traced, not under torch.func, no dispatch
 mode, no forward-mode AD) and not recording a graph (a double backward needs the differentiable
@@ -129,6 +136,8 @@ def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
         _declare(lib, f"attention_scores_{suffix}", None, [p, p, *shape, f64, p, p, i32])
         _declare(lib, f"attention_values_{suffix}", None, [p, p, *shape, p, i32])
         _declare(lib, f"attention_backward_{suffix}", None, [p, p, p, p, p, *shape, f64, p, p, p, p, i32])
+        _declare(lib, f"layer_norm_{suffix}", None, [p, p, p, i64, i64, i64, f64, p, p, p, i32])
+        _declare(lib, f"layer_norm_backward_{suffix}", None, [p, p, p, p, p, i64, i64, i64, p, p, p, p, i32])
     return lib
 
 
@@ -540,3 +549,29 @@ def _scratch(size: int, tokens: int, dtype: torch.dtype) -> Tensor:
     """Each thread's working memory of the attention passes: a head's keys or values transposed and
     the gradient of its scores."""
     return torch.empty(torch.get_num_threads() * (size + tokens) * tokens, dtype=dtype)
+
+
+def layer_norm(x: Tensor, gamma: Tensor, beta: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(y, mean, rstd) of each model's LayerNorm with its affine over the last dimension: x (K, M,
+    d), gamma and beta (K, d), all contiguous of one dtype; y like x, mean and rstd (K, M)."""
+    models, rows, d = x.shape
+    y = torch.empty_like(x)
+    mean, rstd = (x.new_empty((models, rows)) for _ in range(2))
+    _call("layer_norm", x.dtype)(x.data_ptr(), gamma.data_ptr(), beta.data_ptr(), models, rows, d, eps, y.data_ptr(),
+                                 mean.data_ptr(), rstd.data_ptr(), torch.get_num_threads())
+    return y, mean, rstd
+
+
+def layer_norm_backward(x: Tensor, gy: Tensor, gamma: Tensor, mean: Tensor, rstd: Tensor
+                        ) -> tuple[Tensor, Tensor, Tensor]:
+    """(∂x, ∂γ, ∂β) of ``layer_norm`` at the gradient gy of its output (contiguous, like x); ∂γ
+    and ∂β (K, d) in x's dtype, summed over blocks of rows in it and over the blocks in float64."""
+    models, rows, d = x.shape
+    gx = torch.empty_like(x)
+    dgamma, dbeta = (torch.empty((models, d), dtype=torch.float64) for _ in range(2))
+    partial = x.new_empty((models, 2, d))  # (held until the pass returns)
+    _call("layer_norm_backward", x.dtype)(
+        x.data_ptr(), gy.data_ptr(), gamma.data_ptr(), mean.data_ptr(), rstd.data_ptr(), models, rows, d,
+        gx.data_ptr(), dgamma.data_ptr(), dbeta.data_ptr(), partial.data_ptr(), torch.get_num_threads(),
+    )
+    return gx, dgamma.to(x.dtype), dbeta.to(x.dtype)

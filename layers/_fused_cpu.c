@@ -24,7 +24,8 @@
 
    The stacked vision transformer's attention on short sequences: the scores of each
    (sequence, head), its weighted values and their backward (attention_scores,
-   attention_values, attention_backward), reading and writing the projections' row layout.
+   attention_values, attention_backward), reading and writing the projections' row layout;
+   and its LayerNorms with each model's affine (layer_norm, layer_norm_backward).
 
    Dot products are accumulated in LANES partial sums in T, combined pairwise (as torch's own
    vectorised sums: float32 rounding for float32); column sums in per-thread partials in T
@@ -1167,6 +1168,92 @@ DEFINE_MAX_POOL2(double, f64, 4)
 
 DEFINE_ATTENTION(float, f32)
 DEFINE_ATTENTION(double, f64)
+
+/* The stacked LayerNorm over each row's d entries with each model's affine
+   (experiments.runs.stacked_layer_norm): K models' rows x (K, M, d) row-major, gamma and beta
+   (K, d). Per row, its mean and rstd = 1/sqrt(var + eps) (var the biased variance about the
+   mean), xhat = (x - mean) * rstd:
+     layer_norm           y = xhat * gamma_k + beta_k                      (mean, rstd kept)
+     layer_norm_backward  g = gy * gamma_k, gx = rstd * (g - <g>/d - xhat * <g, xhat>/d),
+                          dgamma_k = sum_rows gy * xhat, dbeta_k = sum_rows gy
+   Row sums in T (as torch's LayerNorm for float32: float); the column sums in T over blocks of
+   LAYER_NORM_BLOCK rows (in `partial`, 2 * d entries per model), the blocks summed in double.
+   One model per work item, its rows in order (the same for any thread count). */
+#define LAYER_NORM_BLOCK 64
+#define DEFINE_LAYER_NORM(T, SUFFIX)                                                               \
+    VECTOR_CLONES static void layer_norm_model_##SUFFIX(                                           \
+        const T *restrict x, const T *restrict gamma, const T *restrict beta, int64_t rows,       \
+        int64_t d, T eps, T *restrict y, T *restrict mean, T *restrict rstd) {                     \
+        for (int64_t i = 0; i < rows; ++i) {                                                       \
+            const T *xi = x + i * d;                                                               \
+            T *yi = y + i * d;                                                                     \
+            T sum = 0, squares = 0;                                                                \
+            for (int64_t j = 0; j < d; ++j) sum += xi[j];                                          \
+            const T m = sum / (T)d;                                                                \
+            for (int64_t j = 0; j < d; ++j) squares += (xi[j] - m) * (xi[j] - m);                 \
+            const T r = (T)1 / (T)sqrt(squares / (T)d + eps);                                      \
+            mean[i] = m;                                                                           \
+            rstd[i] = r;                                                                           \
+            for (int64_t j = 0; j < d; ++j) yi[j] = (xi[j] - m) * r * gamma[j] + beta[j];          \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    void layer_norm_##SUFFIX(const T *x, const T *gamma, const T *beta, int64_t models,           \
+                             int64_t rows, int64_t d, double eps, T *y, T *mean, T *rstd,         \
+                             int threads) {                                                        \
+        _Pragma("omp parallel for schedule(static) num_threads(team_size(models * rows * d, threads))") \
+        for (int64_t k = 0; k < models; ++k)                                                       \
+            layer_norm_model_##SUFFIX(x + k * rows * d, gamma + k * d, beta + k * d, rows, d,     \
+                                      (T)eps, y + k * rows * d, mean + k * rows, rstd + k * rows); \
+    }                                                                                              \
+                                                                                                   \
+    VECTOR_CLONES static void layer_norm_backward_model_##SUFFIX(                                  \
+        const T *restrict x, const T *restrict gy, const T *restrict gamma,                       \
+        const T *restrict mean, const T *restrict rstd, int64_t rows, int64_t d, T *restrict gx,  \
+        double *restrict dgamma, double *restrict dbeta, T *restrict partial) {                    \
+        T *part_gamma = partial, *part_beta = partial + d;                                        \
+        for (int64_t j = 0; j < d; ++j) dgamma[j] = dbeta[j] = 0;                                  \
+        for (int64_t start = 0; start < rows; start += LAYER_NORM_BLOCK) {                         \
+            const int64_t stop = start + LAYER_NORM_BLOCK < rows ? start + LAYER_NORM_BLOCK : rows; \
+            for (int64_t j = 0; j < d; ++j) part_gamma[j] = part_beta[j] = 0;                      \
+            for (int64_t i = start; i < stop; ++i) {                                               \
+                const T *xi = x + i * d, *gi = gy + i * d;                                         \
+                T *gxi = gx + i * d;                                                               \
+                const T m = mean[i], r = rstd[i];                                                  \
+                T g_sum = 0, g_dot = 0;                                                            \
+                for (int64_t j = 0; j < d; ++j) {                                                  \
+                    const T xhat = (xi[j] - m) * r, g = gi[j] * gamma[j];                          \
+                    g_sum += g;                                                                    \
+                    g_dot += g * xhat;                                                             \
+                    part_gamma[j] += gi[j] * xhat;                                                 \
+                    part_beta[j] += gi[j];                                                         \
+                }                                                                                  \
+                g_sum /= (T)d;                                                                     \
+                g_dot /= (T)d;                                                                     \
+                for (int64_t j = 0; j < d; ++j)                                                    \
+                    gxi[j] = r * (gi[j] * gamma[j] - g_sum - (xi[j] - m) * r * g_dot);             \
+            }                                                                                      \
+            for (int64_t j = 0; j < d; ++j) {                                                      \
+                dgamma[j] += part_gamma[j];                                                        \
+                dbeta[j] += part_beta[j];                                                          \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    void layer_norm_backward_##SUFFIX(const T *x, const T *gy, const T *gamma, const T *mean,     \
+                                      const T *rstd, int64_t models, int64_t rows, int64_t d,     \
+                                      T *gx, double *dgamma, double *dbeta, T *partial,           \
+                                      int threads) {                                               \
+        _Pragma("omp parallel for schedule(static) num_threads(team_size(models * rows * d, threads))") \
+        for (int64_t k = 0; k < models; ++k)                                                       \
+            layer_norm_backward_model_##SUFFIX(x + k * rows * d, gy + k * rows * d, gamma + k * d, \
+                                               mean + k * rows, rstd + k * rows, rows, d,         \
+                                               gx + k * rows * d, dgamma + k * d, dbeta + k * d,  \
+                                               partial + k * 2 * d);                               \
+    }
+
+DEFINE_LAYER_NORM(float, f32)
+DEFINE_LAYER_NORM(double, f64)
 
 int affdiv_fused_abi(void) { return AFFDIV_FUSED_ABI; }
 

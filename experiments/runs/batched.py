@@ -52,7 +52,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from affdiv.experiments.runs import conv_pool, pool_relu, stacked_attention, stacked_dense, stacked_matmul
+from affdiv.experiments.runs import (
+    conv_pool,
+    pool_relu,
+    stacked_attention,
+    stacked_dense,
+    stacked_layer_norm,
+    stacked_matmul,
+)
 from affdiv.experiments.runs.stacked import StackedEnsemble
 from affdiv.layers.functional import patchnorm_conv2d
 
@@ -138,10 +145,12 @@ def _batch_norm(module: nn.modules.batchnorm._BatchNorm) -> Layer:
 
 
 def _layer_norm(module: nn.LayerNorm) -> Layer:
+    """LayerNorm over the rows' last dimension with each model's affine: with a weight and a bias,
+    one pass each way (:func:`~affdiv.experiments.runs.stacked_layer_norm.layer_norm`)."""
     def layer(x: Tensor, p: Stacked, k: int, _training: bool) -> Tensor:
-        z = F.layer_norm(_to_rows(x, k), module.normalized_shape, eps=module.eps)
         if "weight" in p and "bias" in p:
-            return torch.addcmul(p["bias"].unsqueeze(1), z, p["weight"].unsqueeze(1))
+            return stacked_layer_norm.layer_norm(_to_rows(x, k), p["weight"], p["bias"], module.eps)
+        z = F.layer_norm(_to_rows(x, k), module.normalized_shape, eps=module.eps)
         z = z * p["weight"].unsqueeze(1) if "weight" in p else z  # elementwise_affine False, or no bias
         return z + p["bias"].unsqueeze(1) if "bias" in p else z
     return layer

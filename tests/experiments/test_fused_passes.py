@@ -1,6 +1,6 @@
 """benchmarks/fused_passes.py: inside ``routed_off(name)`` the pass ``name`` is off for the
 engine being timed, whether it is chosen when the engine is built (the CNN passes) or at every
-call (the dense and attention ones), and the other passes stay on."""
+call (the others), and the other passes stay on."""
 
 import importlib.util
 import unittest.mock
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from affdiv.experiments.runs import stacked_attention, stacked_dense
+from affdiv.experiments.runs import stacked_attention, stacked_dense, stacked_layer_norm
 from affdiv.experiments.runs.config import RunConfig
 from affdiv.experiments.runs.training import build_member, stacked_engine
 from affdiv.layers import _fused
@@ -26,7 +26,8 @@ _spec.loader.exec_module(fused_passes)
 #: What each pass calls in a step: the kernel, or the Function, that only it runs.
 CALLS = {"first block": (_fused, "conv_pool"), "later pools": (_fused, "max_pool2"),
          "dense scale": (stacked_dense.StackedAffineLike, "apply"),
-         "attention": (stacked_attention.StackedAttention, "apply")}
+         "attention": (stacked_attention.StackedAttention, "apply"),
+         "layer norm": (stacked_layer_norm.StackedLayerNorm, "apply")}
 
 
 def _calls_in_a_step(method: str, digits, routed: str | None) -> dict[str, int]:
@@ -47,8 +48,8 @@ def _calls_in_a_step(method: str, digits, routed: str | None) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("method, passes", [("conv", ["first block", "later pools"]),
-                                            ("affine_like", ["dense scale"]), ("vit", ["attention"]),
-                                            ("vit-affine_like", ["dense scale", "attention"])])
+                                            ("affine_like", ["dense scale"]), ("vit", ["attention", "layer norm"]),
+                                            ("vit-affine_like", ["dense scale", "attention", "layer norm"])])
 def test_a_pass_routed_off_is_off_and_the_others_stay_on(digits, method, passes):
     assert all(method in fused_passes.PASSES[name][-1] for name in passes)
     assert all(_calls_in_a_step(method, digits, None)[name] > 0 for name in passes)

@@ -1,0 +1,181 @@
+"""The stacked engine's LayerNorm (``affdiv.experiments.runs.stacked_layer_norm``) against autograd
+of nn.LayerNorm's formula in torch operations (``layer_norm_composite``, which the engine ran
+before).
+
+Tolerance. Both sides evaluate the same formula in float64 in other orders. A row's mean and
+variance sum d terms; x − mean then carries an error of at most γ_{2d}·(|x| + |mean|), which x̂
+scales by rstd: relative to x̂'s entries that is γ_{2d}·(1 + |mean|·rstd). The backward's row sums
+have d terms and ∂γ, ∂β sum M rows (in blocks on one side, pairwise on the other): γ_M of their
+terms. So each output differs from the other side's by at most RTOL·S, RTOL = 8·γ_{2d+M}·(1 +
+|mean|·rstd) (the two sides' bounds, with a margin of 4), with S the magnitude of its terms:
+|γ|·|x̂| + |β| for y, rstd·|gy|·|γ|·(2 + |x̂|²) for ∂x, M·|gy|·|x̂| for ∂γ and M·|gy| for ∂β (|·| the largest
+entry). A dropped or exchanged term (⟨g⟩, x̂·⟨g x̂⟩, ∂γ for ∂β) moves entries by O(1) of S.
+"""
+
+from __future__ import annotations
+
+import unittest.mock
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.utils.flop_counter import FlopCounterMode
+
+from affdiv.experiments.runs import stacked_layer_norm
+from affdiv.experiments.runs.config import RunConfig
+from affdiv.experiments.runs.training import build_member, stacked_engine
+from affdiv.layers import _fused
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.skipif(not _fused.available(), reason="the fused passes are not built here")]
+
+U = 2.0 ** -53
+EPS = 1e-5
+
+
+def _gamma(n: int) -> float:
+    return n * U / (1 - n * U)
+
+
+def _inputs(k, rows, d, offset, seed, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(k, rows, d, generator=g, dtype=dtype) + offset).requires_grad_()
+    w, b = (torch.randn(k, d, generator=g, dtype=dtype).requires_grad_() for _ in range(2))
+    return x, w, b, torch.randn(k, rows, d, generator=g, dtype=dtype)
+
+
+def _bounds(x, w, b, gy) -> dict[str, float]:
+    """Per output, the largest difference the module docstring allows between two float64
+    evaluations."""
+    x, w, b = x.detach(), w.detach(), b.detach()
+    k, rows, d = x.shape
+    mean = x.mean(2)
+    rstd = (x.var(2, unbiased=False) + EPS).rsqrt()
+    x_hat = float(((x - mean.unsqueeze(2)) * rstd.unsqueeze(2)).abs().max())
+    rtol = 8 * _gamma(2 * d + rows) * (1 + float((mean.abs() * rstd).max()))
+    g, w_max = float(gy.abs().max()), float(w.abs().max())
+    return {"y": rtol * (w_max * x_hat + float(b.abs().max())),
+            "x": rtol * float(rstd.max()) * g * w_max * (2 + x_hat ** 2),
+            "weight": rtol * rows * g * x_hat, "bias": rtol * rows * g}
+
+
+def _value_and_grads(function, x, w, b, gy):
+    y = function(x, w, b, EPS)
+    return y, y.grad_fn, torch.autograd.grad(y, (x, w, b), gy)
+
+
+def _within(got, want, bound):
+    assert got.shape == want.shape and got.dtype == want.dtype
+    difference = float((got.detach() - want.detach()).abs().max())
+    assert difference <= bound, (difference, bound)
+
+
+def _check(x, w, b, gy):
+    with unittest.mock.patch.object(_fused, "layer_norm_backward", wraps=_fused.layer_norm_backward) as spy:
+        y, node, grads = _value_and_grads(stacked_layer_norm.layer_norm, x, w, b, gy)
+    assert type(node).__name__ == "StackedLayerNormBackward" and spy.call_count == 1
+    want_y, _, want_grads = _value_and_grads(stacked_layer_norm.layer_norm_composite, x, w, b, gy)
+    bound = _bounds(x, w, b, gy)
+    _within(y, want_y, bound["y"])
+    for name, got, want in zip(("x", "weight", "bias"), grads, want_grads):
+        _within(got, want, bound[name])
+
+
+@given(k=st.integers(1, 3), rows=st.integers(1, 150), d=st.integers(1, 40),
+       offset=st.floats(-3, 3), seed=st.integers(0, 2**16))
+def test_the_function_equals_autograd_of_the_formula(k, rows, d, offset, seed):
+    # rows up to 150: the column sums' blocks of 64, the last one partial
+    _check(*_inputs(k, rows, d, offset, seed))
+
+
+def test_float32_is_the_float64_formula_within_float32_rounding():
+    # the same bound at float32's unit roundoff for d = 32, M = 1024 (the vit's rows at B = 64):
+    # 8·γ_1088·(1 + |mean|·rstd) ≈ 5e-4·(1 + 3·1.4) for an offset of 2; 3e-3·S taken
+    x, w, b, gy = _inputs(3, 1024, 32, 2.0, 5, torch.float32)
+    y, _, grads = _value_and_grads(stacked_layer_norm.layer_norm, x, w, b, gy)
+    exact = [t.detach().double().requires_grad_() for t in (x, w, b)]
+    want_y, _, want_grads = _value_and_grads(stacked_layer_norm.layer_norm_composite, *exact, gy.double())
+    scale = {name: bound / (8 * _gamma(2 * 32 + 1024)) for name, bound in _bounds(*exact, gy.double()).items()}
+    _within(y.double(), want_y, 3e-3 * scale["y"])
+    for name, got, want in zip(("x", "weight", "bias"), grads, want_grads):
+        _within(got.double(), want, 3e-3 * scale[name])
+
+
+@pytest.mark.parametrize("mutation", ["weight and bias exchanged", "the gradient's mean dropped"])
+def test_a_misplaced_term_fails_the_bound(mutation, monkeypatch):
+    x, w, b, gy = _inputs(2, 5, 6, 0.5, 9)
+    real = _fused.layer_norm_backward
+    if mutation == "weight and bias exchanged":
+        monkeypatch.setattr(_fused, "layer_norm_backward",
+                            lambda *args: (lambda gx, gw, gb: (gx, gb, gw))(*real(*args)))
+    else:  # ∂x + rstd·⟨g⟩: ∂x as if the pass left out its −⟨g⟩ term
+        def without_mean(x, gy, gamma, mean, rstd):
+            gx, gw, gb = real(x, gy, gamma, mean, rstd)
+            return gx + rstd.unsqueeze(2) * (gy * gamma.unsqueeze(1)).mean(2, keepdim=True), gw, gb
+        monkeypatch.setattr(_fused, "layer_norm_backward", without_mean)
+    with pytest.raises(AssertionError):
+        _check(x, w, b, gy)
+
+
+def test_second_derivatives_tangents_and_batched_gradients_go_through_the_formula():
+    x, w, b, gy = _inputs(2, 3, 4, 0.3, 1)
+
+    def function(x, w, b):
+        return stacked_layer_norm.layer_norm(x, w, b, EPS)
+
+    assert torch.autograd.gradcheck(function, (x, w, b))
+    assert torch.autograd.gradgradcheck(function, (x, w, b))
+    y = function(x, w, b)
+    basis = torch.eye(y.numel(), dtype=y.dtype).reshape(-1, *y.shape)
+    batched, = torch.autograd.grad(y, x, basis, is_grads_batched=True, retain_graph=True)
+    looped = torch.stack([torch.autograd.grad(y, x, e, retain_graph=True)[0] for e in basis])
+    assert float((batched - looped).abs().max()) <= 1e-12
+
+    def tangent_of_grad(fn):  # forward over reverse: a dual gradient fed to the backward
+        with torch.autograd.forward_ad.dual_level():
+            dual = torch.autograd.forward_ad.make_dual(gy, torch.ones_like(gy))
+            gx, = torch.autograd.grad(fn(x, w, b, EPS), x, dual)
+            return torch.autograd.forward_ad.unpack_dual(gx).tangent
+
+    want = tangent_of_grad(stacked_layer_norm.layer_norm_composite)
+    assert float((tangent_of_grad(stacked_layer_norm.layer_norm) - want).abs().max()) <= 1e-12 * float(want.abs().max())
+
+
+def test_calls_the_pass_cannot_serve_take_the_torch_operations():
+    x, w, b, _ = _inputs(2, 3, 4, 0.0, 2)
+    layer_norm = stacked_layer_norm.layer_norm
+    with unittest.mock.patch.object(stacked_layer_norm.StackedLayerNorm, "apply",
+                                    wraps=stacked_layer_norm.StackedLayerNorm.apply) as spy:
+        layer_norm(x, w, b, EPS)
+        assert spy.call_count == 1
+        with _fused.disabled():
+            layer_norm(x, w, b, EPS)
+        torch.func.vmap(lambda *args: layer_norm(*args, EPS))(x[None], w[None], b[None])
+        with FlopCounterMode(display=False):  # a dispatch mode sees torch's ops
+            layer_norm(x, w, b, EPS)
+        with torch.autograd.forward_ad.dual_level():
+            dual = torch.autograd.forward_ad.make_dual(x.detach(), torch.ones_like(x))
+            tangent = torch.autograd.forward_ad.unpack_dual(layer_norm(dual, w, b, EPS)).tangent
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            layer_norm(x.float(), w.float(), b.float(), EPS)
+        layer_norm(x.half(), w.half(), b.half(), EPS)
+        assert spy.call_count == 1
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(x.detach(), torch.ones_like(x))
+        want = torch.autograd.forward_ad.unpack_dual(stacked_layer_norm.layer_norm_composite(dual, w, b, EPS)).tangent
+    assert torch.equal(tangent, want)
+
+
+@pytest.mark.parametrize("method, calls", [("vit", 5), ("vit-affine_like-qknorm", 5), ("vit-nonorm", 0)])
+def test_the_stacked_engine_takes_the_function(digits, method, calls):
+    # depth 2: two LayerNorms per block and the last one before the read-out
+    config = RunConfig(dataset="digits", method=method, depth=2, width=16, batch_size=8, seed=0, dtype="float64")
+    models = [build_member(config, digits, seed) for seed in (0, 1)]
+    split = (torch.as_tensor(digits.train.x).double(), torch.as_tensor(digits.train.y))
+    engine = stacked_engine(models[0])(models, "sgd", [0.1, 0.2], [None, None], [split] * 2, [split] * 2)
+    function = stacked_layer_norm.StackedLayerNorm
+    with unittest.mock.patch.object(function, "apply", wraps=function.apply) as spy, \
+            unittest.mock.patch.object(_fused, "layer_norm_backward", wraps=_fused.layer_norm_backward) as backward:
+        engine.step(torch.arange(16).reshape(2, 8))
+    assert spy.call_count == calls and backward.call_count == calls
