@@ -510,10 +510,11 @@ def attention_scores(q: Tensor, k: Tensor, tokens: int, heads: int) -> Tensor:
     rows, width = q.shape
     size, sequences = width // heads, rows // tokens
     s = torch.empty((sequences, heads, tokens, tokens), dtype=q.dtype)
-    scratch = _scratch(size, tokens, q.dtype)  # (held until the pass returns)
+    threads = torch.get_num_threads()
+    scratch = _scratch(threads, size, tokens, q.dtype)  # (held until the pass returns)
     _call("attention_scores", q.dtype)(
         q.data_ptr(), k.data_ptr(), sequences, tokens, heads, size, 1 / math.sqrt(size), s.data_ptr(),
-        scratch.data_ptr(), torch.get_num_threads(),
+        scratch.data_ptr(), threads,
     )
     return s
 
@@ -537,18 +538,19 @@ def attention_backward(q: Tensor, k: Tensor, v: Tensor, p: Tensor, gy: Tensor) -
     sequences, heads, tokens, _ = p.shape
     size = q.shape[1] // heads
     gq, gk, gv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    scratch = _scratch(size, tokens, q.dtype)  # (held until the pass returns)
+    threads = torch.get_num_threads()
+    scratch = _scratch(threads, size, tokens, q.dtype)  # (held until the pass returns)
     _call("attention_backward", q.dtype)(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), p.data_ptr(), gy.data_ptr(), sequences, tokens, heads, size,
-        1 / math.sqrt(size), gq.data_ptr(), gk.data_ptr(), gv.data_ptr(), scratch.data_ptr(), torch.get_num_threads(),
+        1 / math.sqrt(size), gq.data_ptr(), gk.data_ptr(), gv.data_ptr(), scratch.data_ptr(), threads,
     )
     return gq, gk, gv
 
 
-def _scratch(size: int, tokens: int, dtype: torch.dtype) -> Tensor:
-    """Each thread's working memory of the attention passes: a head's keys or values transposed and
-    the gradient of its scores."""
-    return torch.empty(torch.get_num_threads() * (size + tokens) * tokens, dtype=dtype)
+def _scratch(threads: int, size: int, tokens: int, dtype: torch.dtype) -> Tensor:
+    """The working memory of the attention passes for each of ``threads`` threads (the count the
+    pass is given): a head's keys or values transposed and the gradient of its scores."""
+    return torch.empty(threads * (size + tokens) * tokens, dtype=dtype)
 
 
 def layer_norm(x: Tensor, gamma: Tensor, beta: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:

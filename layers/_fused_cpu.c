@@ -1176,22 +1176,37 @@ DEFINE_ATTENTION(double, f64)
      layer_norm           y = xhat * gamma_k + beta_k                      (mean, rstd kept)
      layer_norm_backward  g = gy * gamma_k, gx = rstd * (g - <g>/d - xhat * <g, xhat>/d),
                           dgamma_k = sum_rows gy * xhat, dbeta_k = sum_rows gy
-   Row sums in T (as torch's LayerNorm for float32: float); the column sums in T over blocks of
-   LAYER_NORM_BLOCK rows (in `partial`, 2 * d entries per model), the blocks summed in double.
+   Row sums in LANES partial sums in T combined pairwise, their tails in double (as dot_); the
+   column sums in T over blocks of LAYER_NORM_BLOCK rows (in `partial`, 2 * d entries per
+   model), the blocks summed in double.
    One model per work item, its rows in order (the same for any thread count). */
 #define LAYER_NORM_BLOCK 64
 #define DEFINE_LAYER_NORM(T, SUFFIX)                                                               \
+    /* The LANES partial sums in `lane` combined pairwise (as dot_ combines its own). */          \
+    static inline T lanes_total_##SUFFIX(T *lane) {                                                \
+        for (int width = LANES / 2; width > 0; width /= 2)                                         \
+            for (int l = 0; l < width; ++l) lane[l] += lane[l + width];                            \
+        return lane[0];                                                                            \
+    }                                                                                              \
+                                                                                                   \
     VECTOR_CLONES static void layer_norm_model_##SUFFIX(                                           \
         const T *restrict x, const T *restrict gamma, const T *restrict beta, int64_t rows,       \
         int64_t d, T eps, T *restrict y, T *restrict mean, T *restrict rstd) {                     \
+        const int64_t body = d / LANES * LANES;                                                    \
         for (int64_t i = 0; i < rows; ++i) {                                                       \
             const T *xi = x + i * d;                                                               \
-            T *yi = y + i * d;                                                                     \
-            T sum = 0, squares = 0;                                                                \
-            for (int64_t j = 0; j < d; ++j) sum += xi[j];                                          \
-            const T m = sum / (T)d;                                                                \
-            for (int64_t j = 0; j < d; ++j) squares += (xi[j] - m) * (xi[j] - m);                 \
-            const T r = (T)1 / (T)sqrt(squares / (T)d + eps);                                      \
+            T *yi = y + i * d, lane[LANES] = {0};                                                  \
+            for (int64_t j = 0; j < body; j += LANES)                                              \
+                for (int l = 0; l < LANES; ++l) lane[l] += xi[j + l];                              \
+            double sum = lanes_total_##SUFFIX(lane);                                               \
+            for (int64_t j = body; j < d; ++j) sum += xi[j];                                       \
+            const T m = (T)(sum / d);                                                              \
+            for (int l = 0; l < LANES; ++l) lane[l] = 0;                                           \
+            for (int64_t j = 0; j < body; j += LANES)                                              \
+                for (int l = 0; l < LANES; ++l) lane[l] += (xi[j + l] - m) * (xi[j + l] - m);      \
+            double squares = lanes_total_##SUFFIX(lane);                                           \
+            for (int64_t j = body; j < d; ++j) squares += (double)(xi[j] - m) * (xi[j] - m);      \
+            const T r = (T)(1 / sqrt(squares / d + eps));                                          \
             mean[i] = m;                                                                           \
             rstd[i] = r;                                                                           \
             for (int64_t j = 0; j < d; ++j) yi[j] = (xi[j] - m) * r * gamma[j] + beta[j];          \
@@ -1212,26 +1227,34 @@ DEFINE_ATTENTION(double, f64)
         const T *restrict mean, const T *restrict rstd, int64_t rows, int64_t d, T *restrict gx,  \
         double *restrict dgamma, double *restrict dbeta, T *restrict partial) {                    \
         T *part_gamma = partial, *part_beta = partial + d;                                        \
+        const int64_t body = d / LANES * LANES;                                                    \
         for (int64_t j = 0; j < d; ++j) dgamma[j] = dbeta[j] = 0;                                  \
         for (int64_t start = 0; start < rows; start += LAYER_NORM_BLOCK) {                         \
             const int64_t stop = start + LAYER_NORM_BLOCK < rows ? start + LAYER_NORM_BLOCK : rows; \
             for (int64_t j = 0; j < d; ++j) part_gamma[j] = part_beta[j] = 0;                      \
             for (int64_t i = start; i < stop; ++i) {                                               \
                 const T *xi = x + i * d, *gi = gy + i * d;                                         \
-                T *gxi = gx + i * d;                                                               \
+                T *gxi = gx + i * d, lane_g[LANES] = {0}, lane_gx[LANES] = {0};                    \
                 const T m = mean[i], r = rstd[i];                                                  \
-                T g_sum = 0, g_dot = 0;                                                            \
-                for (int64_t j = 0; j < d; ++j) {                                                  \
+                for (int64_t j = 0; j < body; j += LANES)                                          \
+                    for (int l = 0; l < LANES; ++l) {                                              \
+                        const T xhat = (xi[j + l] - m) * r, g = gi[j + l] * gamma[j + l];          \
+                        lane_g[l] += g;                                                            \
+                        lane_gx[l] += g * xhat;                                                    \
+                        part_gamma[j + l] += gi[j + l] * xhat;                                     \
+                        part_beta[j + l] += gi[j + l];                                             \
+                    }                                                                              \
+                double g_sum = lanes_total_##SUFFIX(lane_g), g_dot = lanes_total_##SUFFIX(lane_gx); \
+                for (int64_t j = body; j < d; ++j) {                                               \
                     const T xhat = (xi[j] - m) * r, g = gi[j] * gamma[j];                          \
                     g_sum += g;                                                                    \
-                    g_dot += g * xhat;                                                             \
+                    g_dot += (double)g * xhat;                                                     \
                     part_gamma[j] += gi[j] * xhat;                                                 \
                     part_beta[j] += gi[j];                                                         \
                 }                                                                                  \
-                g_sum /= (T)d;                                                                     \
-                g_dot /= (T)d;                                                                     \
+                const T mean_g = (T)(g_sum / d), mean_gx = (T)(g_dot / d);                         \
                 for (int64_t j = 0; j < d; ++j)                                                    \
-                    gxi[j] = r * (gi[j] * gamma[j] - g_sum - (xi[j] - m) * r * g_dot);             \
+                    gxi[j] = r * (gi[j] * gamma[j] - mean_g - (xi[j] - m) * r * mean_gx);          \
             }                                                                                      \
             for (int64_t j = 0; j < d; ++j) {                                                      \
                 dgamma[j] += part_gamma[j];                                                        \

@@ -35,7 +35,7 @@ import math
 import torch
 from torch import Tensor
 
-from affdiv.experiments.runs import stacked_dense
+from affdiv.experiments.runs import composite
 from affdiv.layers import _fused
 
 
@@ -44,6 +44,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, tokens: int, heads: int) -> Tenso
     q, k, v (K, B·tokens, heads·d_h): (K, B·tokens, heads·d_h), in the rows' layout (module
     docstring). A shape that does not split so is a ValueError."""
     models, rows, width = q.shape
+    if tokens < 1 or heads < 1:
+        raise ValueError(f"attention: needs at least one token and one head, got {tokens} and {heads}")
     if rows % tokens:
         raise ValueError(f"attention: cannot split {rows} rows into sequences of {tokens} tokens")
     if width % heads:
@@ -52,7 +54,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, tokens: int, heads: int) -> Tenso
         raise ValueError(f"attention: needs q, k and v of one shape, got {tuple(q.shape)}, {tuple(k.shape)} and "
                          f"{tuple(v.shape)}")
     if usable(q, k, v):
-        return StackedAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), tokens, heads)
+        return StackedAttention.apply(q, k, v, tokens, heads)
     return attention_composite(q, k, v, tokens, heads)
 
 
@@ -74,10 +76,11 @@ def attention_composite(q: Tensor, k: Tensor, v: Tensor, tokens: int, heads: int
 
 
 class StackedAttention(torch.autograd.Function):
-    """:func:`attention` on the fused passes (module docstring); q, k, v contiguous."""
+    """:func:`attention` on the fused passes (module docstring)."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, tokens: int, heads: int) -> Tensor:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # (the passes read dense rows)
         rows = [t.view(-1, t.shape[2]) for t in (q, k, v)]
         p = torch.softmax(_fused.attention_scores(rows[0], rows[1], tokens, heads), dim=-1)
         ctx.save_for_backward(q, k, v, p)
@@ -89,7 +92,7 @@ class StackedAttention(torch.autograd.Function):
         q, k, v, p = ctx.saved_tensors
         gy = gy.contiguous()
         if not _fused.usable(q, k, v, p, gy):  # a graph recorded, tangents or batched gradients
-            grads = stacked_dense.composite_grads(
+            grads = composite.composite_grads(
                 lambda *qkv: attention_composite(*qkv, ctx.tokens, ctx.heads), (q, k, v), gy,
                 ctx.needs_input_grad[:3])
             return *grads, None, None

@@ -36,7 +36,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from affdiv.experiments.runs import stacked_matmul
+from affdiv.experiments.runs import composite, stacked_matmul
 from affdiv.layers import _fused
 from affdiv.layers._scale import small_norm
 
@@ -117,7 +117,7 @@ class StackedAffineLike(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad
         g = g.contiguous()
         if not (ctx.fused and _passes_may_run(x, weight, bias, r, g)):
-            return composite_grads(affine_like_composite, (x, weight, bias), g, ctx.needs_input_grad)
+            return composite.composite_grads(affine_like_composite, (x, weight, bias), g, ctx.needs_input_grad)
         gy = _fused.scale_grad(_rows(g), r)[0].view(g.shape)
         dx = None
         if need_x:
@@ -151,7 +151,8 @@ class StackedNormLike(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         g = g.contiguous()
         if not (ctx.fused and _passes_may_run(x, weight, bias, q, g)):
-            return *composite_grads(lambda *inputs: norm_like_composite(*inputs, ctx.c, ctx.eps), (x, weight, bias),
+            return *composite.composite_grads(lambda *inputs: norm_like_composite(*inputs, ctx.c, ctx.eps),
+                                              (x, weight, bias),
                                      g, ctx.needs_input_grad[:3]), None, None
         gy = _fused.scale_grad(_rows(g), q)[0].view(g.shape)
         dx = None
@@ -161,15 +162,3 @@ class StackedNormLike(torch.autograd.Function):
         return (None if dx is None else dx.view(x.shape),
                 stacked_matmul.product(gy.transpose(1, 2), x) if need_w else None,
                 g.sum(1) if need_b and bias is not None else None, None, None)
-
-
-def composite_grads(composite, inputs: tuple[Tensor | None, ...], g: Tensor, needs) -> tuple[Tensor | None, ...]:
-    """The gradients of ``composite(*inputs)`` for g, by autograd of its torch operations: a graph
-    of them where the caller's backward records one (a double backward), plain ones otherwise."""
-    graph = torch.is_grad_enabled()
-    with torch.enable_grad():
-        leaves = [t if t is None or graph else t.detach().requires_grad_(need) for t, need in zip(inputs, needs)]
-        wanted = [t for t, need in zip(leaves, needs) if need and t is not None]
-        found = iter(torch.autograd.grad(composite(*leaves), wanted, g, create_graph=graph)) if wanted else iter(())
-    return tuple(next(found) if need and t is not None else None for t, need in zip(leaves, needs))
-

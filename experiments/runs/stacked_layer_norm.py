@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from affdiv.experiments.runs import stacked_dense
+from affdiv.experiments.runs import composite
 from affdiv.layers import _fused
 
 
@@ -43,9 +43,13 @@ def usable(x: Tensor, weight: Tensor, bias: Tensor) -> bool:
 
 
 def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
-    """x̂ ⊙ γ_k + β_k for rows x (K, M, d), weight γ and bias β (K, d): (K, M, d) (module docstring)."""
+    """x̂ ⊙ γ_k + β_k for rows x (K, M, d), weight γ and bias β (K, d): (K, M, d) (module
+    docstring). Other shapes are a ValueError."""
+    if x.dim() != 3 or weight.shape != (x.shape[0], x.shape[2]) or bias.shape != weight.shape:
+        raise ValueError(f"layer_norm: needs rows (K, M, d) and a weight and bias (K, d), got {tuple(x.shape)}, "
+                         f"{tuple(weight.shape)} and {tuple(bias.shape)}")
     if usable(x, weight, bias):
-        return StackedLayerNorm.apply(x.contiguous(), weight.contiguous(), bias.contiguous(), eps)
+        return StackedLayerNorm.apply(x, weight, bias, eps)
     return layer_norm_composite(x, weight, bias, eps)
 
 
@@ -55,10 +59,11 @@ def layer_norm_composite(x: Tensor, weight: Tensor, bias: Tensor, eps: float) ->
 
 
 class StackedLayerNorm(torch.autograd.Function):
-    """:func:`layer_norm` on the fused passes (module docstring); every tensor contiguous."""
+    """:func:`layer_norm` on the fused passes (module docstring)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
+        x, weight, bias = x.contiguous(), weight.contiguous(), bias.contiguous()  # (the pass reads dense rows)
         y, mean, rstd = _fused.layer_norm(x, weight, bias, eps)
         ctx.save_for_backward(x, weight, bias, mean, rstd)
         ctx.eps = eps
@@ -68,8 +73,8 @@ class StackedLayerNorm(torch.autograd.Function):
     def backward(ctx, gy: Tensor) -> tuple[Tensor | None, ...]:
         x, weight, bias, mean, rstd = ctx.saved_tensors
         gy = gy.contiguous()
-        if not _fused.usable(x, gy, weight):  # a graph recorded, tangents or batched gradients
-            grads = stacked_dense.composite_grads(lambda *inputs: layer_norm_composite(*inputs, ctx.eps),
+        if not _fused.usable(x, gy, weight, mean, rstd):  # a graph recorded, tangents or batched gradients
+            grads = composite.composite_grads(lambda *inputs: layer_norm_composite(*inputs, ctx.eps),
                                                   (x, weight, bias), gy, ctx.needs_input_grad[:3])
             return *grads, None
         grads = _fused.layer_norm_backward(x, gy, weight, mean, rstd)

@@ -178,6 +178,7 @@ def test_calls_the_passes_cannot_serve_take_the_torch_operations():
 
 
 @pytest.mark.parametrize("shapes, tokens, heads, message", [
+    (((1, 6, 4),) * 3, 0, 2, "at least one token and one head"),
     (((1, 6, 4),) * 3, 4, 2, "6 rows into sequences of 4 tokens"),
     (((1, 6, 4),) * 3, 3, 3, "4 entries per row into 3 heads"),
     (((1, 6, 4), (1, 6, 4), (1, 3, 4)), 3, 2, "q, k and v of one shape"),
@@ -185,6 +186,31 @@ def test_calls_the_passes_cannot_serve_take_the_torch_operations():
 def test_shapes_that_do_not_split_are_refused_in_one_line(shapes, tokens, heads, message):
     with pytest.raises(ValueError, match=message):
         stacked_attention.attention(*(torch.zeros(shape) for shape in shapes), tokens, heads)
+
+
+def test_two_threads_give_one_threads_numbers():
+    # each (sequence, head) is summed by one thread in a fixed order: the team's size changes
+    # nothing (sizes above the passes' grain, so that two threads run, each on its scratch)
+    q, key, v, gy = _inputs(2, 40, 16, 4, 8, 3, torch.float32)
+    results = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        try:
+            results.append(_value_and_grads(stacked_attention.attention, q, key, v, gy, 16, 4))
+        finally:
+            torch.set_num_threads(1)
+    (y1, _, grads1), (y2, _, grads2) = results
+    assert torch.equal(y1, y2) and all(torch.equal(a, b) for a, b in zip(grads1, grads2))
+
+
+def test_only_the_gradients_asked_for_are_given():
+    q, key, v, gy = _inputs(1, 2, 4, 2, 3, 4)
+    key, v = key.detach(), v.detach()
+    y = stacked_attention.attention(q, key, v, 4, 2)
+    want = stacked_attention.attention_composite(q, key, v, 4, 2)
+    got, = torch.autograd.grad(y, q, gy)
+    wanted, = torch.autograd.grad(want, q, gy)
+    _within(got, wanted, _bound(q, key, v, gy, 4, 3)["q"])
 
 
 @pytest.mark.parametrize("method", ["vit", "vit-affine_like-qknorm"])

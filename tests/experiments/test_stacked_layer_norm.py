@@ -167,6 +167,35 @@ def test_calls_the_pass_cannot_serve_take_the_torch_operations():
     assert torch.equal(tangent, want)
 
 
+def test_two_threads_give_one_threads_numbers():
+    # each model's rows and column sums run on one thread in a fixed order (sizes above the
+    # pass's grain, so that two threads run)
+    x, w, b, gy = _inputs(4, 300, 32, 0.5, 3, torch.float32)
+    results = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        try:
+            results.append(_value_and_grads(stacked_layer_norm.layer_norm, x, w, b, gy))
+        finally:
+            torch.set_num_threads(1)
+    (y1, _, grads1), (y2, _, grads2) = results
+    assert torch.equal(y1, y2) and all(torch.equal(a, b) for a, b in zip(grads1, grads2))
+
+
+def test_only_the_gradients_asked_for_are_given():
+    x, w, b, gy = _inputs(2, 5, 6, 0.5, 4)
+    w, b = w.detach(), b.detach()
+    got, = torch.autograd.grad(stacked_layer_norm.layer_norm(x, w, b, EPS), x, gy)
+    want, = torch.autograd.grad(stacked_layer_norm.layer_norm_composite(x, w, b, EPS), x, gy)
+    _within(got, want, _bounds(x, w, b, gy)["x"])
+
+
+@pytest.mark.parametrize("shapes", [((2, 3, 4), (4,), (4,)), ((2, 3, 4), (2, 4), (2, 3)), ((3, 4), (3, 4), (3, 4))])
+def test_shapes_that_do_not_fit_are_refused_in_one_line(shapes):
+    with pytest.raises(ValueError, match="needs rows"):
+        stacked_layer_norm.layer_norm(*(torch.zeros(shape) for shape in shapes), EPS)
+
+
 @pytest.mark.parametrize("method, calls", [("vit", 5), ("vit-affine_like-qknorm", 5), ("vit-nonorm", 0)])
 def test_the_stacked_engine_takes_the_function(digits, method, calls):
     # depth 2: two LayerNorms per block and the last one before the read-out
