@@ -113,6 +113,7 @@ ARMS = {
 DEFAULT_ARMS = ("mlp", "cnn")
 SPEEDUP_TARGETS = {16: 5.0, 64: 5.0, 128: 2.0, 256: 2.0, 1024: 1.0}  # other batch sizes: never slower
 FLOOR_TARGET = 1.5
+WARM_UP = 3  # untimed steps of each variant before the rounds
 #: The ops whose FLOPs count as convolutions (the rest are matrix products).
 CONV_OPS = ("convolution", "convolution_backward")
 
@@ -299,12 +300,16 @@ def measure(arm: str, batch: int, data, rounds: int, seconds: float, members: in
     if compiled:
         compile_forward(engines["compiled"][0])
         _time_steps(*engines["compiled"][:2], batch, 1, 0)  # (the compilation: not timed)
-    # Steps per measurement: about ``seconds`` of the slowest variant, from one warm-up step each.
+    # Steps per measurement: about ``seconds`` of the slowest variant, from the last of WARM_UP
+    # warm-up steps each, and at least 2 (the first steps of a large cell allocate and fault in
+    # their memory: with a single warm-up step, rounds of one step at the vit's B = 256 read 1.6–2.5×
+    # the later ones)
     warm = {}
     for name, (engine, orders, _k) in engines.items():
         with _variant_context(name):
-            warm[name] = _time_steps(engine, orders, batch, 1, 0)
-    steps = max(1, round(seconds / max(warm.values())))
+            _time_steps(engine, orders, batch, WARM_UP - 1, 0)
+            warm[name] = _time_steps(engine, orders, batch, 1, WARM_UP - 1)
+    steps = max(2, round(seconds / max(warm.values())))
     flops = {kind: n * stacked_models for kind, n in _step_flops(config, data).items()}
     libraries = gemm_timers(flops["gemm"])
     timers = {**libraries, **({"conv": conv_timer(config, data)} if flops["conv"] else {})}
@@ -315,7 +320,7 @@ def measure(arm: str, batch: int, data, rounds: int, seconds: float, members: in
     for r in range(rounds):
         for name, (engine, orders, k) in engines.items():
             with _variant_context(name):
-                per_model[name].append(_time_steps(engine, orders, batch, steps, 1 + r * steps) / (steps * k))
+                per_model[name].append(_time_steps(engine, orders, batch, steps, WARM_UP + r * steps) / (steps * k))
         for kind, (fn, done) in timers.items():  # in every round too: the floor sees the machine's drifts
             rates[kind].append(done / _median_seconds(fn))
         kernels.append(_median_seconds(replay) / stacked_models)
