@@ -62,6 +62,13 @@ def sweep_util():
     return _helper_module("sweep_util")
 
 
+@pytest.fixture
+def function_checks():
+    """tests/function_checks.py: ``second_order_paths(function, composite, inputs, g, close)``, the
+    double backward, batched gradients and tangents of a fused autograd Function."""
+    return _helper_module("function_checks")
+
+
 def _helper_module(name: str):
     """tests/NAME.py, imported once as ``affdiv_tests_NAME`` (the suite runs with
     --import-mode=importlib: a test module cannot import a helper module beside it)."""

@@ -26,8 +26,6 @@ from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
 from affdiv.experiments.runs import stacked_attention
-from affdiv.experiments.runs.config import RunConfig
-from affdiv.experiments.runs.training import build_member, stacked_engine
 from affdiv.layers import _fused
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
@@ -126,28 +124,15 @@ def test_a_misplaced_term_fails_the_bound(mutation, monkeypatch):
         _check(q, key, v, gy, 6, 2)
 
 
-def test_second_derivatives_tangents_and_batched_gradients_go_through_the_formula():
+def test_second_derivatives_tangents_and_batched_gradients_go_through_the_formula(function_checks):
     q, key, v, gy = _inputs(2, 2, 3, 2, 2, 1)
 
-    def function(q, k, v):
-        return stacked_attention.attention(q, k, v, 3, 2)
+    def close(got, want):  # the same formula on both sides: float64 rounding
+        _within(got, want, 1e-12 * max(float(want.abs().max()), 1.0))
 
-    assert torch.autograd.gradcheck(function, (q, key, v))
-    assert torch.autograd.gradgradcheck(function, (q, key, v))
-    y = function(q, key, v)
-    basis = torch.eye(y.numel(), dtype=y.dtype).reshape(-1, *y.shape)
-    batched, = torch.autograd.grad(y, q, basis, is_grads_batched=True, retain_graph=True)
-    looped = torch.stack([torch.autograd.grad(y, q, e, retain_graph=True)[0] for e in basis])
-    assert float((batched - looped).abs().max()) <= 1e-12
-
-    def tangent_of_grad(fn):  # forward over reverse: a dual gradient fed to the backward
-        with torch.autograd.forward_ad.dual_level():
-            dual = torch.autograd.forward_ad.make_dual(gy, torch.ones_like(gy))
-            gq, = torch.autograd.grad(fn(q, key, v, 3, 2), q, dual)
-            return torch.autograd.forward_ad.unpack_dual(gq).tangent
-
-    want = tangent_of_grad(stacked_attention.attention_composite)
-    assert float((tangent_of_grad(stacked_attention.attention) - want).abs().max()) <= 1e-12 * float(want.abs().max())
+    function_checks.second_order_paths(lambda *qkv: stacked_attention.attention(*qkv, 3, 2),
+                                       lambda *qkv: stacked_attention.attention_composite(*qkv, 3, 2),
+                                       (q, key, v), gy, close)
 
 
 def test_calls_the_passes_cannot_serve_take_the_torch_operations():
@@ -214,13 +199,7 @@ def test_only_the_gradients_asked_for_are_given():
 
 
 @pytest.mark.parametrize("method", ["vit", "vit-affine_like-qknorm"])
-def test_the_stacked_engine_takes_the_function(digits, method):
-    config = RunConfig(dataset="digits", method=method, depth=2, width=16, batch_size=8, seed=0, dtype="float64")
-    models = [build_member(config, digits, seed) for seed in (0, 1)]
-    split = (torch.as_tensor(digits.train.x).double(), torch.as_tensor(digits.train.y))
-    engine = stacked_engine(models[0])(models, "sgd", [0.1, 0.2], [None, None], [split] * 2, [split] * 2)
-    function = stacked_attention.StackedAttention
-    with unittest.mock.patch.object(function, "apply", wraps=function.apply) as spy, \
-            unittest.mock.patch.object(_fused, "attention_backward", wraps=_fused.attention_backward) as backward:
-        engine.step(torch.arange(16).reshape(2, 8))
-    assert spy.call_count == 2 and backward.call_count == 2  # one per block
+def test_the_stacked_engine_takes_the_function(digits, method, function_checks):
+    calls = function_checks.calls_in_a_stacked_step(method, digits, stacked_attention.StackedAttention,
+                                                     "attention_backward")
+    assert calls == (2, 2)  # one per block (depth 2), forward and backward

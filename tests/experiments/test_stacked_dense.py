@@ -135,23 +135,10 @@ def test_a_wrong_radial_correction_fails_the_tolerance(kind, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["affine_like", "norm_l2"])
-def test_second_derivatives_and_tangents_go_through_the_formulas(kind):
+def test_second_derivatives_and_tangents_go_through_the_formulas(kind, function_checks):
     layer, composite = _layers(kind)
     x, w, b, g = _inputs(2, 3, 4, 5, True, "contiguous", 1)
-    assert torch.autograd.gradcheck(layer, (x, w, b))
-    assert torch.autograd.gradgradcheck(layer, (x, w, b))
-    z = layer(x, w, b)
-    basis = torch.eye(z.numel(), dtype=z.dtype).reshape(-1, *z.shape)
-    batched, = torch.autograd.grad(z, x, basis, is_grads_batched=True, retain_graph=True)
-    looped = torch.stack([torch.autograd.grad(z, x, e, retain_graph=True)[0] for e in basis])
-    _close(batched, looped)
-
-    def tangent_of_grad(fn):  # forward over reverse: a dual gradient fed to the backward
-        with torch.autograd.forward_ad.dual_level():
-            gx, = torch.autograd.grad(fn(x, w, b), x, torch.autograd.forward_ad.make_dual(g, torch.ones_like(g)))
-            return torch.autograd.forward_ad.unpack_dual(gx).tangent
-
-    _close(tangent_of_grad(layer), tangent_of_grad(composite))
+    function_checks.second_order_paths(layer, composite, (x, w, b), g, _close)
 
 
 def test_calls_a_pass_cannot_serve_take_the_torch_operations():

@@ -23,8 +23,6 @@ from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
 from affdiv.experiments.runs import stacked_layer_norm
-from affdiv.experiments.runs.config import RunConfig
-from affdiv.experiments.runs.training import build_member, stacked_engine
 from affdiv.layers import _fused
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
@@ -119,28 +117,15 @@ def test_a_misplaced_term_fails_the_bound(mutation, monkeypatch):
         _check(x, w, b, gy)
 
 
-def test_second_derivatives_tangents_and_batched_gradients_go_through_the_formula():
+def test_second_derivatives_tangents_and_batched_gradients_go_through_the_formula(function_checks):
     x, w, b, gy = _inputs(2, 3, 4, 0.3, 1)
 
-    def function(x, w, b):
-        return stacked_layer_norm.layer_norm(x, w, b, EPS)
+    def close(got, want):  # the same formula on both sides: float64 rounding
+        _within(got, want, 1e-12 * max(float(want.abs().max()), 1.0))
 
-    assert torch.autograd.gradcheck(function, (x, w, b))
-    assert torch.autograd.gradgradcheck(function, (x, w, b))
-    y = function(x, w, b)
-    basis = torch.eye(y.numel(), dtype=y.dtype).reshape(-1, *y.shape)
-    batched, = torch.autograd.grad(y, x, basis, is_grads_batched=True, retain_graph=True)
-    looped = torch.stack([torch.autograd.grad(y, x, e, retain_graph=True)[0] for e in basis])
-    assert float((batched - looped).abs().max()) <= 1e-12
-
-    def tangent_of_grad(fn):  # forward over reverse: a dual gradient fed to the backward
-        with torch.autograd.forward_ad.dual_level():
-            dual = torch.autograd.forward_ad.make_dual(gy, torch.ones_like(gy))
-            gx, = torch.autograd.grad(fn(x, w, b, EPS), x, dual)
-            return torch.autograd.forward_ad.unpack_dual(gx).tangent
-
-    want = tangent_of_grad(stacked_layer_norm.layer_norm_composite)
-    assert float((tangent_of_grad(stacked_layer_norm.layer_norm) - want).abs().max()) <= 1e-12 * float(want.abs().max())
+    function_checks.second_order_paths(lambda *args: stacked_layer_norm.layer_norm(*args, EPS),
+                                       lambda *args: stacked_layer_norm.layer_norm_composite(*args, EPS),
+                                       (x, w, b), gy, close)
 
 
 def test_calls_the_pass_cannot_serve_take_the_torch_operations():
@@ -198,14 +183,8 @@ def test_shapes_that_do_not_fit_are_refused_in_one_line(shapes):
 
 
 @pytest.mark.parametrize("method, calls", [("vit", 5), ("vit-affine_like-qknorm", 5), ("vit-nonorm", 0)])
-def test_the_stacked_engine_takes_the_function(digits, method, calls):
+def test_the_stacked_engine_takes_the_function(digits, method, calls, function_checks):
     # depth 2: two LayerNorms per block and the last one before the read-out
-    config = RunConfig(dataset="digits", method=method, depth=2, width=16, batch_size=8, seed=0, dtype="float64")
-    models = [build_member(config, digits, seed) for seed in (0, 1)]
-    split = (torch.as_tensor(digits.train.x).double(), torch.as_tensor(digits.train.y))
-    engine = stacked_engine(models[0])(models, "sgd", [0.1, 0.2], [None, None], [split] * 2, [split] * 2)
-    function = stacked_layer_norm.StackedLayerNorm
-    with unittest.mock.patch.object(function, "apply", wraps=function.apply) as spy, \
-            unittest.mock.patch.object(_fused, "layer_norm_backward", wraps=_fused.layer_norm_backward) as backward:
-        engine.step(torch.arange(16).reshape(2, 8))
-    assert spy.call_count == calls and backward.call_count == calls
+    got = function_checks.calls_in_a_stacked_step(method, digits, stacked_layer_norm.StackedLayerNorm,
+                                                   "layer_norm_backward")
+    assert got == (calls, calls)
