@@ -54,7 +54,8 @@ runs faster than the same kernels inside the step. The CNN's first block (a one-
 its BatchNorm2d if any, its max-pool and ReLU) runs as one C pass
 (``affdiv.experiments.runs.conv_pool``), and so does every later max-pool with its ReLU
 (``pool_relu``); no dispatch mode sees them: recorded under one, the step takes the unfused
-layers, so the replay holds the first block's convolution as torch runs it.
+layers, so the replay holds the first block's convolution as torch runs it, and on the vit arms
+the attention's batched products, which the step runs in its fused passes.
 
 Checks: ``--checks B ...`` also trains, stacked, one steps-to-target ensemble per batch size B as
 the fashion-ladder preset runs it (an affine MLP of width 128, one seed, its tuned grid with

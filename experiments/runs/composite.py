@@ -17,4 +17,3 @@ def composite_grads(composite, inputs: tuple[Tensor | None, ...], g: Tensor, nee
         wanted = [t for t, need in zip(leaves, needs) if need and t is not None]
         found = iter(torch.autograd.grad(composite(*leaves), wanted, g, create_graph=graph)) if wanted else iter(())
     return tuple(next(found) if need and t is not None else None for t, need in zip(leaves, needs))
-

@@ -14,8 +14,8 @@ and for the gradient gy of y, with p the softmax and dp = gy vᵀ,
 Written in torch operations (the model's own formula, :func:`attention_composite`) the heads are
 split off by copies ((K·B, H, T, d_h) from the rows, and back for the output projection), and
 each product is a batched product of K·B·H matrices of T × d_h (16 × 8 in the harness's vit):
-in a profile of the vit step (48 models, B = 64) the products, copies, softmax and scaling of
-attention took about a third of the step. Here the scores are one pass
+in a profile of the vit step (48 models, B = 64) attention's products, copies, softmax and scaling
+together took about a third of the step. Here the scores are one pass
 (``_fused.attention_scores``, each (sequence, head) in cache), the softmax is torch's, the
 weighted values are one pass writing the rows the output projection takes
 (``_fused.attention_values``), and the backward is one pass (``_fused.attention_backward``); their
@@ -43,6 +43,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, tokens: int, heads: int) -> Tenso
     """softmax(q_h k_hᵀ/√d_h) v_h for every sequence of ``tokens`` rows and every head h of
     q, k, v (K, B·tokens, heads·d_h): (K, B·tokens, heads·d_h), in the rows' layout (module
     docstring). A shape that does not split so is a ValueError."""
+    if q.dim() != 3:
+        raise ValueError(f"attention: needs rows (K, B·T, d), got a {q.dim()}-d tensor")
     models, rows, width = q.shape
     if tokens < 1 or heads < 1:
         raise ValueError(f"attention: needs at least one token and one head, got {tokens} and {heads}")
@@ -54,7 +56,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, tokens: int, heads: int) -> Tenso
         raise ValueError(f"attention: needs q, k and v of one shape, got {tuple(q.shape)}, {tuple(k.shape)} and "
                          f"{tuple(v.shape)}")
     if usable(q, k, v):
-        return StackedAttention.apply(q, k, v, tokens, heads)
+        return StackedAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), tokens, heads)
     return attention_composite(q, k, v, tokens, heads)
 
 
@@ -80,8 +82,9 @@ class StackedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, tokens: int, heads: int) -> Tensor:
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # (the passes read dense rows)
-        rows = [t.view(-1, t.shape[2]) for t in (q, k, v)]
+        # the passes read dense rows; the inputs themselves are saved (a backward that cannot take
+        # the pass differentiates the composite with respect to them)
+        rows = [t.contiguous().view(-1, t.shape[2]) for t in (q, k, v)]
         p = torch.softmax(_fused.attention_scores(rows[0], rows[1], tokens, heads), dim=-1)
         ctx.save_for_backward(q, k, v, p)
         ctx.tokens, ctx.heads = tokens, heads
@@ -91,7 +94,7 @@ class StackedAttention(torch.autograd.Function):
     def backward(ctx, gy: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, p = ctx.saved_tensors
         gy = gy.contiguous()
-        if not _fused.usable(q, k, v, p, gy):  # a graph recorded, tangents or batched gradients
+        if not _fused.usable(q, k, v, p, gy):  # a graph recorded, tangents, batched gradients, strided inputs
             grads = composite.composite_grads(
                 lambda *qkv: attention_composite(*qkv, ctx.tokens, ctx.heads), (q, k, v), gy,
                 ctx.needs_input_grad[:3])

@@ -152,8 +152,7 @@ class StackedNormLike(torch.autograd.Function):
         g = g.contiguous()
         if not (ctx.fused and _passes_may_run(x, weight, bias, q, g)):
             return *composite.composite_grads(lambda *inputs: norm_like_composite(*inputs, ctx.c, ctx.eps),
-                                              (x, weight, bias),
-                                     g, ctx.needs_input_grad[:3]), None, None
+                                              (x, weight, bias), g, ctx.needs_input_grad[:3]), None, None
         gy = _fused.scale_grad(_rows(g), q)[0].view(g.shape)
         dx = None
         if need_x:  # ∂x = u − a·⟨u, x⟩·x, a = (q/c)² = 1/‖x‖² where q < c/eps, else 0

@@ -16,10 +16,11 @@ normalisation and one for the affine, and in backward the affine's two products,
 the normalisation's backward, each over the (K, M, d) activations: at the vit's width of 32 these
 passes over memory, not arithmetic, set their cost. Here the forward is one pass
 (``_fused.layer_norm``: y, and each row's mean and rstd) and the backward one
-(``_fused.layer_norm_backward``): 2.4 ms against 4.7 for the composite's forward and backward at
-the vit's B = 64 (48 models, 1024 rows of 32; a quick measurement, one thread). The row moments are
-summed in the dtype, as torch's LayerNorm sums them, and ∂γ, ∂β in the dtype over blocks of 64
-rows and in float64 over the blocks, so the numbers are the formula's up to rounding.
+(``_fused.layer_norm_backward``): 2.9 ms against 5.0 for the composite's forward and backward at
+the vit's B = 64 (48 models, 1024 rows of 32; a quick measurement, one thread). The row sums run
+in 16 partial sums in the dtype combined pairwise, their tails in float64, and ∂γ, ∂β in the dtype
+over blocks of 64 rows and in float64 over the blocks, so the numbers are the formula's up to
+rounding.
 
 :func:`layer_norm` takes :class:`StackedLayerNorm` where :func:`usable`, else the composite, which
 torch.func, forward-mode AD, torch.compile and dispatch modes differentiate or trace; the Function's
@@ -49,7 +50,7 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
         raise ValueError(f"layer_norm: needs rows (K, M, d) and a weight and bias (K, d), got {tuple(x.shape)}, "
                          f"{tuple(weight.shape)} and {tuple(bias.shape)}")
     if usable(x, weight, bias):
-        return StackedLayerNorm.apply(x, weight, bias, eps)
+        return StackedLayerNorm.apply(x.contiguous(), weight.contiguous(), bias.contiguous(), eps)
     return layer_norm_composite(x, weight, bias, eps)
 
 
@@ -63,8 +64,9 @@ class StackedLayerNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
-        x, weight, bias = x.contiguous(), weight.contiguous(), bias.contiguous()  # (the pass reads dense rows)
-        y, mean, rstd = _fused.layer_norm(x, weight, bias, eps)
+        # the pass reads dense rows; the inputs themselves are saved (a backward that cannot take
+        # the pass differentiates the composite with respect to them)
+        y, mean, rstd = _fused.layer_norm(x.contiguous(), weight.contiguous(), bias.contiguous(), eps)
         ctx.save_for_backward(x, weight, bias, mean, rstd)
         ctx.eps = eps
         return y
@@ -73,9 +75,9 @@ class StackedLayerNorm(torch.autograd.Function):
     def backward(ctx, gy: Tensor) -> tuple[Tensor | None, ...]:
         x, weight, bias, mean, rstd = ctx.saved_tensors
         gy = gy.contiguous()
-        if not _fused.usable(x, gy, weight, mean, rstd):  # a graph recorded, tangents or batched gradients
+        if not _fused.usable(x, gy, weight, mean, rstd):  # a graph recorded, tangents, batched gradients, strides
             grads = composite.composite_grads(lambda *inputs: layer_norm_composite(*inputs, ctx.eps),
-                                                  (x, weight, bias), gy, ctx.needs_input_grad[:3])
+                                              (x, weight, bias), gy, ctx.needs_input_grad[:3])
             return *grads, None
         grads = _fused.layer_norm_backward(x, gy, weight, mean, rstd)
         return *(g if need else None for g, need in zip(grads, ctx.needs_input_grad[:3])), None

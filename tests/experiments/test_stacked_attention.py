@@ -124,13 +124,18 @@ def test_a_misplaced_term_fails_the_bound(mutation, monkeypatch):
         _check(q, key, v, gy, 6, 2)
 
 
-def test_second_derivatives_tangents_and_batched_gradients_go_through_the_formula(function_checks):
-    q, key, v, gy = _inputs(2, 2, 3, 2, 2, 1)
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+@pytest.mark.parametrize("entry", ["attention", "Function"])
+def test_second_derivatives_tangents_and_batched_gradients_go_through_the_formula(function_checks, layout, entry):
+    # through the module's function (which passes contiguous copies) and the Function itself (which
+    # saves its inputs as given), on contiguous and strided inputs
+    q, key, v, gy = _inputs(2, 2, 3, 2, 2, 1, layout=layout)
 
     def close(got, want):  # the same formula on both sides: float64 rounding
         _within(got, want, 1e-12 * max(float(want.abs().max()), 1.0))
 
-    function_checks.second_order_paths(lambda *qkv: stacked_attention.attention(*qkv, 3, 2),
+    function = stacked_attention.attention if entry == "attention" else stacked_attention.StackedAttention.apply
+    function_checks.second_order_paths(lambda *qkv: function(*qkv, 3, 2),
                                        lambda *qkv: stacked_attention.attention_composite(*qkv, 3, 2),
                                        (q, key, v), gy, close)
 
@@ -163,6 +168,7 @@ def test_calls_the_passes_cannot_serve_take_the_torch_operations():
 
 
 @pytest.mark.parametrize("shapes, tokens, heads, message", [
+    (((6, 4),) * 3, 3, 2, "needs rows"),
     (((1, 6, 4),) * 3, 0, 2, "at least one token and one head"),
     (((1, 6, 4),) * 3, 4, 2, "6 rows into sequences of 4 tokens"),
     (((1, 6, 4),) * 3, 3, 3, "4 entries per row into 3 heads"),
@@ -188,7 +194,7 @@ def test_two_threads_give_one_threads_numbers():
     assert torch.equal(y1, y2) and all(torch.equal(a, b) for a, b in zip(grads1, grads2))
 
 
-def test_only_the_gradients_asked_for_are_given():
+def test_a_gradient_of_one_input_alone():
     q, key, v, gy = _inputs(1, 2, 4, 2, 3, 4)
     key, v = key.detach(), v.detach()
     y = stacked_attention.attention(q, key, v, 4, 2)

@@ -89,8 +89,8 @@ def test_the_function_equals_autograd_of_the_formula(k, rows, d, offset, seed):
 
 def test_float32_is_the_float64_formula_within_float32_rounding():
     # the same bound at float32's unit roundoff for d = 32, M = 1024 (the vit's rows at B = 64):
-    # 8·γ_1088 ≈ 5.2e-4, times 1 + |mean|·rstd ≈ 3.3 for an offset of 2: about 1.7e-3·S; 3e-3·S
-    # taken
+    # 8·γ_1088 ≈ 5.2e-4 in place of the float64 factor, times (1 + |mean|·rstd)·S as there; 3e-3
+    # taken in its place (a margin of about 6)
     x, w, b, gy = _inputs(3, 1024, 32, 2.0, 5, torch.float32)
     y, _, grads = _value_and_grads(stacked_layer_norm.layer_norm, x, w, b, gy)
     exact = [t.detach().double().requires_grad_() for t in (x, w, b)]
@@ -117,13 +117,20 @@ def test_a_misplaced_term_fails_the_bound(mutation, monkeypatch):
         _check(x, w, b, gy)
 
 
-def test_second_derivatives_tangents_and_batched_gradients_go_through_the_formula(function_checks):
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+@pytest.mark.parametrize("entry", ["layer_norm", "Function"])
+def test_second_derivatives_tangents_and_batched_gradients_go_through_the_formula(function_checks, layout, entry):
+    # through the module's function (which passes contiguous copies) and the Function itself (which
+    # saves its inputs as given), on contiguous rows and rows stored transposed
     x, w, b, gy = _inputs(2, 3, 4, 0.3, 1)
+    if layout == "transposed":
+        x = x.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
 
     def close(got, want):  # the same formula on both sides: float64 rounding
         _within(got, want, 1e-12 * max(float(want.abs().max()), 1.0))
 
-    function_checks.second_order_paths(lambda *args: stacked_layer_norm.layer_norm(*args, EPS),
+    function = stacked_layer_norm.layer_norm if entry == "layer_norm" else stacked_layer_norm.StackedLayerNorm.apply
+    function_checks.second_order_paths(lambda *args: function(*args, EPS),
                                        lambda *args: stacked_layer_norm.layer_norm_composite(*args, EPS),
                                        (x, w, b), gy, close)
 
@@ -168,7 +175,7 @@ def test_two_threads_give_one_threads_numbers():
     assert torch.equal(y1, y2) and all(torch.equal(a, b) for a, b in zip(grads1, grads2))
 
 
-def test_only_the_gradients_asked_for_are_given():
+def test_a_gradient_of_one_input_alone():
     x, w, b, gy = _inputs(2, 5, 6, 0.5, 4)
     w, b = w.detach(), b.detach()
     got, = torch.autograd.grad(stacked_layer_norm.layer_norm(x, w, b, EPS), x, gy)
