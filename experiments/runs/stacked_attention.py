@@ -45,7 +45,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, tokens: int, heads: int) -> Tenso
     docstring). A shape that does not split so is a ValueError."""
     if q.dim() != 3:
         raise ValueError(f"attention: needs rows (K, B·T, d), got a {q.dim()}-d tensor")
-    models, rows, width = q.shape
+    rows, width = q.shape[1:]
     if tokens < 1 or heads < 1:
         raise ValueError(f"attention: needs at least one token and one head, got {tokens} and {heads}")
     if rows % tokens:
