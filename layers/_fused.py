@@ -56,8 +56,8 @@ The row passes' dot products are accumulated in 16 partial sums in the tensors' 
 pairwise (float32 rounding for float32, as torch's own vectorised sums), their tails in double; box
 sums in double; ``conv_pool``'s convolution outputs and PatchNorm's patch norms in tap order in the
 dtype, its gradients per sample, then over samples, in the dtype; the attention's sums in the dtype,
-in the order written; the LayerNorm's row moments in the dtype and its column sums in blocks of
-rows, the blocks in double. The extension is optional (built at install where a C compiler with
+in the order written; the LayerNorm's row sums as the row passes' dot products, its column sums in
+the dtype over blocks of rows, the blocks in double. The extension is optional (built at install where a C compiler with
 OpenMP is present); ``usable`` says whether a call may take it: the library loaded and not
 ``disabled``, every tensor a contiguous (or, for the convolutions, channels_last) plain CPU
 float32/float64 tensor of one dtype, in eager mode (not traced, not under torch.func, no dispatch

@@ -92,6 +92,13 @@ static int my_thread(void) {
 /* Each pass: an exported entry that opens the parallel region, and a per-thread row-range
    worker compiled twice (AVX2+FMA and baseline, picked at load time) holding the loops. */
 #define DEFINE_ROWOPS(T, SUFFIX)                                                                   \
+    /* The LANES partial sums in `lane` combined pairwise (in place; the total in lane[0]). */    \
+    static inline T lanes_total_##SUFFIX(T *lane) {                                                \
+        for (int width = LANES / 2; width > 0; width /= 2)                                         \
+            for (int l = 0; l < width; ++l) lane[l] += lane[l + width];                            \
+        return lane[0];                                                                            \
+    }                                                                                              \
+                                                                                                   \
     /* <a, b> in LANES independent partial sums in T (vectorisable without reassociating a    \
        single sum), combined pairwise (a short dependency chain: rows of a few dozen entries,    \
        as channels_last positions are, are bound by it), plus the tail in double. */             \
@@ -100,9 +107,7 @@ static int my_thread(void) {
         int64_t j = 0;                                                                             \
         for (; j + LANES <= n; j += LANES)                                                         \
             for (int l = 0; l < LANES; ++l) lane[l] += a[j + l] * b[j + l];                        \
-        for (int width = LANES / 2; width > 0; width /= 2)                                         \
-            for (int l = 0; l < width; ++l) lane[l] += lane[l + width];                            \
-        double acc = lane[0];                                                                      \
+        double acc = lanes_total_##SUFFIX(lane);                                                   \
         for (; j < n; ++j) acc += (double)a[j] * (double)b[j];                                     \
         return acc;                                                                                \
     }                                                                                              \
@@ -1026,18 +1031,22 @@ DEFINE_MAX_POOL2(double, f64, 4)
    entries per thread, the rest for ds) so that a row of scores is a sum of vectors over the
    u's. */
 #define DEFINE_ATTENTION(T, SUFFIX)                                                                \
+    /* bt (size x tokens) = a head's rows b (tokens of `size` entries, `width` apart), transposed. */ \
+    static inline __attribute__((always_inline)) void head_transposed_##SUFFIX(                   \
+        const T *restrict b, int64_t tokens, int64_t width, int64_t size, T *restrict bt) {       \
+        for (int64_t u = 0; u < tokens; ++u)                                                       \
+            for (int64_t j = 0; j < size; ++j) bt[j * tokens + u] = b[u * width + j];              \
+    }                                                                                              \
+                                                                                                   \
     static inline __attribute__((always_inline)) void attention_scores_item_##SUFFIX(             \
         const T *restrict q, const T *restrict k, int64_t tokens, int64_t width, int64_t size,    \
         T scale, T *restrict s, T *restrict kt) {                                                   \
-        for (int64_t u = 0; u < tokens; ++u)                                                       \
-            for (int64_t j = 0; j < size; ++j) kt[j * tokens + u] = k[u * width + j];              \
+        head_transposed_##SUFFIX(k, tokens, width, size, kt);                                      \
         for (int64_t t = 0; t < tokens; ++t) {                                                     \
             T *row = s + t * tokens;                                                               \
             for (int64_t u = 0; u < tokens; ++u) row[u] = 0;                                       \
-            for (int64_t j = 0; j < size; ++j) {                                                   \
-                const T a = q[t * width + j];                                                      \
-                for (int64_t u = 0; u < tokens; ++u) row[u] += a * kt[j * tokens + u];             \
-            }                                                                                      \
+            for (int64_t j = 0; j < size; ++j)                                                     \
+                for (int64_t u = 0; u < tokens; ++u) row[u] += q[t * width + j] * kt[j * tokens + u]; \
             for (int64_t u = 0; u < tokens; ++u) row[u] *= scale;                                  \
         }                                                                                          \
     }                                                                                              \
@@ -1059,8 +1068,7 @@ DEFINE_MAX_POOL2(double, f64, 4)
         const T *restrict q, const T *restrict k, const T *restrict v, const T *restrict p,       \
         const T *restrict gy, int64_t tokens, int64_t width, int64_t size, T scale,                \
         T *restrict gq, T *restrict gk, T *restrict gv, T *restrict vt, T *restrict ds) {          \
-        for (int64_t u = 0; u < tokens; ++u)                                                       \
-            for (int64_t j = 0; j < size; ++j) vt[j * tokens + u] = v[u * width + j];              \
+        head_transposed_##SUFFIX(v, tokens, width, size, vt);                                      \
         for (int64_t t = 0; t < tokens; ++t) { /* ds's row t, and gq_t */                         \
             const T *pt = p + t * tokens, *gyt = gy + t * width;                                   \
             T *dst = ds + t * tokens, *gqt = gq + t * width;                                       \
@@ -1182,13 +1190,6 @@ DEFINE_ATTENTION(double, f64)
    One model per work item, its rows in order (the same for any thread count). */
 #define LAYER_NORM_BLOCK 64
 #define DEFINE_LAYER_NORM(T, SUFFIX)                                                               \
-    /* The LANES partial sums in `lane` combined pairwise (as dot_ combines its own). */          \
-    static inline T lanes_total_##SUFFIX(T *lane) {                                                \
-        for (int width = LANES / 2; width > 0; width /= 2)                                         \
-            for (int l = 0; l < width; ++l) lane[l] += lane[l + width];                            \
-        return lane[0];                                                                            \
-    }                                                                                              \
-                                                                                                   \
     VECTOR_CLONES static void layer_norm_model_##SUFFIX(                                           \
         const T *restrict x, const T *restrict gamma, const T *restrict beta, int64_t rows,       \
         int64_t d, T eps, T *restrict y, T *restrict mean, T *restrict rstd) {                     \
