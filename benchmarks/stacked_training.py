@@ -43,19 +43,17 @@ rounds of stacked time / floor time (1 would be every FLOP at the rate of one la
 convolution; above it: memory traffic, small-GEMM inefficiency, elementwise work and Python/dispatch
 overhead). Target: ≤ 1.5.
 
-The step's kernels: the matrix products and convolutions one stacked step ran (every op that
-``torch.utils.flop_counter`` counts, recorded with their shapes, strides and arguments by a
-dispatch mode during one step), replayed on random tensors of the same layouts and timed in every
-round: "kernels ms" per model-step. stacked / kernels is what the step spends outside those
-kernels (elementwise work, the optimiser's update, memory traffic between them, Python and
-dispatch); kernels / floor is the rate of the library's kernels at the step's own shapes against
-the large GEMM's and convolution's. The replay reuses its inputs, warm in cache, so it typically
-runs faster than the same kernels inside the step. The CNN's first block (a one-channel convolution,
-its BatchNorm2d if any, its max-pool and ReLU) runs as one C pass
-(``affdiv.experiments.runs.conv_pool``), and so does every later max-pool with its ReLU
-(``pool_relu``); no dispatch mode sees them: recorded under one, the step takes the unfused
-layers, so the replay holds the first block's convolution as torch runs it, and on the vit arms
-the attention's batched products, which the step runs in its fused passes.
+The step's kernels: the matrix products and convolutions one stacked step ran, as it ran them
+(every op that ``torch.utils.flop_counter`` counts, recorded with its shapes, strides and arguments
+by a dispatch mode that only observes, so that the step takes its own paths under it, and the
+package's passes that hold products, which no dispatch mode sees and which are recorded by name:
+oneDNN's matmul, the fused attention, the CNN's fused first block with its pool (``PACKAGE_PRODUCTS``)),
+replayed on random tensors of the same layouts and timed in every round: "kernels ms" per
+model-step. stacked / kernels is what the step spends outside those kernels (elementwise work, the
+optimiser's update, memory traffic between them, Python and dispatch); kernels / floor is the rate
+of the kernels at the step's own shapes against the large GEMM's and convolution's. The replay
+reuses its inputs, warm in cache, so it typically runs faster than the same kernels inside the
+step.
 
 Checks: ``--checks B ...`` also trains, stacked, one steps-to-target ensemble per batch size B as
 the fashion-ladder preset runs it (an affine MLP of width 128, one seed, its tuned grid with
@@ -160,38 +158,65 @@ def _step_flops(config, data) -> dict[str, int]:
     return {"gemm": counter.get_total_flops() - conv, "conv": conv}
 
 
-def kernel_replay(engine, orders, batch: int):
-    """A function that runs the matrix products and convolutions of one step of ``engine`` (the
-    ops ``torch.utils.flop_counter`` counts, as the step called them, recorded during one step from
-    batch number 0) on random tensors of the same shapes, strides and dtypes."""
+#: The package's own passes that hold matrix products or convolutions: the stacked engine's calls of
+#: oneDNN's matmul and its fused attention and first-block passes. No dispatch mode sees them, so
+#: :func:`kernel_calls` records them by name.
+PACKAGE_PRODUCTS = ((_native, "onednn_bmm_"), (_fused, "attention_scores"), (_fused, "attention_values"),
+                    (_fused, "attention_backward"), (_fused, "conv_pool"), (_fused, "conv_pool_backward"))
+
+
+def kernel_calls(engine, orders, batch: int) -> list[tuple]:
+    """The matrix products and convolutions of one step of ``engine``, as the step ran them, each
+    (function, args, kwargs) over random tensors of the same shapes, strides and dtypes: the ops that
+    ``torch.utils.flop_counter`` counts, and the package's passes in ``PACKAGE_PRODUCTS``, recorded
+    during one step from batch number 0. The recording mode only observes (``observes_only``), so
+    the step takes the paths it takes unrecorded."""
+    from unittest import mock
+
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_map
     from torch.utils.flop_counter import flop_registry
 
     calls = []
 
+    def recorded(function):
+        def call(*args, **kwargs):
+            calls.append((function, *tree_map(_like, (args, kwargs))))
+            return function(*args, **kwargs)
+
+        return call
+
     class Record(TorchDispatchMode):
+        observes_only = True
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             if func.overloadpacket in flop_registry:
                 calls.append((func, *tree_map(_like, (args, kwargs))))
             return func(*args, **kwargs)
 
-    with Record():
+    with contextlib.ExitStack() as stack:
+        for module, name in PACKAGE_PRODUCTS:
+            stack.enter_context(mock.patch.object(module, name, recorded(getattr(module, name))))
+        stack.enter_context(Record())
         engine.step(orders[:, :batch])
+    return calls
 
-    def replay():
-        for func, args, kwargs in calls:
-            func(*args, **kwargs)
 
-    return replay
+def replay(calls: list[tuple]) -> None:
+    """Run the calls of :func:`kernel_calls` once more."""
+    for func, args, kwargs in calls:
+        func(*args, **kwargs)
 
 
 def _like(value):
     """A random tensor laid out as ``value`` (its shape, strides, dtype; over a storage of its own
-    extent), or ``value`` itself if it is no tensor."""
+    extent), a copy of ``value`` if it holds integers (indices, such as a pool's argmax, which a pass
+    follows), or ``value`` itself if it is no tensor."""
     if not isinstance(value, torch.Tensor):
         return value
+    if not value.is_floating_point():
+        return value.clone()
     extent = 1 + sum((n - 1) * s for n, s in zip(value.shape, value.stride()) if n > 0)
     return torch.randn(extent if value.numel() else 0, dtype=value.dtype, device=value.device).as_strided(
         value.shape, value.stride())
@@ -314,7 +339,7 @@ def measure(arm: str, batch: int, data, rounds: int, seconds: float, members: in
     flops = {kind: n * stacked_models for kind, n in _step_flops(config, data).items()}
     libraries = gemm_timers(flops["gemm"])
     timers = {**libraries, **({"conv": conv_timer(config, data)} if flops["conv"] else {})}
-    replay = kernel_replay(*engines["stacked"][:2], batch)
+    calls = kernel_calls(*engines["stacked"][:2], batch)
     per_model = {name: [] for name in engines}
     rates = {kind: [] for kind in timers}
     kernels = []
@@ -324,7 +349,7 @@ def measure(arm: str, batch: int, data, rounds: int, seconds: float, members: in
                 per_model[name].append(_time_steps(engine, orders, batch, steps, WARM_UP + r * steps) / (steps * k))
         for kind, (fn, done) in timers.items():  # in every round too: the floor sees the machine's drifts
             rates[kind].append(done / _median_seconds(fn))
-        kernels.append(_median_seconds(replay) / stacked_models)
+        kernels.append(_median_seconds(lambda: replay(calls)) / stacked_models)
     ratios = [a / s for a, s in zip(per_model["alone"], per_model["stacked"])]
     gemm_rates = [max(rates[library][r] for library in libraries) for r in range(rounds)]
     floors = [flops["gemm"] / gemm_rates[r] + (flops["conv"] / rates["conv"][r] if "conv" in rates else 0.0)

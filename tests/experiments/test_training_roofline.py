@@ -1,6 +1,6 @@
 """benchmarks/stacked_training.py: the replay of a step's kernels (recorded while the engine takes
-one step) runs the step's own matrix products and convolutions, and only those, and replaying
-them does not touch the models."""
+one step, on the paths it takes unrecorded) runs the step's own matrix products and convolutions,
+and only those, and replaying them does not touch the models."""
 
 import importlib.util
 from pathlib import Path
@@ -11,6 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from affdiv.experiments.runs.config import RunConfig
 from affdiv.experiments.runs.training import build_member, stacked_engine
+from affdiv.layers import _fused, _native
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("affdiv_benchmarks_roofline", ROOT / "benchmarks" /
@@ -19,20 +20,55 @@ roofline = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(roofline)
 
 
-@pytest.mark.parametrize("method, width", [("affine", 8), ("conv", 2), ("vit-affine_like", 8)])
-def test_replaying_runs_the_steps_counted_kernels_and_leaves_the_models_alone(digits, method, width):
+def _package_pass_flops(func, args) -> int:
+    """The FLOPs of one of the package's passes that hold products, from its arguments: 2 per
+    multiply-add of its products (as torch.utils.flop_counter counts a product)."""
+    name = func.__name__
+    if name == "onednn_bmm_":  # out (K, M, N) ← a (K, M, L) b (K, L, N)
+        _out, a, b = args[:3]
+        return 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
+    if name == "attention_scores":  # q kᵀ per sequence and head, from rows (N·T, H·d)
+        q, _k, tokens, _heads = args
+        return 2 * q.shape[0] * tokens * q.shape[1]
+    if name == "attention_values":  # p v
+        p, v = args
+        return 2 * v.shape[0] * p.shape[2] * v.shape[1]
+    if name == "attention_backward":  # pᵀ gy, gy vᵀ, ds k, dsᵀ q
+        q, _k, _v, p, _gy = args
+        return 8 * q.shape[0] * p.shape[2] * q.shape[1]
+    if name in ("conv_pool", "conv_pool_backward"):  # one input channel → C channels, per model
+        xp, (kh, kw) = args[0], args[4] if name == "conv_pool" else args[3]
+        channels = args[3] if name == "conv_pool" else args[1].shape[1] // xp.shape[0]
+        models, batch, hq, wq = xp.shape
+        return 2 * models * batch * channels * kh * kw * (hq - kh + 1) * (wq - kw + 1)
+    raise AssertionError(f"no FLOP count for {name}")
+
+
+@pytest.mark.parametrize("method, width, passes", [("affine", 8, {"onednn_bmm_"}),
+                                                   ("conv", 2, {"onednn_bmm_", "conv_pool", "conv_pool_backward"}),
+                                                   ("vit", 8, {"onednn_bmm_", "attention_scores", "attention_values",
+                                                               "attention_backward"})])
+def test_the_recorded_kernels_are_the_steps_own_and_replaying_them_leaves_the_models_alone(digits, method, width,
+                                                                                           passes):
+    # the step as it runs (on the package's passes where they run) holds the arithmetic of the
+    # floor, each product and convolution once: the models × one model's FLOPs (counted on torch's
+    # ops; not the stacked composite's count, which torch.utils.flop_counter overstates for a
+    # grouped convolution: it counts its weight gradient as if every group saw every channel)
     config = RunConfig(dataset="digits", method=method, depth=1, width=width, batch_size=8, seed=0)
     models = [build_member(config, digits, seed) for seed in (0, 1)]
     split = (torch.as_tensor(digits.train.x), torch.as_tensor(digits.train.y))
     engine = stacked_engine(models[0])(models, "sgd", [0.1, 0.2], [None, None], [split] * 2, [split] * 2)
     orders = torch.stack([torch.randperm(len(split[1]), generator=torch.Generator().manual_seed(s)) for s in (0, 1)])
-    with FlopCounterMode(display=False) as step:
-        engine.step(orders[:, 8:16])
-    replay = roofline.kernel_replay(engine, orders, 8)
+    engine.step(orders[:, 8:16])  # (a warm-up step, as the benchmark's: oneDNN's self-test runs at the first)
+    calls = roofline.kernel_calls(engine, orders, 8)
+    package = [(func, args) for func, args, _kwargs in calls if not isinstance(func, torch._ops.OpOverload)]
+    if _fused.available() and _native.onednn_enabled():
+        assert {func.__name__ for func, _args in package} == passes
     before = {name: p.clone() for name, p in engine.params.items()}
     with FlopCounterMode(display=False) as replayed:
-        replay()
-    assert replayed.get_total_flops() == step.get_total_flops() > 0  # every counted op, once, at the step's shapes
+        roofline.replay(calls)
+    package_flops = sum(_package_pass_flops(func, args) for func, args in package)
+    assert replayed.get_total_flops() + package_flops == 2 * sum(roofline._step_flops(config, digits).values()) > 0
     assert all(torch.equal(p, before[name]) for name, p in engine.params.items())
 
 

@@ -24,6 +24,10 @@ class _PassThrough(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class _Observer(_PassThrough):
+    observes_only = True
+
+
 def _answers() -> dict[str, dict[str, bool]]:
     x = torch.randn(3, 2)
     seen = {"eager": _ask(x)}
@@ -35,6 +39,12 @@ def _answers() -> dict[str, dict[str, bool]]:
     torch.func.vmap(under_vmap)(x)
     with _PassThrough():
         seen["dispatch mode"] = _ask(x)
+    with _Observer():
+        seen["observing dispatch mode"] = _ask(x)
+    with _Observer(), _PassThrough():
+        seen["dispatch mode inside an observing one"] = _ask(x)
+    with _PassThrough(), _Observer():
+        seen["observing dispatch mode inside another"] = _ask(x)
     with fwAD.dual_level():
         seen["forward AD"] = _ask(fwAD.make_dual(x, torch.ones_like(x)))
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
@@ -60,6 +70,9 @@ def test_each_probe_answers_right_in_eager_vmap_compile_dispatch_forward_ad_hook
         "eager": set(),
         "vmap": {"functorch_transforms_active", "is_functorch_wrapped"},
         "dispatch mode": {"dispatch_mode_active"},
+        "observing dispatch mode": set(),  # (observes_only: the package's kernels run under it)
+        "dispatch mode inside an observing one": {"dispatch_mode_active"},
+        "observing dispatch mode inside another": {"dispatch_mode_active"},
         "forward AD": {"forward_ad_active"},
         "saved-tensor hooks": {"saved_tensors_hooks_active"},
         "is_grads_batched": {"is_legacy_batched"},
