@@ -9,11 +9,12 @@ layers take: as it is, and with that pass routed off (a CNN's first block,
 ``experiments.runs.conv_pool``; its later max-pools with their ReLU, ``experiments.runs.pool_relu``;
 the AffineLike and NormLike Functions, ``experiments.runs.stacked_dense``; the vision transformer's
 attention, ``experiments.runs.stacked_attention``, and LayerNorms,
-``experiments.runs.stacked_layer_norm``), so that those layers run unfused (the dense layers,
-attention and LayerNorms in torch operations; with the first block off, its pool and ReLU take the
-later pools' pass); every other pass stays on in both. Their SGD steps are timed in interleaved
-rounds (each model its own shuffle, as in ``stacked_training``); the printed figure is the median
-over rounds of the paired ratio without / with the pass (above 1: the pass makes the step faster).
+``experiments.runs.stacked_layer_norm``; the MLP arms' tanh, ``experiments.runs.activations``), so
+that those layers run unfused (the dense layers, attention and LayerNorms in torch operations, tanh
+as torch's; with the first block off, its pool and ReLU take the later pools' pass); every other
+pass stays on in both. Their SGD steps are timed in interleaved rounds (each model its own shuffle,
+as in ``stacked_training``); the printed figure is the median over rounds of the paired ratio
+without / with the pass (above 1: the pass makes the step faster).
 Both engines train the same models, so the figure is of the step alone, not of a study.
 """
 
@@ -31,7 +32,14 @@ import torch
 
 from affdiv.atomic import atomic_write, check_writable_file
 from affdiv.experiments.data.dataset import load_dataset
-from affdiv.experiments.runs import conv_pool, pool_relu, stacked_attention, stacked_dense, stacked_layer_norm
+from affdiv.experiments.runs import (
+    activations,
+    conv_pool,
+    pool_relu,
+    stacked_attention,
+    stacked_dense,
+    stacked_layer_norm,
+)
 from affdiv.experiments.runs.config import VIT_METHODS, RunConfig
 from affdiv.experiments.runs.sweep import keep_freed_memory
 from affdiv.experiments.runs.training import build_member, stacked_engine
@@ -41,15 +49,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 from stacked_training import ARMS, _engine, _time_steps, cell_models  # noqa: E402  (the roofline's arms and engines)
 
 #: The passes, each as the routing function that, patched to say "no", sends its layers unfused,
-#: and the methods whose layers take it.
+#: and the methods whose layers (in the roofline's arms, ``ARMS``) take it.
 CNN_METHODS = ("conv", "conv+batchnorm", "patchnorm")
 DENSE_METHODS = ("affine_like", "norm_l2", "vit-affine_like", "vit-affine_like-qknorm")
+TANH_METHODS = ("affine", "affine_like", "norm_l2")  # (the MLP arms: tanh)
 PASSES = {"first block": (conv_pool, "first_block_length", lambda layers: 0, CNN_METHODS),
           "later pools": (pool_relu, "takes", lambda pool: False, CNN_METHODS),
           "dense scale": (stacked_dense, "usable", lambda *tensors: False, DENSE_METHODS),
           "attention": (stacked_attention, "usable", lambda *tensors: False, VIT_METHODS),
           "layer norm": (stacked_layer_norm, "usable", lambda *tensors: False,
-                         tuple(method for method in VIT_METHODS if method != "vit-nonorm"))}
+                         tuple(method for method in VIT_METHODS if method != "vit-nonorm")),
+          "tanh": (activations, "usable", lambda x: False, TANH_METHODS)}
 
 
 def routed_off(name: str) -> contextlib.AbstractContextManager:

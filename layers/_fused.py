@@ -52,6 +52,10 @@ and its LayerNorms, on K models' rows (K, M, d) with each model's γ_k, β_k:
     layer_norm_backward(x, gy, …)   ∂x = rstd·(g − ⟨g⟩/d − x̂·⟨g, x̂⟩/d), g = gy·γ_k;
                                     ∂γ_k = Σ_rows gy·x̂, ∂β_k = Σ_rows gy
 
+and the stacked engine's tanh activation in float32, ``tanh(x)``, each element computed in double
+and rounded once (the correctly rounded tanh but where tanh(x) lies within a few 1e-16, relative,
+of a rounding boundary; the derivation in _fused_cpu.c).
+
 The row passes' dot products are accumulated in 16 partial sums in the tensors' dtype, combined
 pairwise (float32 rounding for float32, as torch's own vectorised sums), their tails in double; box
 sums in double; ``conv_pool``'s convolution outputs and PatchNorm's patch norms in tap order in the
@@ -91,7 +95,7 @@ from affdiv.layers._torch_internals import (
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 #: The interface version this module is written for (``AFFDIV_FUSED_ABI`` of _fused_cpu.h): a
 #: library built from other sources is not loaded.
-FUSED_ABI = 2
+FUSED_ABI = 3
 _MAX = {dtype: torch.finfo(dtype).max for dtype in _SUFFIX}
 _state = {"disabled": False}  # process-wide (``disabled`` is for tests and benchmarks)
 
@@ -138,6 +142,7 @@ def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
         _declare(lib, f"attention_backward_{suffix}", None, [p, p, p, p, p, *shape, f64, p, p, p, p, i32])
         _declare(lib, f"layer_norm_{suffix}", None, [p, p, p, i64, i64, i64, f64, p, p, p, i32])
         _declare(lib, f"layer_norm_backward_{suffix}", None, [p, p, p, p, p, i64, i64, i64, p, p, p, p, i32])
+    _declare(lib, "tanh_f32", None, [p, p, i64, i32])
     return lib
 
 
@@ -577,3 +582,25 @@ def layer_norm_backward(x: Tensor, gy: Tensor, gamma: Tensor, mean: Tensor, rstd
         gx.data_ptr(), dgamma.data_ptr(), dbeta.data_ptr(), partial.data_ptr(), torch.get_num_threads(),
     )
     return gx, dgamma.to(x.dtype), dbeta.to(x.dtype)
+
+
+def dense(t: Tensor) -> bool:
+    """Whether t's elements fill a block of its storage one each, in some order of its dimensions
+    (a permutation of a contiguous tensor: its strides, sorted, are those of a contiguous tensor)."""
+    expected = 1
+    for size, stride in sorted((pair for pair in zip(t.shape, t.stride()) if pair[0] != 1), key=lambda pair: pair[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def tanh(x: Tensor) -> Tensor:
+    """tanh(x) of a float32 CPU tensor stored densely in any order of its dimensions (``dense``),
+    in x's layout (module docstring). Another tensor is a ValueError."""
+    if x.dtype != torch.float32 or not x.is_cpu or not dense(x):
+        raise ValueError(f"tanh: needs a dense float32 CPU tensor, got {x.dtype} on {x.device}, "
+                         f"shape {tuple(x.shape)} and strides {x.stride()}")
+    y = torch.empty_like(x)  # (a dense tensor's strides: element i of y's storage is tanh of x's)
+    _LIB.tanh_f32(x.data_ptr(), y.data_ptr(), x.numel(), torch.get_num_threads())
+    return y

@@ -27,6 +27,8 @@
    attention_values, attention_backward), reading and writing the projections' row layout;
    and its LayerNorms with each model's affine (layer_norm, layer_norm_backward).
 
+   The stacked engine's tanh activation in float32 (tanh_f32).
+
    Dot products are accumulated in LANES partial sums in T, combined pairwise (as torch's own
    vectorised sums: float32 rounding for float32); column sums in per-thread partials in T
    (as torch's sum), reduced in thread order, so results are deterministic for a given thread
@@ -50,13 +52,14 @@
 
 /* Vector clones picked at load time: AVX2 (x86-64-v3) for every pass; the transposing passes
    also get an AVX-512 (v4) clone, for its 32 vector registers (with AVX2's 16 their register
-   transposes spill: 1.2-2.5x slower in a harness, see docs/FINDINGS.md). */
+   transposes spill: 1.2-2.5x slower in a harness, see docs/FINDINGS.md), and so does tanh, for
+   AVX-512's conversions between double and 64-bit integers. */
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && __GNUC__ >= 12
 #define VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#define TRANSPOSE_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#define WIDE_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define VECTOR_CLONES
-#define TRANSPOSE_CLONES
+#define WIDE_CLONES
 #endif
 
 /* Partial sums per dot product: two AVX2 registers of float. */
@@ -573,7 +576,7 @@ DEFINE_LANE_TRANSPOSE(double, f64, 4)
 #define DEFINE_TRANSPOSING_OPS(T, SUFFIX, V)                                                       \
     /* One sample, positions [p0, p0 + np) (np <= TILE): see scale_and_dot_to_cl. Vector blocks    \
        take 2 V positions (a cache line of each plane, used up at once) by V channels. */          \
-    TRANSPOSE_CLONES static void scale_and_dot_to_cl_tile_##SUFFIX(                                \
+    WIDE_CLONES static void scale_and_dot_to_cl_tile_##SUFFIX(                                \
         const T *restrict gz, const T *restrict z, const T *restrict r, int64_t channels,          \
         int64_t positions, int64_t groups, int64_t p0, int64_t np, T *restrict gy,                 \
         T *restrict e) {                                                                           \
@@ -643,7 +646,7 @@ DEFINE_LANE_TRANSPOSE(double, f64, 4)
     }                                                                                              \
                                                                                                    \
     /* One sample, positions [p0, p0 + np): see group_update_from_cl; blocks as above. */          \
-    TRANSPOSE_CLONES static void group_update_from_cl_tile_##SUFFIX(                               \
+    WIDE_CLONES static void group_update_from_cl_tile_##SUFFIX(                               \
         const T *restrict d, const T *restrict src, const T *restrict r, int64_t channels,         \
         int64_t positions, int64_t groups, int64_t p0, int64_t np, T *restrict out) {              \
         const int64_t per_group = channels / groups;                                               \
@@ -1278,6 +1281,59 @@ DEFINE_ATTENTION(double, f64)
 
 DEFINE_LAYER_NORM(float, f32)
 DEFINE_LAYER_NORM(double, f64)
+
+/* tanh of float32 values (the stacked engine's activation, experiments.runs.activations), each
+   computed in double and rounded once to float:
+     a = min(|x|, 20)          (1 - tanh(20) = 8.5e-18: tanh rounds to 1 in float from |x| = 9.02)
+     -2a = k ln2 + r           k = round(-2a / ln2), |r| <= ln2/2
+     expm1(r) = r + r^2 (1/2! + r/3! + ... + r^10/12!)   (the next Taylor term: < 4e-16 relative)
+     u = expm1(-2a) = 2^k expm1(r) + (2^k - 1)
+     tanh(x) = sign(x) (-u)/(2 + u)
+   with no cancellation (-u >= 0, 2 + u >= 1, and 2^k expm1(r) is at most half of 1 - 2^k in size
+   for k < 0). The double value is within a few 1e-16 of tanh(x) (relative), so the float result
+   is the correctly rounded tanh except where tanh(x) lies that close to the midpoint of two
+   floats. NaN stays NaN, +-inf gives +-1, -0 stays -0. Elementwise: the same result for any
+   thread count. (torch's float32 tanh calls the C library's tanhf per element: 2 ns an element
+   here, this 0.6 with AVX-512.) no-trapping-math lets the AVX2 clone vectorise the clamp. */
+WIDE_CLONES __attribute__((optimize("no-trapping-math"))) static void tanh_range_f32(
+    const float *restrict x, float *restrict y, int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i) {
+        const double d = x[i];
+        double a = fabs(d);
+        a = a < 20.0 ? a : 20.0; /* (NaN: 20, restored below) */
+        const double v = -2.0 * a;
+        const double shifted = v * 1.4426950408889634 + 0x1.8p52; /* k in its low mantissa bits */
+        const double k = shifted - 0x1.8p52;
+        const double r = v - k * 0.6931471805599453;
+        double p = 1.0 / 479001600.0;
+        p = p * r + 1.0 / 39916800.0;
+        p = p * r + 1.0 / 3628800.0;
+        p = p * r + 1.0 / 362880.0;
+        p = p * r + 1.0 / 40320.0;
+        p = p * r + 1.0 / 5040.0;
+        p = p * r + 1.0 / 720.0;
+        p = p * r + 1.0 / 120.0;
+        p = p * r + 1.0 / 24.0;
+        p = p * r + 1.0 / 6.0;
+        p = p * r + 0.5;
+        const double expm1_r = p * r * r + r;
+        uint64_t bits; /* 2^k: k + 1023 in the exponent field (k >= -58) */
+        memcpy(&bits, &shifted, sizeof bits);
+        bits = (bits + 1023) << 52;
+        double two_k;
+        memcpy(&two_k, &bits, sizeof two_k);
+        const double u = two_k * expm1_r + (two_k - 1.0);
+        y[i] = (float)(d == d ? copysign(-u / (2.0 + u), d) : d);
+    }
+}
+
+void tanh_f32(const float *x, float *y, int64_t n, int threads) {
+    _Pragma("omp parallel num_threads(team_size(n, threads))") {
+        int64_t first, last;
+        my_rows(n, &first, &last);
+        tanh_range_f32(x, y, first, last);
+    }
+}
 
 int affdiv_fused_abi(void) { return AFFDIV_FUSED_ABI; }
 

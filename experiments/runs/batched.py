@@ -22,7 +22,9 @@ seed is 1 for every L_k, exact), then the stacked optimiser's update. Each model
 the formula it has alone, in batched kernels: its numbers equal those of the same model trained
 alone (or by the vmapped :class:`~affdiv.experiments.runs.stacked.StackedEnsemble`) up to the
 order of summation inside those kernels, within the bound the tests state for the vmapped
-engine. In float32 they may differ from the vmapped engine's at rounding level.
+engine. In float32 they may differ from the vmapped engine's at rounding level (the products' order
+of summation, and tanh's last bit: the engine's float32 tanh is the correctly rounded one,
+:mod:`~affdiv.experiments.runs.activations`, torch's is not everywhere).
 
 Checks, and the runs' test splits after training, evaluate one chunk of samples for all the
 models on that split: the first linear layer is then one GEMM with the K weights side by side (a
@@ -53,6 +55,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from affdiv.experiments.runs import (
+    activations,
     conv_pool,
     pool_relu,
     stacked_attention,
@@ -188,6 +191,8 @@ def _patchnorm_conv2d(module: nn.Conv2d) -> Layer:
 
 
 def _elementwise(module: nn.Module) -> Layer:
+    if type(module) is nn.Tanh:  # (float32: the fused pass, see activations)
+        return lambda x, _p, _k, _training: activations.tanh(x)
     return lambda x, _p, _k, _training: module(x)
 
 

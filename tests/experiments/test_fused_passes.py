@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from affdiv.experiments.runs import stacked_attention, stacked_dense, stacked_layer_norm
+from affdiv.experiments.runs import activations, stacked_attention, stacked_dense, stacked_layer_norm
 from affdiv.experiments.runs.config import RunConfig
 from affdiv.experiments.runs.training import build_member, stacked_engine
 from affdiv.layers import _fused
@@ -27,7 +27,7 @@ _spec.loader.exec_module(fused_passes)
 CALLS = {"first block": (_fused, "conv_pool"), "later pools": (_fused, "max_pool2"),
          "dense scale": (stacked_dense.StackedAffineLike, "apply"),
          "attention": (stacked_attention.StackedAttention, "apply"),
-         "layer norm": (stacked_layer_norm.StackedLayerNorm, "apply")}
+         "layer norm": (stacked_layer_norm.StackedLayerNorm, "apply"), "tanh": (activations.Tanh, "apply")}
 
 
 def _calls_in_a_step(method: str, digits, routed: str | None) -> dict[str, int]:
@@ -48,7 +48,8 @@ def _calls_in_a_step(method: str, digits, routed: str | None) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("method, passes", [("conv", ["first block", "later pools"]),
-                                            ("affine_like", ["dense scale"]), ("vit", ["attention", "layer norm"]),
+                                            ("affine_like", ["dense scale", "tanh"]), ("affine", ["tanh"]),
+                                            ("vit", ["attention", "layer norm"]),
                                             ("vit-affine_like", ["dense scale", "attention", "layer norm"])])
 def test_a_pass_routed_off_is_off_and_the_others_stay_on(digits, method, passes):
     assert all(method in fused_passes.PASSES[name][-1] for name in passes)

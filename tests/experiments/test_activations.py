@@ -1,0 +1,168 @@
+"""The stacked engine's float32 tanh (``affdiv.experiments.runs.activations`` on ``_fused.tanh``)
+against the correctly rounded tanh.
+
+Reference. torch's float64 tanh (the C library's ``tanh``, within an ulp of float64, ~1e-16
+relative) rounded once to float32 is the correctly rounded float32 tanh except where tanh(x) lies
+within that error of the midpoint of two floats. The pass computes each value in double within a
+few 1e-16 (its derivation in ``_fused_cpu.c``) and rounds once. So the pass must equal the rounded
+reference wherever the reference lies farther than 2⁻⁴⁴ (relative, a margin of about 100 over the
+two errors together) from a midpoint, and be one of the two floats around it where it lies nearer.
+Every one of the 2³¹ non-negative float32 bit patterns passed this (about two minutes, one core);
+the suite checks 2²⁵ bit patterns spread over all 2³² and the special values. An error in a
+coefficient of the series or in the reduction moves results by far more than 2⁻⁴⁴.
+"""
+
+from __future__ import annotations
+
+import unittest.mock
+
+import pytest
+import torch
+
+from affdiv.experiments.runs import activations
+from affdiv.layers import _fused
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.skipif(not _fused.available(), reason="the fused passes are not built here")]
+
+NEAR_A_MIDPOINT = 2.0 ** -44
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    torch.manual_seed(0)
+
+
+def _bit_patterns(count: int) -> torch.Tensor:
+    """``count`` float32 values whose bit patterns spread over all 2³² (i·2654435761 mod 2³², a
+    permutation of the patterns: every bit varies)."""
+    bits = (torch.arange(count, dtype=torch.int64) * 2654435761) % 2**32
+    return (bits - 2**32 * (bits >= 2**31)).to(torch.int32).view(torch.float32)
+
+
+def _assert_correctly_rounded(x: torch.Tensor, y: torch.Tensor) -> None:
+    reference = torch.tanh(x.double())
+    rounded = reference.float()
+    up = torch.nextafter(rounded, torch.tensor(float("inf")))
+    down = torch.nextafter(rounded, torch.tensor(float("-inf")))
+    neighbour = torch.where(reference >= rounded.double(), up, down)
+    midpoint = (rounded.double() + neighbour.double()) / 2
+    near = (reference - midpoint).abs() <= NEAR_A_MIDPOINT * reference.abs()
+    same = (y == rounded) | (y.isnan() & rounded.isnan())
+    wrong = ~same & ~(near & (y == neighbour))
+    assert not wrong.any(), (f"{int(wrong.sum())} values not the correctly rounded tanh, e.g. tanh("
+                             f"{x[wrong][:3].tolist()}) = {y[wrong][:3].tolist()}, want {rounded[wrong][:3].tolist()}")
+
+
+def test_the_pass_is_the_correctly_rounded_tanh_across_the_float32_bit_patterns():
+    x = _bit_patterns(2**25)
+    _assert_correctly_rounded(x, _fused.tanh(x))
+
+
+def test_special_values_and_the_ranges_where_the_computation_changes():
+    specials = torch.tensor([float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 2.0**-149, -(2.0**-149), 2.0**-126,
+                             1e-8, 2.0**-12, 20.0, -20.0, 1e30, -3e38, 9.0109, 9.0110])
+    # around each switch of the reduction's k (|x| = (j + ½)·ln2/2) and around the clamp and the saturation
+    edges = torch.tensor([(j + 0.5) * 0.34657359027997264 for j in range(58)] + [9.010913, 20.0], dtype=torch.float64)
+    around = (edges[:, None] + torch.linspace(-1e-5, 1e-5, 2001, dtype=torch.float64)).float().flatten()
+    x = torch.cat([specials, around, -around])
+    y = _fused.tanh(x)
+    _assert_correctly_rounded(x, y)
+    assert torch.equal(torch.signbit(y[3:5]), torch.tensor([False, True]))  # ±0 keep their sign
+    assert y[0].isnan() and y[1:3].tolist() == [1.0, -1.0]
+
+
+def test_the_pass_is_odd_and_nondecreasing():
+    # (the engine pools before a nondecreasing activation: max(tanh(x)) = tanh(max(x)))
+    x = torch.sort(torch.cat([torch.randn(200_000) * 4, torch.rand(10_000) * 1e-3])).values
+    y = _fused.tanh(x)
+    assert (y[1:] >= y[:-1]).all()
+    assert torch.equal(_fused.tanh(-x), -y)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "channels_last", "size one", "empty"])
+def test_the_output_keeps_the_inputs_layout(layout):
+    base = torch.randn(3, 5, 7, 4)
+    x = {"contiguous": base, "transposed": base.transpose(1, 3), "empty": base[:0],
+         "size one": base.flatten()[:12].as_strided((3, 1, 4), (4, 999, 1)),  # (any stride on the size-one axis)
+         "channels_last": base.contiguous(memory_format=torch.channels_last)}[layout]
+    y = _fused.tanh(x)
+    assert y.shape == x.shape
+    assert [s for n, s in zip(y.shape, y.stride()) if n > 1] == [s for n, s in zip(x.shape, x.stride()) if n > 1]
+    _assert_correctly_rounded(x.flatten(), y.flatten())
+
+
+@pytest.mark.parametrize("x", [torch.randn(4, 6)[:, :3], torch.randn(4, 1).expand(4, 3), torch.randn(5).double(),
+                               torch.randn(5).half()])
+def test_tensors_the_pass_cannot_read_are_refused_in_one_line(x):
+    with pytest.raises(ValueError, match=r"^tanh: needs a dense float32 CPU tensor, got torch\.\w+ on cpu, shape"):
+        _fused.tanh(x)
+
+
+def test_two_threads_give_one_threads_numbers():
+    x = torch.randn(300_000) * 5
+    one = _fused.tanh(x)
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(_fused.tanh(x), one)
+    finally:
+        torch.set_num_threads(1)
+
+
+def test_the_functions_gradients_are_torchs_formula_at_its_output():
+    x = (torch.randn(6, 5) * 2).clamp(-2, 2).requires_grad_()
+    g = torch.randn(6, 5)
+    y = activations.tanh(x)
+    assert y.grad_fn.name() == "TanhBackward"  # (the Function, not torch's TanhBackward0)
+    gx, = torch.autograd.grad(y, x, g, create_graph=True)
+    yd = y.detach()
+    # (float32: each side a few roundings of g, y and 1 − y²; an ulp of y is 2|y|²/(1 − y²) ulps
+    # of 1 − y², 26 at |y| = tanh(2), the inputs' largest: with the others, under 40 ulps ≈ 2.4e-6)
+    torch.testing.assert_close(gx, g * (1 - yd * yd), rtol=1e-5, atol=0)
+    ggx, = torch.autograd.grad(gx, x, torch.ones_like(gx))  # d/dx g(1 − y²) = −2 g y (1 − y²)
+    torch.testing.assert_close(ggx, -2 * g * yd * (1 - yd * yd), rtol=1e-5, atol=0)
+    basis = torch.eye(4).reshape(4, 4)
+    v = torch.randn(4, requires_grad=True)
+    w = activations.tanh(v)
+    batched, = torch.autograd.grad(w, v, basis, is_grads_batched=True)
+    torch.testing.assert_close(batched, torch.diag(1 - w.detach() ** 2), rtol=1e-5, atol=0)
+
+
+def test_calls_the_pass_cannot_serve_take_torchs_tanh():
+    x = torch.randn(3, 4)
+    with unittest.mock.patch.object(activations.Tanh, "apply", side_effect=AssertionError("the pass ran")):
+        for dtype in (torch.float64, torch.bfloat16):
+            assert torch.equal(activations.tanh(x.to(dtype)), torch.tanh(x.to(dtype)))
+        assert torch.equal(activations.tanh(x[:, :2]), torch.tanh(x[:, :2]))  # not dense
+        assert torch.equal(torch.func.vmap(activations.tanh)(x), torch.tanh(x))
+        ones = torch.ones_like(x)
+        tangents = [torch.func.jvp(f, (x,), (ones,))[1] for f in (activations.tanh, torch.tanh)]
+        assert torch.equal(*tangents)
+        with _fused.disabled():
+            assert torch.equal(activations.tanh(x), torch.tanh(x))
+
+
+def test_the_stacked_engine_takes_the_pass_for_float32_tanh_and_trains_as_one_model_alone(digits):
+    from affdiv.experiments.runs.config import RunConfig
+    from affdiv.experiments.runs.training import build_member, stacked_engine
+
+    config = RunConfig(dataset="digits", method="affine", depth=2, width=16, batch_size=8, seed=0, activation="tanh")
+    models = [build_member(config, digits, seed) for seed in (0, 1)]
+    alone = [build_member(config, digits, seed) for seed in (0, 1)]
+    split = (torch.as_tensor(digits.train.x), torch.as_tensor(digits.train.y))
+    engine = stacked_engine(models[0])(models, "sgd", [0.1, 0.2], [None, None], [split] * 2, [split] * 2)
+    batch = torch.stack([torch.arange(8), torch.arange(8, 16)])
+    with unittest.mock.patch.object(activations.Tanh, "apply", wraps=activations.Tanh.apply) as applied:
+        losses = engine.step(batch)
+    assert applied.call_count == 2  # the two hidden layers' tanh
+    for k, (model, lr) in enumerate(zip(alone, (0.1, 0.2))):
+        loss = torch.nn.functional.cross_entropy(model(split[0][batch[k]]), split[1][batch[k]])
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= lr * p.grad
+        # float32: the products' order of summation and tanh's last bit (torch's tanhf is not
+        # correctly rounded everywhere) differ; a few float32 roundings of each quantity
+        torch.testing.assert_close(losses[k], loss.detach(), rtol=1e-6, atol=0)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(engine.params[name][k], p.detach(), rtol=1e-5, atol=1e-6)
