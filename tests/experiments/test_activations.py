@@ -1,20 +1,23 @@
 """The stacked engine's float32 tanh (``affdiv.experiments.runs.activations`` on ``_fused.tanh``)
 against the correctly rounded tanh.
 
-Reference. torch's float64 tanh (the C library's ``tanh``, within an ulp of float64, ~1e-16
-relative) rounded once to float32 is the correctly rounded float32 tanh except where tanh(x) lies
-within that error of the midpoint of two floats. The pass computes each value in double within a
-few 1e-16 (its derivation in ``_fused_cpu.c``) and rounds once. So the pass must equal the rounded
-reference wherever the reference lies farther than 2⁻⁴⁴ (relative, a margin of about 100 over the
-two errors together) from a midpoint, and be one of the two floats around it where it lies nearer.
-Every one of the 2³¹ non-negative float32 bit patterns passed this (about two minutes, one core);
-the suite checks 2²⁵ bit patterns spread over all 2³² and the special values. An error in a
+Reference (``benchmarks/tanh_accuracy.py``'s ``misrounded``). torch's float64 tanh (the C
+library's ``tanh``, within an ulp of float64, ~1e-16 relative) rounded once to float32 is the
+correctly rounded float32 tanh except where tanh(x) lies within that error of the midpoint of two
+floats. The pass computes each value in double within a few 1e-16 (its derivation in
+``_fused_cpu.c``) and rounds once. So the pass must equal the rounded reference wherever the
+reference lies farther than 2⁻⁴⁴ (relative, a margin of about 100 over the two errors together)
+from a midpoint, and be one of the two floats around it where it lies nearer. The benchmark checks
+all 2³¹ non-negative float32 bit patterns (``benchmarks/results/cpu_tanh_accuracy.json``); the
+suite checks 2²⁵ bit patterns spread over all 2³² and the special values. An error in a
 coefficient of the series or in the reduction moves results by far more than 2⁻⁴⁴.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import unittest.mock
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +28,10 @@ from affdiv.layers import _fused
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(not _fused.available(), reason="the fused passes are not built here")]
 
-NEAR_A_MIDPOINT = 2.0 ** -44
+_spec = importlib.util.spec_from_file_location("affdiv_benchmarks_tanh_accuracy",
+                                               Path(__file__).resolve().parents[2] / "benchmarks" / "tanh_accuracy.py")
+tanh_accuracy = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tanh_accuracy)
 
 
 @pytest.fixture(autouse=True)
@@ -33,29 +39,23 @@ def _seeded():
     torch.manual_seed(0)
 
 
-def _bit_patterns(count: int) -> torch.Tensor:
-    """``count`` float32 values whose bit patterns spread over all 2³² (i·2654435761 mod 2³², a
-    permutation of the patterns: every bit varies)."""
-    bits = (torch.arange(count, dtype=torch.int64) * 2654435761) % 2**32
-    return (bits - 2**32 * (bits >= 2**31)).to(torch.int32).view(torch.float32)
-
-
 def _assert_correctly_rounded(x: torch.Tensor, y: torch.Tensor) -> None:
-    reference = torch.tanh(x.double())
-    rounded = reference.float()
-    up = torch.nextafter(rounded, torch.tensor(float("inf")))
-    down = torch.nextafter(rounded, torch.tensor(float("-inf")))
-    neighbour = torch.where(reference >= rounded.double(), up, down)
-    midpoint = (rounded.double() + neighbour.double()) / 2
-    near = (reference - midpoint).abs() <= NEAR_A_MIDPOINT * reference.abs()
-    same = (y == rounded) | (y.isnan() & rounded.isnan())
-    wrong = ~same & ~(near & (y == neighbour))
+    wrong, _near = tanh_accuracy.misrounded(x, y)
     assert not wrong.any(), (f"{int(wrong.sum())} values not the correctly rounded tanh, e.g. tanh("
-                             f"{x[wrong][:3].tolist()}) = {y[wrong][:3].tolist()}, want {rounded[wrong][:3].tolist()}")
+                             f"{x[wrong][:3].tolist()}) = {y[wrong][:3].tolist()}")
+
+
+def test_the_reference_refuses_a_value_one_float_off_and_accepts_the_rounded_tanh():
+    x = torch.tensor([0.3, -1.7, 5.0, float("nan")])
+    rounded = torch.tanh(x.double()).float()
+    assert not tanh_accuracy.misrounded(x, rounded)[0].any()
+    off = torch.nextafter(rounded, torch.tensor(2.0))
+    assert tanh_accuracy.misrounded(x, off)[0][:3].all()
 
 
 def test_the_pass_is_the_correctly_rounded_tanh_across_the_float32_bit_patterns():
-    x = _bit_patterns(2**25)
+    # bit patterns i·2654435761 mod 2³² (a permutation of all of them: every bit varies)
+    x = tanh_accuracy.as_float32((torch.arange(2**25, dtype=torch.int64) * 2654435761) % 2**32)
     _assert_correctly_rounded(x, _fused.tanh(x))
 
 

@@ -1,0 +1,94 @@
+"""The stacked engine's float32 tanh against the correctly rounded tanh, on every float32 input, and its
+speed against torch's.
+
+    python benchmarks/tanh_accuracy.py [--negative] [--json PATH]
+
+Every non-negative float32 bit pattern (2³¹ of them, with +inf and the NaNs; ``--negative`` adds
+the other 2³¹) goes through the pass (``affdiv.layers._fused.tanh``) and through torch's float32
+tanh, in chunks, and each result is compared with the reference: torch's float64 tanh (within an
+ulp of float64) rounded once to float32 (:func:`misrounded`). Printed and written: how many of
+each were not the correctly rounded value, how many lay too near a rounding boundary for the
+reference to decide, and the time per element of each in the same run (one thread) and their
+ratio. About two minutes for the non-negative half on one core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from tqdm import tqdm
+
+from affdiv.atomic import check_writable_file
+from affdiv.layers import _fused
+from affdiv.provenance import provenance
+from affdiv.reporting import write_json
+
+#: Where the float64 reference lies within this (relative) of the midpoint of two floats it cannot
+#: tell which is the correctly rounded one: either is accepted there (a margin of about 100 over
+#: the pass's own error in double, a few 1e-16, and the reference's, about 1e-16).
+NEAR_A_MIDPOINT = 2.0 ** -44
+CHUNK = 1 << 24
+
+
+def misrounded(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(wrong, near) for float32 tanh values y of x: wrong where y is not the correctly rounded
+    tanh(x) (NaN for NaN) and the reference decides it; near where the reference lies within
+    ``NEAR_A_MIDPOINT`` of a rounding boundary (there either float around it is accepted)."""
+    reference = torch.tanh(x.double())
+    rounded = reference.float()
+    neighbour = torch.where(reference >= rounded.double(), torch.nextafter(rounded, torch.tensor(float("inf"))),
+                            torch.nextafter(rounded, torch.tensor(float("-inf"))))
+    midpoint = (rounded.double() + neighbour.double()) / 2
+    near = (reference - midpoint).abs() <= NEAR_A_MIDPOINT * reference.abs()
+    same = (y == rounded) | (y.isnan() & rounded.isnan())
+    return ~same & ~(near & (y == neighbour)), near
+
+
+def as_float32(bits: torch.Tensor) -> torch.Tensor:
+    """The float32 values of the bit patterns ``bits`` (int64, unsigned 32-bit values)."""
+    return (bits - 2**32 * (bits >= 2**31)).to(torch.int32).view(torch.float32)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--negative", action="store_true", help="also every negative bit pattern")
+    parser.add_argument("--json", help="write the counts, timings and provenance here")
+    args = parser.parse_args(argv)
+    if args.json:
+        check_writable_file(args.json, "--json")
+    if not _fused.available():
+        parser.error("the fused CPU passes are not built here: nothing to check")
+    torch.set_num_threads(1)
+    total = 2**32 if args.negative else 2**31
+    counts = {name: {"wrong": 0, "near": 0} for name in ("pass", "torch")}
+    seconds = {"pass": 0.0, "torch": 0.0}
+    examples = []
+    for start in tqdm(range(0, total, CHUNK), desc="bit patterns", unit="chunk"):
+        x = as_float32(torch.arange(start, min(start + CHUNK, total), dtype=torch.int64))
+        for name, tanh in (("pass", _fused.tanh), ("torch", torch.tanh)):
+            begin = time.perf_counter()
+            y = tanh(x)
+            seconds[name] += time.perf_counter() - begin
+            wrong, near = misrounded(x, y)
+            counts[name]["wrong"] += int(wrong.sum())
+            counts[name]["near"] += int(near.sum())
+            if name == "pass" and wrong.any() and len(examples) < 10:  # (as bit patterns: NaNs too)
+                pairs = zip(x[wrong][:10].view(torch.int32).tolist(), y[wrong][:10].view(torch.int32).tolist())
+                examples += list(pairs)
+    ns = {name: 1e9 * s / total for name, s in seconds.items()}
+    for name in ("pass", "torch"):
+        print(f"{name:5s}: {counts[name]['wrong']} of {total} inputs not correctly rounded "
+              f"({counts[name]['near']} within {NEAR_A_MIDPOINT:.1e} of a boundary, either float accepted), "
+              f"{ns[name]:.3f} ns an element")
+    print(f"torch / pass time per element: {ns['torch'] / ns['pass']:.2f}")
+    if args.json:
+        write_json(args.json, {"inputs": total, "counts": counts, "ns_per_element": ns,
+                               "torch_over_pass": ns["torch"] / ns["pass"], "pass_wrong_examples_bits": examples,
+                               "provenance": provenance(threads=1)})
+    return 1 if counts["pass"]["wrong"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
