@@ -9,7 +9,7 @@ tanh, in chunks, and each result is compared with the reference: torch's float64
 ulp of float64) rounded once to float32 (:func:`misrounded`). Printed and written: how many of
 each were not the correctly rounded value, how many lay too near a rounding boundary for the
 reference to decide, and the time per element of each in the same run (one thread) and their
-ratio. About two minutes for the non-negative half on one core.
+ratio. About five minutes for the non-negative half on one core.
 """
 
 from __future__ import annotations
