@@ -12,8 +12,8 @@ attention, ``experiments.runs.stacked_attention``, and LayerNorms,
 ``experiments.runs.stacked_layer_norm``; the MLP arms' tanh, ``experiments.runs.activations``), so
 that those layers run unfused (the dense layers, attention and LayerNorms in torch operations, tanh
 as torch's; with the first block off, its pool and ReLU take the later pools' pass); every other
-pass stays on in both. Their SGD steps are timed in interleaved rounds (each model its own shuffle,
-as in ``stacked_training``); the printed figure is the median over rounds of the paired ratio
+pass stays on in both. Their SGD steps are timed in interleaved rounds, the two in turn first (each
+model its own shuffle, as in ``stacked_training``); the printed figure is the median over rounds of the paired ratio
 without / with the pass (above 1: the pass makes the step faster).
 Both engines train the same models, so the figure is of the step alone, not of a study.
 """
@@ -88,8 +88,8 @@ def measure(arm: str, batch: int, data, rounds: int) -> list[dict]:
             _time_steps(without, orders, batch, 2, 0)
         times = {"with": [], "without": []}
         engines = (("with", with_pass, contextlib.nullcontext()), ("without", without, routed_off(name)))
-        for r in range(rounds):
-            for label, engine, routes in engines:
+        for r in range(rounds):  # (each round in the other order: neither variant always runs first)
+            for label, engine, routes in engines[:: 1 if r % 2 == 0 else -1]:
                 with routes:
                     times[label].append(_time_steps(engine, orders, batch, steps, 2 + r * steps) / steps * 1000)
         ratios = [b / a for a, b in zip(times["with"], times["without"])]

@@ -169,7 +169,7 @@ def kernel_calls(engine, orders, batch: int) -> list[tuple]:
     """The matrix products and convolutions of one step of ``engine``, as the step ran them, each
     (function, args, kwargs) over random tensors of the same shapes, strides and dtypes: the ops that
     ``torch.utils.flop_counter`` counts, and the package's passes in ``PACKAGE_PRODUCTS``, recorded
-    during one step from batch number 0. The recording mode only observes (``observes_only``), so
+    during one step from batch number 0. The recording mode only observes (``affdiv_observes_only``), so
     the step takes the paths it takes unrecorded."""
     from unittest import mock
 
@@ -187,7 +187,7 @@ def kernel_calls(engine, orders, batch: int) -> list[tuple]:
         return call
 
     class Record(TorchDispatchMode):
-        observes_only = True
+        affdiv_observes_only = True
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
@@ -195,6 +195,7 @@ def kernel_calls(engine, orders, batch: int) -> list[tuple]:
                 calls.append((func, *tree_map(_like, (args, kwargs))))
             return func(*args, **kwargs)
 
+    _native.onednn_enabled()  # (its first call runs oneDNN's self-test, whose products are no step's)
     with contextlib.ExitStack() as stack:
         for module, name in PACKAGE_PRODUCTS:
             stack.enter_context(mock.patch.object(module, name, recorded(getattr(module, name))))
@@ -215,11 +216,12 @@ def _like(value):
     follows), or ``value`` itself if it is no tensor."""
     if not isinstance(value, torch.Tensor):
         return value
-    if not value.is_floating_point():
-        return value.clone()
-    extent = 1 + sum((n - 1) * s for n, s in zip(value.shape, value.stride()) if n > 0)
-    return torch.randn(extent if value.numel() else 0, dtype=value.dtype, device=value.device).as_strided(
-        value.shape, value.stride())
+    extent = 1 + sum((n - 1) * s for n, s in zip(value.shape, value.stride()) if n > 0) if value.numel() else 0
+    if value.is_floating_point():
+        storage = torch.randn(extent, dtype=value.dtype, device=value.device)
+    else:  # the stretch of storage the recorded tensor reads
+        storage = value.as_strided((extent,), (1,)).clone()
+    return storage.as_strided(value.shape, value.stride())
 
 
 def _median_seconds(fn, repeats: int = 3) -> float:

@@ -53,8 +53,8 @@ and its LayerNorms, on K models' rows (K, M, d) with each model's γ_k, β_k:
                                     ∂γ_k = Σ_rows gy·x̂, ∂β_k = Σ_rows gy
 
 and the stacked engine's tanh activation in float32, ``tanh(x)``, each element computed in double
-and rounded once (the correctly rounded tanh but where tanh(x) lies within a few 1e-16, relative,
-of a rounding boundary; the derivation in _fused_cpu.c).
+(within 1e-15 of tanh(x), relative) and rounded once: the correctly rounded tanh on every float32
+input (checked on all of them by ``benchmarks/tanh_accuracy.py``; the derivation in _fused_cpu.c).
 
 The row passes' dot products are accumulated in 16 partial sums in the tensors' dtype, combined
 pairwise (float32 rounding for float32, as torch's own vectorised sums), their tails in double; box
@@ -65,8 +65,8 @@ the dtype over blocks of rows, the blocks in double. The extension is optional (
 OpenMP is present); ``usable`` says whether a call may take it: the library loaded and not
 ``disabled``, every tensor a contiguous (or, for the convolutions, channels_last) plain CPU
 float32/float64 tensor of one dtype, in eager mode (not traced, not under torch.func, no dispatch
-mode, no forward-mode AD) and not recording a graph (a double backward needs the differentiable
-torch formulas, forward mode their tangents).
+mode but one that only observes, no forward-mode AD) and not recording a graph (a double backward
+needs the differentiable torch formulas, forward mode their tangents).
 Otherwise the layers run the same passes as torch ops.
 """
 
@@ -188,7 +188,8 @@ def disabled() -> contextlib.AbstractContextManager:
 def eager_kernels_allowed() -> bool:
     """Whether the mode lets a call take a compiled pass at all: the library loaded and not
     ``disabled``, not traced by torch.compile, no dispatch mode active (FakeTensorMode,
-    FlopCounterMode, …: it would not see the pass) and no forward-mode AD (tangents the pass
+    FlopCounterMode, …: it would not see the pass; a mode that only observes,
+    ``affdiv_observes_only``, does not count) and no forward-mode AD (tangents the pass
     would drop). ``usable`` adds that no graph is being recorded, and the tensors' checks."""
     return not (_LIB is None or _state["disabled"] or is_compiling() or dispatch_mode_active() or forward_ad_active())
 
@@ -208,8 +209,8 @@ def functions_usable(*tensors: Tensor | None) -> bool:
 
 def usable(*tensors: Tensor | None, memory_format: torch.memory_format | None = torch.contiguous_format) -> bool:
     """Whether these tensors (None entries ignored; the first is not None) may go through the
-    compiled passes: no graph being recorded, no dispatch mode active (FakeTensorMode,
-    FlopCounterMode, …), no forward-mode AD (tangents), and each a ``plain`` CPU tensor of one
+    compiled passes: no graph being recorded, no dispatch mode active but one that only observes
+    (``eager_kernels_allowed``), no forward-mode AD (tangents), and each a ``plain`` CPU tensor of one
     float32/float64 dtype, contiguous in ``memory_format`` (None: the first tensor's own, see
     ``layout_of``)."""
     if torch.is_grad_enabled() or not eager_kernels_allowed():
@@ -231,9 +232,12 @@ PLAIN_TYPES = (Tensor, torch.nn.Parameter)  # torch's own tensor types (no subcl
 
 
 def plain(t: Tensor) -> bool:
-    """A tensor with its own storage: not a subclass (FakeTensor, …), not wrapped by torch.func,
-    not a batched gradient (``is_grads_batched``, vectorised jacobians)."""
-    return type(t) in PLAIN_TYPES and not is_functorch_wrapped(t) and not is_legacy_batched(t)
+    """A tensor with its own storage, which holds its values as they read: not a subclass
+    (FakeTensor, …), not wrapped by torch.func, not a batched gradient (``is_grads_batched``,
+    vectorised jacobians), not a lazily negated or conjugated view (the imaginary part of a
+    conjugate, ``torch._neg_view``: its storage holds the values before the negation)."""
+    return (type(t) in PLAIN_TYPES and not is_functorch_wrapped(t) and not is_legacy_batched(t)
+            and not t.is_neg() and not t.is_conj())
 
 
 def layout_of(x: Tensor) -> torch.memory_format:
@@ -584,9 +588,12 @@ def layer_norm_backward(x: Tensor, gy: Tensor, gamma: Tensor, mean: Tensor, rstd
     return gx, dgamma.to(x.dtype), dbeta.to(x.dtype)
 
 
-def dense(t: Tensor) -> bool:
+def non_overlapping_and_dense(t: Tensor) -> bool:
     """Whether t's elements fill a block of its storage one each, in some order of its dimensions
-    (a permutation of a contiguous tensor: its strides, sorted, are those of a contiguous tensor)."""
+    (a permutation of a contiguous tensor: its strides, sorted, are those of a contiguous tensor);
+    true for an empty tensor."""
+    if t.numel() == 0:
+        return True
     expected = 1
     for size, stride in sorted((pair for pair in zip(t.shape, t.stride()) if pair[0] != 1), key=lambda pair: pair[1]):
         if stride != expected:
@@ -596,11 +603,12 @@ def dense(t: Tensor) -> bool:
 
 
 def tanh(x: Tensor) -> Tensor:
-    """tanh(x) of a float32 CPU tensor stored densely in any order of its dimensions (``dense``),
-    in x's layout (module docstring). Another tensor is a ValueError."""
-    if x.dtype != torch.float32 or not x.is_cpu or not dense(x):
-        raise ValueError(f"tanh: needs a dense float32 CPU tensor, got {x.dtype} on {x.device}, "
-                         f"shape {tuple(x.shape)} and strides {x.stride()}")
+    """tanh(x) of a ``plain`` float32 CPU tensor stored densely in any order of its dimensions
+    (``non_overlapping_and_dense``), in x's layout (module docstring). Another tensor is a
+    ValueError."""
+    if x.dtype != torch.float32 or not x.is_cpu or not plain(x) or not non_overlapping_and_dense(x):
+        raise ValueError(f"tanh: needs a plain dense float32 CPU tensor, got a {type(x).__name__} of {x.dtype} on "
+                         f"{x.device}, shape {tuple(x.shape)}, strides {x.stride()}, negated view {x.is_neg()}")
     y = torch.empty_like(x)  # (a dense tensor's strides: element i of y's storage is tanh of x's)
     _LIB.tanh_f32(x.data_ptr(), y.data_ptr(), x.numel(), torch.get_num_threads())
     return y

@@ -53,13 +53,28 @@
 /* Vector clones picked at load time: AVX2 (x86-64-v3) for every pass; the transposing passes
    also get an AVX-512 (v4) clone, for its 32 vector registers (with AVX2's 16 their register
    transposes spill: 1.2-2.5x slower in a harness, see docs/FINDINGS.md), and so does tanh, for
-   AVX-512's conversions between double and 64-bit integers. */
+   AVX-512's 8-wide double vectors. */
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && __GNUC__ >= 12
 #define VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #define WIDE_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define VECTOR_CLONES
 #define WIDE_CLONES
+#endif
+
+/* A function whose double operations must be the ones written, in every clone: no contraction of
+   a product and a sum into one fused multiply-add (which some clones would make and others not).
+   GCC also gets no-trapping-math there, without which it does not vectorise a select on a
+   comparison (tanh's clamp) for AVX2. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define EXACT_DOUBLES __attribute__((optimize("no-trapping-math", "fp-contract=off")))
+#define TANH_PRAGMAS
+#elif defined(__clang__)
+#define EXACT_DOUBLES
+#define TANH_PRAGMAS _Pragma("clang fp contract(off)")
+#else
+#define EXACT_DOUBLES
+#define TANH_PRAGMAS _Pragma("STDC FP_CONTRACT OFF")
 #endif
 
 /* Partial sums per dot product: two AVX2 registers of float. */
@@ -1284,19 +1299,22 @@ DEFINE_LAYER_NORM(double, f64)
 
 /* tanh of float32 values (the stacked engine's activation, experiments.runs.activations), each
    computed in double and rounded once to float:
-     a = min(|x|, 20)          (1 - tanh(20) = 8.5e-18: tanh rounds to 1 in float from |x| = 9.02)
+     a = min(|x|, 20)          (tanh rounds to 1 in float from |x| = 9.0109 on)
      -2a = k ln2 + r           k = round(-2a / ln2), |r| <= ln2/2
-     expm1(r) = r + r^2 (1/2! + r/3! + ... + r^10/12!)   (the next Taylor term: < 4e-16 relative)
+     expm1(r) = r + r^2 (1/2! + r/3! + ... + r^10/12!)   (the next Taylor term: < 6e-16 relative)
      u = expm1(-2a) = 2^k expm1(r) + (2^k - 1)
      tanh(x) = sign(x) (-u)/(2 + u)
    with no cancellation (-u >= 0, 2 + u >= 1, and 2^k expm1(r) is at most half of 1 - 2^k in size
-   for k < 0). The double value is within a few 1e-16 of tanh(x) (relative), so the float result
-   is the correctly rounded tanh except where tanh(x) lies that close to the midpoint of two
-   floats. NaN stays NaN, +-inf gives +-1, -0 stays -0. Elementwise: the same result for any
-   thread count. (torch's float32 tanh calls the C library's tanhf per element: 2 ns an element
-   here, this 0.6 with AVX-512.) no-trapping-math lets the AVX2 clone vectorise the clamp. */
-WIDE_CLONES __attribute__((optimize("no-trapping-math"))) static void tanh_range_f32(
-    const float *restrict x, float *restrict y, int64_t first, int64_t last) {
+   for k < 0): the double value is within 1e-15 of tanh(x) (relative), and the float result is the
+   correctly rounded tanh on every float32 input (benchmarks/tanh_accuracy.py checks them all).
+   NaN stays NaN, +-inf gives +-1, -0 stays -0. Elementwise: the same result for any thread
+   count. The double operations are the ones written, with no contraction into fused
+   multiply-adds (EXACT_DOUBLES), so every vector clone computes the same values. torch's float32
+   tanh calls the C library's tanhf per element: 2.4 ns an element here, this 0.8 with AVX-512's
+   8-wide double vectors. */
+WIDE_CLONES EXACT_DOUBLES static void tanh_range_f32(const float *restrict x, float *restrict y,
+                                                      int64_t first, int64_t last) {
+    TANH_PRAGMAS
     for (int64_t i = first; i < last; ++i) {
         const double d = x[i];
         double a = fabs(d);

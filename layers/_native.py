@@ -23,7 +23,8 @@ present) and tied to the torch it was compiled against: it is used only when tha
 torch. ``affine_like`` and ``norm_like`` run a call on a node, or return None where it may not take
 one: the extension not loaded, ``disabled`` or ``_fused.disabled`` (which asks for the plain-torch
 passes: the Python Functions run them), not eager mode (traced, under a torch.func transform, a
-dispatch mode or forward-mode AD: those need the Python Functions' vmap rules and jvp), a tensor
+dispatch mode other than one that only observes, or forward-mode AD: those need the Python
+Functions' vmap rules and jvp), a tensor
 of a subclass (whose overrides a node would skip), or x not a 2-D plain CPU float32/float64 tensor
 with weight and bias of its dtype (checked in C++, where it costs a fraction of a microsecond).
 A graph may be recorded: the nodes' backward is itself differentiable.
@@ -146,7 +147,8 @@ def without_passes() -> Iterator[None]:
 
 def _servable(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     """Whether the state lets a call take the C++ nodes and the tensors are of torch's own types:
-    built and not disabled; no trace, torch.func transform, dispatch mode or forward-mode AD active;
+    built and not disabled; no trace, torch.func transform, dispatch mode (but one that only
+    observes) or forward-mode AD active;
     no subclass (the extension checks the rest of the tensors)."""
     return not (_MODULE is None or _state["disabled"] or _fused.is_disabled() or not untraced_eager()
                 or type(x) not in _fused.PLAIN_TYPES or type(weight) not in _fused.PLAIN_TYPES

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 
 def is_compiling() -> bool:
@@ -49,12 +48,11 @@ def forward_ad_active() -> bool:
 
 def dispatch_mode_active() -> bool:
     """True while a TorchDispatchMode (FakeTensorMode, FlopCounterMode, …) intercepts every op:
-    a ctypes kernel would bypass it. A mode whose class sets ``observes_only = True`` (it runs every
-    op on the real tensors unchanged and only looks at them, as a benchmark's recorder of the ops a
-    step runs) does not count: the package's kernels run under it, unseen by it."""
-    if not torch._C._len_torch_dispatch_stack():
-        return False
-    return not all(getattr(mode, "observes_only", False) for mode in _get_current_dispatch_mode_stack())
+    a ctypes kernel would bypass it. A mode with ``affdiv_observes_only = True`` (a class attribute:
+    it runs every op on the real tensors unchanged and only looks at them, as a benchmark's recorder
+    of the ops a step runs) does not count: the package's kernels run under it, unseen by it."""
+    depth = torch._C._len_torch_dispatch_stack()
+    return any(not getattr(torch._C._get_dispatch_stack_at(i), "affdiv_observes_only", False) for i in range(depth))
 
 
 def untraced_eager() -> bool:

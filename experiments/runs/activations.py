@@ -14,7 +14,7 @@ The backward is torch's own, ``tanh_backward(g, y) = g·(1 − y²)`` on the sav
 autograd differentiates again (a double backward) and runs on batched gradients. :func:`tanh`
 takes :class:`Tanh` where :func:`usable` (``_fused.functions_usable``, a float32 tensor stored
 densely in some order of its dimensions), else ``torch.tanh``, which torch.func, forward-mode AD,
-torch.compile, dispatch modes and other dtypes get.
+torch.compile, dispatch modes (but one that only observes) and other dtypes get.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from affdiv.layers import _fused
 
 
 def usable(x: Tensor) -> bool:
-    """Whether :class:`Tanh` may take x: ``_fused.functions_usable``, float32 and ``_fused.dense``."""
-    return _fused.functions_usable(x) and x.dtype == torch.float32 and _fused.dense(x)
+    """Whether :class:`Tanh` may take x: ``_fused.functions_usable``, float32 and
+    ``_fused.non_overlapping_and_dense``."""
+    return _fused.functions_usable(x) and x.dtype == torch.float32 and _fused.non_overlapping_and_dense(x)
 
 
 def tanh(x: Tensor) -> Tensor:

@@ -25,7 +25,7 @@ class _PassThrough(TorchDispatchMode):
 
 
 class _Observer(_PassThrough):
-    observes_only = True
+    affdiv_observes_only = True
 
 
 def _answers() -> dict[str, dict[str, bool]]:
@@ -70,7 +70,7 @@ def test_each_probe_answers_right_in_eager_vmap_compile_dispatch_forward_ad_hook
         "eager": set(),
         "vmap": {"functorch_transforms_active", "is_functorch_wrapped"},
         "dispatch mode": {"dispatch_mode_active"},
-        "observing dispatch mode": set(),  # (observes_only: the package's kernels run under it)
+        "observing dispatch mode": set(),  # (affdiv_observes_only: the package's kernels run under it)
         "dispatch mode inside an observing one": {"dispatch_mode_active"},
         "observing dispatch mode inside another": {"dispatch_mode_active"},
         "forward AD": {"forward_ad_active"},
