@@ -6,9 +6,9 @@ about a seventh of a training step at B = 256 (three tanh layers against their m
 ``_fused.tanh`` computes each element in double from a reduced ``expm1`` and rounds it once to
 float (its derivation in ``_fused_cpu.c``): the correctly rounded tanh, except where tanh(x) lies
 within a few 1e-16 (relative) of the midpoint of two floats, so at least as accurate as torch's
-(whose ``tanhf`` misrounds 82,288 of the 2³¹ non-negative float32 inputs, where this pass misrounds
-none: ``benchmarks/tanh_accuracy.py``), and about 3× faster with AVX-512 (0.81 against 2.41 ns an
-element in that run, one thread).
+(whose ``tanhf`` misrounds 82,383 of the 2³¹ non-negative float32 inputs, where this pass misrounds
+none: ``benchmarks/tanh_accuracy.py``), and about 2.4× faster with AVX-512 (0.98 against 2.36 ns
+an element in that run, one thread).
 
 The backward is torch's own, ``tanh_backward(g, y) = g·(1 − y²)`` on the saved output, which
 autograd differentiates again (a double backward) and runs on batched gradients. :func:`tanh`
