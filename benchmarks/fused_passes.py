@@ -13,9 +13,9 @@ attention, ``experiments.runs.stacked_attention``, and LayerNorms,
 that those layers run unfused (the dense layers, attention and LayerNorms in torch operations, tanh
 as torch's; with the first block off, its pool and ReLU take the later pools' pass); every other
 pass stays on in both. Their SGD steps are timed in interleaved rounds, the two in turn first (each
-model its own shuffle, as in ``stacked_training``); the printed figure is the median over rounds of the paired ratio
-without / with the pass (above 1: the pass makes the step faster).
-Both engines train the same models, so the figure is of the step alone, not of a study.
+model its own shuffle, as in ``stacked_training``); the printed figure is the median over rounds of
+the paired ratio without / with the pass (above 1: the pass makes the step faster). Both engines
+train the same models, so the figure is of the step alone, not of a study.
 """
 
 from __future__ import annotations

@@ -34,21 +34,30 @@ NEAR_A_MIDPOINT = 2.0 ** -44
 CHUNK = 1 << 24
 
 
-def misrounded(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(wrong, near) for float32 tanh values y of x (1-D): wrong where y is not the correctly
-    rounded tanh(x) (NaN for NaN); near where the float64 reference lay within ``NEAR_A_MIDPOINT``
-    of a rounding boundary, so that mpmath decided."""
+def correctly_rounded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(correct, near) for float32 inputs x (1-D): the correctly rounded float32 tanh(x), and where
+    the float64 reference lay within ``NEAR_A_MIDPOINT`` of a rounding boundary, so that mpmath
+    decided."""
     reference = torch.tanh(x.double())
     rounded = reference.float()
     neighbour = torch.where(reference >= rounded.double(), torch.nextafter(rounded, torch.tensor(float("inf"))),
                             torch.nextafter(rounded, torch.tensor(float("-inf"))))
     midpoint = (rounded.double() + neighbour.double()) / 2
     near = (reference - midpoint).abs() <= NEAR_A_MIDPOINT * reference.abs()
-    correct = rounded.clone()
     for i in near.nonzero().flatten().tolist():
-        correct[i] = _nearer_to_tanh(float(x[i]), float(rounded[i]), float(neighbour[i]))
-    wrong = (y != correct) & ~(y.isnan() & correct.isnan())
-    return wrong, near
+        rounded[i] = _nearer_to_tanh(float(x[i]), float(rounded[i]), float(neighbour[i]))
+    return rounded, near
+
+
+def misrounded(x: torch.Tensor, y: torch.Tensor, correct: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(wrong, near) for float32 tanh values y of x (1-D): wrong where y is not the correctly
+    rounded tanh(x) (NaN for NaN), and ``near`` as :func:`correctly_rounded`'s (None where
+    ``correct``, that function's first result, is given)."""
+    near = None
+    if correct is None:
+        correct, near = correctly_rounded(x)
+    return (y != correct) & ~(y.isnan() & correct.isnan()), near
 
 
 def _nearer_to_tanh(x: float, a: float, b: float) -> float:
@@ -81,11 +90,12 @@ def main(argv=None) -> int:
     examples = []
     for start in tqdm(range(0, total, CHUNK), desc="bit patterns", unit="chunk"):
         x = as_float32(torch.arange(start, min(start + CHUNK, total), dtype=torch.int64))
+        correct, near = correctly_rounded(x)
         for name, tanh in (("pass", _fused.tanh), ("torch", torch.tanh)):
             begin = time.perf_counter()
             y = tanh(x)
             seconds[name] += time.perf_counter() - begin
-            wrong, near = misrounded(x, y)
+            wrong, _ = misrounded(x, y, correct)
             counts[name]["wrong"] += int(wrong.sum())
             counts[name]["near"] += int(near.sum())
             if name == "pass" and wrong.any():  # (the first ten, as bit patterns: NaNs too)

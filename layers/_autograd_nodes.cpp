@@ -146,13 +146,15 @@ bool passes_are_bound() {
     return passes_bound;
 }
 
-// A strided tensor with its own storage: not a Python subclass (FakeTensor, …), not wrapped by
-// torch.func or the legacy vmap, and carrying no forward-mode tangent (which a raw kernel would drop).
+// A strided tensor with its own storage, which holds its values as they read: not a Python subclass
+// (FakeTensor, …), not wrapped by torch.func or the legacy vmap, not a lazily negated or conjugated
+// view (its storage holds the values before the negation), and carrying no forward-mode tangent
+// (which a raw kernel would drop). As _fused.plain.
 bool plain(const Tensor& t) {
     static const c10::DispatchKeySet wrapped({c10::DispatchKey::Python, c10::DispatchKey::FuncTorchGradWrapper,
                                               c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::Batched});
-    return (t.key_set() & wrapped).empty() && t.layout() == at::kStrided && t.has_storage()
-           && !t._fw_grad(/*level=*/0).defined();
+    return (t.key_set() & wrapped).empty() && t.layout() == at::kStrided && t.has_storage() && !t.is_neg()
+           && !t.is_conj() && !t._fw_grad(/*level=*/0).defined();
 }
 
 // _fused.usable: the passes may run on these tensors (undefined ones ignored; the first is defined),

@@ -608,7 +608,8 @@ def tanh(x: Tensor) -> Tensor:
     ValueError."""
     if x.dtype != torch.float32 or not x.is_cpu or not plain(x) or not non_overlapping_and_dense(x):
         raise ValueError(f"tanh: needs a plain dense float32 CPU tensor, got a {type(x).__name__} of {x.dtype} on "
-                         f"{x.device}, shape {tuple(x.shape)}, strides {x.stride()}, negated view {x.is_neg()}")
+                         f"{x.device}, shape {tuple(x.shape)}, strides {x.stride()}, negated or conjugated view "
+                         f"{x.is_neg() or x.is_conj()}")
     y = torch.empty_like(x)  # (a dense tensor's strides: element i of y's storage is tanh of x's)
     _LIB.tanh_f32(x.data_ptr(), y.data_ptr(), x.numel(), torch.get_num_threads())
     return y

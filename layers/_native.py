@@ -24,9 +24,10 @@ torch. ``affine_like`` and ``norm_like`` run a call on a node, or return None wh
 one: the extension not loaded, ``disabled`` or ``_fused.disabled`` (which asks for the plain-torch
 passes: the Python Functions run them), not eager mode (traced, under a torch.func transform, a
 dispatch mode other than one that only observes, or forward-mode AD: those need the Python
-Functions' vmap rules and jvp), a tensor
-of a subclass (whose overrides a node would skip), or x not a 2-D plain CPU float32/float64 tensor
-with weight and bias of its dtype (checked in C++, where it costs a fraction of a microsecond).
+Functions' vmap rules and jvp; under an observing mode the nodes run, their fused passes not), a
+tensor of a subclass (whose overrides a node would skip), or x not a 2-D plain CPU float32/float64
+tensor with weight and bias of its dtype (checked in C++, where it costs a fraction of a
+microsecond).
 A graph may be recorded: the nodes' backward is itself differentiable.
 
 The extension also binds torch's own call of oneDNN's matmul (``at::native::mkldnn_matmul``, not

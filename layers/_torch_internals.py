@@ -52,6 +52,8 @@ def dispatch_mode_active() -> bool:
     it runs every op on the real tensors unchanged and only looks at them, as a benchmark's recorder
     of the ops a step runs) does not count: the package's kernels run under it, unseen by it."""
     depth = torch._C._len_torch_dispatch_stack()
+    if not depth:  # (the common case, before any generator)
+        return False
     return any(not getattr(torch._C._get_dispatch_stack_at(i), "affdiv_observes_only", False) for i in range(depth))
 
 

@@ -1,12 +1,12 @@
 """The stacked engine's tanh activation on the fused pass in float32.
 
-torch's float32 tanh on the CPU calls the C library's ``tanhf`` one element at a time: about 2 ns
-an element on one core, whatever vector width the processor has, which in the stacked MLP arms is
+torch's float32 tanh on the CPU is not vectorised: about 2 ns an element on one core, whatever
+vector width the processor has (its ATEN_CPU_CAPABILITY), which in the stacked MLP arms is
 about a seventh of a training step at B = 256 (three tanh layers against their matrix products).
 The pass ``_fused.tanh`` computes each element in double from a reduced ``expm1`` (within 1e-15 of
 tanh(x), relative) and rounds it once to float (its derivation in ``_fused_cpu.c``): the correctly
 rounded tanh on each of the 2³¹ non-negative float32 inputs, and so on the negative ones (it is odd
-by construction, and rounding to nearest is symmetric), where torch's ``tanhf`` misrounds 82,383 of
+by construction, and rounding to nearest is symmetric), where torch's float32 tanh misrounds 82,383 of
 them (``benchmarks/tanh_accuracy.py``); and about 2.4× faster with AVX-512 (0.98 against 2.36 ns
 an element in that run, one thread).
 

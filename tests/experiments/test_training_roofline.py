@@ -37,7 +37,7 @@ def _package_pass_flops(func, args) -> int:
         q, _k, _v, p, _gy = args
         return 8 * q.shape[0] * p.shape[2] * q.shape[1]
     if name in ("conv_pool", "conv_pool_backward"):  # one input channel → C channels, per model
-        xp, (kh, kw) = args[0], args[4] if name == "conv_pool" else args[3]
+        xp, (kh, kw) = args[0], (args[4] if name == "conv_pool" else args[3])
         channels = args[3] if name == "conv_pool" else args[1].shape[1] // xp.shape[0]
         models, batch, hq, wq = xp.shape
         return 2 * models * batch * channels * kh * kw * (hq - kh + 1) * (wq - kw + 1)
@@ -48,17 +48,23 @@ ATTENTION = {"attention_scores", "attention_values", "attention_backward"}
 FIRST_BLOCK = {"conv_pool", "conv_pool_backward"}
 
 
-#: method → (width, the package passes its step runs, the replayed FLOPs over the floor's). The
-#: plain methods' steps run the floor's arithmetic exactly; the corrected layers' passes compute
-#: some of it outside any product (PatchNorm's patch norms, which one model's layer computes as a
-#: box-filter convolution; the dense layers' row norms) and add small products (⟨gy, b⟩ per row;
-#: the BatchNorm folded into the first block's weights).
-CELLS = {"affine": (8, {"onednn_bmm_"}, (1, 1)), "conv": (2, {"onednn_bmm_", *FIRST_BLOCK}, (1, 1)),
-         "vit": (8, {"onednn_bmm_", *ATTENTION}, (1, 1)),
-         "affine_like": (8, {"onednn_bmm_"}, (0.95, 1.05)), "norm_l2": (8, {"onednn_bmm_"}, (0.95, 1.05)),
-         "vit-affine_like": (8, {"onednn_bmm_", *ATTENTION}, (0.95, 1.05)),
-         "patchnorm": (2, {"onednn_bmm_", *FIRST_BLOCK}, (0.75, 0.85)),
-         "conv+batchnorm": (2, {"onednn_bmm_", *FIRST_BLOCK}, (1, 1.05))}
+#: method → (width, the package passes its step runs, the bounds of its replayed FLOPs over the
+#: floor's). The plain methods' steps (and norm_l2's, whose row norms one model's layer also
+#: computes outside any product) run the floor's arithmetic exactly. The others' passes compute
+#: some of it outside any product and add small products of their own; in these small models the
+#: ratios are 0.994 (affine_like: its row norms out, ⟨gy, b⟩ per row in), 0.978 (the vit's
+#: AffineLike), 0.804 (PatchNorm's patch norms, which one model's layer computes as a box-filter
+#: convolution) and 1.019 (conv+batchnorm: the BatchNorm folded into the first block's weights),
+#: held here within ±0.5% (a regression bound on these numbers; the exact check is the plain
+#: methods': a pass left out of ``PACKAGE_PRODUCTS`` fails the names' check on every method).
+CELLS = {"affine": (8, {"onednn_bmm_"}, (1, 1)), "norm_l2": (8, {"onednn_bmm_"}, (1, 1)),
+         "conv": (2, {"onednn_bmm_", *FIRST_BLOCK}, (1, 1)),
+         **{method: (8, {"onednn_bmm_", *ATTENTION}, (1, 1)) for method in ("vit", "vit-qknorm", "vit-nonorm")},
+         "affine_like": (8, {"onednn_bmm_"}, (0.989, 0.999)),
+         **{method: (8, {"onednn_bmm_", *ATTENTION}, (0.973, 0.983))
+            for method in ("vit-affine_like", "vit-affine_like-qknorm")},
+         "patchnorm": (2, {"onednn_bmm_", *FIRST_BLOCK}, (0.800, 0.808)),
+         "conv+batchnorm": (2, {"onednn_bmm_", *FIRST_BLOCK}, (1.014, 1.024))}
 
 
 @pytest.mark.parametrize("method", list(CELLS))

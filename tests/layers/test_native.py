@@ -183,6 +183,22 @@ def test_non_contiguous_inputs_take_the_nodes_plain_passes(member):
     _assert_bitwise_equal(node, python)
 
 
+@pytest.mark.parametrize("make, shape", [(lambda: AffineLike(6, 3), (5, 6)), (lambda: NormLike(6, 3), (5, 6)),
+                                         (lambda: PatchNormConv2d(2, 3, 3, padding=1), (2, 2, 5, 5))])
+def test_a_lazily_negated_input_is_read_as_its_values(make, shape):
+    # torch._neg_view(a) reads as −a, but its storage holds a: a pass that read the storage (the
+    # C++ nodes', the Python Functions' fused passes) would take it for a
+    layer = make().double()
+    a = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    results = []
+    for x in (torch._neg_view(a).requires_grad_(), (-a).requires_grad_()):
+        y = layer(x)
+        grads = torch.autograd.grad(y.square().sum(), [x, *layer.parameters()])
+        results.append((y, *grads))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 @needs_nodes
 @pytest.mark.parametrize("make", [lambda: AffineLike(4, 3), lambda: NormLike(4, 3, mode="rms")])
 def test_eager_cpu_calls_take_the_nodes_and_others_the_python_functions(make):
