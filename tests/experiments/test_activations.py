@@ -7,9 +7,10 @@ float32, which is the correctly rounded float32 tanh wherever it lies farther th
 about 250 ulps of float64) from the midpoint of two floats; nearer, mpmath decides. The pass
 computes each value in double within 1e-15 (its derivation in ``_fused_cpu.c``) and rounds once,
 so it must equal the correctly rounded value unless tanh(x) lies within 1e-15 of a midpoint: on
-none of the 2³¹ non-negative float32 inputs (``benchmarks/results/cpu_tanh_accuracy.json``). The suite checks 2²⁵ bit patterns spread over
-all 2³² and the special values. An error in a coefficient of the series or in the reduction moves
-results by far more than that and misrounds some of them.
+none of the 2³¹ non-negative float32 inputs (``benchmarks/results/cpu_tanh_accuracy.json``). The
+suite checks 2²⁵ bit patterns spread over all 2³² and the special values. An error in a
+coefficient of the series or in the reduction moves results by far more than that and misrounds
+some of them.
 """
 
 from __future__ import annotations
