@@ -54,7 +54,8 @@ and its LayerNorms, on K models' rows (K, M, d) with each model's γ_k, β_k:
 
 and the stacked engine's tanh activation in float32, ``tanh(x)``, each element computed in double
 (within 1e-15 of tanh(x), relative) and rounded once: the correctly rounded tanh on every float32
-input (checked on all of them by ``benchmarks/tanh_accuracy.py``; the derivation in _fused_cpu.c).
+input (``benchmarks/tanh_accuracy.py`` checks each non-negative one; the pass is odd by
+construction; the derivation in _fused_cpu.c).
 
 The row passes' dot products are accumulated in 16 partial sums in the tensors' dtype, combined
 pairwise (float32 rounding for float32, as torch's own vectorised sums), their tails in double; box
