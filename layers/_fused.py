@@ -62,13 +62,13 @@ pairwise (float32 rounding for float32, as torch's own vectorised sums), their t
 sums in double; ``conv_pool``'s convolution outputs and PatchNorm's patch norms in tap order in the
 dtype, its gradients per sample, then over samples, in the dtype; the attention's sums in the dtype,
 in the order written; the LayerNorm's row sums as the row passes' dot products, its column sums in
-the dtype over blocks of rows, the blocks in double. The extension is optional (built at install where a C compiler with
-OpenMP is present); ``usable`` says whether a call may take it: the library loaded and not
-``disabled``, every tensor a contiguous (or, for the convolutions, channels_last) plain CPU
-float32/float64 tensor of one dtype, in eager mode (not traced, not under torch.func, no dispatch
-mode but one that only observes, no forward-mode AD) and not recording a graph (a double backward
-needs the differentiable torch formulas, forward mode their tangents).
-Otherwise the layers run the same passes as torch ops.
+the dtype over blocks of rows, the blocks in double. The extension is optional (built at install
+where a C compiler with OpenMP is present); ``usable`` says whether a call may take it: the library
+loaded and not ``disabled``, every tensor a contiguous (or, for the convolutions, channels_last)
+plain CPU float32/float64 tensor of one dtype, in eager mode (not traced, not under torch.func, no
+dispatch mode but one that only observes, no forward-mode AD) and not recording a graph (a double
+backward needs the differentiable torch formulas, forward mode their tangents). Otherwise the
+layers run the same passes as torch ops.
 """
 
 from __future__ import annotations
