@@ -27,9 +27,10 @@ of summation, and tanh's last bit: the engine's float32 tanh is the correctly ro
 :mod:`~affdiv.experiments.runs.activations`, torch's is not everywhere).
 
 Checks, and the runs' test splits after training, evaluate one chunk of samples for all the
-models on that split: the first linear layer is then one GEMM with the K weights side by side (a
-first convolution on more than one input channel one dense convolution), and models on different
-splits of one size are evaluated in one pass per chunk.
+models on that split: the first linear layer is then one GEMM with the K weights side by side (in
+float32 on oneDNN where it may run, at about twice the rate of torch's BLAS here: the largest
+product of an MLP's check), a first convolution on more than one input channel one dense
+convolution, and models on different splits of one size are evaluated in one pass per chunk.
 
 The vision transformer of the vit methods (:mod:`~affdiv.experiments.runs.transformer`) is batched
 too (:func:`batched_vit`): its tokens are rows, (K, B·T, d), so that every projection, LayerNorm,
@@ -395,10 +396,10 @@ def _shared_input(x: Tensor, module: nn.Module, p: Stacked, k: int) -> tuple[Ten
     if type(module) is nn.Flatten:
         return x.flatten(1), True
     w = p.get("weight")
-    if type(module) is nn.Linear:
-        w = w.reshape(-1, w.shape[2])
-        z = torch.addmm(p["bias"].reshape(-1), x, w.t()) if "bias" in p else x @ w.t()
-        return z.view(x.shape[0], k, -1).transpose(0, 1), False
+    if type(module) is nn.Linear:  # (a batch of one: oneDNN's product where it may run)
+        bias = p["bias"].reshape(1, 1, -1) if "bias" in p else None
+        z = stacked_matmul.baddbmm(bias, x.unsqueeze(0), w.reshape(-1, w.shape[2]).t().unsqueeze(0))
+        return z[0].view(x.shape[0], k, -1).transpose(0, 1), False
     if type(module) is nn.Conv2d and module.groups == 1 and x.shape[1] > 1:
         z = F.conv2d(x.contiguous(memory_format=torch.channels_last), w.reshape(-1, *w.shape[2:]),
                      p["bias"].reshape(-1) if "bias" in p else None, module.stride, module.padding, module.dilation)
