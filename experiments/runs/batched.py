@@ -396,9 +396,9 @@ def _shared_input(x: Tensor, module: nn.Module, p: Stacked, k: int) -> tuple[Ten
     if type(module) is nn.Flatten:
         return x.flatten(1), True
     w = p.get("weight")
-    if type(module) is nn.Linear:  # (a batch of one: oneDNN's product where it may run)
+    if type(module) is nn.Linear:  # a batch of one (oneDNN's product where it may run), Wᵀ a view oneDNN reads as is
         bias = p["bias"].reshape(1, 1, -1) if "bias" in p else None
-        z = stacked_matmul.baddbmm(bias, x.unsqueeze(0), w.reshape(-1, w.shape[2]).t().unsqueeze(0))
+        z = stacked_matmul.baddbmm(bias, x.unsqueeze(0), w.reshape(1, -1, w.shape[2]).transpose(1, 2))
         return z[0].view(x.shape[0], k, -1).transpose(0, 1), False
     if type(module) is nn.Conv2d and module.groups == 1 and x.shape[1] > 1:
         z = F.conv2d(x.contiguous(memory_format=torch.channels_last), w.reshape(-1, *w.shape[2:]),
