@@ -385,6 +385,11 @@ def is_batched(model: nn.Module) -> bool:
     return batched_layers(model) is not None or batched_vit(model) is not None
 
 
+#: The dimension of :func:`_shared_input`'s outputs along which the models lie, by their rank: rows
+#: (K, B, F), a CNN's channels (B, K·C, H, W).
+_MODEL_DIM = {3: 0, 4: 1}
+
+
 def _shared_input(x: Tensor, module: nn.Module, p: Stacked, k: int) -> tuple[Tensor, bool] | None:
     """``module`` on ``x`` (B, ...), one input for all K models: (output, whether it is still one
     for all), or None where it has no such form (the input is then repeated per model). A linear
@@ -423,23 +428,39 @@ class BatchedEnsemble(StackedEnsemble):
         self.vit = batched_vit(self.base) if self.layers is None else None
         self._loss_sum = _loss_sums
 
-    def _batched_logits(self, params: Stacked, buffers: Stacked, x: Tensor, training: bool,
-                        models: int | None = None) -> Tensor:
-        """(K, B, classes) logits of the K models on their inputs ``x`` (K, B, ...), or, given
-        ``models`` = K, on one input ``x`` (B, ...) for all (see :func:`_shared_input`)."""
+    def _batched_logits(self, params: Stacked, buffers: Stacked, x: Tensor, training: bool) -> Tensor:
+        """(K, B, classes) logits of the K models on their inputs ``x`` (K, B, ...)."""
+        everything = {**params, **buffers}
+        if self.vit is not None:
+            return self.vit(everything, x, training)
+        k = x.shape[0]
+        for name, _module, layer in self.layers:
+            x = layer(x, _local(everything, name), k, training)
+        return _to_rows(x, k)
+
+    def _shared_logits(self, params: Stacked, buffers: Stacked, segments: Sequence[tuple[int, int, Tensor]]) -> Tensor:
+        """(K, B, classes) logits in eval mode of the K models where models a … b − 1 of each
+        segment (a, b, x) share one input x (B, ...): the first layers on each segment's input by
+        :func:`_shared_input` while it has a shared form, then all the models' activations as one
+        (K, B, ...) batch (the input itself repeated per model where the first layer has no such form)."""
         everything = {**params, **buffers}
         if self.vit is not None:  # its first layer takes the input repeated per model
-            return self.vit(everything, x if models is None else x.expand(models, *x.shape), training)
-        k, shared = (x.shape[0], False) if models is None else (models, True)
-        for name, module, layer in self.layers:
+            return self.vit(everything, torch.cat([x.expand(b - a, *x.shape) for a, b, x in segments]), False)
+        k, pieces, layers = segments[-1][1], [x for _a, _b, x in segments], iter(self.layers)
+        for name, module, layer in layers:
             state = _local(everything, name)
-            if shared:
-                done = _shared_input(x, module, state, k)
-                if done is not None:
-                    x, shared = done
-                    continue
-                x, shared = x.expand(k, *x.shape), False
-            x = layer(x, state, k, training)
+            done = [_shared_input(x, module, {n: t[a:b] for n, t in state.items()}, b - a)
+                    for (a, b, _x), x in zip(segments, pieces)]
+            if done[0] is None:  # no shared form: this layer on the input repeated per model
+                x = layer(torch.cat([x.expand(b - a, *x.shape) for (a, b, _x), x in zip(segments, pieces)]),
+                          state, k, False)
+                break
+            pieces = [out for out, _shared in done]
+            if not done[0][1]:
+                x = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=_MODEL_DIM[pieces[0].dim()])
+                break
+        for name, _module, layer in layers:
+            x = layer(x, _local(everything, name), k, False)
         return _to_rows(x, k)
 
     def step(self, batches: Tensor) -> Tensor:
@@ -457,7 +478,8 @@ class BatchedEnsemble(StackedEnsemble):
     def evaluate(self) -> list[dict]:
         """As :meth:`StackedEnsemble.evaluate` (the same chunks of each split), with all the
         models in one pass per chunk where their validation splits differ but have one size: model
-        k's chunk is its own split's samples."""
+        k's chunk is its own split's samples, the first layers run on each split's chunk once for
+        all its models (:meth:`_shared_logits`)."""
         segments = self._segments(self.val_splits)
         sizes = {len(y) for _a, _b, (_x, y) in segments}
         if len(segments) == 1 or len(sizes) > 1:
@@ -468,17 +490,16 @@ class BatchedEnsemble(StackedEnsemble):
         loss_sum = torch.zeros(len(self), dtype=torch.float64)
         correct = torch.zeros(len(self), dtype=torch.long)
         for start in range(0, n, self.eval_chunk):
-            xs = torch.cat([x[start : start + self.eval_chunk].expand(b - a, *x[start : start + self.eval_chunk].shape)
-                            for a, b, (x, _y) in segments])
+            chunks = [(a, b, x[start : start + self.eval_chunk]) for a, b, (x, _y) in segments]
             ys = torch.cat([y[start : start + self.eval_chunk].expand(b - a, -1) for a, b, (_x, y) in segments])
-            logits = self._batched_logits(self.params, self.buffers, xs, False)
+            logits = self._shared_logits(self.params, self.buffers, chunks)
             loss_sum += _loss_sums(logits, ys).double().cpu()
             correct += (logits.argmax(dim=2) == ys).sum(1).cpu()
         return [{"loss": float(s) / n, "accuracy": int(c) / n} for s, c in zip(loss_sum, correct)]
 
     def _eval_logits(self, params: Stacked, buffers: Stacked, chunk: Tensor, k: int) -> Tensor:
         # (contiguous: the evaluation's argmax over classes is several times slower on a transposed view)
-        return self._batched_logits(params, buffers, chunk, False, models=k).contiguous()
+        return self._shared_logits(params, buffers, [(0, k, chunk)]).contiguous()
 
 
 def _loss_sums(logits: Tensor, y: Tensor) -> Tensor:

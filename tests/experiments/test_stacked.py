@@ -429,6 +429,30 @@ def test_batched_logits_are_each_models_own(method, activation):
         assert torch.allclose(got[k], want, rtol=5e-12, atol=5e-12 * float(want.abs().max())), k
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_a_check_on_several_splits_gives_each_model_its_own_logits(method):
+    # A check's form: models 0 and 1 on one split, model 2 on another, the first layers on each
+    # split's chunk once for its models (a first convolution on three input channels is one dense
+    # convolution per split), then one batch. float64, the bound of the test above.
+    torch.manual_seed(1)
+    width = 8 if architecture(method) == "vit" else 4
+    models = [build_model(method, input_shape=(3, 8, 8), num_classes=10, depth=2, width=width, activation="tanh")
+              .double() for _ in range(3)]
+    with torch.no_grad():
+        for model in models:
+            for parameter in model.parameters():
+                parameter.add_(0.3 * torch.randn_like(parameter))
+    xa, xb, y = torch.randn(5, 3, 8, 8, dtype=torch.float64), torch.randn(5, 3, 8, 8, dtype=torch.float64), \
+        torch.zeros(5, dtype=torch.long)
+    splits = [(xa, y), (xa, y), (xb, y)]
+    ensemble = BatchedEnsemble(models, "sgd", [0.1] * 3, [None] * 3, splits, splits)
+    with torch.no_grad():
+        got = ensemble._shared_logits(ensemble.params, ensemble.buffers, [(0, 2, xa), (2, 3, xb)])
+    for k, (model, x) in enumerate(zip(models, (xa, xa, xb))):
+        want = copy.deepcopy(model).eval()(x).detach()
+        assert torch.allclose(got[k], want, rtol=5e-12, atol=5e-12 * float(want.abs().max())), k
+
+
 def test_a_layer_norm_without_its_affine_parameters_is_batched_as_itself():
     # Same bound as the batched-logits test above (float64, one forward, two layers).
     torch.manual_seed(0)

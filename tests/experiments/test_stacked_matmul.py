@@ -230,26 +230,28 @@ def test_the_stacked_engine_takes_onednn_in_float32_with_torchs_numbers_within_r
 
 
 @pytest.mark.parametrize("method", ["affine", "batchnorm"])
-def test_a_check_takes_onednn_for_the_first_layer_of_a_shared_split(digits, method):
-    # A check evaluates the models of one split on one input: the first linear layer is one product
-    # of the chunk with the K weights side by side (a batch of one), on oneDNN in float32 only
-    # (batchnorm's linear layers have no bias). Its logits are each model's own in eval mode within
-    # rounding: relative 1e-5 (~100 u) in float32, 1e-12 in float64 (2 γ_64 ≈ 1.4e-14 per sum of
-    # the 64 inputs or 16 hidden units, with room for cancellation), with and without oneDNN.
-    chunk = torch.as_tensor(digits.train.x[:96])
+def test_a_check_takes_onednn_for_the_first_layer_of_each_split(digits, method):
+    # A check evaluates the models of each split on that split's input: the first linear layer is
+    # one product of the chunk with those models' weights side by side (a batch of one), on oneDNN
+    # in float32 only (batchnorm's linear layers have no bias). Models 0 and 1 share a split, model 2
+    # has its own. The logits are each model's own in eval mode within rounding: relative 1e-5
+    # (~100 u) in float32, 1e-12 in float64 (2 γ_64 ≈ 1.4e-14 per sum of the 64 inputs or 16 hidden
+    # units, with room for cancellation), with and without oneDNN.
+    inputs = torch.as_tensor(digits.train.x[:96]), torch.as_tensor(digits.train.x[96:192])
     for dtype in ("float32", "float64"):
         config = RunConfig(dataset="digits", method=method, depth=2, width=16, batch_size=8, seed=0, dtype=dtype)
         models = [build_member(config, digits, seed) for seed in (0, 1, 2)]
-        split = (chunk.to(getattr(torch, dtype)), torch.as_tensor(digits.train.y[:96]))
-        engine = stacked_engine(models[0])(models, "sgd", [0.1] * 3, [None] * 3, [split] * 3, [split] * 3)
+        xa, xb = (x.to(getattr(torch, dtype)) for x in inputs)
+        splits = [(xa, torch.as_tensor(digits.train.y[:96]))] * 2 + [(xb, torch.as_tensor(digits.train.y[96:192]))]
+        engine = stacked_engine(models[0])(models, "sgd", [0.1] * 3, [None] * 3, splits, splits)
         with torch.no_grad():
-            alone = torch.stack([model.eval()(split[0]) for model in models])
+            alone = torch.stack([model.eval()(x) for model, x in zip(models, (xa, xa, xb))])
         for context in (_native.disabled, contextlib.nullcontext):
             with unittest.mock.patch.object(stacked_matmul.OnednnBaddbmm, "apply",
                                             wraps=stacked_matmul.OnednnBaddbmm.apply) as spy, context(), \
                     torch.no_grad():
-                logits = engine._eval_logits(engine.params, engine.buffers, split[0], 3)
+                logits = engine._shared_logits(engine.params, engine.buffers, [(0, 2, xa), (2, 3, xb)])
             shapes = [tuple(call.args[1].shape) for call in spy.call_args_list]
-            assert (shapes[:1] == [(1, 96, 64)]) == (dtype == "float32" and context is contextlib.nullcontext)
+            assert (shapes[:2] == [(1, 96, 64)] * 2) == (dtype == "float32" and context is contextlib.nullcontext)
             tolerance = 1e-5 if dtype == "float32" else 1e-12
             torch.testing.assert_close(logits, alone, rtol=tolerance, atol=tolerance)
