@@ -752,20 +752,28 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
 #define WINDOW_TERMS(m, q, wq) ((m)[0] * (q)[0] + (m)[1] * (q)[1] + (m)[2] * (q)[wq] + (m)[3] * (q)[(wq) + 1])
 
 #define DEFINE_CONV_POOL(T, SUFFIX, V)                                                             \
-    /* r[d] = 1/sqrt(|patch_d|^2 + 1) for the window's four conv outputs (patchnorm), else 1. */    \
-    static inline void window_scales_##SUFFIX(const T *p, int64_t wq, int64_t kh, int64_t kw,      \
-                                              int patchnorm, T r[4]) {                            \
-        for (int d = 0; d < 4; ++d) {                                                              \
-            if (!patchnorm) {                                                                      \
-                r[d] = 1;                                                                          \
-                continue;                                                                          \
-            }                                                                                      \
-            const T *q = p + (d / 2) * wq + d % 2;                                                 \
-            T sq = 0;                                                                              \
+    /* PatchNorm's r = 1/sqrt(|patch|^2 + 1) of the conv outputs of one row of pooled positions,  \
+       the conv outputs' columns as vector lanes: r[a * cols + ow] for the output at rows 2ph + a  \
+       (p: the padded input at row 2ph) and columns ow < cols, each |patch|^2 summed in (i, j)     \
+       order. */                                                                                  \
+    VECTOR_CLONES static void row_scales_##SUFFIX(const T *restrict p, int64_t wq, int64_t kh,    \
+                                                  int64_t kw, int64_t cols, T *restrict r) {      \
+        for (int64_t a = 0; a < 2; ++a) {                                                          \
+            T *restrict ra = r + a * cols;                                                         \
+            for (int64_t ow = 0; ow < cols; ++ow) ra[ow] = 0;                                      \
             for (int64_t i = 0; i < kh; ++i)                                                       \
-                for (int64_t j = 0; j < kw; ++j) sq += q[i * wq + j] * q[i * wq + j];              \
-            r[d] = (T)1 / (T)sqrt(sq + (T)1);                                                      \
+                for (int64_t j = 0; j < kw; ++j) {                                                 \
+                    const T *restrict q = p + (a + i) * wq + j;                                    \
+                    for (int64_t ow = 0; ow < cols; ++ow) ra[ow] += q[ow] * q[ow];                 \
+                }                                                                                  \
+            for (int64_t ow = 0; ow < cols; ++ow) ra[ow] = (T)1 / (T)sqrt(ra[ow] + (T)1);          \
         }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    /* r[d] of the window at pooled column pw: its four conv outputs' from a row of row_scales    \
+       (2 wp columns each), or 1 each without a row (no patchnorm). */                            \
+    static inline void window_scales_##SUFFIX(const T *row, int64_t wp, int64_t pw, T r[4]) {      \
+        for (int d = 0; d < 4; ++d) r[d] = row ? row[(d / 2) * 2 * wp + 2 * pw + d % 2] : (T)1;    \
     }                                                                                              \
                                                                                                    \
     /* Channels rounded up to whole vectors: the weights', bias's and gradients' rows. */       \
@@ -837,13 +845,15 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
         const T *restrict wt, const T *restrict bias, int64_t channels, int64_t ph, int64_t wp,   \
         int patchnorm, int relu, T *restrict out, uint8_t *restrict argmax) {                     \
         const int64_t kc = models * channels, taps = kh * kw, cp = padded_##SUFFIX(channels);     \
-        for (int64_t pw = 0; pw < wp; ++pw)                                                       \
-            for (int64_t k = 0; k < models; ++k) {                                                \
+        T scales[patchnorm && wp > 0 ? 4 * wp : 1];                                                \
+        for (int64_t k = 0; k < models; ++k) {                                                     \
+            if (patchnorm) row_scales_##SUFFIX(xp + k * plane + 2 * ph * wq, wq, kh, kw, 2 * wp, scales); \
+            for (int64_t pw = 0; pw < wp; ++pw) {                                                  \
                 const T *p = xp + k * plane + 2 * ph * wq + 2 * pw;                               \
                 const T *wk = wt + k * taps * cp, *bk = bias ? bias + k * cp : NULL;              \
                 const int64_t at = pw * kc + k * channels;                                        \
                 T r[4];                                                                            \
-                window_scales_##SUFFIX(p, wq, kh, kw, patchnorm, r);                               \
+                window_scales_##SUFFIX(patchnorm ? scales : NULL, wp, pw, r);                      \
                 for (int64_t c = 0; c < channels; c += V) {                                       \
                     const int64_t n = channels - c < V ? channels - c : V;                        \
                     vec_##SUFFIX a[4], w;                                                          \
@@ -862,6 +872,7 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
                     store_window_max_##SUFFIX(a, relu, out + at + c, argmax ? argmax + at + c : NULL, n); \
                 }                                                                                  \
             }                                                                                      \
+        }                                                                                          \
     }                                                                                              \
                                                                                                    \
     /* out = maxpool((conv(xp, wt) + bias) * r) (r = 1 without patchnorm; layouts above), then  \
@@ -892,15 +903,7 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
         int64_t channels, int64_t hp, int64_t wp, int64_t kc, int patchnorm, const T *restrict g,  \
         const uint8_t *restrict argmax, T *restrict dw, T *restrict db) {                          \
         const int64_t taps = kh * kw, cp = padded_##SUFFIX(channels);                              \
-        /* PatchNorm's r of every window, once for all channel blocks (recomputed per block if    \
-           this buffer cannot be had) */                                                           \
-        T *scales = patchnorm ? malloc(sizeof(T) * (size_t)(batch * hp * wp * 4)) : NULL;         \
-        if (scales)                                                                                \
-            for (int64_t n = 0; n < batch; ++n)                                                    \
-                for (int64_t ph = 0; ph < hp; ++ph)                                                \
-                    for (int64_t pw = 0; pw < wp; ++pw)                                            \
-                        window_scales_##SUFFIX(xp + (n * hq + 2 * ph) * wq + 2 * pw, wq, kh, kw, 1, \
-                                               scales + ((n * hp + ph) * wp + pw) * 4);             \
+        T scales[patchnorm && wp > 0 ? 4 * wp : 1]; /* a row of windows' r, again per channel block */ \
         for (int64_t c = 0; c < channels; c += V) {                                               \
             const int64_t lanes = channels - c < V ? channels - c : V;                            \
             vec_##SUFFIX acc[MAX_TAPS], part[MAX_TAPS], sum = {0}, part_sum;                       \
@@ -908,7 +911,9 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
             for (int64_t n = 0; n < batch; ++n) {                                                  \
                 for (int64_t t = 0; t < taps; ++t) part[t] = (vec_##SUFFIX){0};                    \
                 part_sum = (vec_##SUFFIX){0};                                                      \
-                for (int64_t ph = 0; ph < hp; ++ph)                                                \
+                for (int64_t ph = 0; ph < hp; ++ph) {                                              \
+                    if (patchnorm)                                                                 \
+                        row_scales_##SUFFIX(xp + (n * hq + 2 * ph) * wq, wq, kh, kw, 2 * wp, scales); \
                     for (int64_t pw = 0; pw < wp; ++pw) {                                          \
                         const T *p = xp + (n * hq + 2 * ph) * wq + 2 * pw;                         \
                         const int64_t at = ((n * hp + ph) * wp + pw) * kc + c;                     \
@@ -917,10 +922,7 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
                         ivec_##SUFFIX which;                                                       \
                         load_positions_##SUFFIX(&which, argmax + at, lanes);                       \
                         T r[4];                                                                    \
-                        if (scales)                                                                \
-                            memcpy(r, scales + ((n * hp + ph) * wp + pw) * 4, sizeof r);           \
-                        else                                                                       \
-                            window_scales_##SUFFIX(p, wq, kh, kw, patchnorm, r);                   \
+                        window_scales_##SUFFIX(patchnorm ? scales : NULL, wp, pw, r);              \
                         for (int d = 0; d < 4; ++d)                                                \
                             m[d] = (vec_##SUFFIX)((ivec_##SUFFIX)gv & (which == d)) * r[d];        \
                         part_sum += m[0] + m[1] + m[2] + m[3];                                     \
@@ -930,13 +932,13 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
                                 part[i * kw + j] += WINDOW_TERMS(m, q, wq);                        \
                             }                                                                      \
                     }                                                                              \
+                }                                                                                  \
                 for (int64_t t = 0; t < taps; ++t) acc[t] += part[t];                              \
                 sum += part_sum;                                                                   \
             }                                                                                      \
             for (int64_t t = 0; t < taps; ++t) memcpy(dw + t * cp + c, &acc[t], sizeof acc[t]);   \
             if (db) memcpy(db + c, &sum, sizeof sum);                                              \
         }                                                                                          \
-        free(scales);                                                                              \
     }                                                                                              \
                                                                                                    \
     /* dwt (K, kh*kw, Cp) and db (K*Cp, or NULL) of conv_pool at its output's gradient g (its    \
