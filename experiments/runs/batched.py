@@ -444,21 +444,23 @@ class BatchedEnsemble(StackedEnsemble):
         :func:`_shared_input` while it has a shared form, then all the models' activations as one
         (K, B, ...) batch (the input itself repeated per model where the first layer has no such form)."""
         everything = {**params, **buffers}
+        pieces = [x for _a, _b, x in segments]
         if self.vit is not None:  # its first layer takes the input repeated per model
-            return self.vit(everything, torch.cat([x.expand(b - a, *x.shape) for a, b, x in segments]), False)
-        k, pieces, layers = segments[-1][1], [x for _a, _b, x in segments], iter(self.layers)
+            return self.vit(everything, _repeated(segments, pieces), False)
+        k, layers = segments[-1][1], iter(self.layers)
         for name, module, layer in layers:
             state = _local(everything, name)
             done = [_shared_input(x, module, {n: t[a:b] for n, t in state.items()}, b - a)
                     for (a, b, _x), x in zip(segments, pieces)]
             if done[0] is None:  # no shared form: this layer on the input repeated per model
-                x = layer(torch.cat([x.expand(b - a, *x.shape) for (a, b, _x), x in zip(segments, pieces)]),
-                          state, k, False)
+                x = layer(_repeated(segments, pieces), state, k, False)
                 break
             pieces = [out for out, _shared in done]
-            if not done[0][1]:
+            if not done[0][1]:  # no longer one input per segment: all the models as one batch
                 x = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=_MODEL_DIM[pieces[0].dim()])
                 break
+        else:  # every layer kept a shared form
+            x = _repeated(segments, pieces)
         for name, _module, layer in layers:
             x = layer(x, _local(everything, name), k, False)
         return _to_rows(x, k)
@@ -500,6 +502,11 @@ class BatchedEnsemble(StackedEnsemble):
     def _eval_logits(self, params: Stacked, buffers: Stacked, chunk: Tensor, k: int) -> Tensor:
         # (contiguous: the evaluation's argmax over classes is several times slower on a transposed view)
         return self._shared_logits(params, buffers, [(0, k, chunk)]).contiguous()
+
+
+def _repeated(segments: Sequence[tuple[int, int, Tensor]], inputs: Sequence[Tensor]) -> Tensor:
+    """Each segment's input (B, ...) repeated for its models a … b − 1, as one (K, B, ...) batch."""
+    return torch.cat([x.expand(b - a, *x.shape) for (a, b, _x), x in zip(segments, inputs)])
 
 
 def _loss_sums(logits: Tensor, y: Tensor) -> Tensor:
