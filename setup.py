@@ -76,7 +76,8 @@ def extensions() -> tuple[list, type]:
         "affdiv.layers._fused_cpu",
         sources=["layers/_fused_cpu.c"],
         depends=["layers/_fused_cpu.h"],
-        # (no-math-errno: sqrt, the one libm call, may then be vectorised; the passes never read errno)
+        # (no-math-errno, for the whole file: its square roots, its one libm call, may then be
+        # vectorised, with IEEE's values either way; no pass reads errno)
         extra_compile_args=["-O3", "-fno-math-errno", "-fopenmp", "-std=gnu11"],
         extra_link_args=["-fopenmp"],
         optional=True,

@@ -96,7 +96,7 @@ from affdiv.layers._torch_internals import (
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 #: The interface version this module is written for (``AFFDIV_FUSED_ABI`` of _fused_cpu.h): a
 #: library built from other sources is not loaded.
-FUSED_ABI = 3
+FUSED_ABI = 4
 _MAX = {dtype: torch.finfo(dtype).max for dtype in _SUFFIX}
 _state = {"disabled": False}  # process-wide (``disabled`` is for tests and benchmarks)
 
@@ -133,7 +133,7 @@ def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
         _declare(lib, f"scale_and_dot_to_cl_{suffix}", None, [p, p, p, i64, i64, i64, i64, p, p, i32])
         _declare(lib, f"group_update_from_cl_{suffix}", None, [p, p, p, i64, i64, i64, i64, p, i32])
         sizes = [i64] * 7  # models, batch, channels, hq, wq, kh, kw
-        _declare(lib, f"conv_pool_{suffix}", None, [p, *sizes, p, p, i32, i32, p, p, i32])
+        _declare(lib, f"conv_pool_{suffix}", i32, [p, *sizes, p, p, i32, i32, p, p, i32])
         _declare(lib, f"conv_pool_backward_{suffix}", i32, [p, p, p, *sizes, i32, p, p, i32])
         _declare(lib, f"max_pool2_{suffix}", None, [p, i64, i64, i64, i64, i32, p, p, i32])
         _declare(lib, f"max_pool2_backward_{suffix}", None, [p, p, i64, i64, i64, i64, p, i32])
@@ -417,10 +417,12 @@ def conv_pool(xp: Tensor, wt: Tensor, bias: Tensor | None, channels: int, kernel
                          f"{None if bias is None else tuple(bias.shape)}")
     out = torch.empty((batch, (hq - kh + 1) // 2, (wq - kw + 1) // 2, models * channels), dtype=xp.dtype)
     argmax = torch.empty(out.shape, dtype=torch.uint8) if keep_argmax else None
-    _call("conv_pool", xp.dtype)(
+    failed = _call("conv_pool", xp.dtype)(
         xp.data_ptr(), models, batch, channels, hq, wq, kh, kw, wt.data_ptr(), _ptr(bias), int(patchnorm),
         int(relu), out.data_ptr(), _ptr(argmax), torch.get_num_threads(),
     )
+    if failed:
+        raise MemoryError(f"conv_pool: could not allocate PatchNorm's scales ({models} models, {wq} columns)")
     return out.permute(0, 3, 1, 2), argmax
 
 
@@ -443,8 +445,10 @@ def conv_pool_backward(xp: Tensor, g: Tensor, argmax: Tensor, kernel: tuple[int,
         xp.data_ptr(), g.data_ptr(), argmax.data_ptr(), models, batch, channels, hq, wq, kh, kw, int(patchnorm),
         dwt.data_ptr(), _ptr(db), torch.get_num_threads(),
     )
-    if refused:
+    if refused == -1:
         raise ValueError(f"conv_pool_backward takes at most {CONV_POOL_MAX_TAPS} taps, got a {kh}x{kw} kernel")
+    if refused:
+        raise MemoryError(f"conv_pool_backward: could not allocate PatchNorm's scales ({batch} samples of {hq}x{wq})")
     return dwt, db
 
 

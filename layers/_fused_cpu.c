@@ -755,7 +755,8 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
     /* PatchNorm's r = 1/sqrt(|patch|^2 + 1) of the conv outputs of one row of pooled positions,  \
        the conv outputs' columns as vector lanes: r[a * cols + ow] for the output at rows 2ph + a  \
        (p: the padded input at row 2ph) and columns ow < cols, each |patch|^2 summed in (i, j)     \
-       order. */                                                                                  \
+       order (the AVX2 clone fuses its products and sums, the baseline clone cannot: their last   \
+       bits may differ, as in the other passes). */                                               \
     VECTOR_CLONES static void row_scales_##SUFFIX(const T *restrict p, int64_t wq, int64_t kh,    \
                                                   int64_t kw, int64_t cols, T *restrict r) {      \
         for (int64_t a = 0; a < 2; ++a) {                                                          \
@@ -839,21 +840,23 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
     }                                                                                              \
                                                                                                    \
     /* One row of pooled positions (ph) of one sample: out and argmax (argmax NULL: not kept)    \
-       at (ph, 0..Wp), all K models; channels in blocks of V, the last block partial. */          \
+       at (ph, 0..Wp), all K models; channels in blocks of V, the last block partial. With        \
+       patchnorm, scales (K * 4 Wp) takes the row's r of every model first (row_scales). */       \
     VECTOR_CLONES static void conv_pool_row_##SUFFIX(                                             \
         const T *restrict xp, int64_t plane, int64_t models, int64_t wq, int64_t kh, int64_t kw,  \
         const T *restrict wt, const T *restrict bias, int64_t channels, int64_t ph, int64_t wp,   \
-        int patchnorm, int relu, T *restrict out, uint8_t *restrict argmax) {                     \
+        T *restrict scales, int relu, T *restrict out, uint8_t *restrict argmax) {                \
         const int64_t kc = models * channels, taps = kh * kw, cp = padded_##SUFFIX(channels);     \
-        T scales[patchnorm && wp > 0 ? 4 * wp : 1];                                                \
-        for (int64_t k = 0; k < models; ++k) {                                                     \
-            if (patchnorm) row_scales_##SUFFIX(xp + k * plane + 2 * ph * wq, wq, kh, kw, 2 * wp, scales); \
-            for (int64_t pw = 0; pw < wp; ++pw) {                                                  \
+        if (scales)                                                                                \
+            for (int64_t k = 0; k < models; ++k)                                                   \
+                row_scales_##SUFFIX(xp + k * plane + 2 * ph * wq, wq, kh, kw, 2 * wp, scales + k * 4 * wp); \
+        for (int64_t pw = 0; pw < wp; ++pw)                                                       \
+            for (int64_t k = 0; k < models; ++k) {                                                \
                 const T *p = xp + k * plane + 2 * ph * wq + 2 * pw;                               \
                 const T *wk = wt + k * taps * cp, *bk = bias ? bias + k * cp : NULL;              \
                 const int64_t at = pw * kc + k * channels;                                        \
                 T r[4];                                                                            \
-                window_scales_##SUFFIX(patchnorm ? scales : NULL, wp, pw, r);                      \
+                window_scales_##SUFFIX(scales ? scales + k * 4 * wp : NULL, wp, pw, r);            \
                 for (int64_t c = 0; c < channels; c += V) {                                       \
                     const int64_t n = channels - c < V ? channels - c : V;                        \
                     vec_##SUFFIX a[4], w;                                                          \
@@ -872,38 +875,50 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
                     store_window_max_##SUFFIX(a, relu, out + at + c, argmax ? argmax + at + c : NULL, n); \
                 }                                                                                  \
             }                                                                                      \
-        }                                                                                          \
     }                                                                                              \
                                                                                                    \
     /* out = maxpool((conv(xp, wt) + bias) * r) (r = 1 without patchnorm; layouts above), then  \
-       the ReLU with relu (argmax POOL_NO_GRADIENT where it passes none); argmax may be NULL. */    \
-    void conv_pool_##SUFFIX(const T *xp, int64_t models, int64_t batch, int64_t channels,         \
-                            int64_t hq, int64_t wq, int64_t kh, int64_t kw, const T *wt,          \
-                            const T *bias, int patchnorm, int relu, T *out, uint8_t *argmax,      \
-                            int threads) {                                                        \
+       the ReLU with relu (argmax POOL_NO_GRADIENT where it passes none); argmax may be NULL.     \
+       Returns nonzero (and computes nothing) if PatchNorm's scales could not be allocated. */    \
+    int conv_pool_##SUFFIX(const T *xp, int64_t models, int64_t batch, int64_t channels,          \
+                           int64_t hq, int64_t wq, int64_t kh, int64_t kw, const T *wt,           \
+                           const T *bias, int patchnorm, int relu, T *out, uint8_t *argmax,       \
+                           int threads) {                                                         \
         const int64_t hp = (hq - kh + 1) / 2, wp = (wq - kw + 1) / 2, kc = models * channels;     \
         const int64_t work = batch * hp * wp * kc * kh * kw * 4;                                   \
-        _Pragma("omp parallel for collapse(2) schedule(static) num_threads(team_size(work, threads))") \
+        const int team = team_size(work, threads);                                                 \
+        const size_t row = (size_t)(models * 4 * wp); /* a thread's r of one row, every model */   \
+        T *scales = NULL;                                                                          \
+        if (patchnorm && !(scales = malloc(sizeof(T) * (row * team > 0 ? row * team : 1)))) return 1;  \
+        _Pragma("omp parallel for collapse(2) schedule(static) num_threads(team)")                 \
         for (int64_t n = 0; n < batch; ++n)                                                        \
             for (int64_t ph = 0; ph < hp; ++ph) {                                                  \
-                const int64_t row = (n * hp + ph) * wp * kc;                                       \
+                const int64_t at = (n * hp + ph) * wp * kc;                                        \
                 conv_pool_row_##SUFFIX(xp + n * hq * wq, batch * hq * wq, models, wq, kh, kw, wt,   \
-                                       bias, channels, ph, wp, patchnorm, relu, out + row,         \
-                                       argmax ? argmax + row : NULL);                              \
+                                       bias, channels, ph, wp,                                     \
+                                       scales ? scales + (size_t)my_thread() * row : NULL, relu,   \
+                                       out + at, argmax ? argmax + at : NULL);                     \
             }                                                                                      \
+        free(scales);                                                                              \
+        return 0;                                                                                  \
     }                                                                                              \
                                                                                                    \
     /* One model: dw (kh*kw, Cp) = sum over samples and pooled positions of g * r times the patch \
        at the argmax's conv output, db (Cp) = sum of g * r (db NULL: not wanted); summed per       \
        sample, then over samples (error (Hp*Wp + B) u, not B*Hp*Wp*u as one running sum's).       \
        Channels in blocks of V, the last partial: its spare lanes load g and argmax as 0 and      \
-       store dw's and db's padded columns (see above). */                                         \
+       store dw's and db's padded columns (see above). With patchnorm, scales (B * Hp * 4 Wp)     \
+       takes every window's r first (row_scales), for all the channel blocks. */                  \
     VECTOR_CLONES static void conv_pool_grads_##SUFFIX(                                           \
         const T *restrict xp, int64_t batch, int64_t hq, int64_t wq, int64_t kh, int64_t kw,      \
-        int64_t channels, int64_t hp, int64_t wp, int64_t kc, int patchnorm, const T *restrict g,  \
-        const uint8_t *restrict argmax, T *restrict dw, T *restrict db) {                          \
+        int64_t channels, int64_t hp, int64_t wp, int64_t kc, T *restrict scales,                 \
+        const T *restrict g, const uint8_t *restrict argmax, T *restrict dw, T *restrict db) {    \
         const int64_t taps = kh * kw, cp = padded_##SUFFIX(channels);                              \
-        T scales[patchnorm && wp > 0 ? 4 * wp : 1]; /* a row of windows' r, again per channel block */ \
+        if (scales)                                                                                \
+            for (int64_t n = 0; n < batch; ++n)                                                    \
+                for (int64_t ph = 0; ph < hp; ++ph)                                                \
+                    row_scales_##SUFFIX(xp + (n * hq + 2 * ph) * wq, wq, kh, kw, 2 * wp,           \
+                                        scales + (n * hp + ph) * 4 * wp);                          \
         for (int64_t c = 0; c < channels; c += V) {                                               \
             const int64_t lanes = channels - c < V ? channels - c : V;                            \
             vec_##SUFFIX acc[MAX_TAPS], part[MAX_TAPS], sum = {0}, part_sum;                       \
@@ -911,9 +926,7 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
             for (int64_t n = 0; n < batch; ++n) {                                                  \
                 for (int64_t t = 0; t < taps; ++t) part[t] = (vec_##SUFFIX){0};                    \
                 part_sum = (vec_##SUFFIX){0};                                                      \
-                for (int64_t ph = 0; ph < hp; ++ph) {                                              \
-                    if (patchnorm)                                                                 \
-                        row_scales_##SUFFIX(xp + (n * hq + 2 * ph) * wq, wq, kh, kw, 2 * wp, scales); \
+                for (int64_t ph = 0; ph < hp; ++ph)                                                \
                     for (int64_t pw = 0; pw < wp; ++pw) {                                          \
                         const T *p = xp + (n * hq + 2 * ph) * wq + 2 * pw;                         \
                         const int64_t at = ((n * hp + ph) * wp + pw) * kc + c;                     \
@@ -922,7 +935,7 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
                         ivec_##SUFFIX which;                                                       \
                         load_positions_##SUFFIX(&which, argmax + at, lanes);                       \
                         T r[4];                                                                    \
-                        window_scales_##SUFFIX(patchnorm ? scales : NULL, wp, pw, r);              \
+                        window_scales_##SUFFIX(scales ? scales + (n * hp + ph) * 4 * wp : NULL, wp, pw, r); \
                         for (int d = 0; d < 4; ++d)                                                \
                             m[d] = (vec_##SUFFIX)((ivec_##SUFFIX)gv & (which == d)) * r[d];        \
                         part_sum += m[0] + m[1] + m[2] + m[3];                                     \
@@ -932,7 +945,6 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
                                 part[i * kw + j] += WINDOW_TERMS(m, q, wq);                        \
                             }                                                                      \
                     }                                                                              \
-                }                                                                                  \
                 for (int64_t t = 0; t < taps; ++t) acc[t] += part[t];                              \
                 sum += part_sum;                                                                   \
             }                                                                                      \
@@ -943,7 +955,7 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
                                                                                                    \
     /* dwt (K, kh*kw, Cp) and db (K*Cp, or NULL) of conv_pool at its output's gradient g (its    \
        layout) and argmax; one model per thread. Returns -1 (and computes nothing) for a kernel  \
-       of more than MAX_TAPS taps, else 0. */                                                     \
+       of more than MAX_TAPS taps, -2 if PatchNorm's scales could not be allocated, else 0. */   \
     int conv_pool_backward_##SUFFIX(const T *xp, const T *g, const uint8_t *argmax, int64_t models, \
                                     int64_t batch, int64_t channels, int64_t hq, int64_t wq,      \
                                     int64_t kh, int64_t kw, int patchnorm, T *dwt, T *db,         \
@@ -951,12 +963,18 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
         if (kh * kw > MAX_TAPS) return -1;                                                         \
         const int64_t hp = (hq - kh + 1) / 2, wp = (wq - kw + 1) / 2, kc = models * channels;     \
         const int64_t work = batch * hp * wp * kc * kh * kw * 4;                                   \
-        _Pragma("omp parallel for schedule(static) num_threads(team_size(work, threads))")        \
+        const int team = team_size(work, threads);                                                 \
+        const size_t model = (size_t)(batch * hp * 4 * wp); /* a thread's r of one model */       \
+        T *scales = NULL;                                                                          \
+        if (patchnorm && !(scales = malloc(sizeof(T) * (model * team > 0 ? model * team : 1)))) return -2; \
+        _Pragma("omp parallel for schedule(static) num_threads(team)")                             \
         for (int64_t k = 0; k < models; ++k)                                                       \
             conv_pool_grads_##SUFFIX(xp + k * batch * hq * wq, batch, hq, wq, kh, kw, channels, hp, wp, \
-                                     kc, patchnorm, g + k * channels, argmax + k * channels,      \
+                                     kc, scales ? scales + (size_t)my_thread() * model : NULL,    \
+                                     g + k * channels, argmax + k * channels,                     \
                                      dwt + k * kh * kw * padded_##SUFFIX(channels),               \
                                      db ? db + k * padded_##SUFFIX(channels) : NULL);             \
+        free(scales);                                                                              \
         return 0;                                                                                  \
     }
 

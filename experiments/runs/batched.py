@@ -28,9 +28,9 @@ of summation, and tanh's last bit: the engine's float32 tanh is the correctly ro
 
 Checks, and the runs' test splits after training, evaluate one chunk of samples for all the
 models on that split: the first linear layer is then one GEMM with the K weights side by side (in
-float32 on oneDNN where it may run, at about twice the rate of torch's BLAS here: the largest
-product of an MLP's check), a first convolution on more than one input channel one dense
-convolution, and models on different splits of one size are evaluated in one pass per chunk.
+float32 on oneDNN where it may run, as the engine's other products: the largest product of an
+MLP's check), a first convolution on more than one input channel one dense convolution, and
+models on different splits of one size are evaluated in one pass per chunk.
 
 The vision transformer of the vit methods (:mod:`~affdiv.experiments.runs.transformer`) is batched
 too (:func:`batched_vit`): its tokens are rows, (K, B·T, d), so that every projection, LayerNorm,
@@ -385,11 +385,6 @@ def is_batched(model: nn.Module) -> bool:
     return batched_layers(model) is not None or batched_vit(model) is not None
 
 
-#: The dimension of :func:`_shared_input`'s outputs along which the models lie, by their rank: rows
-#: (K, B, F), a CNN's channels (B, K·C, H, W).
-_MODEL_DIM = {3: 0, 4: 1}
-
-
 def _shared_input(x: Tensor, module: nn.Module, p: Stacked, k: int) -> tuple[Tensor, bool] | None:
     """``module`` on ``x`` (B, ...), one input for all K models: (output, whether it is still one
     for all), or None where it has no such form (the input is then repeated per model). A linear
@@ -439,14 +434,16 @@ class BatchedEnsemble(StackedEnsemble):
         return _to_rows(x, k)
 
     def _shared_logits(self, params: Stacked, buffers: Stacked, segments: Sequence[tuple[int, int, Tensor]]) -> Tensor:
-        """(K, B, classes) logits in eval mode of the K models where models a … b − 1 of each
-        segment (a, b, x) share one input x (B, ...): the first layers on each segment's input by
-        :func:`_shared_input` while it has a shared form, then all the models' activations as one
-        (K, B, ...) batch (the input itself repeated per model where the first layer has no such form)."""
+        """(K, B, classes) logits in eval mode, contiguous, of the K models where models a … b − 1 of
+        each segment (a, b, x) share one input x (B, ...); the segments run from model 0 to K − 1
+        in order, as :meth:`_segments` gives them. The first layers run on each segment's input by
+        :func:`_shared_input` while they have a shared form, then all the models' activations as
+        one (K, B, ...) batch (the input itself repeated per model where the first layer has no
+        such form)."""
         everything = {**params, **buffers}
         pieces = [x for _a, _b, x in segments]
         if self.vit is not None:  # its first layer takes the input repeated per model
-            return self.vit(everything, _repeated(segments, pieces), False)
+            return self.vit(everything, _repeated(segments, pieces), False).contiguous()
         k, layers = segments[-1][1], iter(self.layers)
         for name, module, layer in layers:
             state = _local(everything, name)
@@ -457,13 +454,15 @@ class BatchedEnsemble(StackedEnsemble):
                 break
             pieces = [out for out, _shared in done]
             if not done[0][1]:  # no longer one input per segment: all the models as one batch
-                x = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=_MODEL_DIM[pieces[0].dim()])
+                # (the models lie along rows' first dimension (K, B, F), a CNN's channels (B, K·C, H, W))
+                x = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0 if pieces[0].dim() == 3 else 1)
                 break
-        else:  # every layer kept a shared form
+        else:  # every layer kept a shared form (a model of flattens only)
             x = _repeated(segments, pieces)
         for name, _module, layer in layers:
             x = layer(x, _local(everything, name), k, False)
-        return _to_rows(x, k)
+        # (contiguous: the evaluation's argmax over classes is several times slower on a transposed view)
+        return _to_rows(x, k).contiguous()
 
     def step(self, batches: Tensor) -> Tensor:
         xs, ys = self._gather(batches)
@@ -500,12 +499,15 @@ class BatchedEnsemble(StackedEnsemble):
         return [{"loss": float(s) / n, "accuracy": int(c) / n} for s, c in zip(loss_sum, correct)]
 
     def _eval_logits(self, params: Stacked, buffers: Stacked, chunk: Tensor, k: int) -> Tensor:
-        # (contiguous: the evaluation's argmax over classes is several times slower on a transposed view)
-        return self._shared_logits(params, buffers, [(0, k, chunk)]).contiguous()
+        return self._shared_logits(params, buffers, [(0, k, chunk)])
 
 
 def _repeated(segments: Sequence[tuple[int, int, Tensor]], inputs: Sequence[Tensor]) -> Tensor:
-    """Each segment's input (B, ...) repeated for its models a … b − 1, as one (K, B, ...) batch."""
+    """Each segment's input (B, ...) repeated for its models a … b − 1, as one (K, B, ...) batch
+    (of one segment: a view, not a copy)."""
+    if len(segments) == 1:
+        (a, b, _x), x = segments[0], inputs[0]
+        return x.expand(b - a, *x.shape)
     return torch.cat([x.expand(b - a, *x.shape) for (a, b, _x), x in zip(segments, inputs)])
 
 

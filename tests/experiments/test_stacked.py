@@ -433,7 +433,8 @@ def test_batched_logits_are_each_models_own(method, activation):
 def test_a_check_on_several_splits_gives_each_model_its_own_logits(method):
     # A check's form: models 0 and 1 on one split, model 2 on another, the first layers on each
     # split's chunk once for its models (a first convolution on three input channels is one dense
-    # convolution per split), then one batch. float64, the bound of the test above.
+    # convolution per split), then one batch. float64, the bound of the test above with n ≤ 192
+    # (the MLP's first layer sums 3·8·8 inputs): 3 · 2γ_192 · 100 ≈ 1.3e-11 relative.
     torch.manual_seed(1)
     width = 8 if architecture(method) == "vit" else 4
     models = [build_model(method, input_shape=(3, 8, 8), num_classes=10, depth=2, width=width, activation="tanh")
@@ -450,7 +451,7 @@ def test_a_check_on_several_splits_gives_each_model_its_own_logits(method):
         got = ensemble._shared_logits(ensemble.params, ensemble.buffers, [(0, 2, xa), (2, 3, xb)])
     for k, (model, x) in enumerate(zip(models, (xa, xa, xb))):
         want = copy.deepcopy(model).eval()(x).detach()
-        assert torch.allclose(got[k], want, rtol=5e-12, atol=5e-12 * float(want.abs().max())), k
+        assert torch.allclose(got[k], want, rtol=1.5e-11, atol=1.5e-11 * float(want.abs().max())), k
 
 
 def test_a_layer_norm_without_its_affine_parameters_is_batched_as_itself():
