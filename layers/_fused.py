@@ -407,7 +407,8 @@ def conv_pool(xp: Tensor, wt: Tensor, bias: Tensor | None, channels: int, kernel
     side and Cp = ``conv_pool_width(C)`` with the spare channels zero; bias (K·Cp,) likewise, or
     None. Hp = (Hq − kh + 1) // 2, as max_pool2d(2) floors. argmax (B, Hp, Wp, K·C) uint8, the
     window position (2a + b) of each maximum (the first, or the last NaN), ``POOL_NO_GRADIENT``
-    where the ReLU passes none, or None without ``keep_argmax``."""
+    where the ReLU passes none, or None without ``keep_argmax``. A MemoryError where PatchNorm's
+    scales (one row of windows per thread, every model) cannot be allocated."""
     models, batch, hq, wq = xp.shape
     kh, kw = kernel
     width = conv_pool_width(channels, xp.dtype)
@@ -421,7 +422,7 @@ def conv_pool(xp: Tensor, wt: Tensor, bias: Tensor | None, channels: int, kernel
         xp.data_ptr(), models, batch, channels, hq, wq, kh, kw, wt.data_ptr(), _ptr(bias), int(patchnorm),
         int(relu), out.data_ptr(), _ptr(argmax), torch.get_num_threads(),
     )
-    if failed:
+    if failed == -2:
         raise MemoryError(f"conv_pool: could not allocate PatchNorm's scales ({models} models, {wq} columns)")
     return out.permute(0, 3, 1, 2), argmax
 
@@ -435,7 +436,8 @@ def conv_pool_backward(xp: Tensor, g: Tensor, argmax: Tensor, kernel: tuple[int,
     """(dwt, db) of ``conv_pool`` at the gradient g of its output (the output's shape,
     channels_last): dwt (K, kh·kw, Cp) as wt, db (K·Cp,) or None without ``with_bias`` (the spare
     channels' entries are to be dropped). A kernel of more than ``CONV_POOL_MAX_TAPS`` taps is a
-    ValueError."""
+    ValueError; a MemoryError where PatchNorm's scales (a model's windows per thread) cannot be
+    allocated."""
     models, batch, hq, wq = xp.shape
     (kh, kw), channels = kernel, g.shape[1] // models
     width = conv_pool_width(channels, xp.dtype)
@@ -447,7 +449,7 @@ def conv_pool_backward(xp: Tensor, g: Tensor, argmax: Tensor, kernel: tuple[int,
     )
     if refused == -1:
         raise ValueError(f"conv_pool_backward takes at most {CONV_POOL_MAX_TAPS} taps, got a {kh}x{kw} kernel")
-    if refused:
+    if refused == -2:
         raise MemoryError(f"conv_pool_backward: could not allocate PatchNorm's scales ({batch} samples of {hq}x{wq})")
     return dwt, db
 

@@ -40,6 +40,7 @@
 
 #include <Python.h>
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -107,6 +108,19 @@ static int my_thread(void) {
 #else
     return 0;
 #endif
+}
+
+/* One buffer of `n` elements of `size` bytes for each of `team` threads, each starting on a cache
+   line of its own: *stride (elements) apart; NULL where it cannot be had, its size overflowing
+   size_t or beyond PTRDIFF_MAX included. */
+static void *team_buffer(size_t n, size_t size, int team, size_t *stride) {
+    const size_t line = 64 / size;
+    size_t bytes;
+    *stride = (n + line - 1) / line * line;
+    if (*stride < n || __builtin_mul_overflow(*stride, size, &bytes)
+        || __builtin_mul_overflow(bytes, (size_t)team, &bytes) || bytes > PTRDIFF_MAX)
+        return NULL;
+    return aligned_alloc(64, bytes ? bytes : 64);
 }
 
 /* Each pass: an exported entry that opens the parallel region, and a per-thread row-range
@@ -879,7 +893,7 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
                                                                                                    \
     /* out = maxpool((conv(xp, wt) + bias) * r) (r = 1 without patchnorm; layouts above), then  \
        the ReLU with relu (argmax POOL_NO_GRADIENT where it passes none); argmax may be NULL.     \
-       Returns nonzero (and computes nothing) if PatchNorm's scales could not be allocated. */    \
+       Returns -2 (and computes nothing) if PatchNorm's scales could not be allocated, else 0. */ \
     int conv_pool_##SUFFIX(const T *xp, int64_t models, int64_t batch, int64_t channels,          \
                            int64_t hq, int64_t wq, int64_t kh, int64_t kw, const T *wt,           \
                            const T *bias, int patchnorm, int relu, T *out, uint8_t *argmax,       \
@@ -887,9 +901,9 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
         const int64_t hp = (hq - kh + 1) / 2, wp = (wq - kw + 1) / 2, kc = models * channels;     \
         const int64_t work = batch * hp * wp * kc * kh * kw * 4;                                   \
         const int team = team_size(work, threads);                                                 \
-        const size_t row = (size_t)(models * 4 * wp); /* a thread's r of one row, every model */   \
-        T *scales = NULL;                                                                          \
-        if (patchnorm && !(scales = malloc(sizeof(T) * (row * team > 0 ? row * team : 1)))) return 1;  \
+        size_t row = 0; /* (elements between the threads' r of one row, every model) */          \
+        T *scales = patchnorm ? team_buffer((size_t)(models * 4 * wp), sizeof(T), team, &row) : NULL; \
+        if (patchnorm && !scales) return -2;                                                       \
         _Pragma("omp parallel for collapse(2) schedule(static) num_threads(team)")                 \
         for (int64_t n = 0; n < batch; ++n)                                                        \
             for (int64_t ph = 0; ph < hp; ++ph) {                                                  \
@@ -963,10 +977,10 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
         if (kh * kw > MAX_TAPS) return -1;                                                         \
         const int64_t hp = (hq - kh + 1) / 2, wp = (wq - kw + 1) / 2, kc = models * channels;     \
         const int64_t work = batch * hp * wp * kc * kh * kw * 4;                                   \
-        const int team = team_size(work, threads);                                                 \
-        const size_t model = (size_t)(batch * hp * 4 * wp); /* a thread's r of one model */       \
-        T *scales = NULL;                                                                          \
-        if (patchnorm && !(scales = malloc(sizeof(T) * (model * team > 0 ? model * team : 1)))) return -2; \
+        const int team = team_size(work, threads) < models ? team_size(work, threads) : (int)models; \
+        size_t model = 0; /* (elements between the threads' r of one model) */                   \
+        T *scales = patchnorm ? team_buffer((size_t)(batch * hp * 4 * wp), sizeof(T), team, &model) : NULL; \
+        if (patchnorm && !scales) return -2;                                                       \
         _Pragma("omp parallel for schedule(static) num_threads(team)")                             \
         for (int64_t k = 0; k < models; ++k)                                                       \
             conv_pool_grads_##SUFFIX(xp + k * batch * hq * wq, batch, hq, wq, kh, kw, channels, hp, wp, \

@@ -457,8 +457,6 @@ class BatchedEnsemble(StackedEnsemble):
                 # (the models lie along rows' first dimension (K, B, F), a CNN's channels (B, K·C, H, W))
                 x = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0 if pieces[0].dim() == 3 else 1)
                 break
-        else:  # every layer kept a shared form (a model of flattens only)
-            x = _repeated(segments, pieces)
         for name, _module, layer in layers:
             x = layer(x, _local(everything, name), k, False)
         # (contiguous: the evaluation's argmax over classes is several times slower on a transposed view)

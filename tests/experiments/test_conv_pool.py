@@ -234,18 +234,21 @@ def test_the_backward_pass_refuses_a_kernel_over_its_taps():
 
 
 def test_patchnorm_scales_that_cannot_be_allocated_are_refused_before_any_work(monkeypatch):
-    # The C passes allocate PatchNorm's scales first: an impossible size (2^40 models' rows, or
-    # 2^40 samples' windows) returns its code with nothing read (null data), and the wrappers raise.
-    huge = 2**40
+    # The C passes allocate PatchNorm's scales first: an impossible size returns -2 with nothing
+    # read (null data), and the wrappers raise. 2^50 models' rows of scales (2^57.8 bytes), or
+    # 2^50 samples' windows (2^61.6), lie beyond a 57-bit address space (five-level paging) and
+    # so beyond what any overcommit can grant; one channel keeps the passes' own size arithmetic
+    # within int64.
+    huge = 2**50
     assert _fused._call("conv_pool", torch.float32)(
-        None, huge, 1, 8, 30, 30, 3, 3, None, None, 1, 0, None, None, 1) == 1
+        None, huge, 1, 1, 30, 30, 3, 3, None, None, 1, 0, None, None, 1) == -2
     assert _fused._call("conv_pool_backward", torch.float32)(
-        None, None, None, 1, huge, 8, 30, 30, 3, 3, 1, None, None, 1) == -2
+        None, None, None, 1, huge, 1, 30, 30, 3, 3, 1, None, None, 1) == -2
     xp, wt = torch.randn(1, 2, 6, 6), torch.zeros(1, 9, _fused.conv_pool_width(3, torch.float32))
     g = torch.randn(2, 3, 2, 2).contiguous(memory_format=torch.channels_last)
     argmax = torch.zeros(2, 2, 2, 3, dtype=torch.uint8)
-    for name, code in (("conv_pool", 1), ("conv_pool_backward", -2)):
-        monkeypatch.setattr(_fused, "_call", lambda *_args, code=code: lambda *_a: code)
+    for name in ("conv_pool", "conv_pool_backward"):
+        monkeypatch.setattr(_fused, "_call", lambda *_args: lambda *_a: -2)
         with pytest.raises(MemoryError, match="could not allocate PatchNorm's scales"):
             if name == "conv_pool":
                 _fused.conv_pool(xp, wt, None, 3, (3, 3), True, False)
