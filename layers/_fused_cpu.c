@@ -977,7 +977,8 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
         if (kh * kw > MAX_TAPS) return -1;                                                         \
         const int64_t hp = (hq - kh + 1) / 2, wp = (wq - kw + 1) / 2, kc = models * channels;     \
         const int64_t work = batch * hp * wp * kc * kh * kw * 4;                                   \
-        const int team = team_size(work, threads) < models ? team_size(work, threads) : (int)models; \
+        const int64_t most = models > 0 ? models : 1; /* (one model per thread) */                \
+        const int team = team_size(work, threads) < most ? team_size(work, threads) : (int)most;   \
         size_t model = 0; /* (elements between the threads' r of one model) */                   \
         T *scales = patchnorm ? team_buffer((size_t)(batch * hp * 4 * wp), sizeof(T), team, &model) : NULL; \
         if (patchnorm && !scales) return -2;                                                       \
