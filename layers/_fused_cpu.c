@@ -52,7 +52,7 @@
 #endif
 
 /* Vector clones picked at load time: AVX2 (x86-64-v3) for every pass; the transposing passes
-   also get an AVX-512 (v4) clone, for its 32 vector registers (with AVX2's 16 their register
+   (the attention passes among them) also get an AVX-512 (v4) clone, for its 32 vector registers (with AVX2's 16 their register
    transposes spill: 1.2-2.5x slower in a harness, see docs/FINDINGS.md), and so does tanh, for
    AVX-512's 8-wide double vectors. */
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && __GNUC__ >= 12
@@ -1149,43 +1149,176 @@ DEFINE_MAX_POOL2(double, f64, 4)
         }                                                                                          \
     }                                                                                              \
                                                                                                    \
-    /* Items [first, last) of each pass, the item bodies inlined: the weighted values and the   \
-       backward with the harness vit's sizes (16 tokens, heads of 8) as constants where they    \
-       are these (the compiler then keeps a head's rows and a row of ds in registers: 2x and    \
-       more faster in a quick measurement; the scores ran slower so), else as read. */          \
-    VECTOR_CLONES static void attention_scores_range_##SUFFIX(                                     \
+    /* The harness vit's heads (16 tokens, 8 entries): a row of 16 scores is one vector, a head's \
+       row of 8 entries another, and a head's keys (values, in backward) are transposed in        \
+       registers, so that every sum accumulates in registers (the generic items keep their rows  \
+       in memory, each += a store that the next one waits on: 2-3x slower in a quick             \
+       measurement). gk and gv are summed transposed (entry j of every u at once) and transposed \
+       back. Every sum runs over j, u or t from 0 up, as the generic items', except <p_t, dp_t>  \
+       (pairwise over u).                                                                         */ \
+    typedef T SUFFIX##_row16 __attribute__((vector_size(16 * sizeof(T))));                        \
+    typedef T SUFFIX##_row8 __attribute__((vector_size(8 * sizeof(T))));                          \
+                                                                                                   \
+    static inline __attribute__((always_inline)) SUFFIX##_row8 load8_##SUFFIX(const T *p) {       \
+        SUFFIX##_row8 r;                                                                           \
+        memcpy(&r, p, sizeof r);                                                                   \
+        return r;                                                                                  \
+    }                                                                                              \
+                                                                                                   \
+    static inline __attribute__((always_inline)) SUFFIX##_row16 load16_##SUFFIX(const T *p) {     \
+        SUFFIX##_row16 r;                                                                          \
+        memcpy(&r, p, sizeof r);                                                                   \
+        return r;                                                                                  \
+    }                                                                                              \
+                                                                                                   \
+    /* A head's 16 rows of 8 entries, a[m] = rows m and m + 8, transposed in registers (and back: \
+       the permutation is its own inverse): entry (m + 8h, j) at lane 8h + j of a[m] goes to lane \
+       8h + m of a[j], so that a[j] holds entry j of rows 0..15 in order. Three stages, each       \
+       trading bit b of the vector's index for bit b of the lane's (one two-vector shuffle per    \
+       output vector). */                                                                          \
+    static inline __attribute__((always_inline)) void swap_bits_16x8_##SUFFIX(SUFFIX##_row16 *a) { \
+        for (int v = 0; v < 8; v += 2) {                                                           \
+            const SUFFIX##_row16 x = a[v], y = a[v + 1];                                           \
+            a[v] = __builtin_shufflevector(x, y, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30); \
+            a[v + 1] = __builtin_shufflevector(x, y, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31); \
+        }                                                                                          \
+        for (int v = 0; v < 8; v += (v % 4 == 1) ? 3 : 1) { /* v = 0, 1, 4, 5 */                  \
+            const SUFFIX##_row16 x = a[v], y = a[v + 2];                                           \
+            a[v] = __builtin_shufflevector(x, y, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29); \
+            a[v + 2] = __builtin_shufflevector(x, y, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31); \
+        }                                                                                          \
+        for (int v = 0; v < 4; ++v) {                                                              \
+            const SUFFIX##_row16 x = a[v], y = a[v + 4];                                           \
+            a[v] = __builtin_shufflevector(x, y, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27); \
+            a[v + 4] = __builtin_shufflevector(x, y, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31); \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    /* a[j] = entry j of a head's 16 rows (`width` apart), in row order */                         \
+    static inline __attribute__((always_inline)) void head_columns_16x8_##SUFFIX(                 \
+        const T *restrict b, int64_t width, SUFFIX##_row16 *a) {                                   \
+        for (int m = 0; m < 8; ++m) {                                                              \
+            a[m] = __builtin_shufflevector(load8_##SUFFIX(b + m * width),                         \
+                                           load8_##SUFFIX(b + (m + 8) * width), 0, 1, 2, 3, 4, 5, \
+                                           6, 7, 8, 9, 10, 11, 12, 13, 14, 15);                    \
+        }                                                                                          \
+        swap_bits_16x8_##SUFFIX(a);                                                                \
+    }                                                                                              \
+                                                                                                   \
+    /* The inverse: a head's 16 rows (`width` apart) from a[j] = entry j of each (a overwritten) */ \
+    static inline __attribute__((always_inline)) void store_head_rows_16x8_##SUFFIX(              \
+        SUFFIX##_row16 *a, int64_t width, T *restrict b) {                                         \
+        swap_bits_16x8_##SUFFIX(a);                                                                \
+        for (int m = 0; m < 8; ++m) {                                                              \
+            const SUFFIX##_row8 low = __builtin_shufflevector(a[m], a[m], 0, 1, 2, 3, 4, 5, 6, 7); \
+            const SUFFIX##_row8 high = __builtin_shufflevector(a[m], a[m], 8, 9, 10, 11, 12, 13, 14, 15); \
+            memcpy(b + m * width, &low, sizeof low);                                               \
+            memcpy(b + (m + 8) * width, &high, sizeof high);                                       \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    /* s_t = sum_j q_tj kt_j, a row of 16 scores from the 8 rows of kt (a head's keys, transposed) */ \
+    static inline __attribute__((always_inline)) SUFFIX##_row16 head_row_16x8_##SUFFIX(           \
+        const T *restrict q, const SUFFIX##_row16 *kt) {                                           \
+        SUFFIX##_row16 row = kt[0] * q[0];                                                         \
+        for (int j = 1; j < 8; ++j) row += kt[j] * q[j];                                           \
+        return row;                                                                                \
+    }                                                                                              \
+                                                                                                   \
+    /* sum_u a_u b_u (u < 16), b rows of 8 entries `width` apart */                                \
+    static inline __attribute__((always_inline)) SUFFIX##_row8 weighted_rows_16x8_##SUFFIX(       \
+        const T *restrict a, const T *restrict b, int64_t width, int64_t a_stride) {               \
+        SUFFIX##_row8 acc = load8_##SUFFIX(b) * a[0];                                              \
+        for (int u = 1; u < 16; ++u) acc += load8_##SUFFIX(b + u * width) * a[u * a_stride];       \
+        return acc;                                                                                \
+    }                                                                                              \
+                                                                                                   \
+    static inline __attribute__((always_inline)) void attention_scores_16x8_##SUFFIX(             \
+        const T *restrict q, const T *restrict k, int64_t width, T scale, T *restrict s) {         \
+        SUFFIX##_row16 kt[8];                                                                      \
+        head_columns_16x8_##SUFFIX(k, width, kt);                                                  \
+        for (int t = 0; t < 16; ++t) {                                                             \
+            const SUFFIX##_row16 row = head_row_16x8_##SUFFIX(q + t * width, kt) * scale;          \
+            memcpy(s + t * 16, &row, sizeof row);                                                  \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    static inline __attribute__((always_inline)) void attention_values_16x8_##SUFFIX(             \
+        const T *restrict p, const T *restrict v, int64_t width, T *restrict y) {                  \
+        for (int t = 0; t < 16; ++t) {                                                             \
+            const SUFFIX##_row8 yt = weighted_rows_16x8_##SUFFIX(p + t * 16, v, width, 1);         \
+            memcpy(y + t * width, &yt, sizeof yt);                                                 \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    static inline __attribute__((always_inline)) void attention_backward_16x8_##SUFFIX(           \
+        const T *restrict q, const T *restrict k, const T *restrict v, const T *restrict p,       \
+        const T *restrict gy, int64_t width, T scale, T *restrict gq, T *restrict gk,              \
+        T *restrict gv, T *restrict ds) {                                                          \
+        SUFFIX##_row16 vt[8];                                                                      \
+        head_columns_16x8_##SUFFIX(v, width, vt);                                                  \
+        SUFFIX##_row16 gkt[8]; /* gk transposed: entry j of each u */                              \
+        for (int t = 0; t < 16; ++t) { /* ds's row t, and the t-th terms of gk_u, every u at once */ \
+            const SUFFIX##_row16 dp = head_row_16x8_##SUFFIX(gy + t * width, vt);                 \
+            const SUFFIX##_row16 pt = load16_##SUFFIX(p + t * 16);                                 \
+            SUFFIX##_row16 w = pt * dp; /* <p_t, dp_t> pairwise, every lane the same total */     \
+            w += __builtin_shufflevector(w, w, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7); \
+            w += __builtin_shufflevector(w, w, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11); \
+            w += __builtin_shufflevector(w, w, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13); \
+            w += __builtin_shufflevector(w, w, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14); \
+            const SUFFIX##_row16 dst = pt * (dp - w) * scale;                                      \
+            memcpy(ds + t * 16, &dst, sizeof dst);                                                 \
+            for (int j = 0; j < 8; ++j) gkt[j] = t ? gkt[j] + dst * q[t * width + j] : dst * q[j]; \
+        }                                                                                          \
+        store_head_rows_16x8_##SUFFIX(gkt, width, gk);                                             \
+        for (int t = 0; t < 16; ++t) {                                                             \
+            const SUFFIX##_row8 gqt = weighted_rows_16x8_##SUFFIX(ds + t * 16, k, width, 1);       \
+            memcpy(gq + t * width, &gqt, sizeof gqt);                                              \
+        }                                                                                          \
+        SUFFIX##_row16 gvt[8]; /* gv transposed */                                                 \
+        for (int j = 0; j < 8; ++j) gvt[j] = load16_##SUFFIX(p) * gy[j];                           \
+        for (int t = 1; t < 16; ++t)                                                               \
+            for (int j = 0; j < 8; ++j) gvt[j] += load16_##SUFFIX(p + t * 16) * gy[t * width + j]; \
+        store_head_rows_16x8_##SUFFIX(gvt, width, gv);                                             \
+    }                                                                                              \
+                                                                                                   \
+    /* Items [first, last) of each pass, the item bodies inlined: the 16 x 8 items above where    \
+       the sizes are these, else the generic ones. */                                              \
+    WIDE_CLONES static void attention_scores_range_##SUFFIX(                                       \
         const T *q, const T *k, int64_t first, int64_t last, int64_t tokens, int64_t heads,       \
         int64_t size, T scale, T *s, T *kt) {                                                      \
         for (int64_t item = first; item < last; ++item) {                                          \
             const int64_t at = (item / heads * tokens * heads + item % heads) * size;              \
-            attention_scores_item_##SUFFIX(q + at, k + at, tokens, heads * size, size, scale,      \
-                                           s + item * tokens * tokens, kt);                        \
+            if (tokens == 16 && size == 8)                                                         \
+                attention_scores_16x8_##SUFFIX(q + at, k + at, heads * 8, scale, s + item * 256);  \
+            else                                                                                   \
+                attention_scores_item_##SUFFIX(q + at, k + at, tokens, heads * size, size, scale,  \
+                                               s + item * tokens * tokens, kt);                    \
         }                                                                                          \
     }                                                                                              \
                                                                                                    \
-    VECTOR_CLONES static void attention_values_range_##SUFFIX(                                     \
+    WIDE_CLONES static void attention_values_range_##SUFFIX(                                       \
         const T *p, const T *v, int64_t first, int64_t last, int64_t tokens, int64_t heads,       \
         int64_t size, T *y) {                                                                      \
         for (int64_t item = first; item < last; ++item) {                                          \
             const int64_t at = (item / heads * tokens * heads + item % heads) * size;              \
             const T *pi = p + item * tokens * tokens;                                              \
             if (tokens == 16 && size == 8)                                                         \
-                attention_values_item_##SUFFIX(pi, v + at, 16, heads * 8, 8, y + at);              \
+                attention_values_16x8_##SUFFIX(pi, v + at, heads * 8, y + at);                     \
             else                                                                                   \
                 attention_values_item_##SUFFIX(pi, v + at, tokens, heads * size, size, y + at);    \
         }                                                                                          \
     }                                                                                              \
                                                                                                    \
-    VECTOR_CLONES static void attention_backward_range_##SUFFIX(                                   \
+    WIDE_CLONES static void attention_backward_range_##SUFFIX(                                     \
         const T *q, const T *k, const T *v, const T *p, const T *gy, int64_t first, int64_t last,  \
         int64_t tokens, int64_t heads, int64_t size, T scale, T *gq, T *gk, T *gv, T *scratch) {   \
         for (int64_t item = first; item < last; ++item) {                                          \
             const int64_t at = (item / heads * tokens * heads + item % heads) * size;              \
             const T *pi = p + item * tokens * tokens;                                              \
             if (tokens == 16 && size == 8)                                                         \
-                attention_backward_item_##SUFFIX(q + at, k + at, v + at, pi, gy + at, 16, heads * 8, 8, \
-                                                 scale, gq + at, gk + at, gv + at, scratch,       \
-                                                 scratch + 8 * 16);                                \
+                attention_backward_16x8_##SUFFIX(q + at, k + at, v + at, pi, gy + at, heads * 8,   \
+                                                 scale, gq + at, gk + at, gv + at, scratch);       \
             else                                                                                   \
                 attention_backward_item_##SUFFIX(q + at, k + at, v + at, pi, gy + at, tokens,     \
                                                  heads * size, size, scale, gq + at, gk + at,     \
