@@ -1084,7 +1084,7 @@ DEFINE_MAX_POOL2(double, f64, 4)
    its keys (values, in backward) into this thread's `scratch` ((size + tokens) * tokens
    entries per thread, the rest for ds) so that a row of scores is a sum of vectors over the
    u's. */
-#define DEFINE_ATTENTION(T, SUFFIX)                                                                \
+#define DEFINE_ATTENTION_ITEMS(T, SUFFIX)                                                          \
     /* bt (size x tokens) = a head's rows b (tokens of `size` entries, `width` apart), transposed. */ \
     static inline __attribute__((always_inline)) void head_transposed_##SUFFIX(                   \
         const T *restrict b, int64_t tokens, int64_t width, int64_t size, T *restrict bt) {       \
@@ -1148,14 +1148,11 @@ DEFINE_MAX_POOL2(double, f64, 4)
             }                                                                                      \
         }                                                                                          \
     }                                                                                              \
-                                                                                                   \
-    /* The harness vit's heads (16 tokens, 8 entries): a row of 16 scores is one vector, a head's \
-       row of 8 entries another, and a head's keys (values, in backward) are transposed in        \
-       registers, so that every sum accumulates in registers (the generic items keep their rows  \
-       in memory, each += a store that the next one waits on: 2-3x slower in a quick             \
-       measurement). gk and gv are summed transposed (entry j of every u at once) and transposed \
-       back. Every sum runs over j, u or t from 0 up, as the generic items', except <p_t, dp_t>  \
-       (pairwise over u).                                                                         */ \
+
+/* Rows of 16 and of 8 entries as vectors (GCC's vector extension: AVX-512 registers in the v4
+   clones, pairs of AVX2 registers in the v3 ones), for the passes below that keep a short row in
+   registers. */
+#define DEFINE_ROW_VECTORS(T, SUFFIX)                                                              \
     typedef T SUFFIX##_row16 __attribute__((vector_size(16 * sizeof(T))));                        \
     typedef T SUFFIX##_row8 __attribute__((vector_size(8 * sizeof(T))));                          \
                                                                                                    \
@@ -1170,7 +1167,20 @@ DEFINE_MAX_POOL2(double, f64, 4)
         memcpy(&r, p, sizeof r);                                                                   \
         return r;                                                                                  \
     }                                                                                              \
-                                                                                                   \
+
+DEFINE_ROW_VECTORS(float, f32)
+DEFINE_ROW_VECTORS(double, f64)
+
+#ifdef HAVE_SHUFFLE
+#define SCORES_16X8 1
+#define DEFINE_HEADS_16X8(T, SUFFIX)                                                               \
+    /* The harness vit's heads (16 tokens, 8 entries): a row of 16 scores is one vector, a head's \
+       row of 8 entries another, and a head's keys (values, in backward) are transposed in        \
+       registers, so that every sum accumulates in registers (the generic items keep their rows  \
+       in memory, each += a store that the next one waits on: 2-3x slower in a quick             \
+       measurement). gk and gv are summed transposed (entry j of every u at once) and transposed \
+       back. Every sum runs over j, u or t from 0 up, as the generic items', except <p_t, dp_t>  \
+       (pairwise over u).                                                                         */ \
     /* A head's 16 rows of 8 entries, a[m] = rows m and m + 8, transposed in registers (and back: \
        the permutation is its own inverse): entry (m + 8h, j) at lane 8h + j of a[m] goes to lane \
        8h + m of a[j], so that a[j] holds entry j of rows 0..15 in order. Three stages, each       \
@@ -1234,7 +1244,9 @@ DEFINE_MAX_POOL2(double, f64, 4)
     }                                                                                              \
                                                                                                    \
     static inline __attribute__((always_inline)) void attention_scores_16x8_##SUFFIX(             \
-        const T *restrict q, const T *restrict k, int64_t width, T scale, T *restrict s) {         \
+        const T *restrict q, const T *restrict k, int64_t width, T scale, T *restrict s,          \
+        T *restrict scratch) { /* (no scratch: the keys are transposed in registers) */           \
+        (void)scratch;                                                                             \
         SUFFIX##_row16 kt[8];                                                                      \
         head_columns_16x8_##SUFFIX(k, width, kt);                                                  \
         for (int t = 0; t < 16; ++t) {                                                             \
@@ -1280,8 +1292,32 @@ DEFINE_MAX_POOL2(double, f64, 4)
         for (int t = 1; t < 16; ++t)                                                               \
             for (int j = 0; j < 8; ++j) gvt[j] += load16_##SUFFIX(p + t * 16) * gy[t * width + j]; \
         store_head_rows_16x8_##SUFFIX(gvt, width, gv);                                             \
+    }
+#else /* (without the shuffle builtin: the generic items, their sizes constants, except the
+         scores', which ran slower so than with the sizes read: SCORES_16X8 0, a branch never taken) */
+#define SCORES_16X8 0
+#define DEFINE_HEADS_16X8(T, SUFFIX)                                                               \
+    static inline __attribute__((always_inline)) void attention_scores_16x8_##SUFFIX(             \
+        const T *restrict q, const T *restrict k, int64_t width, T scale, T *restrict s,          \
+        T *restrict scratch) {                                                                     \
+        attention_scores_item_##SUFFIX(q, k, 16, width, 8, scale, s, scratch);                     \
     }                                                                                              \
                                                                                                    \
+    static inline __attribute__((always_inline)) void attention_values_16x8_##SUFFIX(             \
+        const T *restrict p, const T *restrict v, int64_t width, T *restrict y) {                  \
+        attention_values_item_##SUFFIX(p, v, 16, width, 8, y);                                     \
+    }                                                                                              \
+                                                                                                   \
+    static inline __attribute__((always_inline)) void attention_backward_16x8_##SUFFIX(           \
+        const T *restrict q, const T *restrict k, const T *restrict v, const T *restrict p,       \
+        const T *restrict gy, int64_t width, T scale, T *restrict gq, T *restrict gk,              \
+        T *restrict gv, T *restrict scratch) {                                                     \
+        attention_backward_item_##SUFFIX(q, k, v, p, gy, 16, width, 8, scale, gq, gk, gv, scratch, \
+                                         scratch + 8 * 16);                                        \
+    }
+#endif
+
+#define DEFINE_ATTENTION_PASSES(T, SUFFIX)                                                         \
     /* Items [first, last) of each pass, the item bodies inlined: the 16 x 8 items above where    \
        the sizes are these, else the generic ones. */                                              \
     WIDE_CLONES static void attention_scores_range_##SUFFIX(                                       \
@@ -1289,8 +1325,9 @@ DEFINE_MAX_POOL2(double, f64, 4)
         int64_t size, T scale, T *s, T *kt) {                                                      \
         for (int64_t item = first; item < last; ++item) {                                          \
             const int64_t at = (item / heads * tokens * heads + item % heads) * size;              \
-            if (tokens == 16 && size == 8)                                                         \
-                attention_scores_16x8_##SUFFIX(q + at, k + at, heads * 8, scale, s + item * 256);  \
+            if (SCORES_16X8 && tokens == 16 && size == 8)                                          \
+                attention_scores_16x8_##SUFFIX(q + at, k + at, heads * 8, scale, s + item * 256,  \
+                                               kt);                                                \
             else                                                                                   \
                 attention_scores_item_##SUFFIX(q + at, k + at, tokens, heads * size, size, scale,  \
                                                s + item * tokens * tokens, kt);                    \
@@ -1361,8 +1398,12 @@ DEFINE_MAX_POOL2(double, f64, 4)
         }                                                                                          \
     }
 
-DEFINE_ATTENTION(float, f32)
-DEFINE_ATTENTION(double, f64)
+DEFINE_ATTENTION_ITEMS(float, f32)
+DEFINE_ATTENTION_ITEMS(double, f64)
+DEFINE_HEADS_16X8(float, f32)
+DEFINE_HEADS_16X8(double, f64)
+DEFINE_ATTENTION_PASSES(float, f32)
+DEFINE_ATTENTION_PASSES(double, f64)
 
 /* The stacked LayerNorm over each row's d entries with each model's affine
    (experiments.runs.stacked_layer_norm): K models' rows x (K, M, d) row-major, gamma and beta
