@@ -1405,6 +1405,52 @@ DEFINE_HEADS_16X8(double, f64)
 DEFINE_ATTENTION_PASSES(float, f32)
 DEFINE_ATTENTION_PASSES(double, f64)
 
+/* Each of 16 rows' total: lane r of the result = the sum of v[r]'s 16 lanes, pairwise (lanes l
+   and l + 8, then l and l + 4, l + 2, l + 1: every row in the same order). With the shuffle
+   builtin, the 16 rows at once (each stage pairs the rows' partial sums two vectors at a time);
+   without it, row by row in that order. */
+#ifdef HAVE_SHUFFLE
+#define DEFINE_ROW_TOTALS(T, SUFFIX)                                                               \
+    static inline __attribute__((always_inline)) SUFFIX##_row16 row_totals_##SUFFIX(              \
+        const SUFFIX##_row16 *v) {                                                                 \
+        SUFFIX##_row16 w[8], x[4], y[2];                                                           \
+        for (int i = 0; i < 8; ++i) /* lanes 8h + l: row 2i + h, its lanes l and l + 8 */         \
+            w[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, \
+                                           18, 19, 20, 21, 22, 23)                                 \
+                   + __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, \
+                                             24, 25, 26, 27, 28, 29, 30, 31);                      \
+        for (int i = 0; i < 4; ++i) /* lanes 4h + l: row 4i + h */                                 \
+            x[i] = __builtin_shufflevector(w[2 * i], w[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16,  \
+                                           17, 18, 19, 24, 25, 26, 27)                             \
+                   + __builtin_shufflevector(w[2 * i], w[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15,  \
+                                             20, 21, 22, 23, 28, 29, 30, 31);                      \
+        for (int i = 0; i < 2; ++i) /* lanes 2h + l: row 8i + h */                                 \
+            y[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16,  \
+                                           17, 20, 21, 24, 25, 28, 29)                             \
+                   + __builtin_shufflevector(x[2 * i], x[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15,  \
+                                             18, 19, 22, 23, 26, 27, 30, 31);                      \
+        return __builtin_shufflevector(y[0], y[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, \
+                                       26, 28, 30)                                                 \
+               + __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23,   \
+                                         25, 27, 29, 31);                                          \
+    }
+#else
+#define DEFINE_ROW_TOTALS(T, SUFFIX)                                                               \
+    static inline SUFFIX##_row16 row_totals_##SUFFIX(const SUFFIX##_row16 *v) {                    \
+        SUFFIX##_row16 totals;                                                                     \
+        for (int r = 0; r < 16; ++r) {                                                             \
+            T lane[16];                                                                            \
+            memcpy(lane, &v[r], sizeof lane);                                                      \
+            for (int half = 8; half > 0; half /= 2)                                                \
+                for (int l = 0; l < half; ++l) lane[l] += lane[l + half];                          \
+            totals[r] = lane[0];                                                                   \
+        }                                                                                          \
+        return totals;                                                                             \
+    }
+#endif
+DEFINE_ROW_TOTALS(float, f32)
+DEFINE_ROW_TOTALS(double, f64)
+
 /* The stacked LayerNorm over each row's d entries with each model's affine
    (experiments.runs.stacked_layer_norm): K models' rows x (K, M, d) row-major, gamma and beta
    (K, d). Per row, its mean and rstd = 1/sqrt(var + eps) (var the biased variance about the
@@ -1414,10 +1460,100 @@ DEFINE_ATTENTION_PASSES(double, f64)
                           dgamma_k = sum_rows gy * xhat, dbeta_k = sum_rows gy
    Row sums in LANES partial sums in T combined pairwise, their tails in double (as dot_); the
    column sums in T over blocks of LAYER_NORM_BLOCK rows (in `partial`, 2 * d entries per
-   model), the blocks summed in double.
+   model), the blocks summed in double. Rows of d = 32 entries go 16 at a time, their sums
+   pairwise in T (layer_norm_model32: a row at a time, each row's sums wait on horizontal
+   additions and a double square root, 1.7-1.9x slower in a quick measurement).
    One model per work item, its rows in order (the same for any thread count). */
 #define LAYER_NORM_BLOCK 64
 #define DEFINE_LAYER_NORM(T, SUFFIX)                                                               \
+    /* Rows of d = 32 entries (the harness vit's width), 16 rows at a time (the last block       \
+       padded with zero rows, never stored): each row's sums are pairwise, its 32 entries first  \
+       in two vectors added, then their lanes by row_totals; mean = total / 32, exactly. The     \
+       column sums run over the rows in order, in blocks of LAYER_NORM_BLOCK as for any d. */    \
+    static inline __attribute__((always_inline)) void rows32_##SUFFIX(                            \
+        const T *restrict x, int64_t n, SUFFIX##_row16 *lo, SUFFIX##_row16 *hi) {                 \
+        for (int r = 0; r < 16; ++r)                                                               \
+            if (r < n) {                                                                           \
+                lo[r] = load16_##SUFFIX(x + 32 * r);                                               \
+                hi[r] = load16_##SUFFIX(x + 32 * r + 16);                                          \
+            } else                                                                                 \
+                lo[r] = hi[r] = (SUFFIX##_row16){0};                                               \
+    }                                                                                              \
+                                                                                                   \
+    WIDE_CLONES static void layer_norm_model32_##SUFFIX(                                           \
+        const T *restrict x, const T *restrict gamma, const T *restrict beta, int64_t rows,       \
+        T eps, T *restrict y, T *restrict mean, T *restrict rstd) {                                \
+        const SUFFIX##_row16 gamma_lo = load16_##SUFFIX(gamma), gamma_hi = load16_##SUFFIX(gamma + 16); \
+        const SUFFIX##_row16 beta_lo = load16_##SUFFIX(beta), beta_hi = load16_##SUFFIX(beta + 16); \
+        for (int64_t i = 0; i < rows; i += 16) {                                                   \
+            const int64_t n = rows - i < 16 ? rows - i : 16;                                       \
+            SUFFIX##_row16 lo[16], hi[16], part[16], r;                                            \
+            rows32_##SUFFIX(x + 32 * i, n, lo, hi);                                                \
+            for (int k = 0; k < 16; ++k) part[k] = lo[k] + hi[k];                                  \
+            const SUFFIX##_row16 m = row_totals_##SUFFIX(part) * (T)(1.0 / 32);                    \
+            for (int k = 0; k < 16; ++k) {                                                         \
+                const SUFFIX##_row16 c_lo = lo[k] - m[k], c_hi = hi[k] - m[k];                     \
+                part[k] = c_lo * c_lo + c_hi * c_hi;                                               \
+            }                                                                                      \
+            const SUFFIX##_row16 var = row_totals_##SUFFIX(part) * (T)(1.0 / 32);                  \
+            for (int l = 0; l < 16; ++l) r[l] = (T)(1 / sqrt((double)var[l] + eps));              \
+            for (int k = 0; k < n; ++k) {                                                          \
+                const SUFFIX##_row16 y_lo = (lo[k] - m[k]) * r[k] * gamma_lo + beta_lo;            \
+                const SUFFIX##_row16 y_hi = (hi[k] - m[k]) * r[k] * gamma_hi + beta_hi;            \
+                memcpy(y + 32 * (i + k), &y_lo, sizeof y_lo);                                      \
+                memcpy(y + 32 * (i + k) + 16, &y_hi, sizeof y_hi);                                 \
+            }                                                                                      \
+            memcpy(mean + i, &m, n * sizeof(T));                                                   \
+            memcpy(rstd + i, &r, n * sizeof(T));                                                   \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    WIDE_CLONES static void layer_norm_backward_model32_##SUFFIX(                                  \
+        const T *restrict x, const T *restrict gy, const T *restrict gamma,                       \
+        const T *restrict mean, const T *restrict rstd, int64_t rows, T *restrict gx,              \
+        double *restrict dgamma, double *restrict dbeta) {                                         \
+        const SUFFIX##_row16 gamma_lo = load16_##SUFFIX(gamma), gamma_hi = load16_##SUFFIX(gamma + 16); \
+        SUFFIX##_row16 col_gamma_lo = {0}, col_gamma_hi = {0}, col_beta_lo = {0}, col_beta_hi = {0}; \
+        for (int j = 0; j < 32; ++j) dgamma[j] = dbeta[j] = 0;                                     \
+        for (int64_t i = 0; i < rows; i += 16) {                                                   \
+            const int64_t n = rows - i < 16 ? rows - i : 16;                                       \
+            SUFFIX##_row16 lo[16], hi[16], g_lo[16], g_hi[16], g_sum[16], g_dot[16];               \
+            rows32_##SUFFIX(x + 32 * i, n, lo, hi);                                                \
+            rows32_##SUFFIX(gy + 32 * i, n, g_lo, g_hi);                                           \
+            for (int k = 0; k < 16; ++k) {                                                         \
+                const T m = k < n ? mean[i + k] : 0, r = k < n ? rstd[i + k] : 0;                  \
+                lo[k] = (lo[k] - m) * r; /* xhat */                                                \
+                hi[k] = (hi[k] - m) * r;                                                           \
+                col_gamma_lo += g_lo[k] * lo[k];                                                   \
+                col_gamma_hi += g_hi[k] * hi[k];                                                   \
+                col_beta_lo += g_lo[k];                                                            \
+                col_beta_hi += g_hi[k];                                                            \
+                g_lo[k] *= gamma_lo; /* g */                                                       \
+                g_hi[k] *= gamma_hi;                                                               \
+                g_sum[k] = g_lo[k] + g_hi[k];                                                      \
+                g_dot[k] = g_lo[k] * lo[k] + g_hi[k] * hi[k];                                      \
+            }                                                                                      \
+            const SUFFIX##_row16 mean_g = row_totals_##SUFFIX(g_sum) * (T)(1.0 / 32);              \
+            const SUFFIX##_row16 mean_gx = row_totals_##SUFFIX(g_dot) * (T)(1.0 / 32);             \
+            for (int k = 0; k < n; ++k) {                                                          \
+                const T r = rstd[i + k];                                                           \
+                const SUFFIX##_row16 gx_lo = r * (g_lo[k] - mean_g[k] - lo[k] * mean_gx[k]);       \
+                const SUFFIX##_row16 gx_hi = r * (g_hi[k] - mean_g[k] - hi[k] * mean_gx[k]);       \
+                memcpy(gx + 32 * (i + k), &gx_lo, sizeof gx_lo);                                   \
+                memcpy(gx + 32 * (i + k) + 16, &gx_hi, sizeof gx_hi);                              \
+            }                                                                                      \
+            if ((i + 16) % LAYER_NORM_BLOCK == 0 || i + 16 >= rows) { /* a block's column sums */  \
+                for (int j = 0; j < 16; ++j) {                                                     \
+                    dgamma[j] += col_gamma_lo[j];                                                  \
+                    dgamma[j + 16] += col_gamma_hi[j];                                             \
+                    dbeta[j] += col_beta_lo[j];                                                    \
+                    dbeta[j + 16] += col_beta_hi[j];                                               \
+                }                                                                                  \
+                col_gamma_lo = col_gamma_hi = col_beta_lo = col_beta_hi = (SUFFIX##_row16){0};     \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
     VECTOR_CLONES static void layer_norm_model_##SUFFIX(                                           \
         const T *restrict x, const T *restrict gamma, const T *restrict beta, int64_t rows,       \
         int64_t d, T eps, T *restrict y, T *restrict mean, T *restrict rstd) {                     \
@@ -1447,8 +1583,14 @@ DEFINE_ATTENTION_PASSES(double, f64)
                              int threads) {                                                        \
         _Pragma("omp parallel for schedule(static) num_threads(team_size(models * rows * d, threads))") \
         for (int64_t k = 0; k < models; ++k)                                                       \
-            layer_norm_model_##SUFFIX(x + k * rows * d, gamma + k * d, beta + k * d, rows, d,     \
-                                      (T)eps, y + k * rows * d, mean + k * rows, rstd + k * rows); \
+            if (d == 32)                                                                           \
+                layer_norm_model32_##SUFFIX(x + k * rows * d, gamma + k * d, beta + k * d, rows,  \
+                                            (T)eps, y + k * rows * d, mean + k * rows,            \
+                                            rstd + k * rows);                                      \
+            else                                                                                   \
+                layer_norm_model_##SUFFIX(x + k * rows * d, gamma + k * d, beta + k * d, rows, d, \
+                                          (T)eps, y + k * rows * d, mean + k * rows,              \
+                                          rstd + k * rows);                                        \
     }                                                                                              \
                                                                                                    \
     VECTOR_CLONES static void layer_norm_backward_model_##SUFFIX(                                  \
@@ -1498,10 +1640,17 @@ DEFINE_ATTENTION_PASSES(double, f64)
                                       int threads) {                                               \
         _Pragma("omp parallel for schedule(static) num_threads(team_size(models * rows * d, threads))") \
         for (int64_t k = 0; k < models; ++k)                                                       \
-            layer_norm_backward_model_##SUFFIX(x + k * rows * d, gy + k * rows * d, gamma + k * d, \
-                                               mean + k * rows, rstd + k * rows, rows, d,         \
-                                               gx + k * rows * d, dgamma + k * d, dbeta + k * d,  \
-                                               partial + k * 2 * d);                               \
+            if (d == 32)                                                                           \
+                layer_norm_backward_model32_##SUFFIX(x + k * rows * d, gy + k * rows * d,          \
+                                                     gamma + k * d, mean + k * rows,              \
+                                                     rstd + k * rows, rows, gx + k * rows * d,    \
+                                                     dgamma + k * d, dbeta + k * d);              \
+            else                                                                                   \
+                layer_norm_backward_model_##SUFFIX(x + k * rows * d, gy + k * rows * d,            \
+                                                   gamma + k * d, mean + k * rows,                \
+                                                   rstd + k * rows, rows, d, gx + k * rows * d,   \
+                                                   dgamma + k * d, dbeta + k * d,                 \
+                                                   partial + k * 2 * d);                           \
     }
 
 DEFINE_LAYER_NORM(float, f32)

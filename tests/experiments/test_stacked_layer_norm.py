@@ -87,6 +87,12 @@ def test_the_function_equals_autograd_of_the_formula(k, rows, d, offset, seed):
     _check(*_inputs(k, rows, d, offset, seed))
 
 
+@given(k=st.integers(1, 3), rows=st.integers(1, 150), offset=st.floats(-3, 3), seed=st.integers(0, 2**16))
+def test_rows_of_32_entries_equal_autograd_of_the_formula(k, rows, offset, seed):
+    # d = 32 (the vit's width) takes the pass's blocks of 16 rows, the last one padded
+    _check(*_inputs(k, rows, 32, offset, seed))
+
+
 def test_float32_is_the_float64_formula_within_float32_rounding():
     # the same bound at float32's unit roundoff for d = 32, M = 1024 (the vit's rows at B = 64):
     # 8·γ_1088 ≈ 5.2e-4 in place of the float64 factor, times (1 + |mean|·rstd)·S as there; 3e-3
