@@ -96,7 +96,7 @@ from affdiv.layers._torch_internals import (
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 #: The interface version this module is written for (``AFFDIV_FUSED_ABI`` of _fused_cpu.h): a
 #: library built from other sources is not loaded.
-FUSED_ABI = 4
+FUSED_ABI = 5
 _MAX = {dtype: torch.finfo(dtype).max for dtype in _SUFFIX}
 _state = {"disabled": False}  # process-wide (``disabled`` is for tests and benchmarks)
 
@@ -144,6 +144,7 @@ def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
         _declare(lib, f"layer_norm_{suffix}", None, [p, p, p, i64, i64, i64, f64, p, p, p, i32])
         _declare(lib, f"layer_norm_backward_{suffix}", None, [p, p, p, p, p, i64, i64, i64, p, p, p, p, i32])
     _declare(lib, "tanh_f32", None, [p, p, i64, i32])
+    _declare(lib, "row_outer_sums_f32", i32, [p, p, i64, i64, i64, i64, p, i32])
     return lib
 
 
@@ -620,3 +621,24 @@ def tanh(x: Tensor) -> Tensor:
     y = torch.empty_like(x)  # (a dense tensor's strides: element i of y's storage is tanh of x's)
     _LIB.tanh_f32(x.data_ptr(), y.data_ptr(), x.numel(), torch.get_num_threads())
     return y
+
+
+def row_outer_sums(a: Tensor, b: Tensor) -> Tensor:
+    """c = aᵀ b per model, c_ln = Σ_i a_il b_in over the rows i in order: a (K, M, L) and b (K, M, N)
+    contiguous float32 CPU tensors, L or N a multiple of 16 (``row_outer_sums_take``); c (K, L, N)
+    contiguous. Other tensors are a ValueError."""
+    if not row_outer_sums_take(a, b):
+        raise ValueError(f"row_outer_sums: needs contiguous float32 CPU tensors (K, M, L) and (K, M, N) with L or N a "
+                         f"multiple of 16, got {a.dtype} {tuple(a.shape)} and {b.dtype} {tuple(b.shape)}")
+    models, rows, left = a.shape
+    c = a.new_empty((models, left, b.shape[2]))
+    _LIB.row_outer_sums_f32(a.data_ptr(), b.data_ptr(), models, rows, left, b.shape[2], c.data_ptr(),
+                            torch.get_num_threads())
+    return c
+
+
+def row_outer_sums_take(a: Tensor, b: Tensor) -> bool:
+    """Whether ``row_outer_sums`` takes a and b (their dtypes, devices, layouts and shapes)."""
+    return (a.dim() == b.dim() == 3 and a.shape[:2] == b.shape[:2] and a.dtype == b.dtype == torch.float32
+            and a.is_cpu and b.is_cpu and plain(a) and plain(b) and a.is_contiguous() and b.is_contiguous()
+            and (a.shape[2] % 16 == 0 or b.shape[2] % 16 == 0))
