@@ -55,15 +55,20 @@ and its LayerNorms, on K models' rows (K, M, d) with each model's γ_k, β_k:
 and the stacked engine's tanh activation in float32, ``tanh(x)``, each element computed in double
 (within 1e-15 of tanh(x), relative) and rounded once: the correctly rounded tanh on every float32
 input (``benchmarks/tanh_accuracy.py`` checks each non-negative one; the pass is odd by
-construction; the derivation in _fused_cpu.c).
+construction; the derivation in _fused_cpu.c); and its weight gradients over many rows into small
+layers, in float32:
+
+    row_outer_sums(a, b)            c = aᵀ b per model, c_ln = Σ_i a_il b_in      (K, L, N)
 
 The row passes' dot products are accumulated in 16 partial sums in the tensors' dtype, combined
 pairwise (float32 rounding for float32, as torch's own vectorised sums), their tails in double; box
 sums in double; ``conv_pool``'s convolution outputs and PatchNorm's patch norms in tap order in the
 dtype, its gradients per sample, then over samples, in the dtype; the attention's sums in the dtype,
-in the order written; the LayerNorm's row sums as the row passes' dot products, its column sums in
-the dtype over blocks of rows, the blocks in double. The extension is optional (built at install
-where a C compiler with OpenMP is present); ``usable`` says whether a call may take it: the library
+in the order written (its heads of 16 tokens and 8 entries: ⟨p_t, dp_t⟩ pairwise); the LayerNorm's
+row sums as the row passes' dot products (rows of 32 entries: pairwise), its column sums in the
+dtype over blocks of rows, the blocks in double; ``row_outer_sums`` over the rows in order. The
+extension is optional (built at install where a C compiler with OpenMP is present); ``usable`` says
+whether a call may take it: the library
 loaded and not ``disabled``, every tensor a contiguous (or, for the convolutions, channels_last)
 plain CPU float32/float64 tensor of one dtype, in eager mode (not traced, not under torch.func, no
 dispatch mode but one that only observes, no forward-mode AD) and not recording a graph (a double

@@ -27,7 +27,8 @@
    attention_values, attention_backward), reading and writing the projections' row layout;
    and its LayerNorms with each model's affine (layer_norm, layer_norm_backward).
 
-   The stacked engine's tanh activation in float32 (tanh_f32).
+   The stacked engine's tanh activation in float32 (tanh_f32), and its weight gradients a^T b
+   summed over many rows into a small layer's weights (row_outer_sums_f32).
 
    Dot products are accumulated in LANES partial sums in T, combined pairwise (as torch's own
    vectorised sums: float32 rounding for float32); column sums in per-thread partials in T

@@ -18,10 +18,11 @@ of summation inside the kernel: float32 rounding, which the engine's batched ker
 (:mod:`~affdiv.experiments.runs.batched`). It is taken wherever the processor can run it, measured
 faster only on that AMD processor (on an Intel processor with AVX-512, MKL uses AVX-512 itself).
 
-:func:`baddbmm` takes oneDNN where :func:`usable`, else ``torch.baddbmm`` / ``torch.bmm``. The
-backward checks again: a backward that records a graph (a double backward), carries forward-mode
-tangents or batched gradients takes torch's products, which are differentiable and have those
-rules.
+:func:`baddbmm` takes oneDNN where :func:`usable`, else ``torch.baddbmm`` / ``torch.bmm``. A weight
+gradient aᵀ g over many rows into a layer of few weights (the vision transformer's) takes the
+package's pass instead (:func:`_outer_sums_pay`), float32 rounding too. The backward checks again: a
+backward that records a graph (a double backward), carries forward-mode tangents or batched
+gradients takes torch's products, which are differentiable and have those rules.
 """
 
 from __future__ import annotations
