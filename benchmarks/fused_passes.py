@@ -9,15 +9,13 @@ layers take: as it is, and with that pass routed off (a CNN's first block,
 ``experiments.runs.conv_pool``; its later max-pools with their ReLU, ``experiments.runs.pool_relu``;
 the AffineLike and NormLike Functions, ``experiments.runs.stacked_dense``; the vision transformer's
 attention, ``experiments.runs.stacked_attention``, and LayerNorms,
-``experiments.runs.stacked_layer_norm``; the MLP arms' tanh, ``experiments.runs.activations``; the
-weight gradients over many rows of small layers, ``experiments.runs.stacked_matmul``), so that
-those layers run unfused (the dense layers, attention and LayerNorms in torch operations, tanh as
-torch's, the weight gradients on oneDNN's product; with the first block off, its pool and ReLU
-take the later pools' pass); every other pass stays on in both. Their SGD steps are timed in
-interleaved rounds, the two in turn first (each model its own shuffle, as in ``stacked_training``);
-the printed figure is the median over rounds of the paired ratio without / with the pass (above 1:
-the pass makes the step faster). Both engines train the same models, so the figure is of the step
-alone, not of a study.
+``experiments.runs.stacked_layer_norm``; the MLP arms' tanh, ``experiments.runs.activations``), so
+that those layers run unfused (the dense layers, attention and LayerNorms in torch operations, tanh
+as torch's; with the first block off, its pool and ReLU take the later pools' pass); every other
+pass stays on in both. Their SGD steps are timed in interleaved rounds, the two in turn first (each
+model its own shuffle, as in ``stacked_training``); the printed figure is the median over rounds of
+the paired ratio without / with the pass (above 1: the pass makes the step faster). Both engines
+train the same models, so the figure is of the step alone, not of a study.
 """
 
 from __future__ import annotations
@@ -41,7 +39,6 @@ from affdiv.experiments.runs import (
     stacked_attention,
     stacked_dense,
     stacked_layer_norm,
-    stacked_matmul,
 )
 from affdiv.experiments.runs.config import VIT_METHODS, RunConfig
 from affdiv.experiments.runs.sweep import keep_freed_memory
@@ -62,8 +59,7 @@ PASSES = {"first block": (conv_pool, "first_block_length", lambda layers: 0, CNN
           "attention": (stacked_attention, "usable", lambda *tensors: False, VIT_METHODS),
           "layer norm": (stacked_layer_norm, "usable", lambda *tensors: False,
                          tuple(method for method in VIT_METHODS if method != "vit-nonorm")),
-          "tanh": (activations, "usable", lambda x: False, TANH_METHODS),
-          "outer sums": (stacked_matmul, "_outer_sums_pay", lambda a, b: False, (*TANH_METHODS, *VIT_METHODS))}
+          "tanh": (activations, "usable", lambda x: False, TANH_METHODS)}
 
 
 def routed_off(name: str) -> contextlib.AbstractContextManager:

@@ -47,8 +47,7 @@ The step's kernels: the matrix products and convolutions one stacked step ran, a
 (every op that ``torch.utils.flop_counter`` counts, recorded with its shapes, strides and arguments
 by a dispatch mode that only observes, so that the step takes its own paths under it, and the
 package's passes that hold products, which no dispatch mode sees and which are recorded by name:
-oneDNN's matmul, the weight gradients' outer sums, the fused attention, the CNN's fused first block
-with its pool (``PACKAGE_PRODUCTS``)),
+oneDNN's matmul, the fused attention, the CNN's fused first block with its pool (``PACKAGE_PRODUCTS``)),
 replayed on random tensors of the same layouts and timed in every round: "kernels ms" per
 model-step. stacked / kernels is what the step spends outside those kernels (elementwise work, the
 optimiser's update, memory traffic between them, Python and dispatch); kernels / floor is the rate
@@ -160,11 +159,10 @@ def _step_flops(config, data) -> dict[str, int]:
 
 
 #: The package's own passes that hold matrix products or convolutions: the stacked engine's calls of
-#: oneDNN's matmul, its weight gradients over many rows, and its fused attention and first-block
-#: passes. No dispatch mode sees them, so :func:`kernel_calls` records them by name.
-PACKAGE_PRODUCTS = ((_native, "onednn_bmm_"), (_fused, "row_outer_sums"), (_fused, "attention_scores"),
-                    (_fused, "attention_values"), (_fused, "attention_backward"), (_fused, "conv_pool"),
-                    (_fused, "conv_pool_backward"))
+#: oneDNN's matmul and its fused attention and first-block passes. No dispatch mode sees them, so
+#: :func:`kernel_calls` records them by name.
+PACKAGE_PRODUCTS = ((_native, "onednn_bmm_"), (_fused, "attention_scores"), (_fused, "attention_values"),
+                    (_fused, "attention_backward"), (_fused, "conv_pool"), (_fused, "conv_pool_backward"))
 
 
 def kernel_calls(engine, orders, batch: int) -> list[tuple]:

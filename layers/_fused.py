@@ -55,10 +55,7 @@ and its LayerNorms, on K models' rows (K, M, d) with each model's γ_k, β_k:
 and the stacked engine's tanh activation in float32, ``tanh(x)``, each element computed in double
 (within 1e-15 of tanh(x), relative) and rounded once: the correctly rounded tanh on every float32
 input (``benchmarks/tanh_accuracy.py`` checks each non-negative one; the pass is odd by
-construction; the derivation in _fused_cpu.c); and its weight gradients over many rows into small
-layers, in float32:
-
-    row_outer_sums(a, b)            c = aᵀ b per model, c_ln = Σ_i a_il b_in      (K, L, N)
+construction; the derivation in _fused_cpu.c).
 
 The row passes' dot products are accumulated in 16 partial sums in the tensors' dtype, combined
 pairwise (float32 rounding for float32, as torch's own vectorised sums), their tails in double; box
@@ -66,9 +63,8 @@ sums in double; ``conv_pool``'s convolution outputs and PatchNorm's patch norms 
 dtype, its gradients per sample, then over samples, in the dtype; the attention's sums in the dtype,
 in the order written (its heads of 16 tokens and 8 entries: ⟨p_t, dp_t⟩ pairwise); the LayerNorm's
 row sums as the row passes' dot products (rows of 32 entries: pairwise), its column sums in the
-dtype over blocks of rows, the blocks in double; ``row_outer_sums`` over the rows in order. The
-extension is optional (built at install where a C compiler with OpenMP is present); ``usable`` says
-whether a call may take it: the library
+dtype over blocks of rows, the blocks in double. The extension is optional (built at install
+where a C compiler with OpenMP is present); ``usable`` says whether a call may take it: the library
 loaded and not ``disabled``, every tensor a contiguous (or, for the convolutions, channels_last)
 plain CPU float32/float64 tensor of one dtype, in eager mode (not traced, not under torch.func, no
 dispatch mode but one that only observes, no forward-mode AD) and not recording a graph (a double
@@ -101,7 +97,7 @@ from affdiv.layers._torch_internals import (
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 #: The interface version this module is written for (``AFFDIV_FUSED_ABI`` of _fused_cpu.h): a
 #: library built from other sources is not loaded.
-FUSED_ABI = 5
+FUSED_ABI = 4
 _MAX = {dtype: torch.finfo(dtype).max for dtype in _SUFFIX}
 _state = {"disabled": False}  # process-wide (``disabled`` is for tests and benchmarks)
 
@@ -149,7 +145,6 @@ def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
         _declare(lib, f"layer_norm_{suffix}", None, [p, p, p, i64, i64, i64, f64, p, p, p, i32])
         _declare(lib, f"layer_norm_backward_{suffix}", None, [p, p, p, p, p, i64, i64, i64, p, p, p, p, i32])
     _declare(lib, "tanh_f32", None, [p, p, i64, i32])
-    _declare(lib, "row_outer_sums_f32", i32, [p, p, i64, i64, i64, i64, p, i32])
     return lib
 
 
@@ -626,24 +621,3 @@ def tanh(x: Tensor) -> Tensor:
     y = torch.empty_like(x)  # (a dense tensor's strides: element i of y's storage is tanh of x's)
     _LIB.tanh_f32(x.data_ptr(), y.data_ptr(), x.numel(), torch.get_num_threads())
     return y
-
-
-def row_outer_sums(a: Tensor, b: Tensor) -> Tensor:
-    """c = aᵀ b per model, c_ln = Σ_i a_il b_in over the rows i in order: a (K, M, L) and b (K, M, N)
-    contiguous float32 CPU tensors, L or N a multiple of 16 (``row_outer_sums_take``); c (K, L, N)
-    contiguous. Other tensors are a ValueError."""
-    if not row_outer_sums_take(a, b):
-        raise ValueError(f"row_outer_sums: needs contiguous float32 CPU tensors (K, M, L) and (K, M, N) with L or N a "
-                         f"multiple of 16, got {a.dtype} {tuple(a.shape)} and {b.dtype} {tuple(b.shape)}")
-    models, rows, left = a.shape
-    c = a.new_empty((models, left, b.shape[2]))
-    _LIB.row_outer_sums_f32(a.data_ptr(), b.data_ptr(), models, rows, left, b.shape[2], c.data_ptr(),
-                            torch.get_num_threads())
-    return c
-
-
-def row_outer_sums_take(a: Tensor, b: Tensor) -> bool:
-    """Whether ``row_outer_sums`` takes a and b (their dtypes, devices, layouts and shapes)."""
-    return (a.dim() == b.dim() == 3 and a.shape[:2] == b.shape[:2] and a.dtype == b.dtype == torch.float32
-            and a.is_cpu and b.is_cpu and plain(a) and plain(b) and a.is_contiguous() and b.is_contiguous()
-            and (a.shape[2] % 16 == 0 or b.shape[2] % 16 == 0))

@@ -27,8 +27,7 @@
    attention_values, attention_backward), reading and writing the projections' row layout;
    and its LayerNorms with each model's affine (layer_norm, layer_norm_backward).
 
-   The stacked engine's tanh activation in float32 (tanh_f32), and its weight gradients a^T b
-   summed over many rows into a small layer's weights (row_outer_sums_f32).
+   The stacked engine's tanh activation in float32 (tanh_f32).
 
    Dot products are accumulated in LANES partial sums in T, combined pairwise (as torch's own
    vectorised sums: float32 rounding for float32); column sums in per-thread partials in T
@@ -1656,83 +1655,6 @@ DEFINE_ROW_TOTALS(double, f64)
 
 DEFINE_LAYER_NORM(float, f32)
 DEFINE_LAYER_NORM(double, f64)
-
-/* The weight gradient of a stacked linear layer over many rows, c = a^T b per model (the
-   stacked engine's experiments.runs.stacked_matmul): a (K, M, L) and b (K, M, N) row-major,
-   c (K, L, N) row-major,
-     row_outer_sums   c_ln = sum_i a_il b_in      (over the M rows i in order, for every entry)
-   float32 only; one dimension of c, P = N or L, a multiple of 16: its entries run as vector lanes
-   (16 or 32 at a time), the other's, Q, 8 at a time (then one by one), each accumulator holding
-   one entry of c for 16 P's in a register while all M rows stream past. For the vision
-   transformer's layers (M = 4096 rows, L and N of 32-64) oneDNN's product of a transposed view
-   ran at a third of the GEMM rate: oneDNN's products take such short output rows in
-   many passes. One model per work item (the same sums for any thread count). */
-static inline __attribute__((always_inline)) void outer_tile_f32(
-    const float *restrict u, int64_t u_stride, const float *restrict w, int64_t w_stride,
-    int64_t rows, const int qt, const int pv, int first, float *restrict c, int64_t c_q,
-    int64_t c_p) {
-    /* c[q c_q + p c_p] (+)= sum_i w[i, q] u[i, p] for q < qt, p < 16 pv: the sums so far read
-       back unless `first` (a block of rows at a time, the sums in row order across blocks) */
-    f32_row16 acc[8][2];
-    for (int q = 0; q < qt; ++q)
-        for (int v = 0; v < pv; ++v)
-            if (first)
-                acc[q][v] = (f32_row16){0};
-            else if (c_p == 1)
-                acc[q][v] = load16_f32(c + q * c_q + 16 * v);
-            else
-                for (int lane = 0; lane < 16; ++lane) acc[q][v][lane] = c[q * c_q + (16 * v + lane) * c_p];
-    for (int64_t i = 0; i < rows; ++i) {
-        f32_row16 x[2];
-        for (int v = 0; v < pv; ++v) x[v] = load16_f32(u + i * u_stride + 16 * v);
-        for (int q = 0; q < qt; ++q)
-            for (int v = 0; v < pv; ++v) acc[q][v] += x[v] * w[i * w_stride + q];
-    }
-    for (int q = 0; q < qt; ++q)
-        for (int v = 0; v < pv; ++v)
-            if (c_p == 1)
-                memcpy(c + q * c_q + 16 * v, &acc[q][v], sizeof acc[q][v]);
-            else
-                for (int lane = 0; lane < 16; ++lane) c[q * c_q + (16 * v + lane) * c_p] = acc[q][v][lane];
-}
-
-#define OUTER_BLOCK 64 /* rows per block: a block of both operands stays in L2 */
-WIDE_CLONES static void row_outer_sums_model_f32(const float *a, const float *b, int64_t rows,
-                                                 int64_t l, int64_t n, float *c) {
-    /* P = N (b's entries as lanes, c stored row by row) where it is a multiple of 16, else L */
-    const int by_n = n % 16 == 0;
-    const int64_t p_size = by_n ? n : l, q_size = by_n ? l : n;
-    const int64_t c_q = by_n ? n : 1, c_p = by_n ? 1 : n;
-    for (int64_t start = 0; start < rows; start += OUTER_BLOCK) {
-        const int64_t block = rows - start < OUTER_BLOCK ? rows - start : OUTER_BLOCK;
-        const float *u = (by_n ? b : a) + start * p_size, *w = (by_n ? a : b) + start * q_size;
-        for (int64_t p = 0; p < p_size; p += 32) {
-            const int wide = p_size - p >= 32, first = start == 0;
-            float *cp = c + p * c_p;
-            int64_t q = 0;
-            for (; q + 8 <= q_size; q += 8)
-                if (wide)
-                    outer_tile_f32(u + p, p_size, w + q, q_size, block, 8, 2, first, cp + q * c_q, c_q, c_p);
-                else
-                    outer_tile_f32(u + p, p_size, w + q, q_size, block, 8, 1, first, cp + q * c_q, c_q, c_p);
-            for (; q < q_size; ++q)
-                if (wide)
-                    outer_tile_f32(u + p, p_size, w + q, q_size, block, 1, 2, first, cp + q * c_q, c_q, c_p);
-                else
-                    outer_tile_f32(u + p, p_size, w + q, q_size, block, 1, 1, first, cp + q * c_q, c_q, c_p);
-        }
-    }
-}
-
-int row_outer_sums_f32(const float *a, const float *b, int64_t models, int64_t rows, int64_t l,
-                       int64_t n, float *c, int threads) {
-    if (l % 16 != 0 && n % 16 != 0)
-        return -1; /* (shapes this pass does not take: the wrapper checks them first) */
-    _Pragma("omp parallel for schedule(static) num_threads(team_size(models * rows * (l + n), threads))")
-    for (int64_t k = 0; k < models; ++k)
-        row_outer_sums_model_f32(a + k * rows * l, b + k * rows * n, rows, l, n, c + k * l * n);
-    return 0;
-}
 
 /* tanh of float32 values (the stacked engine's activation, experiments.runs.activations), each
    computed in double and rounded once to float:

@@ -18,11 +18,10 @@ of summation inside the kernel: float32 rounding, which the engine's batched ker
 (:mod:`~affdiv.experiments.runs.batched`). It is taken wherever the processor can run it, measured
 faster only on that AMD processor (on an Intel processor with AVX-512, MKL uses AVX-512 itself).
 
-:func:`baddbmm` takes oneDNN where :func:`usable`, else ``torch.baddbmm`` / ``torch.bmm``. A weight
-gradient aᵀ g over many rows into a layer of few weights (the vision transformer's) takes the
-package's pass instead (:func:`_outer_sums_pay`), float32 rounding too. The backward checks again: a
-backward that records a graph (a double backward), carries forward-mode tangents or batched
-gradients takes torch's products, which are differentiable and have those rules.
+:func:`baddbmm` takes oneDNN where :func:`usable`, else ``torch.baddbmm`` / ``torch.bmm``. The
+backward checks again: a backward that records a graph (a double backward), carries forward-mode
+tangents or batched gradients takes torch's products, which are differentiable and have those
+rules.
 """
 
 from __future__ import annotations
@@ -68,31 +67,9 @@ def baddbmm(c: Tensor | None, a: Tensor, b: Tensor) -> Tensor:
 
 
 def product(a: Tensor, b: Tensor) -> Tensor:
-    """a b, a (K, M, L), b (K, L, N), where :func:`usable`: by the package's row-outer-sums pass
-    where :func:`_outer_sums_pay`, else by oneDNN; elsewhere ``torch.bmm``. Not recorded by autograd
-    (for backwards: :func:`baddbmm` is the differentiable product)."""
-    if not usable(a, b):
-        return torch.bmm(a, b)
-    return _fused.row_outer_sums(a.transpose(1, 2), b) if _outer_sums_pay(a, b) else _product(a, b)
-
-
-#: The row-outer-sums pass takes a weight gradient aᵀ b of at most this many entries per model...
-OUTER_SUMS_ENTRIES = 2560
-#: ... summed over at least this many rows.
-OUTER_SUMS_ROWS = 64
-
-
-def _outer_sums_pay(a: Tensor, b: Tensor) -> bool:
-    """Whether the product a b is a layer's weight gradient that the package's pass
-    (:func:`affdiv.layers._fused.row_outer_sums`) computes faster than oneDNN: a = the transposed
-    view of contiguous rows (K, M, L), b contiguous rows (K, M, N), L·N at most
-    ``OUTER_SUMS_ENTRIES``, M at least ``OUTER_SUMS_ROWS`` (the vision transformer's layers). The
-    pass keeps each 16 entries of the gradient in a register while the rows stream past;
-    oneDNN's product of a transposed view runs such short outputs at a fraction of its rate
-    (``benchmarks/row_outer_sums.py`` times both, shape by shape)."""
-    rows = a.transpose(1, 2)
-    return (a.shape[2] >= OUTER_SUMS_ROWS and a.shape[1] * b.shape[2] <= OUTER_SUMS_ENTRIES
-            and _fused.eager_kernels_allowed() and _fused.row_outer_sums_take(rows, b))
+    """a b, a (K, M, L), b (K, L, N), by oneDNN where :func:`usable`, else ``torch.bmm``; not
+    recorded by autograd (for backwards: :func:`baddbmm` is the differentiable product)."""
+    return _product(a, b) if usable(a, b) else torch.bmm(a, b)
 
 
 def _product(a: Tensor, b: Tensor) -> Tensor:

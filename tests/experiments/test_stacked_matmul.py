@@ -19,14 +19,14 @@ import unittest.mock
 
 import pytest
 import torch
-from hypothesis import assume, example, given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
 from affdiv.experiments.runs import stacked_matmul
 from affdiv.experiments.runs.config import RunConfig
 from affdiv.experiments.runs.training import build_member, stacked_engine
-from affdiv.layers import _fused, _native
+from affdiv.layers import _native
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(not _native.onednn_enabled(), reason="oneDNN's matmul is not bound here")]
@@ -90,54 +90,6 @@ def test_the_product_and_its_gradients_are_the_exact_ones_within_float32_roundin
         _within_bound(grads[id(a)], g, b.detach().transpose(1, 2), None)
     if b.requires_grad:
         _within_bound(grads[id(b)], a.detach().transpose(1, 2), g, None)
-
-
-@pytest.mark.skipif(not _fused.available(), reason="the fused passes are not built here")
-@given(k=st.integers(1, 3), rows=st.integers(stacked_matmul.OUTER_SUMS_ROWS, 300),
-       left=st.sampled_from([10, 16, 32, 49, 64]), right=st.sampled_from([10, 16, 32, 49, 64]),
-       seed=st.integers(0, 2**16))
-def test_a_weight_gradient_over_many_rows_takes_the_outer_sums_pass_within_float32_rounding(k, rows, left, right,
-                                                                                           seed):
-    # xᵀ g summed over the rows one by one: the bound of the module docstring with L = the rows
-    assume((left % 16 == 0 or right % 16 == 0) and left * right <= stacked_matmul.OUTER_SUMS_ENTRIES)
-    g = torch.Generator().manual_seed(seed)
-    x, gy = torch.randn(k, rows, left, generator=g), torch.randn(k, rows, right, generator=g)
-    with unittest.mock.patch.object(_fused, "row_outer_sums", wraps=_fused.row_outer_sums) as spy:
-        got = stacked_matmul.product(x.transpose(1, 2), gy)
-    assert spy.call_count == 1 and got.is_contiguous()
-    _within_bound(got, x.transpose(1, 2), gy, None)
-
-
-@pytest.mark.skipif(not _fused.available(), reason="the fused passes are not built here")
-def test_other_products_take_onednn():
-    many, few = stacked_matmul.OUTER_SUMS_ROWS, stacked_matmul.OUTER_SUMS_ROWS - 1
-    calls = {  # the first operand transposed rows, as a weight gradient is asked for
-        "too few rows": (torch.randn(2, few, 32).transpose(1, 2), torch.randn(2, few, 32)),
-        "too large a gradient": (torch.randn(2, many, 64).transpose(1, 2), torch.randn(2, many, 64)),
-        "rows of neither 16s": (torch.randn(2, many, 10).transpose(1, 2), torch.randn(2, many, 49)),
-        "contiguous first operand": (torch.randn(2, 32, many), torch.randn(2, many, 32)),
-        "strided second operand": (torch.randn(2, many, 32).transpose(1, 2), torch.randn(2, many, 64)[:, :, ::2]),
-    }
-    for name, (a, b) in calls.items():
-        with unittest.mock.patch.object(_fused, "row_outer_sums", wraps=_fused.row_outer_sums) as spy:
-            got = stacked_matmul.product(a, b)
-        assert spy.call_count == 0, name
-        _within_bound(got, a, b, None)
-    a, b = torch.randn(2, many, 32).transpose(1, 2), torch.randn(2, many, 32)
-    with _fused.disabled(), unittest.mock.patch.object(_fused, "row_outer_sums") as spy:
-        stacked_matmul.product(a, b)
-    assert spy.call_count == 0
-
-
-@pytest.mark.skipif(not _fused.available(), reason="the fused passes are not built here")
-def test_the_outer_sums_pass_refuses_what_it_cannot_take_in_one_line():
-    refused = [(torch.randn(2, 8, 10), torch.randn(2, 8, 49)),  # neither L nor N a multiple of 16
-               (torch.randn(2, 8, 16).double(), torch.randn(2, 8, 16)),  # float64
-               (torch.randn(2, 8, 16), torch.randn(2, 9, 16)),  # rows that differ
-               (torch.randn(2, 16, 8).transpose(1, 2), torch.randn(2, 8, 16))]  # a transposed view
-    for a, b in refused:
-        with pytest.raises(ValueError, match=r"^row_outer_sums: needs contiguous float32 CPU tensors [^\n]*$"):
-            _fused.row_outer_sums(a, b)
 
 
 def test_an_operand_stored_transposed_gets_its_gradient_in_its_layout():

@@ -27,9 +27,6 @@ def _package_pass_flops(func, args) -> int:
     if name == "onednn_bmm_":  # out (K, M, N) ← a (K, M, L) b (K, L, N)
         _out, a, b = args[:3]
         return 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
-    if name == "row_outer_sums":  # c (K, L, N) ← aᵀ b, a (K, M, L), b (K, M, N)
-        a, b = args
-        return 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
     if name == "attention_scores":  # q kᵀ per sequence and head, from rows (N·T, H·d)
         q, _k, tokens, _heads = args
         return 2 * q.shape[0] * tokens * q.shape[1]
@@ -48,9 +45,6 @@ def _package_pass_flops(func, args) -> int:
 
 
 ATTENTION = {"attention_scores", "attention_values", "attention_backward"}
-#: the vit's step at B = 8 on digits: 128 rows a model (8 images of 16 tokens), layers of 8 and 32
-#: features, so its weight gradients with 32 take the outer-sums pass
-VIT = {"onednn_bmm_", "row_outer_sums", *ATTENTION}
 FIRST_BLOCK = {"conv_pool", "conv_pool_backward"}
 
 
@@ -65,9 +59,9 @@ FIRST_BLOCK = {"conv_pool", "conv_pool_backward"}
 #: methods': a pass left out of ``PACKAGE_PRODUCTS`` fails the names' check on every method).
 CELLS = {"affine": (8, {"onednn_bmm_"}, (1, 1)), "norm_l2": (8, {"onednn_bmm_"}, (1, 1)),
          "conv": (2, {"onednn_bmm_", *FIRST_BLOCK}, (1, 1)),
-         **{method: (8, VIT, (1, 1)) for method in ("vit", "vit-qknorm", "vit-nonorm")},
+         **{method: (8, {"onednn_bmm_", *ATTENTION}, (1, 1)) for method in ("vit", "vit-qknorm", "vit-nonorm")},
          "affine_like": (8, {"onednn_bmm_"}, (0.989, 0.999)),
-         **{method: (8, VIT, (0.973, 0.983))
+         **{method: (8, {"onednn_bmm_", *ATTENTION}, (0.973, 0.983))
             for method in ("vit-affine_like", "vit-affine_like-qknorm")},
          "patchnorm": (2, {"onednn_bmm_", *FIRST_BLOCK}, (0.800, 0.808)),
          "conv+batchnorm": (2, {"onednn_bmm_", *FIRST_BLOCK}, (1.014, 1.024))}
@@ -88,8 +82,8 @@ def test_the_recorded_kernels_are_the_steps_own_and_replaying_them_leaves_the_mo
     calls = roofline.kernel_calls(engine, orders, 8)
     package = [(func, args) for func, args, _kwargs in calls if not isinstance(func, torch._ops.OpOverload)]
     names = {func.__name__ for func, _args in package}
-    if _fused.available():  # (oneDNN's products where it is bound, too; the outer sums go with it)
-        assert names == (passes if _native.onednn_enabled() else passes - {"onednn_bmm_", "row_outer_sums"})
+    if _fused.available():  # (oneDNN's products where it is bound, too)
+        assert names == (passes if _native.onednn_enabled() else passes - {"onednn_bmm_"})
     before = {name: p.clone() for name, p in engine.params.items()}
     with FlopCounterMode(display=False) as replayed:
         roofline.replay(calls)
