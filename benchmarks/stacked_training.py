@@ -161,8 +161,9 @@ def _step_flops(config, data) -> dict[str, int]:
 #: The package's own passes that hold matrix products or convolutions: the stacked engine's calls of
 #: oneDNN's matmul and its fused attention and first-block passes. No dispatch mode sees them, so
 #: :func:`kernel_calls` records them by name.
-PACKAGE_PRODUCTS = ((_native, "onednn_bmm_"), (_fused, "attention_scores"), (_fused, "attention_values"),
-                    (_fused, "attention_backward"), (_fused, "conv_pool"), (_fused, "conv_pool_backward"))
+PACKAGE_PRODUCTS = ((_native, "onednn_bmm_"), (_fused, "attention_scores"), (_fused, "attention_probabilities"),
+                    (_fused, "attention_values"), (_fused, "attention_backward"), (_fused, "conv_pool"),
+                    (_fused, "conv_pool_backward"))
 
 
 def kernel_calls(engine, orders, batch: int) -> list[tuple]:

@@ -41,6 +41,7 @@ The stacked vision transformer's attention, on rows (N·T, H·d_h) of N sequence
 each (sequence, head) on its own:
 
     attention_scores(q, k, …)       s = q kᵀ/√d_h                          (N, H, T, T)
+    attention_probabilities(q, k, …) softmax(s) row-wise, in float32 at T = 16, d_h = 8
     attention_values(p, v, …)       y = p v, in the rows' layout
     attention_backward(q, k, v, p, gy, …)
                                     gv = pᵀ gy, ds = p ⊙ (gy vᵀ − Σ_u p ⊙ gy vᵀ)/√d_h,
@@ -145,6 +146,7 @@ def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
         _declare(lib, f"layer_norm_{suffix}", None, [p, p, p, i64, i64, i64, f64, p, p, p, i32])
         _declare(lib, f"layer_norm_backward_{suffix}", None, [p, p, p, p, p, i64, i64, i64, p, p, p, p, i32])
     _declare(lib, "tanh_f32", None, [p, p, i64, i32])
+    _declare(lib, "attention_probabilities_f32", i32, [p, p, i64, i64, i64, i64, f64, p, i32])
     return lib
 
 
@@ -534,6 +536,34 @@ def attention_scores(q: Tensor, k: Tensor, tokens: int, heads: int) -> Tensor:
         scratch.data_ptr(), threads,
     )
     return s
+
+
+def attention_probabilities(q: Tensor, k: Tensor, tokens: int, heads: int) -> Tensor:
+    """p = softmax(q_h k_hᵀ/√d_h) row-wise (N, heads, tokens, tokens), for rows as
+    ``attention_scores`` takes them where ``attention_probabilities_take`` (float32, 16 tokens,
+    heads of 8): the scores never written, e^x by the pass's own polynomial (within a few units
+    of float32's roundoff). Other calls are a ValueError."""
+    if not attention_probabilities_take(q, tokens, heads):
+        raise ValueError(f"attention_probabilities: needs float32 rows of heads of 8 entries, 16 tokens a "
+                         f"sequence and a library built with them, got {q.dtype} rows {tuple(q.shape)}, "
+                         f"{tokens} tokens, {heads} heads")
+    sequences = q.shape[0] // tokens
+    p = torch.empty((sequences, heads, tokens, tokens), dtype=q.dtype)
+    _LIB.attention_probabilities_f32(q.data_ptr(), k.data_ptr(), sequences, tokens, heads, 8, 1 / math.sqrt(8),
+                                     p.data_ptr(), torch.get_num_threads())
+    return p
+
+
+def attention_probabilities_take(q: Tensor, tokens: int, heads: int) -> bool:
+    """Whether ``attention_probabilities`` takes these rows: float32, 16 tokens a sequence, heads
+    of 8 entries, and a library built with the pass (a compiler with the shuffle builtin)."""
+    return q.dtype == torch.float32 and tokens == 16 and q.shape[1] == 8 * heads and _probabilities_built()
+
+
+@functools.cache
+def _probabilities_built() -> bool:
+    """Whether the library computes ``attention_probabilities`` (asked once, of no sequences)."""
+    return _LIB.attention_probabilities_f32(None, None, 0, 16, 1, 8, 1.0, None, 1) == 0
 
 
 def attention_values(p: Tensor, v: Tensor) -> Tensor:

@@ -1410,29 +1410,37 @@ DEFINE_ATTENTION_PASSES(double, f64)
    builtin, the 16 rows at once (each stage pairs the rows' partial sums two vectors at a time);
    without it, row by row in that order. */
 #ifdef HAVE_SHUFFLE
+/* The four stages over 16 vectors v[0..15] of type T16, COMBINE(a, b) pairing two of them: lane r
+   of the result combines v[r]'s lanes (lanes 8h + l of w[i]: row 2i + h, its lanes l and l + 8;
+   then lanes 4h + l of x[i]: row 4i + h; lanes 2h + l of y[i]: row 8i + h). */
+#define ROWS_PAIRWISE(T16, v, COMBINE)                                                             \
+    ({                                                                                             \
+        T16 w_[8], x_[4], y_[2];                                                                   \
+        for (int i = 0; i < 8; ++i)                                                                \
+            w_[i] = COMBINE(__builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6,  \
+                                                    7, 16, 17, 18, 19, 20, 21, 22, 23),            \
+                            __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, \
+                                                    14, 15, 24, 25, 26, 27, 28, 29, 30, 31));      \
+        for (int i = 0; i < 4; ++i)                                                                \
+            x_[i] = COMBINE(__builtin_shufflevector(w_[2 * i], w_[2 * i + 1], 0, 1, 2, 3, 8, 9,   \
+                                                    10, 11, 16, 17, 18, 19, 24, 25, 26, 27),       \
+                            __builtin_shufflevector(w_[2 * i], w_[2 * i + 1], 4, 5, 6, 7, 12, 13, \
+                                                    14, 15, 20, 21, 22, 23, 28, 29, 30, 31));      \
+        for (int i = 0; i < 2; ++i)                                                                \
+            y_[i] = COMBINE(__builtin_shufflevector(x_[2 * i], x_[2 * i + 1], 0, 1, 4, 5, 8, 9,   \
+                                                    12, 13, 16, 17, 20, 21, 24, 25, 28, 29),       \
+                            __builtin_shufflevector(x_[2 * i], x_[2 * i + 1], 2, 3, 6, 7, 10, 11, \
+                                                    14, 15, 18, 19, 22, 23, 26, 27, 30, 31));      \
+        COMBINE(__builtin_shufflevector(y_[0], y_[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22,  \
+                                        24, 26, 28, 30),                                           \
+                __builtin_shufflevector(y_[0], y_[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23,  \
+                                        25, 27, 29, 31));                                          \
+    })
+#define ADD(a, b) ((a) + (b))
 #define DEFINE_ROW_TOTALS(T, SUFFIX)                                                               \
     static inline __attribute__((always_inline)) SUFFIX##_row16 row_totals_##SUFFIX(              \
         const SUFFIX##_row16 *v) {                                                                 \
-        SUFFIX##_row16 w[8], x[4], y[2];                                                           \
-        for (int i = 0; i < 8; ++i) /* lanes 8h + l: row 2i + h, its lanes l and l + 8 */         \
-            w[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, \
-                                           18, 19, 20, 21, 22, 23)                                 \
-                   + __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, \
-                                             24, 25, 26, 27, 28, 29, 30, 31);                      \
-        for (int i = 0; i < 4; ++i) /* lanes 4h + l: row 4i + h */                                 \
-            x[i] = __builtin_shufflevector(w[2 * i], w[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16,  \
-                                           17, 18, 19, 24, 25, 26, 27)                             \
-                   + __builtin_shufflevector(w[2 * i], w[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15,  \
-                                             20, 21, 22, 23, 28, 29, 30, 31);                      \
-        for (int i = 0; i < 2; ++i) /* lanes 2h + l: row 8i + h */                                 \
-            y[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16,  \
-                                           17, 20, 21, 24, 25, 28, 29)                             \
-                   + __builtin_shufflevector(x[2 * i], x[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15,  \
-                                             18, 19, 22, 23, 26, 27, 30, 31);                      \
-        return __builtin_shufflevector(y[0], y[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, \
-                                       26, 28, 30)                                                 \
-               + __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23,   \
-                                         25, 27, 29, 31);                                          \
+        return ROWS_PAIRWISE(SUFFIX##_row16, v, ADD);                                              \
     }
 #else
 #define DEFINE_ROW_TOTALS(T, SUFFIX)                                                               \
@@ -1450,6 +1458,99 @@ DEFINE_ATTENTION_PASSES(double, f64)
 #endif
 DEFINE_ROW_TOTALS(float, f32)
 DEFINE_ROW_TOTALS(double, f64)
+
+/* The softmax of the harness vit's scores with them (float32; where the compiler has the shuffle
+   builtin): for each (sequence, head) of 16 tokens and heads of 8 entries,
+     attention_probabilities   p_tu = e^(s_tu - m_t) / sum_u' e^(s_tu' - m_t),
+                               s_tu = <q_t, k_u> * scale,  m_t = max_u s_tu
+   each score summed as attention_scores sums it (its scaling may fuse with the subtraction of
+   the row's maximum, one rounding fewer), never written; a head's 16 rows' maxima and sums
+   pairwise over their lanes, the 16 rows reduced together (ROWS_PAIRWISE). e^x for x <= 0 (exp_nonpositive_f32):
+     x = k ln2 + r,  k = round(x log2(e)),  |r| <= ln2/2 + 2^-9  (ln2 in two parts, k ln2_hi
+                     exact for |k| < 2^9)
+     e^r = 1 + r + r^2/2! + ... + r^7/7!  (the next term below 5.5e-9 relative: a tenth of
+                     float32's unit roundoff 6e-8; Horner's rounding adds a few units of it)
+     e^x = 2^k e^r  (2^k by the exponent field, -126 <= k <= 0)
+   x below -87 (e^x under float32's smallest normal number, 1.2e-38: a term the row's sum cannot
+   see) gives 0; so does NaN's comparison fail and a NaN score stay NaN. Returns -1, having done
+   nothing, for other sizes or without the shuffle builtin (the caller then takes
+   attention_scores and its own softmax). */
+#ifdef HAVE_SHUFFLE
+typedef int32_t i32_row16 __attribute__((vector_size(16 * sizeof(int32_t))));
+
+/* lanes of a where `mask` (a comparison's: all bits set) is true, else of b (C has no vector ?:) */
+static inline __attribute__((always_inline)) f32_row16 select_f32(i32_row16 mask, f32_row16 a,
+                                                                  f32_row16 b) {
+    i32_row16 ia, ib;
+    memcpy(&ia, &a, sizeof ia);
+    memcpy(&ib, &b, sizeof ib);
+    const i32_row16 bits = (ia & mask) | (ib & ~mask);
+    f32_row16 out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
+
+static inline __attribute__((always_inline)) f32_row16 exp_nonpositive_f32(f32_row16 x) {
+    const i32_row16 keep = x >= -87.0f; /* (false for NaN: restored below) */
+    const f32_row16 y = select_f32(keep, x, (f32_row16){0} - 87.0f);
+    const f32_row16 k = (y * 1.44269504f + 12582912.0f) - 12582912.0f; /* round(y log2 e) */
+    const f32_row16 r = (y - k * 0.693145752f) - k * 1.42860677e-6f;
+    f32_row16 p = r * (1.0f / 5040) + 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const i32_row16 bits = (__builtin_convertvector(k, i32_row16) + 127) << 23;
+    f32_row16 two_k;
+    memcpy(&two_k, &bits, sizeof two_k);
+    const f32_row16 e = p * two_k;
+    return select_f32(keep, e, select_f32(x == x, (f32_row16){0}, x));
+}
+
+#define MAX_F32(a, b) max_f32((a), (b))
+static inline __attribute__((always_inline)) f32_row16 max_f32(f32_row16 a, f32_row16 b) {
+    return select_f32(a > b, a, b);
+}
+
+WIDE_CLONES static void attention_probabilities_range_f32(const float *q, const float *k,
+                                                          int64_t first, int64_t last,
+                                                          int64_t heads, float scale, float *p) {
+    /* a (sequence, head)'s 16 rows at a time: their maxima and sums reduced together */
+    for (int64_t item = first; item < last; ++item) {
+        const int64_t at = (item / heads * 16 * heads + item % heads) * 8, width = heads * 8;
+        f32_row16 kt[8], s[16];
+        head_columns_16x8_f32(k + at, width, kt);
+        for (int t = 0; t < 16; ++t) s[t] = head_row_16x8_f32(q + at + t * width, kt) * scale;
+        const f32_row16 m = ROWS_PAIRWISE(f32_row16, s, MAX_F32);
+        for (int t = 0; t < 16; ++t) s[t] = exp_nonpositive_f32(s[t] - m[t]);
+        const f32_row16 inverse = 1.0f / row_totals_f32(s);
+        for (int t = 0; t < 16; ++t) {
+            const f32_row16 row = s[t] * inverse[t];
+            memcpy(p + (item * 16 + t) * 16, &row, sizeof row);
+        }
+    }
+}
+#endif
+
+int attention_probabilities_f32(const float *q, const float *k, int64_t sequences, int64_t tokens,
+                                int64_t heads, int64_t size, double scale, float *p, int threads) {
+#ifdef HAVE_SHUFFLE
+    if (tokens != 16 || size != 8)
+        return -1;
+    _Pragma("omp parallel num_threads(team_size(sequences * heads * 16 * 16 * 8, threads))") {
+        int64_t first, last;
+        my_rows(sequences * heads, &first, &last);
+        attention_probabilities_range_f32(q, k, first, last, heads, (float)scale, p);
+    }
+    return 0;
+#else
+    (void)q, (void)k, (void)sequences, (void)tokens, (void)heads, (void)size, (void)scale, (void)p,
+        (void)threads;
+    return -1;
+#endif
+}
 
 /* The stacked LayerNorm over each row's d entries with each model's affine
    (experiments.runs.stacked_layer_norm): K models' rows x (K, M, d) row-major, gamma and beta

@@ -16,7 +16,9 @@ split off by copies ((K·B, H, T, d_h) from the rows, and back for the output pr
 each product is a batched product of K·B·H matrices of T × d_h (16 × 8 in the harness's vit):
 at the vit's B = 64 (48 models) their forward and backward took 28–44 ms in quick measurements,
 against about 80 for the whole step. Here the scores are one pass
-(``_fused.attention_scores``, each (sequence, head) in cache), the softmax is torch's, the
+(``_fused.attention_scores``, each (sequence, head) in cache) and the softmax torch's, or, in
+float32 at the harness's sizes (16 tokens, heads of 8), the scores and their softmax are one pass
+(``_fused.attention_probabilities``: e^x by its own polynomial, the scores never written); the
 weighted values are one pass writing the rows the output projection takes
 (``_fused.attention_values``), and the backward is one pass (``_fused.attention_backward``); their
 sums run in the order written, so the numbers are the formula's up to the order of summation.
@@ -85,7 +87,10 @@ class StackedAttention(torch.autograd.Function):
         # the passes read dense rows; the inputs themselves are saved (a backward that cannot take
         # the pass differentiates the composite with respect to them)
         rows = [t.contiguous().view(-1, t.shape[2]) for t in (q, k, v)]
-        p = torch.softmax(_fused.attention_scores(rows[0], rows[1], tokens, heads), dim=-1)
+        if _fused.attention_probabilities_take(rows[0], tokens, heads):
+            p = _fused.attention_probabilities(rows[0], rows[1], tokens, heads)
+        else:  # (float64, other sizes: the scores, then torch's softmax)
+            p = torch.softmax(_fused.attention_scores(rows[0], rows[1], tokens, heads), dim=-1)
         ctx.save_for_backward(q, k, v, p)
         ctx.tokens, ctx.heads = tokens, heads
         return _fused.attention_values(p, rows[2]).view(q.shape)
