@@ -41,7 +41,8 @@ The stacked vision transformer's attention, on rows (N·T, H·d_h) of N sequence
 each (sequence, head) on its own:
 
     attention_scores(q, k, …)       s = q kᵀ/√d_h                          (N, H, T, T)
-    attention_probabilities(q, k, …) softmax(s) row-wise, in float32 at T = 16, d_h = 8
+    attention_probabilities(q, k, …)
+                                    softmax(s) row-wise, in float32 at T = 16, d_h = 8
     attention_values(p, v, …)       y = p v, in the rows' layout
     attention_backward(q, k, v, p, gy, …)
                                     gv = pᵀ gy, ds = p ⊙ (gy vᵀ − Σ_u p ⊙ gy vᵀ)/√d_h,
@@ -62,15 +63,16 @@ The row passes' dot products are accumulated in 16 partial sums in the tensors' 
 pairwise (float32 rounding for float32, as torch's own vectorised sums), their tails in double; box
 sums in double; ``conv_pool``'s convolution outputs and PatchNorm's patch norms in tap order in the
 dtype, its gradients per sample, then over samples, in the dtype; the attention's sums in the dtype,
-in the order written (its heads of 16 tokens and 8 entries: ⟨p_t, dp_t⟩ pairwise); the LayerNorm's
-row sums as the row passes' dot products (rows of 32 entries: pairwise), its column sums in the
-dtype over blocks of rows, the blocks in double. The extension is optional (built at install
-where a C compiler with OpenMP is present); ``usable`` says whether a call may take it: the library
-loaded and not ``disabled``, every tensor a contiguous (or, for the convolutions, channels_last)
-plain CPU float32/float64 tensor of one dtype, in eager mode (not traced, not under torch.func, no
-dispatch mode but one that only observes, no forward-mode AD) and not recording a graph (a double
-backward needs the differentiable torch formulas, forward mode their tangents). Otherwise the
-layers run the same passes as torch ops.
+in the order written (its heads of 16 tokens and 8 entries: ⟨p_t, dp_t⟩ pairwise; the float32
+softmax's maxima and sums pairwise, e^x by its own polynomial, each row times the reciprocal of its
+sum); the LayerNorm's row sums as the row passes' dot products (rows of 32 entries in the same tree,
+16 rows at a time), its column sums in the dtype over blocks of rows, the blocks in double. The
+extension is optional (built at install where a C compiler with OpenMP is present); ``usable`` says
+whether a call may take it: the library loaded and not ``disabled``, every tensor a contiguous (or,
+for the convolutions, channels_last) plain CPU float32/float64 tensor of one dtype, in eager mode
+(not traced, not under torch.func, no dispatch mode but one that only observes, no forward-mode AD)
+and not recording a graph (a double backward needs the differentiable torch formulas, forward mode
+their tangents). Otherwise the layers run the same passes as torch ops.
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ from affdiv.layers._torch_internals import (
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 #: The interface version this module is written for (``AFFDIV_FUSED_ABI`` of _fused_cpu.h): a
 #: library built from other sources is not loaded.
-FUSED_ABI = 4
+FUSED_ABI = 5
 _MAX = {dtype: torch.finfo(dtype).max for dtype in _SUFFIX}
 _state = {"disabled": False}  # process-wide (``disabled`` is for tests and benchmarks)
 
@@ -539,31 +541,38 @@ def attention_scores(q: Tensor, k: Tensor, tokens: int, heads: int) -> Tensor:
 
 
 def attention_probabilities(q: Tensor, k: Tensor, tokens: int, heads: int) -> Tensor:
-    """p = softmax(q_h k_hᵀ/√d_h) row-wise (N, heads, tokens, tokens), for rows as
-    ``attention_scores`` takes them where ``attention_probabilities_take`` (float32, 16 tokens,
-    heads of 8): the scores never written, e^x by the pass's own polynomial (within a few units
-    of float32's roundoff). Other calls are a ValueError."""
-    if not attention_probabilities_take(q, tokens, heads):
-        raise ValueError(f"attention_probabilities: needs float32 rows of heads of 8 entries, 16 tokens a "
-                         f"sequence and a library built with them, got {q.dtype} rows {tuple(q.shape)}, "
-                         f"{tokens} tokens, {heads} heads")
+    """p = softmax(q_h k_hᵀ/√d_h) row-wise (N, heads, tokens, tokens) for rows q, k as
+    ``attention_scores`` takes them, where ``attention_probabilities_take`` (float32, 16 tokens,
+    heads of 8 entries): the scores never written, e^x by the pass's own polynomial. Each p is
+    within a few units of float32's roundoff, relative, of the float64 softmax of the pass's
+    float32 scores (whose own rounding softmax turns into up to 2·δ relative, δ a score's
+    error), except where e^(s − max) is under e^−87: 0 there, an absolute error under 1.7e-38.
+    Other calls are a ValueError."""
+    if not attention_probabilities_take(q, k, tokens, heads):
+        raise ValueError(f"attention_probabilities: needs contiguous float32 CPU rows q, k of one shape, heads of "
+                         f"8 entries, 16 tokens a sequence and a library built with the pass, got {q.dtype} "
+                         f"{tuple(q.shape)} and {k.dtype} {tuple(k.shape)}, {tokens} tokens, {heads} heads")
     sequences = q.shape[0] // tokens
     p = torch.empty((sequences, heads, tokens, tokens), dtype=q.dtype)
-    _LIB.attention_probabilities_f32(q.data_ptr(), k.data_ptr(), sequences, tokens, heads, 8, 1 / math.sqrt(8),
-                                     p.data_ptr(), torch.get_num_threads())
+    if _LIB.attention_probabilities_f32(q.data_ptr(), k.data_ptr(), sequences, tokens, heads, 8, 1 / math.sqrt(8),
+                                        p.data_ptr(), torch.get_num_threads()) != 0:
+        raise AssertionError("attention_probabilities: the pass refused what attention_probabilities_take took")
     return p
 
 
-def attention_probabilities_take(q: Tensor, tokens: int, heads: int) -> bool:
-    """Whether ``attention_probabilities`` takes these rows: float32, 16 tokens a sequence, heads
-    of 8 entries, and a library built with the pass (a compiler with the shuffle builtin)."""
-    return q.dtype == torch.float32 and tokens == 16 and q.shape[1] == 8 * heads and _probabilities_built()
+def attention_probabilities_take(q: Tensor, k: Tensor, tokens: int, heads: int) -> bool:
+    """Whether ``attention_probabilities`` takes these rows: plain contiguous float32 CPU tensors q and
+    k of one shape (N·16, 8·heads), and a library built with the pass."""
+    return (q.dtype == k.dtype == torch.float32 and q.dim() == 2 and q.shape == k.shape and tokens == 16
+            and q.shape[0] % 16 == 0 and q.shape[1] == 8 * heads and q.is_cpu and k.is_cpu and plain(q)
+            and plain(k) and q.is_contiguous() and k.is_contiguous() and attention_probabilities_built())
 
 
 @functools.cache
-def _probabilities_built() -> bool:
-    """Whether the library computes ``attention_probabilities`` (asked once, of no sequences)."""
-    return _LIB.attention_probabilities_f32(None, None, 0, 16, 1, 8, 1.0, None, 1) == 0
+def attention_probabilities_built() -> bool:
+    """Whether the loaded library computes ``attention_probabilities`` (built by a compiler with the
+    shuffle builtin; asked once, of no sequences)."""
+    return _LIB is not None and _LIB.attention_probabilities_f32(None, None, 0, 16, 1, 8, 1.0, None, 1) == 0
 
 
 def attention_values(p: Tensor, v: Tensor) -> Tensor:

@@ -23,8 +23,9 @@
    (max_pool2, max_pool2_backward).
 
    The stacked vision transformer's attention on short sequences: the scores of each
-   (sequence, head), its weighted values and their backward (attention_scores,
-   attention_values, attention_backward), reading and writing the projections' row layout;
+   (sequence, head), in float32 with their softmax (attention_probabilities), its weighted
+   values and their backward (attention_scores, attention_values, attention_backward), reading
+   and writing the projections' row layout;
    and its LayerNorms with each model's affine (layer_norm, layer_norm_backward).
 
    The stacked engine's tanh activation in float32 (tanh_f32).
@@ -52,9 +53,10 @@
 #endif
 
 /* Vector clones picked at load time: AVX2 (x86-64-v3) for every pass; the transposing passes
-   (the attention passes among them) also get an AVX-512 (v4) clone, for its 32 vector registers (with AVX2's 16 their register
-   transposes spill: 1.2-2.5x slower in a harness, see docs/FINDINGS.md), and so does tanh, for
-   AVX-512's 8-wide double vectors. */
+   (the attention passes and the 32-entry LayerNorm rows among them) also get an AVX-512 (v4)
+   clone, for its 32 vector registers (with AVX2's 16 their register transposes spill: 1.2-2.5x
+   slower in a harness, see docs/FINDINGS.md), and so does tanh, for AVX-512's 8-wide double
+   vectors. */
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && __GNUC__ >= 12
 #define VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #define WIDE_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
@@ -1079,7 +1081,8 @@ DEFINE_MAX_POOL2(double, f64, 4)
      attention_backward  gv_u = sum_t p_tu gy_t,   dp_tu = <gy_t, v_u>,
                          ds_tu = p_tu (dp_tu - sum_u' p_tu' dp_tu') * scale,
                          gq_t = sum_u ds_tu k_u,   gk_u = sum_t ds_tu q_t
-   (the softmax p = softmax_u(s_tu) between them is torch's). One (sequence, head) per work
+   (the softmax p = softmax_u(s_tu) between them is torch's, or attention_probabilities takes
+   both in float32). One (sequence, head) per work
    item, its sums in the order written (the same for any thread count); each item transposes
    its keys (values, in backward) into this thread's `scratch` ((size + tokens) * tokens
    entries per thread, the rest for ds) so that a row of scores is a sum of vectors over the
@@ -1149,9 +1152,10 @@ DEFINE_MAX_POOL2(double, f64, 4)
         }                                                                                          \
     }                                                                                              \
 
-/* Rows of 16 and of 8 entries as vectors (GCC's vector extension: AVX-512 registers in the v4
-   clones, pairs of AVX2 registers in the v3 ones), for the passes below that keep a short row in
-   registers. */
+/* Rows of 16 and of 8 entries as vectors (GCC's vector extension), for the passes below that keep
+   a short row in registers: in float32 a row of 16 is one AVX-512 register in the v4 clones, two
+   AVX2 ones in the v3 clones (which spill some); float64's span twice as many, and those paths
+   are the float64 checks', measured for their numbers, not their speed. */
 #define DEFINE_ROW_VECTORS(T, SUFFIX)                                                              \
     typedef T SUFFIX##_row16 __attribute__((vector_size(16 * sizeof(T))));                        \
     typedef T SUFFIX##_row8 __attribute__((vector_size(8 * sizeof(T))));                          \
@@ -1192,7 +1196,8 @@ DEFINE_ROW_VECTORS(double, f64)
             a[v] = __builtin_shufflevector(x, y, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30); \
             a[v + 1] = __builtin_shufflevector(x, y, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31); \
         }                                                                                          \
-        for (int v = 0; v < 8; v += (v % 4 == 1) ? 3 : 1) { /* v = 0, 1, 4, 5 */                  \
+        for (int i = 0; i < 4; ++i) { /* vectors 0, 1, 4, 5 with 2, 3, 6, 7 */                    \
+            const int v = i + (i / 2) * 2;                                                         \
             const SUFFIX##_row16 x = a[v], y = a[v + 2];                                           \
             a[v] = __builtin_shufflevector(x, y, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29); \
             a[v + 2] = __builtin_shufflevector(x, y, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31); \
@@ -1237,9 +1242,9 @@ DEFINE_ROW_VECTORS(double, f64)
                                                                                                    \
     /* sum_u a_u b_u (u < 16), b rows of 8 entries `width` apart */                                \
     static inline __attribute__((always_inline)) SUFFIX##_row8 weighted_rows_16x8_##SUFFIX(       \
-        const T *restrict a, const T *restrict b, int64_t width, int64_t a_stride) {               \
+        const T *restrict a, const T *restrict b, int64_t width) {                                 \
         SUFFIX##_row8 acc = load8_##SUFFIX(b) * a[0];                                              \
-        for (int u = 1; u < 16; ++u) acc += load8_##SUFFIX(b + u * width) * a[u * a_stride];       \
+        for (int u = 1; u < 16; ++u) acc += load8_##SUFFIX(b + u * width) * a[u];                  \
         return acc;                                                                                \
     }                                                                                              \
                                                                                                    \
@@ -1258,7 +1263,7 @@ DEFINE_ROW_VECTORS(double, f64)
     static inline __attribute__((always_inline)) void attention_values_16x8_##SUFFIX(             \
         const T *restrict p, const T *restrict v, int64_t width, T *restrict y) {                  \
         for (int t = 0; t < 16; ++t) {                                                             \
-            const SUFFIX##_row8 yt = weighted_rows_16x8_##SUFFIX(p + t * 16, v, width, 1);         \
+            const SUFFIX##_row8 yt = weighted_rows_16x8_##SUFFIX(p + t * 16, v, width);            \
             memcpy(y + t * width, &yt, sizeof yt);                                                 \
         }                                                                                          \
     }                                                                                              \
@@ -1284,7 +1289,7 @@ DEFINE_ROW_VECTORS(double, f64)
         }                                                                                          \
         store_head_rows_16x8_##SUFFIX(gkt, width, gk);                                             \
         for (int t = 0; t < 16; ++t) {                                                             \
-            const SUFFIX##_row8 gqt = weighted_rows_16x8_##SUFFIX(ds + t * 16, k, width, 1);       \
+            const SUFFIX##_row8 gqt = weighted_rows_16x8_##SUFFIX(ds + t * 16, k, width);          \
             memcpy(gq + t * width, &gqt, sizeof gqt);                                              \
         }                                                                                          \
         SUFFIX##_row16 gvt[8]; /* gv transposed */                                                 \
@@ -1293,8 +1298,9 @@ DEFINE_ROW_VECTORS(double, f64)
             for (int j = 0; j < 8; ++j) gvt[j] += load16_##SUFFIX(p + t * 16) * gy[t * width + j]; \
         store_head_rows_16x8_##SUFFIX(gvt, width, gv);                                             \
     }
-#else /* (without the shuffle builtin: the generic items, their sizes constants, except the
-         scores', which ran slower so than with the sizes read: SCORES_16X8 0, a branch never taken) */
+#else /* (without the shuffle builtin: the generic items with their sizes as constants, except
+         the scores', which ran slower with constant sizes than with the sizes read at run time:
+         SCORES_16X8 0, a branch never taken) */
 #define SCORES_16X8 0
 #define DEFINE_HEADS_16X8(T, SUFFIX)                                                               \
     static inline __attribute__((always_inline)) void attention_scores_16x8_##SUFFIX(             \
@@ -1436,11 +1442,11 @@ DEFINE_ATTENTION_PASSES(double, f64)
                 __builtin_shufflevector(y_[0], y_[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23,  \
                                         25, 27, 29, 31));                                          \
     })
-#define ADD(a, b) ((a) + (b))
+#define ROWS_ADD(a, b) ((a) + (b))
 #define DEFINE_ROW_TOTALS(T, SUFFIX)                                                               \
     static inline __attribute__((always_inline)) SUFFIX##_row16 row_totals_##SUFFIX(              \
         const SUFFIX##_row16 *v) {                                                                 \
-        return ROWS_PAIRWISE(SUFFIX##_row16, v, ADD);                                              \
+        return ROWS_PAIRWISE(SUFFIX##_row16, v, ROWS_ADD);                                         \
     }
 #else
 #define DEFINE_ROW_TOTALS(T, SUFFIX)                                                               \
@@ -1463,18 +1469,22 @@ DEFINE_ROW_TOTALS(double, f64)
    builtin): for each (sequence, head) of 16 tokens and heads of 8 entries,
      attention_probabilities   p_tu = e^(s_tu - m_t) / sum_u' e^(s_tu' - m_t),
                                s_tu = <q_t, k_u> * scale,  m_t = max_u s_tu
-   each score summed as attention_scores sums it (its scaling may fuse with the subtraction of
-   the row's maximum, one rounding fewer), never written; a head's 16 rows' maxima and sums
-   pairwise over their lanes, the 16 rows reduced together (ROWS_PAIRWISE). e^x for x <= 0 (exp_nonpositive_f32):
+   each score summed as attention_scores sums it, never written; a head's 16 rows' maxima and
+   sums pairwise over their lanes, the 16 rows reduced together (ROWS_PAIRWISE); each row times
+   the reciprocal of its sum (as torch's softmax). e^x for x <= 0 (exp_nonpositive_f32):
      x = k ln2 + r,  k = round(x log2(e)),  |r| <= ln2/2 + 2^-9  (ln2 in two parts, k ln2_hi
                      exact for |k| < 2^9)
-     e^r = 1 + r + r^2/2! + ... + r^7/7!  (the next term below 5.5e-9 relative: a tenth of
-                     float32's unit roundoff 6e-8; Horner's rounding adds a few units of it)
-     e^x = 2^k e^r  (2^k by the exponent field, -126 <= k <= 0)
-   x below -87 (e^x under float32's smallest normal number, 1.2e-38: a term the row's sum cannot
-   see) gives 0; so does NaN's comparison fail and a NaN score stay NaN. Returns -1, having done
-   nothing, for other sizes or without the shuffle builtin (the caller then takes
-   attention_scores and its own softmax). */
+     e^r = 1 + r + r^2/2! + ... + r^7/7!  (the next term under 7e-9 of e^r: 0.12 of float32's
+                     unit roundoff u = 6e-8; Horner's rounding adds a few u)
+     e^x = 2^k e^r  (2^k by the exponent field, -126 <= k <= 0: always a normal number)
+   x below -87 gives 0 (so that k >= -126; e^x there is under 1.7e-38, an absolute error the
+   row's sum, at least 1, cannot see), x above 0 (never: x = s - max) is taken as 0, and a NaN
+   stays NaN. The rounding trick for k needs IEEE arithmetic as written (no -ffast-math).
+   Returns -1, having done nothing, for other sizes or without the shuffle builtin (the caller
+   asks first, and otherwise takes attention_scores and its own softmax). */
+#ifdef __FAST_MATH__
+#error "_fused_cpu.c needs IEEE arithmetic as written: build it without -ffast-math"
+#endif
 #ifdef HAVE_SHUFFLE
 typedef int32_t i32_row16 __attribute__((vector_size(16 * sizeof(int32_t))));
 
@@ -1492,7 +1502,8 @@ static inline __attribute__((always_inline)) f32_row16 select_f32(i32_row16 mask
 
 static inline __attribute__((always_inline)) f32_row16 exp_nonpositive_f32(f32_row16 x) {
     const i32_row16 keep = x >= -87.0f; /* (false for NaN: restored below) */
-    const f32_row16 y = select_f32(keep, x, (f32_row16){0} - 87.0f);
+    f32_row16 y = select_f32(keep, x, (f32_row16){0} - 87.0f);
+    y = select_f32(y > 0.0f, (f32_row16){0}, y);
     const f32_row16 k = (y * 1.44269504f + 12582912.0f) - 12582912.0f; /* round(y log2 e) */
     const f32_row16 r = (y - k * 0.693145752f) - k * 1.42860677e-6f;
     f32_row16 p = r * (1.0f / 5040) + 1.0f / 720;
@@ -1509,7 +1520,7 @@ static inline __attribute__((always_inline)) f32_row16 exp_nonpositive_f32(f32_r
     return select_f32(keep, e, select_f32(x == x, (f32_row16){0}, x));
 }
 
-#define MAX_F32(a, b) max_f32((a), (b))
+#define ROWS_MAX(a, b) max_f32((a), (b))
 static inline __attribute__((always_inline)) f32_row16 max_f32(f32_row16 a, f32_row16 b) {
     return select_f32(a > b, a, b);
 }
@@ -1523,7 +1534,7 @@ WIDE_CLONES static void attention_probabilities_range_f32(const float *q, const 
         f32_row16 kt[8], s[16];
         head_columns_16x8_f32(k + at, width, kt);
         for (int t = 0; t < 16; ++t) s[t] = head_row_16x8_f32(q + at + t * width, kt) * scale;
-        const f32_row16 m = ROWS_PAIRWISE(f32_row16, s, MAX_F32);
+        const f32_row16 m = ROWS_PAIRWISE(f32_row16, s, ROWS_MAX);
         for (int t = 0; t < 16; ++t) s[t] = exp_nonpositive_f32(s[t] - m[t]);
         const f32_row16 inverse = 1.0f / row_totals_f32(s);
         for (int t = 0; t < 16; ++t) {
@@ -1561,11 +1572,13 @@ int attention_probabilities_f32(const float *q, const float *k, int64_t sequence
                           dgamma_k = sum_rows gy * xhat, dbeta_k = sum_rows gy
    Row sums in LANES partial sums in T combined pairwise, their tails in double (as dot_); the
    column sums in T over blocks of LAYER_NORM_BLOCK rows (in `partial`, 2 * d entries per
-   model), the blocks summed in double. Rows of d = 32 entries go 16 at a time, their sums
-   pairwise in T (layer_norm_model32: a row at a time, each row's sums wait on horizontal
-   additions and a double square root, 1.7-1.9x slower in a quick measurement).
+   model), the blocks summed in double. Rows of d = 32 entries go 16 at a time
+   (layer_norm_model32), their sums in the same pairwise tree in T and their square roots 16 at a
+   time (a row at a time, the generic path waits on each row's horizontal additions and double
+   square root: 1.7-1.9x slower in a quick measurement).
    One model per work item, its rows in order (the same for any thread count). */
 #define LAYER_NORM_BLOCK 64
+_Static_assert(LAYER_NORM_BLOCK % 16 == 0, "the rows of 32 entries go 16 at a time within a block");
 #define DEFINE_LAYER_NORM(T, SUFFIX)                                                               \
     /* Rows of d = 32 entries (the harness vit's width), 16 rows at a time (the last block       \
        padded with zero rows, never stored): each row's sums are pairwise, its 32 entries first  \

@@ -54,7 +54,7 @@ AFFDIV_DECLARE_CONV_TRANSPOSING_OPS(double, f64)
    those only _fused.py declares. _fused.py loads, and the C++ nodes bind, a library only of the
    version they were written for (a stale build is refused, never called with other arguments).
    Raise it with any such change, here and in _fused.py's FUSED_ABI. */
-#define AFFDIV_FUSED_ABI 4
+#define AFFDIV_FUSED_ABI 5
 int affdiv_fused_abi(void);
 
 #undef AFFDIV_DECLARE_ROWOPS

@@ -21,7 +21,9 @@ float32 at the harness's sizes (16 tokens, heads of 8), the scores and their sof
 (``_fused.attention_probabilities``: e^x by its own polynomial, the scores never written); the
 weighted values are one pass writing the rows the output projection takes
 (``_fused.attention_values``), and the backward is one pass (``_fused.attention_backward``); their
-sums run in the order written, so the numbers are the formula's up to the order of summation.
+sums run in the order written, so the numbers are the formula's up to the order of summation (and,
+on the float32 softmax pass, its own e^x, within a few units of float32's roundoff, and 0 for
+e^(s − max) under e^−87).
 
 :func:`attention` takes :class:`StackedAttention` where the fused passes may run
 (:func:`usable`), else the composite, which torch.func,
@@ -87,7 +89,7 @@ class StackedAttention(torch.autograd.Function):
         # the passes read dense rows; the inputs themselves are saved (a backward that cannot take
         # the pass differentiates the composite with respect to them)
         rows = [t.contiguous().view(-1, t.shape[2]) for t in (q, k, v)]
-        if _fused.attention_probabilities_take(rows[0], tokens, heads):
+        if _fused.attention_probabilities_take(rows[0], rows[1], tokens, heads):
             p = _fused.attention_probabilities(rows[0], rows[1], tokens, heads)
         else:  # (float64, other sizes: the scores, then torch's softmax)
             p = torch.softmax(_fused.attention_scores(rows[0], rows[1], tokens, heads), dim=-1)

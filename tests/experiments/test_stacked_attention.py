@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.usefixtures("one_thread"),
 
 U = 2.0 ** -53
 #: the float32 softmax pass is built (a compiler with the shuffle builtin)
-probabilities_pass = pytest.mark.skipif(not (_fused.available() and _fused._probabilities_built()),
+probabilities_pass = pytest.mark.skipif(not _fused.attention_probabilities_built(),
                                         reason="the library was built without the float32 softmax pass")
 
 
@@ -115,29 +115,31 @@ def test_float32_is_the_float64_formula_within_float32_rounding():
 
 
 @probabilities_pass
-@given(sequences=st.integers(1, 40), magnitude=st.sampled_from([0.25, 1.0, 4.0, 16.0, 40.0]),
+@given(sequences=st.integers(1, 40), heads=st.integers(1, 6), magnitude=st.sampled_from([0.25, 1.0, 4.0, 16.0, 40.0]),
        seed=st.integers(0, 2**16))
-def test_the_float32_probabilities_are_the_softmax_within_their_rounding(sequences, magnitude, seed):
+def test_the_float32_probabilities_are_the_softmax_within_their_rounding(sequences, heads, magnitude, seed):
     # p of the float32 pass (16 tokens, heads of 8) against the float64 softmax of the float64
-    # scores of the same float32 q, k. A float32 score s_tu is within δ_tu = γ_9·Σ_j |q_tj k_uj|/√8
-    # of the exact one (8 products and the scaling, u = 2⁻²⁴), so with δ_t the largest of its row,
-    # e^(s_tu − max) is within e^(2δ_t) − 1 ≈ 2δ_t, relative; e^x itself (the polynomial's
-    # truncation under u/10, Horner's rounding, 2^k exact, ln 2 in two parts), the row's sum (γ_15),
-    # its reciprocal and the last product add at most 24u. So |p − p*| ≤ 2·(2δ_t + 24u)·p* (a margin
-    # of 2), and where e^x is under float32's smallest normal number (x < −87: 0) within 2e-38. The
-    # magnitudes take rows from nearly uniform (0.25) to one-hot (40), x down to −87 and beyond.
+    # scores of the same float32 q, k. A float32 score s_tu is within δ_tu = γ_10·Σ_j |q_tj k_uj|/√8
+    # of the exact one (8 products, the rounded 1/√8 and the scaling; u = 2⁻²⁴), and x = s − max
+    # rounds once more, by at most u·2·S_t (S_t the row's largest |s|); with δ_t the row's largest
+    # δ_tu, e^x is then within about 2δ_t + 2u·S_t, relative. e^x itself (the polynomial's
+    # truncation, 0.12u; Horner's rounding; 2^k exact; ln 2 in two parts), the row's sum, its
+    # reciprocal and the last product add at most 24u. So |p − p*| ≤ 2·(2δ_t + 2u·S_t + 24u)·p* (a
+    # margin of 2), and where e^x is under e^−87 (0 there) within 2e-38. The magnitudes take rows
+    # from nearly uniform (0.25) to one-hot (40), x down to −87 and beyond.
     g = torch.Generator().manual_seed(seed)
-    q, k = (magnitude * torch.randn(sequences * 16, 32, generator=g) for _ in range(2))
-    p = _fused.attention_probabilities(q, k, 16, 4)
-    exact = torch.softmax(_fused.attention_scores(q.double(), k.double(), 16, 4), dim=-1)
+    q, k = (magnitude * torch.randn(sequences * 16, 8 * heads, generator=g) for _ in range(2))
+    p = _fused.attention_probabilities(q, k, 16, heads)
+    scores = _fused.attention_scores(q.double(), k.double(), 16, heads)
+    exact = torch.softmax(scores, dim=-1)
     u = 2.0 ** -24
-    delta = 9 * u / (1 - 9 * u) * _fused.attention_scores(q.double().abs(), k.double().abs(), 16, 4)
-    bound = 2 * (2 * delta.amax(3, keepdim=True) + 24 * u) * exact + 2e-38
+    delta = 10 * u / (1 - 10 * u) * _fused.attention_scores(q.double().abs(), k.double().abs(), 16, heads)
+    relative = 2 * delta.amax(3, keepdim=True) + 2 * u * scores.abs().amax(3, keepdim=True) + 24 * u
     assert p.dtype == torch.float32 and p.shape == exact.shape
-    assert ((p.double() - exact).abs() <= bound).all()
+    assert ((p.double() - exact).abs() <= 2 * relative * exact + 2e-38).all()
     torch.set_num_threads(2)  # (one (sequence, head) per work item: two threads, the same numbers)
     try:
-        assert torch.equal(_fused.attention_probabilities(q, k, 16, 4), p)
+        assert torch.equal(_fused.attention_probabilities(q, k, 16, heads), p)
     finally:
         torch.set_num_threads(1)
 
@@ -153,14 +155,15 @@ def test_a_nan_score_gives_its_row_nan_as_torchs_softmax_does():
     assert p[0, 1, 3].isnan().all() and p[1, 2].isnan().all()
 
 
-@probabilities_pass
-def test_other_sizes_and_float64_take_the_scores_and_torchs_softmax():
-    for q, tokens, heads in [(torch.randn(2 * 8, 32), 8, 4), (torch.randn(2 * 16, 16), 16, 4),
-                             (torch.randn(2 * 16, 32).double(), 16, 4)]:
-        assert not _fused.attention_probabilities_take(q, tokens, heads)
-        with pytest.raises(ValueError, match=r"^attention_probabilities: needs float32 rows of heads of 8 [^\n]*$"):
-            _fused.attention_probabilities(q, q, tokens, heads)
-    assert _fused.attention_probabilities_take(torch.randn(2 * 16, 32), 16, 4)
+def test_the_softmax_pass_refuses_other_rows_in_one_line():
+    rows = torch.randn(2 * 16, 32)
+    for q, k, tokens, heads in [(torch.randn(2 * 8, 32),) * 2 + (8, 4), (torch.randn(2 * 16, 16),) * 2 + (16, 4),
+                                (rows.double(), rows.double(), 16, 4), (rows, rows[:16], 16, 4),
+                                (rows, rows.t().contiguous().t(), 16, 4)]:
+        assert not _fused.attention_probabilities_take(q, k, tokens, heads)
+        with pytest.raises(ValueError, match=r"^attention_probabilities: needs contiguous float32 [^\n]*$"):
+            _fused.attention_probabilities(q, k, tokens, heads)
+    assert _fused.attention_probabilities_take(rows, rows, 16, 4) == _fused.attention_probabilities_built()
 
 
 @pytest.mark.parametrize("mutation", ["p transposed", "q and k exchanged"])

@@ -60,7 +60,7 @@ FIRST_BLOCK = {"conv_pool", "conv_pool_backward"}
 CELLS = {"affine": (8, {"onednn_bmm_"}, (1, 1)), "norm_l2": (8, {"onednn_bmm_"}, (1, 1)),
          # at width 32 the vit's heads are the harness's (16 tokens of 8 entries): scores and softmax in one pass
          "vit at width 32": (32, {"onednn_bmm_", "attention_values", "attention_backward", "attention_probabilities"
-                                  if _fused.available() and _fused._probabilities_built() else "attention_scores"},
+                                  if _fused.attention_probabilities_built() else "attention_scores"},
                              (1, 1)),
          "conv": (2, {"onednn_bmm_", *FIRST_BLOCK}, (1, 1)),
          **{method: (8, {"onednn_bmm_", *ATTENTION}, (1, 1)) for method in ("vit", "vit-qknorm", "vit-nonorm")},
