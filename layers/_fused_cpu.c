@@ -555,8 +555,8 @@ static void taps(int64_t o, int64_t size, int64_t kernel, int64_t stride, int64_
 typedef float vec_f32 __attribute__((vector_size(32)));
 typedef double vec_f64 __attribute__((vector_size(32)));
 
-#if defined(__has_builtin) /* (nested: an undefined __has_builtin(...) is a syntax error) */
-#if __has_builtin(__builtin_shufflevector)
+#if defined(__has_builtin) && !defined(AFFDIV_NO_SHUFFLE) /* (the tests build the fallback so) */
+#if __has_builtin(__builtin_shufflevector) /* (nested: an undefined __has_builtin(...) is a syntax error) */
 #define HAVE_SHUFFLE 1
 #endif
 #endif
