@@ -544,10 +544,11 @@ def attention_probabilities(q: Tensor, k: Tensor, tokens: int, heads: int) -> Te
     """p = softmax(q_h k_hᵀ/√d_h) row-wise (N, heads, tokens, tokens) for rows q, k as
     ``attention_scores`` takes them, where ``attention_probabilities_take`` (float32, 16 tokens,
     heads of 8 entries): the scores never written, e^x by the pass's own polynomial. Each p is
-    within a few units of float32's roundoff, relative, of the float64 softmax of the pass's
-    float32 scores (whose own rounding softmax turns into up to 2·δ relative, δ a score's
-    error), except where e^(s − max) is under e^−87: 0 there, an absolute error under 1.7e-38.
-    Other calls are a ValueError."""
+    within (|s − max| + a few) units of float32's roundoff u, relative, of the float64 softmax of
+    the pass's float32 scores (the rounding of s − max, then e^x's, the sum's and the product's;
+    a score's own rounding δ softmax turns into up to 2δ more), except where e^(s − max) is under
+    e^−87: 0 there, an absolute error under 1.7e-38. Not recorded by autograd (the attention's
+    Function calls it). Other calls are a ValueError."""
     if not attention_probabilities_take(q, k, tokens, heads):
         raise ValueError(f"attention_probabilities: needs contiguous float32 CPU rows q, k of one shape, heads of "
                          f"8 entries, 16 tokens a sequence and a library built with the pass, got {q.dtype} "
@@ -568,11 +569,16 @@ def attention_probabilities_take(q: Tensor, k: Tensor, tokens: int, heads: int) 
             and plain(k) and q.is_contiguous() and k.is_contiguous() and attention_probabilities_built())
 
 
-@functools.cache
 def attention_probabilities_built() -> bool:
     """Whether the loaded library computes ``attention_probabilities`` (built by a compiler with the
-    shuffle builtin; asked once, of no sequences)."""
-    return _LIB is not None and _LIB.attention_probabilities_f32(None, None, 0, 16, 1, 8, 1.0, None, 1) == 0
+    shuffle builtin)."""
+    return _LIB is not None and _answers_probabilities(_LIB)
+
+
+@functools.cache
+def _answers_probabilities(lib: ctypes.CDLL) -> bool:
+    """Whether ``lib``'s softmax pass runs (asked once per library, of no sequences)."""
+    return lib.attention_probabilities_f32(None, None, 0, 16, 1, 8, 1.0, None, 1) == 0
 
 
 def attention_values(p: Tensor, v: Tensor) -> Tensor:

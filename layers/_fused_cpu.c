@@ -589,7 +589,7 @@ static inline void transpose_f64(vec_f64 r[4]) {
     r[2] = SHUFFLE(t0, t2, 2, 3, 6, 7);
     r[3] = SHUFFLE(t1, t3, 2, 3, 6, 7);
 }
-#else /* (compilers without the shuffle builtin: GCC < 12) */
+#else /* (compilers without the shuffle builtin, e.g. GCC < 12, or built with AFFDIV_NO_SHUFFLE) */
 #define DEFINE_LANE_TRANSPOSE(T, SUFFIX, V)                                                        \
     static inline void transpose_##SUFFIX(vec_##SUFFIX r[V]) {                                    \
         for (int i = 0; i < V; ++i)                                                                \
@@ -1081,8 +1081,8 @@ DEFINE_MAX_POOL2(double, f64, 4)
      attention_backward  gv_u = sum_t p_tu gy_t,   dp_tu = <gy_t, v_u>,
                          ds_tu = p_tu (dp_tu - sum_u' p_tu' dp_tu') * scale,
                          gq_t = sum_u ds_tu k_u,   gk_u = sum_t ds_tu q_t
-   (the softmax p = softmax_u(s_tu) between them is torch's, or attention_probabilities takes
-   both in float32). One (sequence, head) per work
+   (the softmax p = softmax_u(s_tu) between them is torch's; in float32 attention_probabilities
+   computes the scores and their softmax in one pass). One (sequence, head) per work
    item, its sums in the order written (the same for any thread count); each item transposes
    its keys (values, in backward) into this thread's `scratch` ((size + tokens) * tokens
    entries per thread, the rest for ds) so that a row of scores is a sum of vectors over the
@@ -1474,16 +1474,17 @@ DEFINE_ROW_TOTALS(double, f64)
    the reciprocal of its sum (as torch's softmax). e^x for x <= 0 (exp_nonpositive_f32):
      x = k ln2 + r,  k = round(x log2(e)),  |r| <= ln2/2 + 2^-9  (ln2 in two parts, k ln2_hi
                      exact for |k| < 2^9)
-     e^r = 1 + r + r^2/2! + ... + r^7/7!  (the next term under 7e-9 of e^r: 0.12 of float32's
+     e^r = 1 + r + r^2/2! + ... + r^7/7!  (the next term under 7.7e-9 of e^r: 0.13 of float32's
                      unit roundoff u = 6e-8; Horner's rounding adds a few u)
      e^x = 2^k e^r  (2^k by the exponent field, -126 <= k <= 0: always a normal number)
    x below -87 gives 0 (so that k >= -126; e^x there is under 1.7e-38, an absolute error the
-   row's sum, at least 1, cannot see), x above 0 (never: x = s - max) is taken as 0, and a NaN
-   stays NaN. The rounding trick for k needs IEEE arithmetic as written (no -ffast-math).
+   row's sum, at least 1, cannot see), x above 0 (only in a row with a NaN, which comes out NaN)
+   is taken as 0, and a NaN stays NaN. The NaN test needs IEEE arithmetic (no -ffast-math or
+   -ffinite-math-only).
    Returns -1, having done nothing, for other sizes or without the shuffle builtin (the caller
    asks first, and otherwise takes attention_scores and its own softmax). */
-#ifdef __FAST_MATH__
-#error "_fused_cpu.c needs IEEE arithmetic as written: build it without -ffast-math"
+#if defined(__FAST_MATH__) || (defined(__FINITE_MATH_ONLY__) && __FINITE_MATH_ONLY__)
+#error "_fused_cpu.c needs IEEE arithmetic (NaN tests): build it without -ffast-math or -ffinite-math-only"
 #endif
 #ifdef HAVE_SHUFFLE
 typedef int32_t i32_row16 __attribute__((vector_size(16 * sizeof(int32_t))));
@@ -1504,7 +1505,10 @@ static inline __attribute__((always_inline)) f32_row16 exp_nonpositive_f32(f32_r
     const i32_row16 keep = x >= -87.0f; /* (false for NaN: restored below) */
     f32_row16 y = select_f32(keep, x, (f32_row16){0} - 87.0f);
     y = select_f32(y > 0.0f, (f32_row16){0}, y);
-    const f32_row16 k = (y * 1.44269504f + 12582912.0f) - 12582912.0f; /* round(y log2 e) */
+    /* k = round(y log2 e), y log2 e <= 0: -(0.5 - y log2 e) truncated towards 0 (no rounding trick
+       that reassociation could undo) */
+    const f32_row16 k = __builtin_convertvector(-__builtin_convertvector(0.5f - y * 1.44269504f, i32_row16),
+                                                f32_row16);
     const f32_row16 r = (y - k * 0.693145752f) - k * 1.42860677e-6f;
     f32_row16 p = r * (1.0f / 5040) + 1.0f / 720;
     p = p * r + 1.0f / 120;
@@ -1580,7 +1584,7 @@ int attention_probabilities_f32(const float *q, const float *k, int64_t sequence
 #define LAYER_NORM_BLOCK 64
 _Static_assert(LAYER_NORM_BLOCK % 16 == 0, "the rows of 32 entries go 16 at a time within a block");
 #define DEFINE_LAYER_NORM(T, SUFFIX)                                                               \
-    /* Rows of d = 32 entries (the harness vit's width), 16 rows at a time (the last block       \
+    /* Rows of d = 32 entries (the harness vit's width), 16 rows at a time (the last group of 16 \
        padded with zero rows, never stored): each row's sums are pairwise, its 32 entries first  \
        in two vectors added, then their lanes by row_totals; mean = total / 32, exactly. The     \
        column sums run over the rows in order, in blocks of LAYER_NORM_BLOCK as for any d. */    \

@@ -22,8 +22,8 @@ float32 at the harness's sizes (16 tokens, heads of 8), the scores and their sof
 weighted values are one pass writing the rows the output projection takes
 (``_fused.attention_values``), and the backward is one pass (``_fused.attention_backward``); their
 sums run in the order written, so the numbers are the formula's up to the order of summation (and,
-on the float32 softmax pass, its own e^x, within a few units of float32's roundoff, and 0 for
-e^(s − max) under e^−87).
+on the float32 softmax pass, its own e^x, within (|s − max| + a few) units of float32's roundoff,
+and 0 for e^(s − max) under e^−87).
 
 :func:`attention` takes :class:`StackedAttention` where the fused passes may run
 (:func:`usable`), else the composite, which torch.func,

@@ -122,15 +122,18 @@ def test_float32_is_the_float64_formula_within_float32_rounding(library, request
 @given(sequences=st.integers(1, 40), heads=st.integers(1, 6), magnitude=st.sampled_from([0.25, 1.0, 4.0, 16.0, 40.0]),
        seed=st.integers(0, 2**16))
 def test_the_float32_probabilities_are_the_softmax_within_their_rounding(sequences, heads, magnitude, seed):
-    # p of the float32 pass (16 tokens, heads of 8) against the float64 softmax of the float64
-    # scores of the same float32 q, k. A float32 score s_tu is within δ_tu = γ_10·Σ_j |q_tj k_uj|/√8
-    # of the exact one (8 products, the rounded 1/√8 and the scaling; u = 2⁻²⁴), and x = s − max
-    # rounds once more, by at most u·2·S_t (S_t the row's largest |s|); with δ_t the row's largest
-    # δ_tu, e^x is then within about 2δ_t + 2u·S_t, relative. e^x itself (the polynomial's
-    # truncation, 0.12u; Horner's rounding; 2^k exact; ln 2 in two parts), the row's sum, its
-    # reciprocal and the last product add at most 24u. So |p − p*| ≤ 2·(2δ_t + 2u·S_t + 24u)·p* (a
-    # margin of 2), and where e^x is under e^−87 (0 there) within 2e-38. The magnitudes take rows
-    # from nearly uniform (0.25) to one-hot (40), x down to −87 and beyond.
+    # p of the float32 pass (16 tokens, heads of 8) against the float64 softmax p* of the float64
+    # scores of the same float32 q, k (u = 2⁻²⁴). A float32 score s_tu is within δ_tu =
+    # γ_10·Σ_j |q_tj k_uj|/√8 of the exact one (8 products, the rounded 1/√8, the scaling); the
+    # computed maximum m is one number, which cancels from p_tu = e^(s_tu − m)/Σ_v e^(s_tv − m), so
+    # the scores move p_tu by at most δ_tu + max_v δ_tv ≤ 2δ_t (δ_t the row's largest), relative;
+    # the rounding of x = s − m, by u·(|x_tu| + max_v |x_tv|) ≤ 4u·S_t (S_t the row's largest |s|);
+    # e^x (its polynomial's truncation, 0.13u, Horner's rounding, 2^k exact, ln 2 in two parts: a
+    # few u, in numerator and sum), the row's pairwise sum, its reciprocal and the last product, at
+    # most about 24u. The bound 2·(2δ_t + 2u·S_t + 24u)·p* holds that with a margin of 2 on the
+    # scores' and the u terms and none on the subtraction's, which is at most a tenth of the
+    # scores' (δ_t ≥ 10u·S_t); where e^x is under e^−87 (0 there), within 2e-38. The magnitudes
+    # take rows from nearly uniform (0.25) to one-hot (40), x down to −87 and beyond.
     g = torch.Generator().manual_seed(seed)
     q, k = (magnitude * torch.randn(sequences * 16, 8 * heads, generator=g) for _ in range(2))
     p = _fused.attention_probabilities(q, k, 16, heads)
@@ -163,7 +166,7 @@ def test_the_softmax_pass_refuses_other_rows_in_one_line():
     rows = torch.randn(2 * 16, 32)
     for q, k, tokens, heads in [(torch.randn(2 * 8, 32),) * 2 + (8, 4), (torch.randn(2 * 16, 16),) * 2 + (16, 4),
                                 (rows.double(), rows.double(), 16, 4), (rows, rows[:16], 16, 4),
-                                (rows, rows.t().contiguous().t(), 16, 4)]:
+                                (rows, rows.t().contiguous().t(), 16, 4), (rows[:24], rows[:24], 16, 4)]:
         assert not _fused.attention_probabilities_take(q, k, tokens, heads)
         with pytest.raises(ValueError, match=r"^attention_probabilities: needs contiguous float32 [^\n]*$"):
             _fused.attention_probabilities(q, k, tokens, heads)

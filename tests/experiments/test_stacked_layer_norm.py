@@ -97,7 +97,7 @@ def test_rows_of_32_entries_equal_autograd_of_the_formula(k, rows, offset, seed)
 @pytest.mark.parametrize("rows", [1024, 1000])
 def test_float32_is_the_float64_formula_within_float32_rounding(rows, library, request):
     # the same bound at float32's unit roundoff for d = 32, M = 1024 (the vit's rows at B = 64; 1000:
-    # a last block of 8 rows, padded): 8·γ_1088 ≈ 5.2e-4 in place of the float64 factor, times
+    # the last group of 16 rows holds 8, padded): 8·γ_1088 ≈ 5.2e-4 in place of the float64 factor, times
     # (1 + |mean|·rstd)·S as there; 3e-3 taken in its place (a margin of about 6); also with the
     # library a compiler without the shuffle builtin builds (rows of 32 summed by row_totals' loop)
     if library == "without shuffles":
