@@ -29,7 +29,7 @@ def digits():
     return load_dataset("digits")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def library_without_shuffles(tmp_path_factory):
     """The fused library built as a compiler without ``__builtin_shufflevector`` builds it
     (``-DAFFDIV_NO_SHUFFLE``: the generic attention items and torch's softmax, the LayerNorm's
