@@ -103,6 +103,24 @@ def test_an_operand_stored_transposed_gets_its_gradient_in_its_layout():
         assert all(grad.is_contiguous() for grad in torch.autograd.grad(z, leaves, torch.randn_like(z)))
 
 
+@given(k=st.integers(1, 3), m=st.integers(stacked_matmul.THIN_MIN_CONTRACTION - 8, 260), length=st.integers(1, 48),
+       n=st.integers(1, 40), seed=st.integers(0, 2**16))
+def test_a_column_layers_input_gradient_with_few_columns_is_transposed_back_within_the_bound(k, m, length, n, seed):
+    # zᵀ = W xᵀ with xᵀ contiguous (the engine's column layer): ∂xᵀ = Wᵀ g, computed as (gᵀ W)ᵀ and
+    # copied where g has at most THIN_COLUMNS columns and W at least THIN_MIN_CONTRACTION rows; either
+    # way the exact product within the bound, contiguous
+    a, b, _c, g = _operands(k, m, length, n, "none", ("contiguous", "contiguous"), seed)
+    b.requires_grad_()
+    z = stacked_matmul.baddbmm(None, a, b)
+    with unittest.mock.patch.object(stacked_matmul, "product", wraps=stacked_matmul.product) as spy:
+        (grad,) = torch.autograd.grad(z, b, g)
+    # (with one column W's transpose is contiguous itself: the direct product reads no transpose)
+    thin = n <= stacked_matmul.THIN_COLUMNS and m >= stacked_matmul.THIN_MIN_CONTRACTION and length > 1
+    assert [call.args[0].shape for call in spy.call_args_list] == [(k, n, m) if thin else (k, length, m)]
+    assert grad.is_contiguous() and grad.shape == b.shape
+    _within_bound(grad, a.transpose(1, 2), g, None)
+
+
 def test_a_transposed_operand_fails_the_bound():
     # (the bound is tight enough to fail a product computed from a transposed b: a mutation check)
     a, b, c, _ = _operands(2, 5, 5, 5, "rows", ("contiguous", "contiguous"), 3)
@@ -202,26 +220,38 @@ def test_two_threads_give_the_bound_too():
         torch.set_num_threads(previous)
 
 
-@pytest.mark.parametrize("method, depth", [("affine", 2), ("affine_like", 2), ("vit", 1)])
-def test_the_stacked_engine_takes_onednn_in_float32_with_torchs_numbers_within_rounding(digits, method, depth):
+@pytest.mark.parametrize("method, depth, width", [("affine", 2, 16), ("affine_like", 2, 16), ("vit", 1, 16),
+                                                  ("affine", 3, stacked_matmul.THIN_MIN_CONTRACTION)])
+def test_the_stacked_engine_takes_onednn_in_float32_with_torchs_numbers_within_rounding(digits, method, depth, width):
     # one SGD step of the same models with and without oneDNN: float32 rounding apart (the step
     # multiplies gradients of ~1 by lr ≤ 0.2; relative 1e-5 is ~100 u), and float64 bit for bit
-    # (oneDNN takes no float64 product)
+    # (oneDNN takes no float64 product); at the wider MLP the hidden layer's input gradient, 8
+    # columns, takes the transposed product (stacked_matmul._laid_out_as)
     orders = torch.stack([torch.randperm(len(digits.train.y), generator=torch.Generator().manual_seed(s))
                           for s in (0, 1)])
+    rule = stacked_matmul._thin_under_transposed
     for dtype in ("float32", "float64"):
         split = (torch.as_tensor(digits.train.x).to(getattr(torch, dtype)), torch.as_tensor(digits.train.y))
-        config = RunConfig(dataset="digits", method=method, depth=depth, width=16, batch_size=8, seed=0, dtype=dtype)
+        config = RunConfig(dataset="digits", method=method, depth=depth, width=width, batch_size=8, seed=0,
+                           dtype=dtype)
         engines = []
         for context in (_native.disabled, contextlib.nullcontext):
             models = [build_member(config, digits, seed) for seed in (0, 1)]
             engine = stacked_engine(models[0])(models, "sgd", [0.1, 0.2], [None, None], [split] * 2, [split] * 2)
+            taken = []  # what each call of the thin-product rule answered
+
+            def answered(left, right, seen=taken):
+                seen.append(rule(left, right))
+                return seen[-1]
+
             with unittest.mock.patch.object(stacked_matmul.OnednnBaddbmm, "apply",
-                                            wraps=stacked_matmul.OnednnBaddbmm.apply) as spy, context():
+                                            wraps=stacked_matmul.OnednnBaddbmm.apply) as spy, \
+                    unittest.mock.patch.object(stacked_matmul, "_thin_under_transposed", new=answered), context():
                 engine.step(orders[:, :8])
             engines.append((engine, spy.call_count))
         (torch_engine, torch_calls), (onednn_engine, onednn_calls) = engines
         assert torch_calls == 0 and (onednn_calls > 0) == (dtype == "float32")
+        assert any(taken) == (dtype == "float32" and width >= stacked_matmul.THIN_MIN_CONTRACTION)
         for name, p in torch_engine.params.items():
             if dtype == "float64":
                 assert torch.equal(onednn_engine.params[name], p)
