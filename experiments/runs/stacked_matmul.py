@@ -18,10 +18,11 @@ of summation inside the kernel: float32 rounding, which the engine's batched ker
 (:mod:`~affdiv.experiments.runs.batched`). It is taken wherever the processor can run it, measured
 faster only on that AMD processor (on an Intel processor with AVX-512, MKL uses AVX-512 itself).
 
-:func:`baddbmm` takes oneDNN where :func:`usable`, else ``torch.baddbmm`` / ``torch.bmm``. The
-backward checks again: a backward that records a graph (a double backward), carries forward-mode
-tangents or batched gradients takes torch's products, which are differentiable and have those
-rules.
+:func:`baddbmm` takes oneDNN where :func:`usable` and the product has at least
+:data:`ONEDNN_MIN_FLOPS` (smaller ones run faster on torch's ops: :func:`takes_onednn`), else
+``torch.baddbmm`` / ``torch.bmm``. The backward checks again: a backward that records a graph (a
+double backward), carries forward-mode tangents or batched gradients takes torch's products, which
+are differentiable and have those rules.
 """
 
 from __future__ import annotations
@@ -58,18 +59,35 @@ def _full_float32_precision() -> bool:
     return setting in ("none", "ieee") if setting is not None else torch.get_float32_matmul_precision() == "highest"
 
 
+#: The fewest FLOPs, 2·K·M·L·N, of a product that :func:`baddbmm` and :func:`product` give to oneDNN
+#: (see :func:`takes_onednn`).
+ONEDNN_MIN_FLOPS = 4_000_000
+
+
+def takes_onednn(a: Tensor, b: Tensor, c: Tensor | None = None) -> bool:
+    """Whether the product a b (+ c) runs on oneDNN: :func:`usable`, and at least
+    :data:`ONEDNN_MIN_FLOPS`. Below that torch's ops are faster: a call of oneDNN's matmul through
+    torch's took about 11 µs on one core where ``torch.bmm`` took 2, and :class:`OnednnBaddbmm`'s
+    Python forward and backward add to it, so a product's forward and backward took 105 µs on
+    oneDNN and 39 on torch's ops at 1.6 MFLOP (one model's 256 rows times a 32 × 32 weight), 151
+    and 126 at 3.1 MFLOP (six models), and from 6.3 MFLOP oneDNN was faster, 1.15-1.3× at 6.3
+    and twice as fast from about 40 MFLOP (a quick measurement). The stacked step of a run's few
+    candidates at small batches multiplies below the line, a cell's 48 models above it."""
+    return 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2] >= ONEDNN_MIN_FLOPS and usable(c, a, b)
+
+
 def baddbmm(c: Tensor | None, a: Tensor, b: Tensor) -> Tensor:
     """c + a b (a b without c): a (K, M, L), b (K, L, N), c broadcast to (K, M, N); by oneDNN where
-    :func:`usable`, a contiguous (K, M, N) tensor."""
-    if usable(c, a, b):
+    :func:`takes_onednn`, a contiguous (K, M, N) tensor."""
+    if takes_onednn(a, b, c):
         return OnednnBaddbmm.apply(c, a, b)
     return torch.bmm(a, b) if c is None else torch.baddbmm(c, a, b)
 
 
 def product(a: Tensor, b: Tensor) -> Tensor:
-    """a b, a (K, M, L), b (K, L, N), by oneDNN where :func:`usable`, else ``torch.bmm``; not
+    """a b, a (K, M, L), b (K, L, N), by oneDNN where :func:`takes_onednn`, else ``torch.bmm``; not
     recorded by autograd (for backwards: :func:`baddbmm` is the differentiable product)."""
-    return _product(a, b) if usable(a, b) else torch.bmm(a, b)
+    return _product(a, b) if takes_onednn(a, b) else torch.bmm(a, b)
 
 
 def _product(a: Tensor, b: Tensor) -> Tensor:
@@ -121,7 +139,7 @@ def _laid_out_as(operand: Tensor, mm, left: Tensor, right: Tensor) -> Tensor:
     :data:`THIN_MIN_CONTRACTION` rows in W (a 10-class head) the copy costs more than it saves."""
     if not operand.is_contiguous() and operand.transpose(1, 2).is_contiguous():
         return mm(right.transpose(1, 2), left.transpose(1, 2)).transpose(1, 2)
-    if mm is product and usable(left, right) and _thin_under_transposed(left, right):
+    if mm is product and takes_onednn(left, right) and _thin_under_transposed(left, right):
         return mm(right.transpose(1, 2), left.transpose(1, 2)).transpose(1, 2).contiguous()
     return mm(left, right)
 

@@ -21,6 +21,16 @@ def one_thread():
     torch.set_num_threads(previous)
 
 
+@pytest.fixture
+def small_products_on_onednn(monkeypatch):
+    """oneDNN's products at every size (``stacked_matmul.ONEDNN_MIN_FLOPS`` = 0), for tests that
+    exercise them on small models, which the engine would otherwise multiply with torch's ops.
+    Used by ``pytestmark = pytest.mark.usefixtures("small_products_on_onednn")``."""
+    from affdiv.experiments.runs import stacked_matmul
+
+    monkeypatch.setattr(stacked_matmul, "ONEDNN_MIN_FLOPS", 0)
+
+
 @pytest.fixture(scope="module")
 def digits():
     """The digits dataset, loaded once per test module."""

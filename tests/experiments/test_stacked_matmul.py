@@ -28,10 +28,11 @@ from affdiv.experiments.runs.config import RunConfig
 from affdiv.experiments.runs.training import build_member, stacked_engine
 from affdiv.layers import _native
 
-pytestmark = [pytest.mark.usefixtures("one_thread"),
+pytestmark = [pytest.mark.usefixtures("one_thread", "small_products_on_onednn"),
               pytest.mark.skipif(not _native.onednn_enabled(), reason="oneDNN's matmul is not bound here")]
 
 U = 2.0**-24
+LINE = stacked_matmul.ONEDNN_MIN_FLOPS  # (the package's value; the module's fixture lowers it to 0)
 
 
 def _within_bound(got: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None) -> None:
@@ -119,6 +120,24 @@ def test_a_column_layers_input_gradient_with_few_columns_is_transposed_back_with
     assert [call.args[0].shape for call in spy.call_args_list] == [(k, n, m) if thin else (k, length, m)]
     assert grad.is_contiguous() and grad.shape == b.shape
     _within_bound(grad, a.transpose(1, 2), g, None)
+
+
+@pytest.mark.parametrize("columns", [LINE // 16000 - 1, LINE // 16000])
+def test_a_product_below_the_line_takes_torchs_ops_and_one_on_it_onednn(monkeypatch, columns):
+    # 2·K·M·L·N FLOPs with K, M, L = 4, 50, 40: 16000 a column of b, so these are the products
+    # just below ONEDNN_MIN_FLOPS and on it
+    monkeypatch.setattr(stacked_matmul, "ONEDNN_MIN_FLOPS", LINE)
+    assert LINE % 16000 == 0
+    a, b, c, _ = _operands(4, 50, 40, columns, "columns", ("contiguous", "transposed"), 7)
+    on_onednn = columns * 16000 >= LINE
+    assert stacked_matmul.takes_onednn(a, b, c) == on_onednn
+    z = stacked_matmul.baddbmm(c, a.requires_grad_(), b)
+    assert type(z.grad_fn).__name__ == ("OnednnBaddbmmBackward" if on_onednn else "BaddbmmBackward0")
+    _within_bound(z, a.detach(), b, c)
+    with unittest.mock.patch.object(stacked_matmul, "_product", wraps=stacked_matmul._product) as spy:
+        got = stacked_matmul.product(a.detach(), b)
+    assert spy.called == on_onednn
+    _within_bound(got, a.detach(), b, None)
 
 
 def test_a_transposed_operand_fails_the_bound():

@@ -71,6 +71,7 @@ CELLS = {"affine": (8, {"onednn_bmm_"}, (1, 1)), "norm_l2": (8, {"onednn_bmm_"},
          "conv+batchnorm": (2, {"onednn_bmm_", *FIRST_BLOCK}, (1.014, 1.024))}
 
 
+@pytest.mark.usefixtures("small_products_on_onednn")  # (these small models' products too)
 @pytest.mark.parametrize("method", list(CELLS))
 def test_the_recorded_kernels_are_the_steps_own_and_replaying_them_leaves_the_models_alone(digits, method):
     # the step as it runs (on the package's passes where they run) holds the arithmetic of the
