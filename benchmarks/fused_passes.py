@@ -1,18 +1,23 @@
 """What each of the stacked engine's compiled passes buys in the training step, one pass at a time.
 
     python benchmarks/fused_passes.py [--arms cnn conv+batchnorm mlp-affine_like vit-affine_like]
-                                      [--batch-sizes 16 64 256] [--rounds 5] [--threads 1] [--json PATH]
+                                      [--batch-sizes 16 64 256] [--members K ...] [--passes NAME ...]
+                                      [--rounds 5] [--threads 1] [--json PATH]
 
 For an arm of the training roofline (``stacked_training.ARMS``) at each batch size, with as many
-stacked models as the roofline holds, the stacked engine is built twice for each pass the arm's
-layers take: as it is, and with that pass routed off (a CNN's first block,
+stacked models as the roofline holds (or each ``--members`` count: a study's run stacks its few
+learning-rate candidates), the stacked engine is built twice for each pass the arm's layers take
+(or each of ``--passes``): as it is, and with that pass routed off (a CNN's first block,
 ``experiments.runs.conv_pool``; its later max-pools with their ReLU, ``experiments.runs.pool_relu``;
 the AffineLike and NormLike Functions, ``experiments.runs.stacked_dense``; the vision transformer's
 attention, ``experiments.runs.stacked_attention``, and LayerNorms,
 ``experiments.runs.stacked_layer_norm``; the MLP arms' tanh, ``experiments.runs.activations``), so
 that those layers run unfused (the dense layers, attention and LayerNorms in torch operations, tanh
 as torch's; with the first block off, its pool and ReLU take the later pools' pass); every other
-pass stays on in both. Their SGD steps are timed in interleaved rounds, the two in turn first (each
+pass stays on in both. Two routes of the products (``experiments.runs.stacked_matmul``) are timed
+the same way: "thin input gradient", the column layers' Wᵀ g with few columns computed as (gᵀ W)ᵀ
+(off: Wᵀ g), and "small on torch", the products below ``ONEDNN_MIN_FLOPS`` on torch's ops (off:
+every product on oneDNN). Their SGD steps are timed in interleaved rounds, the two in turn first (each
 model its own shuffle, as in ``stacked_training``); the printed figure is the median over rounds of
 the paired ratio without / with the pass (above 1: the pass makes the step faster). Both engines
 train the same models, so the figure is of the step alone, not of a study.
@@ -26,6 +31,7 @@ import json
 import statistics
 import sys
 import unittest.mock
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -39,6 +45,7 @@ from affdiv.experiments.runs import (
     stacked_attention,
     stacked_dense,
     stacked_layer_norm,
+    stacked_matmul,
 )
 from affdiv.experiments.runs.config import VIT_METHODS, RunConfig
 from affdiv.experiments.runs.sweep import keep_freed_memory
@@ -48,8 +55,8 @@ from affdiv.provenance import provenance
 sys.path.insert(0, str(Path(__file__).parent))
 from stacked_training import ARMS, _engine, _time_steps, cell_models  # noqa: E402  (the roofline's arms and engines)
 
-#: The passes, each as the routing function that, patched to say "no", sends its layers unfused,
-#: and the methods whose layers (in the roofline's arms, ``ARMS``) take it.
+#: The passes, each as the routing function (or value) that, patched to say "no", sends its layers
+#: unfused, and the methods whose layers (in the roofline's arms, ``ARMS``) take it.
 CNN_METHODS = ("conv", "conv+batchnorm", "patchnorm")
 DENSE_METHODS = ("affine_like", "norm_l2", "vit-affine_like", "vit-affine_like-qknorm")
 TANH_METHODS = ("affine", "affine_like", "norm_l2")  # (the MLP arms: tanh)
@@ -59,7 +66,10 @@ PASSES = {"first block": (conv_pool, "first_block_length", lambda layers: 0, CNN
           "attention": (stacked_attention, "usable", lambda *tensors: False, VIT_METHODS),
           "layer norm": (stacked_layer_norm, "usable", lambda *tensors: False,
                          tuple(method for method in VIT_METHODS if method != "vit-nonorm")),
-          "tanh": (activations, "usable", lambda x: False, TANH_METHODS)}
+          "tanh": (activations, "usable", lambda x: False, TANH_METHODS),
+          "thin input gradient": (stacked_matmul, "_thin_under_transposed", lambda left, right: False,
+                                  ("affine", "batchnorm")),
+          "small on torch": (stacked_matmul, "ONEDNN_MIN_FLOPS", 0, (*TANH_METHODS, "batchnorm", *VIT_METHODS))}
 
 
 def routed_off(name: str) -> contextlib.AbstractContextManager:
@@ -70,18 +80,20 @@ def routed_off(name: str) -> contextlib.AbstractContextManager:
     return unittest.mock.patch.object(module, routing, off)
 
 
-def measure(arm: str, batch: int, data, rounds: int) -> list[dict]:
-    """A row per pass: the step's ms with and without it, and the median paired ratio."""
+def measure(arm: str, batch: int, data, rounds: int, members: int | None = None,
+            passes: Sequence[str] = tuple(PASSES)) -> list[dict]:
+    """A row per pass of ``passes`` that the arm takes: the step's ms with and without it, and the
+    median paired ratio; ``members`` stacked models (default: as many as the roofline holds)."""
     settings, _sizes = ARMS[arm]
     config = RunConfig(dataset="fashion-mnist", batch_size=batch, seed=0, **settings)
-    models = cell_models(config, data)
+    models = members or cell_models(config, data)
     kind = stacked_engine(build_member(config, data, 0))
     steps = max(2, 400 // batch)
     with_pass, orders = _engine(kind, config, data, models)
     _time_steps(with_pass, orders, batch, 2, 0)  # (warmed up as each engine without a pass is)
     rows = []
     for name, (*_routing, methods) in PASSES.items():
-        if settings["method"] not in methods:
+        if name not in passes or settings["method"] not in methods:
             continue
         with routed_off(name):
             without, _orders = _engine(kind, config, data, models)
@@ -109,18 +121,22 @@ def main(argv=None) -> int:
             if any(settings["method"] in methods for *_pass, methods in PASSES.values())]
     parser.add_argument("--arms", nargs="+", choices=arms, default=arms)
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[16, 64, 256])
+    parser.add_argument("--members", nargs="+", type=int,
+                        help="stacked models per cell, one row each (default: as many as the roofline holds)")
+    parser.add_argument("--passes", nargs="+", choices=list(PASSES), default=list(PASSES))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", help="write the rows and provenance here")
     args = parser.parse_args(argv)
-    if args.rounds < 1 or args.threads < 1 or min(args.batch_sizes) < 1:
-        parser.error("--rounds, --threads and every batch size must be at least 1")
+    if args.rounds < 1 or args.threads < 1 or min(args.batch_sizes) < 1 or min(args.members or [1]) < 1:
+        parser.error("--rounds, --threads, every batch size and every --members count must be at least 1")
     if args.json:
         check_writable_file(args.json, "--json")
     torch.set_num_threads(args.threads)
     keep_freed_memory()
     data = load_dataset("fashion-mnist")
-    rows = [row for arm in args.arms for batch in args.batch_sizes for row in measure(arm, batch, data, args.rounds)]
+    rows = [row for arm in args.arms for batch in args.batch_sizes for members in args.members or [None]
+            for row in measure(arm, batch, data, args.rounds, members, args.passes)]
     if args.json:
         atomic_write(args.json, json.dumps({"rows": rows, "provenance": provenance(threads=args.threads,
                                                                                     rounds=args.rounds)}, indent=2))

@@ -1,6 +1,6 @@
 """benchmarks/fused_passes.py: inside ``routed_off(name)`` the pass ``name`` is off for the
 engine being timed, whether it is chosen when the engine is built (the CNN passes) or at every
-call (the others), and the other passes stay on."""
+call (the others), and the other passes stay on; so are the two routes of the products."""
 
 import importlib.util
 import unittest.mock
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from affdiv.experiments.runs import activations, stacked_attention, stacked_dense, stacked_layer_norm
+from affdiv.experiments.runs import activations, stacked_attention, stacked_dense, stacked_layer_norm, stacked_matmul
 from affdiv.experiments.runs.config import RunConfig
 from affdiv.experiments.runs.training import build_member, stacked_engine
-from affdiv.layers import _fused
+from affdiv.layers import _fused, _native
 
 pytestmark = pytest.mark.skipif(not _fused.available(), reason="the fused passes are not built here")
 
@@ -30,21 +30,30 @@ CALLS = {"first block": (_fused, "conv_pool"), "later pools": (_fused, "max_pool
          "layer norm": (stacked_layer_norm.StackedLayerNorm, "apply"), "tanh": (activations.Tanh, "apply")}
 
 
-def _calls_in_a_step(method: str, digits, routed: str | None) -> dict[str, int]:
-    """How often each pass's call ran in one SGD step of two models, built and stepped inside
-    ``routed_off(routed)`` (no pass routed off for None)."""
-    config = RunConfig(dataset="digits", method=method, depth=2, width=4 if method == "conv" else 8, batch_size=8,
-                       seed=0)
+def _one_step(method: str, digits, routed: str | None, watch, width: int | None = None, depth: int = 2):
+    """One SGD step of two models, built and stepped inside ``routed_off(routed)`` (no pass routed
+    off for None) and inside what ``watch(stack)`` enters on the ExitStack after the routing; returns
+    what ``watch`` returned."""
+    width = width or (4 if method == "conv" else 8)
+    config = RunConfig(dataset="digits", method=method, depth=depth, width=width, batch_size=8, seed=0)
     split = (torch.as_tensor(digits.train.x), torch.as_tensor(digits.train.y))
     with ExitStack() as stack:
         if routed is not None:
             stack.enter_context(fused_passes.routed_off(routed))
         models = [build_member(config, digits, seed) for seed in (0, 1)]
         engine = stacked_engine(models[0])(models, "sgd", [0.1, 0.2], [None, None], [split] * 2, [split] * 2)
-        spies = {name: stack.enter_context(unittest.mock.patch.object(owner, attr, wraps=getattr(owner, attr)))
-                 for name, (owner, attr) in CALLS.items()}
+        seen = watch(stack)
         engine.step(torch.arange(16).reshape(2, 8))
-    return {name: spy.call_count for name, spy in spies.items()}
+    return seen
+
+
+def _calls_in_a_step(method: str, digits, routed: str | None, calls=CALLS) -> dict[str, int]:
+    """How often each of ``calls`` ran in one SGD step (:func:`_one_step`)."""
+    def watch(stack):
+        return {name: stack.enter_context(unittest.mock.patch.object(owner, attr, wraps=getattr(owner, attr)))
+                for name, (owner, attr) in calls.items()}
+
+    return {name: spy.call_count for name, spy in _one_step(method, digits, routed, watch).items()}
 
 
 @pytest.mark.parametrize("method, passes", [("conv", ["first block", "later pools"]),
@@ -57,3 +66,29 @@ def test_a_pass_routed_off_is_off_and_the_others_stay_on(digits, method, passes)
     for off in passes:
         calls = _calls_in_a_step(method, digits, off)
         assert calls[off] == 0 and all(calls[name] > 0 for name in passes if name != off), (off, calls)
+
+
+@pytest.mark.skipif(not _native.onednn_enabled(), reason="oneDNN's matmul is not bound here")
+def test_the_product_routes_routed_off_are_off(digits, monkeypatch):
+    # the digits models' products are small: on torch's ops, on oneDNN with "small on torch" off
+    onednn = {"oneDNN": (stacked_matmul.OnednnBaddbmm, "apply")}
+    assert _calls_in_a_step("affine", digits, None, onednn)["oneDNN"] == 0
+    assert _calls_in_a_step("affine", digits, "small on torch", onednn)["oneDNN"] > 0
+    # every product on oneDNN, a hidden layer of 128 gets its 8-column input gradient as (gᵀ W)ᵀ
+    # (the rule answers yes), and with "thin input gradient" off as Wᵀ g (the rule never does)
+    monkeypatch.setattr(stacked_matmul, "ONEDNN_MIN_FLOPS", 0)
+
+    def answers(stack):
+        rule, said = stacked_matmul._thin_under_transposed, []  # (the routed rule, where routed off)
+
+        def answered(left, right):
+            said.append(rule(left, right))
+            return said[-1]
+
+        stack.enter_context(unittest.mock.patch.object(stacked_matmul, "_thin_under_transposed", new=answered))
+        return said
+
+    width = stacked_matmul.THIN_MIN_CONTRACTION
+    assert any(_one_step("affine", digits, None, answers, width, depth=3))
+    off = _one_step("affine", digits, "thin input gradient", answers, width, depth=3)
+    assert off and not any(off)
