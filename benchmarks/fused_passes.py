@@ -53,7 +53,7 @@ from affdiv.experiments.runs.training import build_member, stacked_engine
 from affdiv.provenance import provenance
 
 sys.path.insert(0, str(Path(__file__).parent))
-from stacked_training import ARMS, _engine, _time_steps, cell_models  # noqa: E402  (the roofline's arms and engines)
+from stacked_training import ARMS, CELL, _engine, _time_steps, cell_models  # noqa: E402  (the roofline's arms and engines)
 
 #: The passes, each as the routing function (or value) that, patched to say "no", sends its layers
 #: unfused, and the methods whose layers (in the roofline's arms, ``ARMS``) take it.
@@ -67,9 +67,8 @@ PASSES = {"first block": (conv_pool, "first_block_length", lambda layers: 0, CNN
           "layer norm": (stacked_layer_norm, "usable", lambda *tensors: False,
                          tuple(method for method in VIT_METHODS if method != "vit-nonorm")),
           "tanh": (activations, "usable", lambda x: False, TANH_METHODS),
-          "thin input gradient": (stacked_matmul, "_thin_under_transposed", lambda left, right: False,
-                                  ("affine", "batchnorm")),
-          "small on torch": (stacked_matmul, "ONEDNN_MIN_FLOPS", 0, (*TANH_METHODS, "batchnorm", *VIT_METHODS))}
+          "thin input gradient": (stacked_matmul, "thin_input_gradient", lambda left, right: False, ("affine",)),
+          "small on torch": (stacked_matmul, "ONEDNN_MIN_FLOPS", 0, (*TANH_METHODS, *CNN_METHODS, *VIT_METHODS))}
 
 
 def routed_off(name: str) -> contextlib.AbstractContextManager:
@@ -109,7 +108,7 @@ def measure(arm: str, batch: int, data, rounds: int, members: int | None = None,
                      "with_ms_per_step": statistics.median(times["with"]),
                      "without_ms_per_step": statistics.median(times["without"]),
                      "without_over_with": statistics.median(ratios), "rounds": ratios})
-        print(f"{arm:16s} B={batch:<5d} K={models:<3d} {name:12s} with {rows[-1]['with_ms_per_step']:8.1f} ms  "
+        print(f"{arm:16s} B={batch:<5d} K={models:<3d} {name:19s} with {rows[-1]['with_ms_per_step']:8.1f} ms  "
               f"without {rows[-1]['without_ms_per_step']:8.1f} ms  without/with {rows[-1]['without_over_with']:.3f}",
               flush=True)
     return rows
@@ -128,8 +127,10 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", help="write the rows and provenance here")
     args = parser.parse_args(argv)
-    if args.rounds < 1 or args.threads < 1 or min(args.batch_sizes) < 1 or min(args.members or [1]) < 1:
-        parser.error("--rounds, --threads, every batch size and every --members count must be at least 1")
+    if args.rounds < 1 or args.threads < 1 or min(args.batch_sizes) < 1:
+        parser.error("--rounds, --threads and every batch size must be at least 1")
+    if not all(1 <= k <= CELL for k in args.members or []):
+        parser.error(f"--members: each K must be in 1..{CELL} (a cell's models), got {args.members}")
     if args.json:
         check_writable_file(args.json, "--json")
     torch.set_num_threads(args.threads)

@@ -4,7 +4,8 @@ For an ``nn.Sequential`` of the layers in :data:`LAYER_NAMES` (every MLP method 
 conv+batchnorm and patchnorm CNNs of :mod:`~affdiv.experiments.runs.models`), :class:`BatchedEnsemble` runs the
 K stacked models as one ordinary autograd graph, without ``torch.func``: the activations of an
 MLP are (K, B, F) and a linear layer is one batched product, z_kᵀ = W_k x_kᵀ + b_k
-(``baddbmm``; in float32 on oneDNN where it may run, :mod:`~affdiv.experiments.runs.stacked_matmul`);
+(``baddbmm``; in float32 on oneDNN where it may run and the product is large enough,
+:mod:`~affdiv.experiments.runs.stacked_matmul`);
 the activations of a CNN are (B, K·C, H, W) in channels-last memory order, so a
 convolution is one grouped convolution (groups = K) and BatchNorm, pooling and the activations
 act per channel on that layout unchanged (the running statistics are the stacked buffers seen as
@@ -28,9 +29,10 @@ of summation, and tanh's last bit: the engine's float32 tanh is the correctly ro
 
 Checks, and the runs' test splits after training, evaluate one chunk of samples for all the
 models on that split: the first linear layer is then one GEMM with the K weights side by side (in
-float32 on oneDNN where it may run, as the engine's other products: the largest product of an
-MLP's check), a first convolution on more than one input channel one dense convolution, and
-models on different splits of one size are evaluated in one pass per chunk.
+float32 on oneDNN where it may run and the product is large enough, as the engine's other
+products: the largest product of an MLP's check), a first convolution on more than one input
+channel one dense convolution, and models on different splits of one size are evaluated in one
+pass per chunk.
 
 The vision transformer of the vit methods (:mod:`~affdiv.experiments.runs.transformer`) is batched
 too (:func:`batched_vit`): its tokens are rows, (K, B·T, d), so that every projection, LayerNorm,
@@ -100,8 +102,8 @@ def _linear(x: Tensor, p: Stacked, k: int, _training: bool = True) -> Tensor:
 def _token_linear(x: Tensor, p: Stacked, k: int, _training: bool = True) -> Tensor:
     """z = x Wᵀ + b with z contiguous (:func:`~affdiv.experiments.runs.stacked_dense.row_product`): for
     many rows of few features (a transformer's tokens), whose activations are then split into heads
-    and normalised row by row (the weight, passed as Wᵀ, gets its gradient in W's layout:
-    :func:`~affdiv.experiments.runs.stacked_matmul.baddbmm`)."""
+    and normalised row by row (the weight, passed as Wᵀ, gets its gradient in W's layout where
+    the product runs on oneDNN: :func:`~affdiv.experiments.runs.stacked_matmul.baddbmm`)."""
     return stacked_dense.row_product(x, p["weight"], p.get("bias"))
 
 

@@ -64,22 +64,28 @@ def _full_float32_precision() -> bool:
 ONEDNN_MIN_FLOPS = 4_000_000
 
 
-def takes_onednn(a: Tensor, b: Tensor, c: Tensor | None = None) -> bool:
+def takes_onednn(c: Tensor | None, a: Tensor, b: Tensor) -> bool:
     """Whether the product a b (+ c) runs on oneDNN: :func:`usable`, and at least
-    :data:`ONEDNN_MIN_FLOPS`. Below that torch's ops are faster: a call of oneDNN's matmul through
-    torch's took about 11 µs on one core where ``torch.bmm`` took 2, and :class:`OnednnBaddbmm`'s
-    Python forward and backward add to it, so a product's forward and backward took 105 µs on
-    oneDNN and 39 on torch's ops at 1.6 MFLOP (one model's 256 rows times a 32 × 32 weight), 151
-    and 126 at 3.1 MFLOP (six models), and from 6.3 MFLOP oneDNN was faster, 1.15-1.3× at 6.3
-    and twice as fast from about 40 MFLOP (a quick measurement). The stacked step of a run's few
-    candidates at small batches multiplies below the line, a cell's 48 models above it."""
-    return 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2] >= ONEDNN_MIN_FLOPS and usable(c, a, b)
+    :data:`ONEDNN_MIN_FLOPS`. Below that torch's ops are faster. On one core a call of oneDNN's
+    matmul through torch's took about 11 µs where ``torch.bmm`` took 2, and :class:`OnednnBaddbmm`'s
+    Python forward and backward add to that: a product's forward and backward (FLOPs counted for
+    the forward) took 105 µs on oneDNN and 39 on torch's ops at 0.52 MFLOP (one model's 256 rows
+    times a 32 × 32 weight), 121 and 73 at 1.6 (three models), 151 and 126 at 3.1 (six), and from
+    6.3 MFLOP on oneDNN was faster, 1.15-1.3× at 6.3 and 1.75-2× from 25-40 MFLOP (a
+    quick measurement at the vit's and the MLP's layer shapes). A bare :func:`product` (no
+    Function) breaks even lower, oneDNN's call taking 14 µs against torch's 7 at 0.52 MFLOP and 29
+    against 34 at 3.1: the one line is the Function's, which every layer of the engine takes. A
+    study's run stacks its few learning-rate candidates, whose products at small batches fall
+    below the line; the roofline's 48-model cells mostly lie above it. Below it the product and its
+    backward are torch's own, so a weight passed as Wᵀ gets its gradient as torch lays it out (a
+    transposed view), not in W's layout (:func:`_laid_out_as`)."""
+    return usable(c, a, b) and 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2] >= ONEDNN_MIN_FLOPS
 
 
 def baddbmm(c: Tensor | None, a: Tensor, b: Tensor) -> Tensor:
     """c + a b (a b without c): a (K, M, L), b (K, L, N), c broadcast to (K, M, N); by oneDNN where
     :func:`takes_onednn`, a contiguous (K, M, N) tensor."""
-    if takes_onednn(a, b, c):
+    if takes_onednn(c, a, b):
         return OnednnBaddbmm.apply(c, a, b)
     return torch.bmm(a, b) if c is None else torch.baddbmm(c, a, b)
 
@@ -87,7 +93,7 @@ def baddbmm(c: Tensor | None, a: Tensor, b: Tensor) -> Tensor:
 def product(a: Tensor, b: Tensor) -> Tensor:
     """a b, a (K, M, L), b (K, L, N), by oneDNN where :func:`takes_onednn`, else ``torch.bmm``; not
     recorded by autograd (for backwards: :func:`baddbmm` is the differentiable product)."""
-    return _product(a, b) if takes_onednn(a, b) else torch.bmm(a, b)
+    return _product(a, b) if takes_onednn(None, a, b) else torch.bmm(a, b)
 
 
 def _product(a: Tensor, b: Tensor) -> Tensor:
@@ -114,39 +120,53 @@ class OnednnBaddbmm(torch.autograd.Function):
         a, b = ctx.saved_tensors
         need_c, need_a, need_b = ctx.needs_input_grad
         # (a graph recorded, tangents or batched gradients: torch's products, differentiable)
-        mm = torch.bmm if torch.is_grad_enabled() else product
+        recording = torch.is_grad_enabled()
+        mm = torch.bmm if recording else product
         return (g.sum_to_size(ctx.c_shape) if need_c else None,
                 _laid_out_as(a, mm, g, b.transpose(1, 2)) if need_a else None,
-                _laid_out_as(b, mm, a.transpose(1, 2), g) if need_b else None)
-
-
-#: The widest g (K, N, M) whose product Wᵀ g :func:`_laid_out_as` computes as (gᵀ W)ᵀ and copies,
-#: and the fewest rows N of W for which it does (see there).
-THIN_COLUMNS, THIN_MIN_CONTRACTION = 32, 128
+                _input_gradient(b, mm, a.transpose(1, 2), g, not recording) if need_b else None)
 
 
 def _laid_out_as(operand: Tensor, mm, left: Tensor, right: Tensor) -> Tensor:
     """left right, the gradient of ``operand``, in its layout: for an operand stored transposed (a
     transposed view of a contiguous tensor, as a weight W passed as Wᵀ), (rightᵀ leftᵀ)ᵀ, so that
-    the gradient reaches the weight contiguous, as torch's own mm backward lays it out.
-
-    A contiguous operand of few columns whose left factor is a transposed weight (the engine's column
-    layer zᵀ = W xᵀ gets ∂xᵀ = Wᵀ g, with B ≤ :data:`THIN_COLUMNS` columns) is computed on oneDNN as
-    (gᵀ W)ᵀ and copied contiguous: the same sums, in another order inside the kernel. On one core
-    oneDNN ran Wᵀ g with so few columns at 70-80 GF/s, gᵀ W at twice that; for 48 models with W of
-    256 × 256 the product and its copy took 0.41 / 0.60 / 0.90 of the direct product's time at
-    16 / 32 / 64 columns and 1.20 at 128 (a quick measurement). With fewer than
-    :data:`THIN_MIN_CONTRACTION` rows in W (a 10-class head) the copy costs more than it saves."""
+    the gradient reaches the weight contiguous, as torch's own 2-D mm backward lays it out."""
     if not operand.is_contiguous() and operand.transpose(1, 2).is_contiguous():
-        return mm(right.transpose(1, 2), left.transpose(1, 2)).transpose(1, 2)
-    if mm is product and takes_onednn(left, right) and _thin_under_transposed(left, right):
-        return mm(right.transpose(1, 2), left.transpose(1, 2)).transpose(1, 2).contiguous()
+        return _transposed_product(mm, left, right)
     return mm(left, right)
 
 
-def _thin_under_transposed(left: Tensor, right: Tensor) -> bool:
+def _transposed_product(mm, left: Tensor, right: Tensor) -> Tensor:
+    """left right as (rightᵀ leftᵀ)ᵀ: the same sums, a transposed view."""
+    return mm(right.transpose(1, 2), left.transpose(1, 2)).transpose(1, 2)
+
+
+#: The most columns M of g (K, N, M) for which :func:`_input_gradient` computes Wᵀ g as (gᵀ W)ᵀ.
+THIN_COLUMNS = 32
+#: The fewest rows N of W (the product's contraction) for which it does.
+THIN_MIN_CONTRACTION = 128
+
+
+def _input_gradient(operand: Tensor, mm, left: Tensor, right: Tensor, may_transpose: bool) -> Tensor:
+    """left right, the gradient of the second factor b (:func:`_laid_out_as`). Where the engine's
+    column layer zᵀ = W xᵀ gets its input's gradient ∂xᵀ = Wᵀ g with few columns
+    (:func:`thin_input_gradient`), ``may_transpose`` and oneDNN takes the product, it is computed
+    as (gᵀ W)ᵀ and copied contiguous: the same sums, in another order inside the kernel. On one
+    core oneDNN ran Wᵀ g with so few columns at 70-80 GF/s, gᵀ W at twice that; for 48 models with
+    W of 256 × 256 the product and its copy took 0.41 / 0.60 / 0.90 of the direct product's time at
+    16 / 32 / 64 columns and 1.20 at 128 (a quick measurement). Up to 32 columns it bought the MLP's
+    step 1.17 and 1.11 (B = 16, 32; ``benchmarks/fused_passes.py``); 64 columns, a tenth saved on
+    the product alone, was not measured in the step and is not taken. With fewer than
+    :data:`THIN_MIN_CONTRACTION` rows in W (a 10-class head) the copy costs more than it saves."""
+    if (may_transpose and operand.is_contiguous() and thin_input_gradient(left, right)
+            and takes_onednn(None, left, right)):
+        return _transposed_product(_product, left, right).contiguous()
+    return _laid_out_as(operand, mm, left, right)
+
+
+def thin_input_gradient(left: Tensor, right: Tensor) -> bool:
     """Whether left right is Wᵀ g with few columns in g and a long enough contraction
-    (:func:`_laid_out_as`): ``left`` a transposed view of a contiguous (K, N, L) weight, ``right`` (K, N, M) with
-    M ≤ :data:`THIN_COLUMNS` and N ≥ :data:`THIN_MIN_CONTRACTION`."""
+    (:func:`_input_gradient`): ``left`` (K, L, N) a transposed view of a contiguous (K, N, L)
+    weight, ``right`` (K, N, M) with M ≤ :data:`THIN_COLUMNS` and N ≥ :data:`THIN_MIN_CONTRACTION`."""
     return (right.shape[2] <= THIN_COLUMNS and left.shape[2] >= THIN_MIN_CONTRACTION
             and not left.is_contiguous() and left.transpose(1, 2).is_contiguous())

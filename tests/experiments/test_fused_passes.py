@@ -74,21 +74,20 @@ def test_the_product_routes_routed_off_are_off(digits, monkeypatch):
     onednn = {"oneDNN": (stacked_matmul.OnednnBaddbmm, "apply")}
     assert _calls_in_a_step("affine", digits, None, onednn)["oneDNN"] == 0
     assert _calls_in_a_step("affine", digits, "small on torch", onednn)["oneDNN"] > 0
-    # every product on oneDNN, a hidden layer of 128 gets its 8-column input gradient as (gᵀ W)ᵀ
-    # (the rule answers yes), and with "thin input gradient" off as Wᵀ g (the rule never does)
+    # every product on oneDNN, a hidden layer of 128 gets its 8-column input gradient as (gᵀ W)ᵀ:
+    # a product whose first factor has the batch's 8 rows (gᵀ), which no other product of the step
+    # has (the weights' rows, W xᵀ's and g xᵀ's first factors, are 128 or 10); Wᵀ g with it off
     monkeypatch.setattr(stacked_matmul, "ONEDNN_MIN_FLOPS", 0)
-
-    def answers(stack):
-        rule, said = stacked_matmul._thin_under_transposed, []  # (the routed rule, where routed off)
-
-        def answered(left, right):
-            said.append(rule(left, right))
-            return said[-1]
-
-        stack.enter_context(unittest.mock.patch.object(stacked_matmul, "_thin_under_transposed", new=answered))
-        return said
-
     width = stacked_matmul.THIN_MIN_CONTRACTION
-    assert any(_one_step("affine", digits, None, answers, width, depth=3))
-    off = _one_step("affine", digits, "thin input gradient", answers, width, depth=3)
-    assert off and not any(off)
+
+    def rows_of_first_factors(routed):
+        def watch(stack):
+            return stack.enter_context(unittest.mock.patch.object(stacked_matmul, "_product",
+                                                                  wraps=stacked_matmul._product))
+
+        spy = _one_step("affine", digits, routed, watch, width, depth=3)
+        return [call.args[0].shape[1] for call in spy.call_args_list]
+
+    assert 8 in rows_of_first_factors(None)
+    off = rows_of_first_factors("thin input gradient")
+    assert off and 8 not in off

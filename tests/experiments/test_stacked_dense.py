@@ -101,6 +101,7 @@ def test_the_functions_equal_autograd_of_the_formulas(kind, k, m, length, n, bia
         _close(got, want)
 
 
+@pytest.mark.usefixtures("small_products_on_onednn")  # (these small products too)
 @pytest.mark.parametrize("kind", ["affine_like", "norm_l2", "norm_rms"])
 def test_float32_is_the_float64_formula_within_float32_rounding(kind):
     # float32 (products on oneDNN where bound): L + N + 2 = 66 terms at u = 6e-8 and the same

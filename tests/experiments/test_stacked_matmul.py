@@ -1,5 +1,9 @@
 """The stacked engine's batched products on oneDNN (``affdiv.experiments.runs.stacked_matmul``).
 
+The engine gives oneDNN only products of at least ``ONEDNN_MIN_FLOPS``; these tests lower that
+line to 0 (the ``small_products_on_onednn`` fixture) so that small operands exercise oneDNN's path,
+except the test of the line itself.
+
 oneDNN sums in its own order, so its float32 products are held to the float64 product of the same
 float32 operands by the rounding-error bound of a sum of L products (Higham, Accuracy and
 Stability of Numerical Algorithms, 2nd ed., eq. 3.5),
@@ -113,7 +117,7 @@ def test_a_column_layers_input_gradient_with_few_columns_is_transposed_back_with
     a, b, _c, g = _operands(k, m, length, n, "none", ("contiguous", "contiguous"), seed)
     b.requires_grad_()
     z = stacked_matmul.baddbmm(None, a, b)
-    with unittest.mock.patch.object(stacked_matmul, "product", wraps=stacked_matmul.product) as spy:
+    with unittest.mock.patch.object(stacked_matmul, "_product", wraps=stacked_matmul._product) as spy:
         (grad,) = torch.autograd.grad(z, b, g)
     # (with one column W's transpose is contiguous itself: the direct product reads no transpose)
     thin = n <= stacked_matmul.THIN_COLUMNS and m >= stacked_matmul.THIN_MIN_CONTRACTION and length > 1
@@ -130,10 +134,15 @@ def test_a_product_below_the_line_takes_torchs_ops_and_one_on_it_onednn(monkeypa
     assert LINE % 16000 == 0
     a, b, c, _ = _operands(4, 50, 40, columns, "columns", ("contiguous", "transposed"), 7)
     on_onednn = columns * 16000 >= LINE
-    assert stacked_matmul.takes_onednn(a, b, c) == on_onednn
-    z = stacked_matmul.baddbmm(c, a.requires_grad_(), b)
+    assert stacked_matmul.takes_onednn(c, a, b) == on_onednn
+    w = b.transpose(1, 2).contiguous().requires_grad_()  # b passed as a weight's transposed view
+    z = stacked_matmul.baddbmm(c, a.requires_grad_(), w.transpose(1, 2))
     assert type(z.grad_fn).__name__ == ("OnednnBaddbmmBackward" if on_onednn else "BaddbmmBackward0")
     _within_bound(z, a.detach(), b, c)
+    g = torch.randn_like(z)
+    grad_a, grad_w = torch.autograd.grad(z, (a, w), g)
+    _within_bound(grad_a, g, b.transpose(1, 2), None)
+    _within_bound(grad_w.transpose(1, 2), a.detach().transpose(1, 2), g, None)  # (its layout: see takes_onednn)
     with unittest.mock.patch.object(stacked_matmul, "_product", wraps=stacked_matmul._product) as spy:
         got = stacked_matmul.product(a.detach(), b)
     assert spy.called == on_onednn
@@ -248,7 +257,7 @@ def test_the_stacked_engine_takes_onednn_in_float32_with_torchs_numbers_within_r
     # columns, takes the transposed product (stacked_matmul._laid_out_as)
     orders = torch.stack([torch.randperm(len(digits.train.y), generator=torch.Generator().manual_seed(s))
                           for s in (0, 1)])
-    rule = stacked_matmul._thin_under_transposed
+    rule = stacked_matmul.thin_input_gradient
     for dtype in ("float32", "float64"):
         split = (torch.as_tensor(digits.train.x).to(getattr(torch, dtype)), torch.as_tensor(digits.train.y))
         config = RunConfig(dataset="digits", method=method, depth=depth, width=width, batch_size=8, seed=0,
@@ -265,7 +274,7 @@ def test_the_stacked_engine_takes_onednn_in_float32_with_torchs_numbers_within_r
 
             with unittest.mock.patch.object(stacked_matmul.OnednnBaddbmm, "apply",
                                             wraps=stacked_matmul.OnednnBaddbmm.apply) as spy, \
-                    unittest.mock.patch.object(stacked_matmul, "_thin_under_transposed", new=answered), context():
+                    unittest.mock.patch.object(stacked_matmul, "thin_input_gradient", new=answered), context():
                 engine.step(orders[:, :8])
             engines.append((engine, spy.call_count))
         (torch_engine, torch_calls), (onednn_engine, onednn_calls) = engines
