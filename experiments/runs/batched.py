@@ -398,7 +398,8 @@ def _shared_input(x: Tensor, module: nn.Module, p: Stacked, k: int) -> tuple[Ten
     if type(module) is nn.Flatten:
         return x.flatten(1), True
     w = p.get("weight")
-    if type(module) is nn.Linear:  # a batch of one (oneDNN's product where it may run), Wᵀ a view oneDNN reads as is
+    if type(module) is nn.Linear:  # a batch of one (oneDNN's product where it may run and is large enough), Wᵀ a
+        # view oneDNN reads as is
         bias = p["bias"].reshape(1, 1, -1) if "bias" in p else None
         z = stacked_matmul.baddbmm(bias, x.unsqueeze(0), w.reshape(1, -1, w.shape[2]).transpose(1, 2))
         return z[0].view(x.shape[0], k, -1).transpose(0, 1), False

@@ -26,8 +26,11 @@ up to the order of summation inside the batched kernels (see the tests for the b
 they also depend on which other models share the stack is up to those kernels, which may pick
 their blocking by the total size: the CNN methods' grouped convolutions pick theirs by the total
 channel count, so a model's float32 numbers can change at rounding level with its ensemble's size,
-and so can affine_like's at width 128 (docs/results/fashion-target-noise/README.md). In the tests
-(digits, width 16) affine_like's do not, bit for bit.
+and so can affine_like's at width 128 (docs/results/fashion-target-noise/README.md). The batched
+engine's products also change library with the stack's size: under
+:data:`~affdiv.experiments.runs.stacked_matmul.ONEDNN_MIN_FLOPS` (which counts all the stacked
+models) they run on torch's ops, above it on oneDNN's, which round differently. In the tests
+(digits, width 16) affine_like's do not change, bit for bit.
 
 Measurements (:class:`~affdiv.experiments.runs.training.Measurement`) look at one model at a
 time: :meth:`StackedEnsemble.copy` materialises model k as a plain module (a copy of the base

@@ -97,17 +97,22 @@ def test_the_product_and_its_gradients_are_the_exact_ones_within_float32_roundin
         _within_bound(grads[id(b)], a.detach().transpose(1, 2), g, None)
 
 
-def test_an_operand_stored_transposed_gets_its_gradient_in_its_layout():
+@pytest.mark.parametrize("rows", [3, stacked_matmul.THIN_MIN_CONTRACTION])
+def test_an_operand_stored_transposed_gets_its_gradient_in_its_layout(rows):
     # a weight W passed as Wᵀ (the vit's token projections, row_product) gets ∂W contiguous, as
-    # autograd.grad hands it to the stacked optimiser (its values: the bound test's transposed layouts)
-    w, x = torch.randn(2, 5, 4, requires_grad=True), torch.randn(2, 3, 4, requires_grad=True)
-    xt = torch.randn(2, 4, 3, requires_grad=True)
+    # autograd.grad hands it to the stacked optimiser (its values: the bound test's transposed layouts);
+    # with as many rows as a column layer's thin input gradient needs too (that route is not W's)
+    w, x = torch.randn(2, 5, 4, requires_grad=True), torch.randn(2, rows, 4, requires_grad=True)
+    xt = torch.randn(2, 4, rows, requires_grad=True)
     for a, b, leaves in ((x, w.transpose(1, 2), (x, w)), (xt.transpose(1, 2), w.transpose(1, 2), (xt, w))):
         z = stacked_matmul.baddbmm(None, a, b)
         assert type(z.grad_fn).__name__ == "OnednnBaddbmmBackward"
         assert all(grad.is_contiguous() for grad in torch.autograd.grad(z, leaves, torch.randn_like(z)))
 
 
+@example(k=1, m=stacked_matmul.THIN_MIN_CONTRACTION, length=5, n=stacked_matmul.THIN_COLUMNS, seed=0)
+@example(k=1, m=stacked_matmul.THIN_MIN_CONTRACTION - 1, length=5, n=stacked_matmul.THIN_COLUMNS, seed=0)
+@example(k=1, m=stacked_matmul.THIN_MIN_CONTRACTION, length=5, n=stacked_matmul.THIN_COLUMNS + 1, seed=0)
 @given(k=st.integers(1, 3), m=st.integers(stacked_matmul.THIN_MIN_CONTRACTION - 8, 260), length=st.integers(1, 48),
        n=st.integers(1, 40), seed=st.integers(0, 2**16))
 def test_a_column_layers_input_gradient_with_few_columns_is_transposed_back_within_the_bound(k, m, length, n, seed):
@@ -142,7 +147,8 @@ def test_a_product_below_the_line_takes_torchs_ops_and_one_on_it_onednn(monkeypa
     g = torch.randn_like(z)
     grad_a, grad_w = torch.autograd.grad(z, (a, w), g)
     _within_bound(grad_a, g, b.transpose(1, 2), None)
-    _within_bound(grad_w.transpose(1, 2), a.detach().transpose(1, 2), g, None)  # (its layout: see takes_onednn)
+    _within_bound(grad_w.transpose(1, 2), a.detach().transpose(1, 2), g, None)
+    assert grad_w.is_contiguous() == on_onednn  # (below the line, torch's layout: see takes_onednn)
     with unittest.mock.patch.object(stacked_matmul, "_product", wraps=stacked_matmul._product) as spy:
         got = stacked_matmul.product(a.detach(), b)
     assert spy.called == on_onednn
@@ -199,42 +205,63 @@ def _both(fn):
         return onednn, fn(stacked_matmul.baddbmm)
 
 
-def test_a_double_backward_equals_torchs():
+#: Cases of the second-order tests: (operands' sizes k, m, length, n, the factor whose gradient is
+#: taken). "thin": a column layer's input gradient of 8 columns under 128 rows of W, which a plain
+#: backward computes as (gᵀ W)ᵀ (_input_gradient).
+SECOND_ORDER = {"small": ((2, 3, 4, 5), 0), "thin": ((2, stacked_matmul.THIN_MIN_CONTRACTION, 16, 8), 1)}
+
+
+def _second_order_operands(case: str, seed: int):
+    """(c, the factor differentiated, the other factor, g, product(c, ·, ·) in the right order)."""
+    sizes, which = SECOND_ORDER[case]
+    a, b, c, g = _operands(*sizes, "rows", ("contiguous", "contiguous"), seed)
+    leaf, other = (a, b) if which == 0 else (b, a)
+
+    def call(product, x, y):  # x in the place of the differentiated factor
+        return product(c, x, y) if which == 0 else product(c, y, x)
+
+    return leaf, other, g, call
+
+
+@pytest.mark.parametrize("case", list(SECOND_ORDER))
+def test_a_double_backward_equals_torchs(case):
     # the backward records a graph: torch's products, so that the second derivatives exist
-    a, b, c, g = _operands(2, 3, 4, 5, "rows", ("contiguous", "contiguous"), 2)
-    a.requires_grad_(), b.requires_grad_(), g.requires_grad_()
+    leaf, other, g, call = _second_order_operands(case, 2)
+    leaf.requires_grad_(), other.requires_grad_(), g.requires_grad_()
 
     def second(product):
-        ga, = torch.autograd.grad(product(c, a, b), a, g, create_graph=True)
-        return torch.autograd.grad(ga.square().sum(), (b, g))
+        grad, = torch.autograd.grad(call(product, leaf, other), leaf, g, create_graph=True)
+        return torch.autograd.grad(grad.square().sum(), (other, g))
 
     for onednn, torchs in zip(*_both(second)):
         torch.testing.assert_close(onednn, torchs, rtol=1e-5, atol=1e-5)
 
 
-def test_forward_over_reverse_keeps_the_tangents():
+@pytest.mark.parametrize("case", list(SECOND_ORDER))
+def test_forward_over_reverse_keeps_the_tangents(case):
     # a backward fed dual gradients: oneDNN would drop their tangents, torch's products keep them
-    a, b, c, g = _operands(2, 3, 4, 5, "rows", ("contiguous", "contiguous"), 4)
-    a.requires_grad_()
+    leaf, other, g, call = _second_order_operands(case, 4)
+    leaf.requires_grad_()
 
     def tangent(product):
-        z = product(c, a, b)
+        z = call(product, leaf, other)
         with torch.autograd.forward_ad.dual_level():
-            ga, = torch.autograd.grad(z, a, torch.autograd.forward_ad.make_dual(g, torch.ones_like(g)))
-            return torch.autograd.forward_ad.unpack_dual(ga).tangent
+            grad, = torch.autograd.grad(z, leaf, torch.autograd.forward_ad.make_dual(g, torch.ones_like(g)))
+            return torch.autograd.forward_ad.unpack_dual(grad).tangent
 
     onednn, torchs = _both(tangent)
     assert onednn is not None
     torch.testing.assert_close(onednn, torchs, rtol=1e-5, atol=1e-5)
 
 
-def test_batched_gradients_equal_the_looped_ones():
-    a, b, c, _ = _operands(2, 3, 4, 5, "rows", ("contiguous", "contiguous"), 5)
-    a.requires_grad_()
-    z = stacked_matmul.baddbmm(c, a, b)
-    basis = torch.eye(z.numel()).reshape(-1, *z.shape)
-    batched, = torch.autograd.grad(z, a, basis, is_grads_batched=True, retain_graph=True)
-    looped = torch.stack([torch.autograd.grad(z, a, e, retain_graph=True)[0] for e in basis])
+@pytest.mark.parametrize("case", list(SECOND_ORDER))
+def test_batched_gradients_equal_the_looped_ones(case):
+    leaf, other, _g, call = _second_order_operands(case, 5)
+    leaf.requires_grad_()
+    z = call(stacked_matmul.baddbmm, leaf, other)
+    basis = torch.eye(z.numel()).reshape(-1, *z.shape)[:: max(1, z.numel() // 64)]  # (64 of them at most)
+    batched, = torch.autograd.grad(z, leaf, basis, is_grads_batched=True, retain_graph=True)
+    looped = torch.stack([torch.autograd.grad(z, leaf, e, retain_graph=True)[0] for e in basis])
     torch.testing.assert_close(batched, looped, rtol=1e-5, atol=1e-6)
 
 
