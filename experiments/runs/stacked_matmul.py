@@ -70,9 +70,9 @@ def takes_onednn(c: Tensor | None, a: Tensor, b: Tensor) -> bool:
     matmul through torch's took about 11 µs where ``torch.bmm`` took 2, and :class:`OnednnBaddbmm`'s
     Python forward and backward add to that: a product's forward and backward (FLOPs counted for
     the forward) took 105 µs on oneDNN and 39 on torch's ops at 0.52 MFLOP (one model's 256 rows
-    times a 32 × 32 weight), 121 and 73 at 1.6 (three models), 151 and 126 at 3.1 (six), and from
-    6.3 MFLOP on oneDNN was faster, 1.15-1.3× at 6.3 and 1.75-2× from 25-40 MFLOP (a
-    quick measurement at the vit's and the MLP's layer shapes). A bare :func:`product` (no
+    times a 32 × 32 weight), 121 and 73 at 1.6 (three models), 151 and 126 at 3.1 (six); from 6.3
+    MFLOP on, oneDNN was faster, 1.15-1.3× at 6.3 and 1.75-2× from 25-40 MFLOP (a quick
+    measurement at the vit's and the MLP's layer shapes). A bare :func:`product` (no
     Function) breaks even lower, oneDNN's call taking 14 µs against torch's 7 at 0.52 MFLOP and 29
     against 34 at 3.1: the one line is the Function's, which every layer of the engine takes. A
     study's run stacks its few learning-rate candidates, whose products at small batches fall
@@ -155,7 +155,7 @@ def _input_gradient(operand: Tensor, mm, left: Tensor, right: Tensor, may_transp
     core oneDNN ran Wᵀ g with so few columns at 70-80 GF/s, gᵀ W at twice that; for 48 models with
     W of 256 × 256 the product and its copy took 0.41 / 0.60 / 0.90 of the direct product's time at
     16 / 32 / 64 columns and 1.20 at 128 (a quick measurement). Up to 32 columns it bought the MLP's
-    step 1.17 and 1.11 (B = 16, 32; ``benchmarks/fused_passes.py``); 64 columns, a tenth saved on
+    step of 48 models 1.17 and 1.11 (B = 16, 32; ``benchmarks/fused_passes.py``); 64 columns, a tenth saved on
     the product alone, was not measured in the step and is not taken. With fewer than
     :data:`THIN_MIN_CONTRACTION` rows in W (a 10-class head) the copy costs more than it saves."""
     if (may_transpose and operand.is_contiguous() and thin_input_gradient(left, right)
