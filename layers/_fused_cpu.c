@@ -757,6 +757,29 @@ typedef int64_t ivec_f64 __attribute__((vector_size(32)));
 typedef uint8_t bytes_f32 __attribute__((vector_size(8)));
 typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
 
+/* Each lane's low byte, a window position (0..4), as the argmax's bytes: one shuffle of the
+   lanes' bytes where the compiler has it (GCC compiles __builtin_convertvector's narrowing of
+   32-bit lanes to bytes as a shift and an or per lane: a quarter of conv_pool's time in a
+   profile), else that conversion. Inlined, so no vector crosses a clone's ABI. */
+#if defined(HAVE_SHUFFLE) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+typedef uint8_t lane_bytes __attribute__((vector_size(32)));
+static inline __attribute__((always_inline)) bytes_f32 positions_f32(ivec_f32 lanes) {
+    const lane_bytes b = (lane_bytes)lanes;
+    return SHUFFLE(b, b, 0, 4, 8, 12, 16, 20, 24, 28);
+}
+static inline __attribute__((always_inline)) bytes_f64 positions_f64(ivec_f64 lanes) {
+    const lane_bytes b = (lane_bytes)lanes;
+    return SHUFFLE(b, b, 0, 8, 16, 24);
+}
+#else
+static inline __attribute__((always_inline)) bytes_f32 positions_f32(ivec_f32 lanes) {
+    return __builtin_convertvector(lanes, bytes_f32);
+}
+static inline __attribute__((always_inline)) bytes_f64 positions_f64(ivec_f64 lanes) {
+    return __builtin_convertvector(lanes, bytes_f64);
+}
+#endif
+
 /* The position byte of a pooled value whose ReLU passes no gradient (no window position). */
 #define POOL_NO_GRADIENT 4
 
@@ -836,7 +859,7 @@ typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
         if (relu) relu_lanes_##SUFFIX(&m, &best);                                                  \
         store_lanes_##SUFFIX(out, &m, n);                                                          \
         if (!which) return;                                                                        \
-        const bytes_##SUFFIX b = __builtin_convertvector(best, bytes_##SUFFIX);                    \
+        const bytes_##SUFFIX b = positions_##SUFFIX(best);                                         \
         if (n == V)                                                                                \
             memcpy(which, &b, sizeof b);                                                           \
         else                                                                                       \
