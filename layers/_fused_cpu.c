@@ -880,10 +880,11 @@ static inline __attribute__((always_inline)) bytes_f64 positions_f64(ivec_f64 la
     /* One row of pooled positions (ph) of one sample: out and argmax (argmax NULL: not kept)    \
        at (ph, 0..Wp), all K models; channels in blocks of V, the last block partial. With        \
        patchnorm, scales (K * 4 Wp) takes the row's r of every model first (row_scales). */       \
-    VECTOR_CLONES static void conv_pool_row_##SUFFIX(                                             \
-        const T *restrict xp, int64_t plane, int64_t models, int64_t wq, int64_t kh, int64_t kw,  \
-        const T *restrict wt, const T *restrict bias, int64_t channels, int64_t ph, int64_t wp,   \
-        T *restrict scales, int relu, T *restrict out, uint8_t *restrict argmax) {                \
+    static inline __attribute__((always_inline)) void conv_pool_row_body_##SUFFIX(                \
+        const T *restrict xp, int64_t plane, int64_t models, int64_t wq, const int64_t kh,        \
+        const int64_t kw, const T *restrict wt, const T *restrict bias, int64_t channels,         \
+        int64_t ph, int64_t wp, T *restrict scales, int relu, T *restrict out,                    \
+        uint8_t *restrict argmax) {                                                                \
         const int64_t kc = models * channels, taps = kh * kw, cp = padded_##SUFFIX(channels);     \
         if (scales)                                                                                \
             for (int64_t k = 0; k < models; ++k)                                                   \
@@ -913,6 +914,18 @@ static inline __attribute__((always_inline)) bytes_f64 positions_f64(ivec_f64 la
                     store_window_max_##SUFFIX(a, relu, out + at + c, argmax ? argmax + at + c : NULL, n); \
                 }                                                                                  \
             }                                                                                      \
+    }                                                                                              \
+                                                                                                   \
+    /* The row with the kernel's size as constants where it is 3 x 3 (the harness's CNNs), so    \
+       that the compiler unrolls the taps; the same sums, in the same order. */                    \
+    VECTOR_CLONES static void conv_pool_row_##SUFFIX(                                             \
+        const T *restrict xp, int64_t plane, int64_t models, int64_t wq, int64_t kh, int64_t kw,  \
+        const T *restrict wt, const T *restrict bias, int64_t channels, int64_t ph, int64_t wp,   \
+        T *restrict scales, int relu, T *restrict out, uint8_t *restrict argmax) {                \
+        if (kh == 3 && kw == 3)                                                                    \
+            conv_pool_row_body_##SUFFIX(xp, plane, models, wq, 3, 3, wt, bias, channels, ph, wp, scales, relu, out, argmax); \
+        else                                                                                       \
+            conv_pool_row_body_##SUFFIX(xp, plane, models, wq, kh, kw, wt, bias, channels, ph, wp, scales, relu, out, argmax); \
     }                                                                                              \
                                                                                                    \
     /* out = maxpool((conv(xp, wt) + bias) * r) (r = 1 without patchnorm; layouts above), then  \
@@ -947,9 +960,9 @@ static inline __attribute__((always_inline)) bytes_f64 positions_f64(ivec_f64 la
        Channels in blocks of V, the last partial: its spare lanes load g and argmax as 0 and      \
        store dw's and db's padded columns (see above). With patchnorm, scales (B * Hp * 4 Wp)     \
        takes every window's r first (row_scales), for all the channel blocks. */                  \
-    VECTOR_CLONES static void conv_pool_grads_##SUFFIX(                                           \
-        const T *restrict xp, int64_t batch, int64_t hq, int64_t wq, int64_t kh, int64_t kw,      \
-        int64_t channels, int64_t hp, int64_t wp, int64_t kc, T *restrict scales,                 \
+    static inline __attribute__((always_inline)) void conv_pool_grads_body_##SUFFIX(              \
+        const T *restrict xp, int64_t batch, int64_t hq, int64_t wq, const int64_t kh,            \
+        const int64_t kw, int64_t channels, int64_t hp, int64_t wp, int64_t kc, T *restrict scales, \
         const T *restrict g, const uint8_t *restrict argmax, T *restrict dw, T *restrict db) {    \
         const int64_t taps = kh * kw, cp = padded_##SUFFIX(channels);                              \
         if (scales)                                                                                \
@@ -989,6 +1002,20 @@ static inline __attribute__((always_inline)) bytes_f64 positions_f64(ivec_f64 la
             for (int64_t t = 0; t < taps; ++t) memcpy(dw + t * cp + c, &acc[t], sizeof acc[t]);   \
             if (db) memcpy(db + c, &sum, sizeof sum);                                              \
         }                                                                                          \
+    }                                                                                              \
+                                                                                                   \
+    /* The body with the kernel's size as constants where it is 3 x 3 (the harness's CNNs): the  \
+       compiler then keeps the nine taps' partial sums in registers, where with the size a        \
+       variable each += was a load and a store the next one waited on. The same sums, in the same  \
+       order. */                                                                                  \
+    VECTOR_CLONES static void conv_pool_grads_##SUFFIX(                                           \
+        const T *restrict xp, int64_t batch, int64_t hq, int64_t wq, int64_t kh, int64_t kw,      \
+        int64_t channels, int64_t hp, int64_t wp, int64_t kc, T *restrict scales,                 \
+        const T *restrict g, const uint8_t *restrict argmax, T *restrict dw, T *restrict db) {    \
+        if (kh == 3 && kw == 3)                                                                    \
+            conv_pool_grads_body_##SUFFIX(xp, batch, hq, wq, 3, 3, channels, hp, wp, kc, scales, g, argmax, dw, db); \
+        else                                                                                       \
+            conv_pool_grads_body_##SUFFIX(xp, batch, hq, wq, kh, kw, channels, hp, wp, kc, scales, g, argmax, dw, db); \
     }                                                                                              \
                                                                                                    \
     /* dwt (K, kh*kw, Cp) and db (K*Cp, or NULL) of conv_pool at its output's gradient g (its    \
