@@ -758,10 +758,11 @@ typedef uint8_t bytes_f32 __attribute__((vector_size(8)));
 typedef uint8_t bytes_f64 __attribute__((vector_size(4)));
 
 /* Each lane's low byte, a window position (0..4), as the argmax's bytes: one shuffle of the
-   lanes' bytes where the compiler has it (GCC compiles __builtin_convertvector's narrowing of
-   32-bit lanes to bytes as a shift and an or per lane: a quarter of conv_pool's time in a
-   profile), else that conversion. Inlined, so no vector crosses a clone's ABI. */
-#if defined(HAVE_SHUFFLE) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+   lanes' bytes (32- or 64-bit lanes) where the compiler has it, else __builtin_convertvector,
+   which GCC compiles as a shift and an or per lane (a quarter of conv_pool's time in a profile).
+   The AVX2 clone runs the shuffle as two byte shuffles and a permute; the baseline clone, without
+   a byte shuffle, still goes lane by lane. Inlined, so no vector crosses a clone's ABI. */
+#if defined(HAVE_SHUFFLE) && defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
 typedef uint8_t lane_bytes __attribute__((vector_size(32)));
 static inline __attribute__((always_inline)) bytes_f32 positions_f32(ivec_f32 lanes) {
     const lane_bytes b = (lane_bytes)lanes;
@@ -778,6 +779,15 @@ static inline __attribute__((always_inline)) bytes_f32 positions_f32(ivec_f32 la
 static inline __attribute__((always_inline)) bytes_f64 positions_f64(ivec_f64 lanes) {
     return __builtin_convertvector(lanes, bytes_f64);
 }
+#endif
+
+/* 1: conv_pool's passes take a 3 x 3 kernel with its size as constants (conv_pool_row_ and
+   conv_pool_grads_); 0 with -DAFFDIV_GENERIC_TAPS, which the tests build to check that both give
+   the same numbers. */
+#ifdef AFFDIV_GENERIC_TAPS
+#define SPECIALISE_3X3 0
+#else
+#define SPECIALISE_3X3 1
 #endif
 
 /* The position byte of a pooled value whose ReLU passes no gradient (no window position). */
@@ -881,10 +891,9 @@ static inline __attribute__((always_inline)) bytes_f64 positions_f64(ivec_f64 la
        at (ph, 0..Wp), all K models; channels in blocks of V, the last block partial. With        \
        patchnorm, scales (K * 4 Wp) takes the row's r of every model first (row_scales). */       \
     static inline __attribute__((always_inline)) void conv_pool_row_body_##SUFFIX(                \
-        const T *restrict xp, int64_t plane, int64_t models, int64_t wq, const int64_t kh,        \
-        const int64_t kw, const T *restrict wt, const T *restrict bias, int64_t channels,         \
-        int64_t ph, int64_t wp, T *restrict scales, int relu, T *restrict out,                    \
-        uint8_t *restrict argmax) {                                                                \
+        const T *restrict xp, int64_t plane, int64_t models, int64_t wq, int64_t kh, int64_t kw,  \
+        const T *restrict wt, const T *restrict bias, int64_t channels, int64_t ph, int64_t wp,   \
+        T *restrict scales, int relu, T *restrict out, uint8_t *restrict argmax) {                \
         const int64_t kc = models * channels, taps = kh * kw, cp = padded_##SUFFIX(channels);     \
         if (scales)                                                                                \
             for (int64_t k = 0; k < models; ++k)                                                   \
@@ -916,16 +925,19 @@ static inline __attribute__((always_inline)) bytes_f64 positions_f64(ivec_f64 la
             }                                                                                      \
     }                                                                                              \
                                                                                                    \
-    /* The row with the kernel's size as constants where it is 3 x 3 (the harness's CNNs), so    \
-       that the compiler unrolls the taps; the same sums, in the same order. */                    \
+    /* The row, inlined with the kernel's size as constants where it is 3 x 3 (the harness's     \
+       CNNs; SPECIALISE_3X3), so that the compiler unrolls the taps; the same sums, in the same   \
+       order. */                                                                                  \
     VECTOR_CLONES static void conv_pool_row_##SUFFIX(                                             \
         const T *restrict xp, int64_t plane, int64_t models, int64_t wq, int64_t kh, int64_t kw,  \
         const T *restrict wt, const T *restrict bias, int64_t channels, int64_t ph, int64_t wp,   \
         T *restrict scales, int relu, T *restrict out, uint8_t *restrict argmax) {                \
-        if (kh == 3 && kw == 3)                                                                    \
-            conv_pool_row_body_##SUFFIX(xp, plane, models, wq, 3, 3, wt, bias, channels, ph, wp, scales, relu, out, argmax); \
+        if (SPECIALISE_3X3 && kh == 3 && kw == 3)                                                  \
+            conv_pool_row_body_##SUFFIX(xp, plane, models, wq, 3, 3, wt, bias, channels, ph, wp,  \
+                                        scales, relu, out, argmax);                                \
         else                                                                                       \
-            conv_pool_row_body_##SUFFIX(xp, plane, models, wq, kh, kw, wt, bias, channels, ph, wp, scales, relu, out, argmax); \
+            conv_pool_row_body_##SUFFIX(xp, plane, models, wq, kh, kw, wt, bias, channels, ph, wp, \
+                                        scales, relu, out, argmax);                                \
     }                                                                                              \
                                                                                                    \
     /* out = maxpool((conv(xp, wt) + bias) * r) (r = 1 without patchnorm; layouts above), then  \
@@ -961,8 +973,8 @@ static inline __attribute__((always_inline)) bytes_f64 positions_f64(ivec_f64 la
        store dw's and db's padded columns (see above). With patchnorm, scales (B * Hp * 4 Wp)     \
        takes every window's r first (row_scales), for all the channel blocks. */                  \
     static inline __attribute__((always_inline)) void conv_pool_grads_body_##SUFFIX(              \
-        const T *restrict xp, int64_t batch, int64_t hq, int64_t wq, const int64_t kh,            \
-        const int64_t kw, int64_t channels, int64_t hp, int64_t wp, int64_t kc, T *restrict scales, \
+        const T *restrict xp, int64_t batch, int64_t hq, int64_t wq, int64_t kh, int64_t kw,      \
+        int64_t channels, int64_t hp, int64_t wp, int64_t kc, T *restrict scales,                 \
         const T *restrict g, const uint8_t *restrict argmax, T *restrict dw, T *restrict db) {    \
         const int64_t taps = kh * kw, cp = padded_##SUFFIX(channels);                              \
         if (scales)                                                                                \
@@ -1004,18 +1016,20 @@ static inline __attribute__((always_inline)) bytes_f64 positions_f64(ivec_f64 la
         }                                                                                          \
     }                                                                                              \
                                                                                                    \
-    /* The body with the kernel's size as constants where it is 3 x 3 (the harness's CNNs): the  \
-       compiler then keeps the nine taps' partial sums in registers, where with the size a        \
-       variable each += was a load and a store the next one waited on. The same sums, in the same  \
-       order. */                                                                                  \
+    /* The body, inlined with the kernel's size as constants where it is 3 x 3 (the harness's    \
+       CNNs; SPECIALISE_3X3): the compiler then keeps the nine taps' partial sums in registers,   \
+       where with the size a variable each += was a load and a store the next one waited on. The  \
+       same sums, in the same order. */                                                           \
     VECTOR_CLONES static void conv_pool_grads_##SUFFIX(                                           \
         const T *restrict xp, int64_t batch, int64_t hq, int64_t wq, int64_t kh, int64_t kw,      \
         int64_t channels, int64_t hp, int64_t wp, int64_t kc, T *restrict scales,                 \
         const T *restrict g, const uint8_t *restrict argmax, T *restrict dw, T *restrict db) {    \
-        if (kh == 3 && kw == 3)                                                                    \
-            conv_pool_grads_body_##SUFFIX(xp, batch, hq, wq, 3, 3, channels, hp, wp, kc, scales, g, argmax, dw, db); \
+        if (SPECIALISE_3X3 && kh == 3 && kw == 3)                                                  \
+            conv_pool_grads_body_##SUFFIX(xp, batch, hq, wq, 3, 3, channels, hp, wp, kc, scales, g, \
+                                          argmax, dw, db);                                         \
         else                                                                                       \
-            conv_pool_grads_body_##SUFFIX(xp, batch, hq, wq, kh, kw, channels, hp, wp, kc, scales, g, argmax, dw, db); \
+            conv_pool_grads_body_##SUFFIX(xp, batch, hq, wq, kh, kw, channels, hp, wp, kc, scales, \
+                                          g, argmax, dw, db);                                      \
     }                                                                                              \
                                                                                                    \
     /* dwt (K, kh*kw, Cp) and db (K*Cp, or NULL) of conv_pool at its output's gradient g (its    \

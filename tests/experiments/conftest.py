@@ -40,10 +40,12 @@ def digits():
 
 
 @pytest.fixture(scope="module")
-def library_without_shuffles(tmp_path_factory):
-    """The fused library built as a compiler without ``__builtin_shufflevector`` builds it
-    (``-DAFFDIV_NO_SHUFFLE``: the generic attention items and torch's softmax, the LayerNorm's
-    rows of 32 summed by row_totals' loop), with setup.py's flags, by the compiler ``$CC`` names (else
+def generic_library(tmp_path_factory):
+    """The fused library built with its generic code: as a compiler without
+    ``__builtin_shufflevector`` builds it (``-DAFFDIV_NO_SHUFFLE``: the generic attention items and
+    torch's softmax, the LayerNorm's rows of 32 summed by row_totals' loop, the first block's window
+    positions narrowed lane by lane) and with the first block's passes at their kernel's runtime
+    size (``-DAFFDIV_GENERIC_TAPS``), with setup.py's flags, by the compiler ``$CC`` names (else
     ``cc``), loaded and declared; refused if its interface version is not the loader's. Skipped
     where there is no compiler (the package then has no compiled passes either), unless
     AFFDIV_REQUIRE_CPU_KERNELS is set; a failed build fails with the compiler's message."""
@@ -55,12 +57,13 @@ def library_without_shuffles(tmp_path_factory):
             pytest.fail(f"no C compiler {command[0]!r} here, and AFFDIV_REQUIRE_CPU_KERNELS is set")
         pytest.skip(f"no C compiler {command[0]!r} here")
     source = Path(__file__).resolve().parents[2] / "layers" / "_fused_cpu.c"
-    library = tmp_path_factory.mktemp("fallback") / "fused_without_shuffles.so"
+    library = tmp_path_factory.mktemp("fallback") / "fused_generic.so"
     done = subprocess.run([*command, "-O3", "-fno-math-errno", "-fopenmp", "-std=gnu11", "-shared", "-fPIC",
-                           "-DAFFDIV_NO_SHUFFLE", f"-I{sysconfig.get_paths()['include']}", str(source), "-o",
+                           "-DAFFDIV_NO_SHUFFLE", "-DAFFDIV_GENERIC_TAPS", f"-I{sysconfig.get_paths()['include']}",
+                           str(source), "-o",
                            str(library)], capture_output=True, text=True)
     if done.returncode != 0:
-        pytest.fail(f"building the fused library with AFFDIV_NO_SHUFFLE failed:\n{done.stderr}")
+        pytest.fail(f"building the fused library's generic code failed:\n{done.stderr}")
     lib = ctypes.CDLL(str(library))
     lib.affdiv_fused_abi.restype = ctypes.c_int
     assert lib.affdiv_fused_abi() == _fused.FUSED_ABI, "the checkout's C source is not the loaded package's"
@@ -68,9 +71,9 @@ def library_without_shuffles(tmp_path_factory):
 
 
 @pytest.fixture
-def without_shuffles(library_without_shuffles, monkeypatch):
-    """The fused passes taken from ``library_without_shuffles`` for one test."""
+def generic_passes(generic_library, monkeypatch):
+    """The fused passes taken from ``generic_library`` for one test."""
     from affdiv.layers import _fused
 
-    monkeypatch.setattr(_fused, "_LIB", library_without_shuffles)
+    monkeypatch.setattr(_fused, "_LIB", generic_library)
     assert not _fused.attention_probabilities_built()  # (the library built so has no softmax pass)

@@ -364,6 +364,39 @@ def test_the_numbers_do_not_depend_on_the_thread_count():
     assert all(torch.equal(one, two) for one, two in zip(*results))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("channels, kernel, patchnorm, relu", [(8, 3, False, True), (13, 3, True, False),
+                                                                (32, 3, False, False), (11, 5, False, True)])
+def test_the_generic_build_gives_the_same_numbers_bit_for_bit(generic_library, monkeypatch, dtype, channels, kernel,
+                                                               patchnorm, relu):
+    # The build as made narrows the window positions to bytes by one shuffle and takes a 3 × 3
+    # kernel with its size as constants; the generic build (a conversion lane by lane, the size a
+    # variable) sums the same terms in the same order: the same outputs, positions and gradients,
+    # bit for bit, over whole and partial blocks of channels, with and without PatchNorm's scales
+    g = torch.Generator().manual_seed(channels + kernel)
+    x = torch.randn(3, 5, 1, 14, 13, generator=g, dtype=dtype)
+    x[0, 1, 0, 3, 4] = float("nan")  # (a NaN window: its position is the last NaN's)
+    weight = torch.randn(3, channels, 1, kernel, kernel, generator=g, dtype=dtype)
+    bias = torch.randn(3, channels, generator=g, dtype=dtype)
+    xp = conv_pool._pass_input(x, (kernel // 2, kernel // 2))
+    wt, flat_bias = conv_pool._pass_parameters(weight, bias, dtype)
+
+    def passes():
+        out, argmax = _fused.conv_pool(xp, wt, flat_bias, channels, (kernel, kernel), patchnorm, keep_argmax=True,
+                                       relu=relu)
+        grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=dtype)
+        dw, db = _fused.conv_pool_backward(xp, grad.contiguous(memory_format=torch.channels_last), argmax,
+                                           (kernel, kernel), patchnorm, True)
+        return out, argmax, dw, db
+
+    as_built = passes()
+    monkeypatch.setattr(_fused, "_LIB", generic_library)
+    generic = passes()
+    for a, b in zip(as_built, generic):  # (equal, NaN where NaN)
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    assert int(as_built[1].max()) <= _fused.POOL_NO_GRADIENT and torch.isnan(as_built[0]).any()
+
+
 # ----------------------------------------------------------------------------- with a BatchNorm2d
 
 # The block conv → BatchNorm2d → max-pool (→ ReLU) against torch's layers model by model. The pass

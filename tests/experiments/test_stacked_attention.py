@@ -100,13 +100,13 @@ def test_the_harness_shapes_and_large_scores():
     _check(q, key, v, gy, 16, 4)
 
 
-@pytest.mark.parametrize("library", ["as built", "without shuffles"])
+@pytest.mark.parametrize("library", ["as built", "generic build"])
 def test_float32_is_the_float64_formula_within_float32_rounding(library, request):
     # the same bound at float32's unit roundoff u = 6e-8: 2·(4δ + 4γ_24) with δ = 2·γ_8·8·|q||k|/√8
     # ≈ 6.8e-5 for |q|, |k| < 5: about 5.5e-4·S; 2e-3·S taken (a margin of about 4); also with the
     # library a compiler without the shuffle builtin builds (generic items, torch's softmax)
-    if library == "without shuffles":
-        request.getfixturevalue("without_shuffles")
+    if library == "generic build":
+        request.getfixturevalue("generic_passes")
     q, key, v, gy = _inputs(3, 4, 16, 4, 8, 5, torch.float32)
     y, _, grads = _value_and_grads(stacked_attention.attention, q, key, v, gy, 16, 4)
     exact = [t.detach().double().requires_grad_() for t in (q, key, v)]

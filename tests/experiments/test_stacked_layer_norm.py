@@ -93,15 +93,15 @@ def test_rows_of_32_entries_equal_autograd_of_the_formula(k, rows, offset, seed)
     _check(*_inputs(k, rows, 32, offset, seed))
 
 
-@pytest.mark.parametrize("library", ["as built", "without shuffles"])
+@pytest.mark.parametrize("library", ["as built", "generic build"])
 @pytest.mark.parametrize("rows", [1024, 1000])
 def test_float32_is_the_float64_formula_within_float32_rounding(rows, library, request):
     # the same bound at float32's unit roundoff for d = 32, M = 1024 (the vit's rows at B = 64; 1000:
     # the last group of 16 rows holds 8, padded): 8·γ_1088 ≈ 5.2e-4 in place of the float64 factor, times
     # (1 + |mean|·rstd)·S as there; 3e-3 taken in its place (a margin of about 6); also with the
     # library a compiler without the shuffle builtin builds (rows of 32 summed by row_totals' loop)
-    if library == "without shuffles":
-        request.getfixturevalue("without_shuffles")
+    if library == "generic build":
+        request.getfixturevalue("generic_passes")
     x, w, b, gy = _inputs(3, rows, 32, 2.0, 5, torch.float32)
     y, _, grads = _value_and_grads(stacked_layer_norm.layer_norm, x, w, b, gy)
     exact = [t.detach().double().requires_grad_() for t in (x, w, b)]
