@@ -212,7 +212,8 @@ SECOND_ORDER = {"small": ((2, 3, 4, 5), 0), "thin": ((2, stacked_matmul.THIN_MIN
 
 
 def _second_order_operands(case: str, seed: int):
-    """(c, the factor differentiated, the other factor, g, product(c, ·, ·) in the right order)."""
+    """(the factor differentiated, the other factor, g, call): ``call(product, x, y)`` is
+    product(c, ·, ·) with x in the differentiated factor's place and y in the other's."""
     sizes, which = SECOND_ORDER[case]
     a, b, c, g = _operands(*sizes, "rows", ("contiguous", "contiguous"), seed)
     leaf, other = (a, b) if which == 0 else (b, a)
