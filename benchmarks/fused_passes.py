@@ -14,12 +14,15 @@ attention, ``experiments.runs.stacked_attention``, and LayerNorms,
 ``experiments.runs.stacked_layer_norm``; the MLP arms' tanh, ``experiments.runs.activations``), so
 that those layers run unfused (the dense layers, attention and LayerNorms in torch operations, tanh
 as torch's; with the first block off, its pool and ReLU take the later pools' pass); every other
-pass stays on in both. Two routes of the products (``experiments.runs.stacked_matmul``) are timed
-the same way: "thin input gradient", the column layers' Wᵀ g with few columns computed as (gᵀ W)ᵀ
-(off: Wᵀ g), and "small on torch", the products below ``ONEDNN_MIN_FLOPS`` on torch's ops (off:
-every product on oneDNN). Their SGD steps are timed in interleaved rounds, the two in turn first (each
-model its own shuffle, as in ``stacked_training``); the printed figure is the median over rounds of
-the paired ratio without / with the pass (above 1: the pass makes the step faster). Both engines
+pass stays on in both. Two routes of the products (``experiments.runs.stacked_matmul``) and one of
+the update are timed the same way: "thin input gradient", the column layers' Wᵀ g with few columns
+computed as (gᵀ W)ᵀ (off: Wᵀ g); "small on torch", the products below ``ONEDNN_MIN_FLOPS`` on
+torch's ops (off: every product on oneDNN); and "step in backward", the MLP arms' dense layers
+making their weights' SGD step in their backward (``experiments.runs.batched.sgd_stepped``; off:
+the optimiser's update of those weights, chosen when the engine is built). Their SGD steps are
+timed in interleaved rounds, the two in turn first (each model its own shuffle, as in
+``stacked_training``); the printed figure is the median over rounds of the paired ratio without /
+with the pass (above 1: the pass makes the step faster). Both engines
 train the same models, so the figure is of the step alone, not of a study.
 """
 
@@ -40,6 +43,7 @@ from affdiv.atomic import atomic_write, check_writable_file
 from affdiv.experiments.data.dataset import load_dataset
 from affdiv.experiments.runs import (
     activations,
+    batched,
     conv_pool,
     pool_relu,
     stacked_attention,
@@ -68,7 +72,8 @@ PASSES = {"first block": (conv_pool, "first_block_length", lambda layers: 0, CNN
                          tuple(method for method in VIT_METHODS if method != "vit-nonorm")),
           "tanh": (activations, "usable", lambda x: False, TANH_METHODS),
           "thin input gradient": (stacked_matmul, "thin_input_gradient", lambda left, right: False, ("affine",)),
-          "small on torch": (stacked_matmul, "ONEDNN_MIN_FLOPS", 0, (*TANH_METHODS, *CNN_METHODS, *VIT_METHODS))}
+          "small on torch": (stacked_matmul, "ONEDNN_MIN_FLOPS", 0, (*TANH_METHODS, *CNN_METHODS, *VIT_METHODS)),
+          "step in backward": (batched, "sgd_stepped", lambda layers, optimizer: (), TANH_METHODS)}
 
 
 def routed_off(name: str) -> contextlib.AbstractContextManager:

@@ -16,7 +16,8 @@ named in the table; ``--vmap`` also times ``stacked.StackedEnsemble``, the vmapp
 ``affdiv.layers._native.disabled()``, without the compiled passes (on the CNN arms without the fused
 blocks described below) and with torch's products instead of oneDNN's; ``--compiled``
 times it with its batched forward compiled by ``torch.compile`` (inductor; autograd then runs the
-compiled backward; the compilation, in an untimed first step, is not counted)) taking SGD
+compiled backward, and the optimiser makes every update, as a compiled backward cannot make the
+dense layers' SGD step in place; the compilation, in an untimed first step, is not counted)) taking SGD
 steps on real batches (each model its own shuffle), so a model-step costs what it costs in a sweep;
 whole runs differ only by their evaluations (a few per run). The stacked ensemble holds as many of
 the cell's models as fit the default ensemble memory (``ensembles.member_bytes``), at most 48; one
@@ -304,6 +305,7 @@ def compile_forward(engine, backend="inductor") -> None:
     if not hasattr(engine, "_batched_logits"):
         raise ValueError(f"--compiled times the batched engine's forward; {type(engine).__name__} has none")
     torch._dynamo.reset()  # (one compiled forward per engine: the cache limit would cap the cells)
+    engine.stepped = {}  # (every update by the optimiser: a compiled backward cannot make one in place)
     engine._batched_logits = torch.compile(engine._batched_logits, backend=backend, dynamic=False)
 
 

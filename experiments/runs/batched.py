@@ -75,6 +75,9 @@ Layer = Callable[[Tensor, Stacked, int, bool], Tensor]
 #: A whole model, batched: (its stacked parameters and buffers by name, inputs (K, B, ...), training)
 #: -> logits (K, B, classes).
 Forward = Callable[[Stacked, Tensor, bool], Tensor]
+#: The entry of a layer's state that holds plain SGD's per-model −η, (K, 1, 1), where the layer's
+#: backward makes its weight's step itself (:func:`sgd_stepped`); the weight then gets no gradient.
+SGD_STEP = "sgd_step"
 
 
 def _to_rows(x: Tensor, k: int) -> Tensor:
@@ -95,8 +98,9 @@ def _to_channels(x: Tensor, k: int) -> Tensor:
 
 
 def _linear(x: Tensor, p: Stacked, k: int, _training: bool = True) -> Tensor:
-    """z = x Wᵀ + b, by :func:`_column_product`."""
-    return _column_product(_to_rows(x, k), p["weight"], p.get("bias"))
+    """z = x Wᵀ + b, by :func:`_column_product` (with the weight's SGD step where ``p`` has one:
+    :data:`SGD_STEP`)."""
+    return _column_product(_to_rows(x, k), p["weight"], p.get("bias"), p.get(SGD_STEP))
 
 
 def _token_linear(x: Tensor, p: Stacked, k: int, _training: bool = True) -> Tensor:
@@ -107,18 +111,19 @@ def _token_linear(x: Tensor, p: Stacked, k: int, _training: bool = True) -> Tens
     return stacked_dense.row_product(x, p["weight"], p.get("bias"))
 
 
-def _column_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+def _column_product(x: Tensor, weight: Tensor, bias: Tensor | None, step: Tensor | None = None) -> Tensor:
     """zᵀ = W xᵀ + b, computed in that orientation so that the weight's gradient, dzᵀ x, comes out
     contiguous (the optimiser's update then runs over contiguous memory); z is a transposed view.
-    (The products: :func:`~affdiv.experiments.runs.stacked_matmul.baddbmm`.)"""
-    zt = stacked_matmul.baddbmm(None if bias is None else bias.unsqueeze(2), weight, x.transpose(1, 2))
+    (The products: :func:`~affdiv.experiments.runs.stacked_matmul.baddbmm`, whose backward makes
+    the weight's SGD step where ``step`` is given.)"""
+    zt = stacked_matmul.baddbmm(None if bias is None else bias.unsqueeze(2), weight, x.transpose(1, 2), step)
     return zt.transpose(1, 2)
 
 
 def _affine_like(x: Tensor, p: Stacked, k: int, _training: bool, product=_column_product) -> Tensor:
     """z = (W x + b)/√(‖x‖² + 1) (:func:`~affdiv.experiments.runs.stacked_dense.affine_like`; W x + b
     by ``product`` where it runs in torch operations)."""
-    return stacked_dense.affine_like(_to_rows(x, k), p["weight"], p.get("bias"), product)
+    return stacked_dense.affine_like(_to_rows(x, k), p["weight"], p.get("bias"), product, p.get(SGD_STEP))
 
 
 def _norm_like(module: nn.Module) -> Layer:
@@ -129,7 +134,7 @@ def _norm_like(module: nn.Module) -> Layer:
     def layer(x: Tensor, p: Stacked, k: int, _training: bool) -> Tensor:
         x = _to_rows(x, k)
         scale = 1.0 if mode == "l2" else x.shape[2] ** 0.5
-        return stacked_dense.norm_like(x, p["weight"], p.get("bias"), scale, eps, _column_product)
+        return stacked_dense.norm_like(x, p["weight"], p.get("bias"), scale, eps, _column_product, p.get(SGD_STEP))
     return layer
 
 
@@ -316,6 +321,20 @@ def _pool_relu(relu: bool) -> Layer:
     return layer
 
 
+def sgd_stepped(layers: Sequence[tuple[str | tuple[str, ...], nn.Module, Layer]] | None,
+                optimizer: str) -> tuple[str, ...]:
+    """The names of the layers whose backward makes their weight's SGD step (:data:`SGD_STEP`;
+    :mod:`~affdiv.experiments.runs.stacked_matmul`): with plain SGD, every ``nn.Linear``,
+    AffineLike and NormLike of :func:`batched_layers`, whose batched forms take the step; none with
+    momentum or Adam, whose updates read their state, nor in the vision transformer (its layers
+    are narrow, the update a small part of its step)."""
+    from affdiv.layers import AffineLike, NormLike
+
+    if optimizer != "sgd" or layers is None:
+        return ()
+    return tuple(name for name, module, _layer in layers if type(module) in (nn.Linear, AffineLike, NormLike))
+
+
 def _local(state: Stacked, prefix: str | tuple[str, ...]) -> dict[str, Tensor]:
     """The entries of ``state`` under the module ``prefix``, by their names within it; for a block
     of modules (a tuple of names), the first module's entries by their names within it and each
@@ -425,6 +444,7 @@ class BatchedEnsemble(StackedEnsemble):
         self.layers = batched_layers(self.base)
         self.vit = batched_vit(self.base) if self.layers is None else None
         self._loss_sum = _loss_sums
+        self.stepped = {f"{name}.weight": name for name in sgd_stepped(self.layers, optimizer)}
 
     def _batched_logits(self, params: Stacked, buffers: Stacked, x: Tensor, training: bool) -> Tensor:
         """(K, B, classes) logits of the K models on their inputs ``x`` (K, B, ...)."""
@@ -466,14 +486,21 @@ class BatchedEnsemble(StackedEnsemble):
         return _to_rows(x, k).contiguous()
 
     def step(self, batches: Tensor) -> Tensor:
+        """:meth:`StackedEnsemble.step`; the weights of :func:`sgd_stepped`'s layers are stepped by
+        their layers' backward, the other parameters by the optimiser. Each layer's −η is a leaf
+        whose (zero) gradient is asked for, so that autograd runs every stepped backward, and
+        raises if a layer left its step unused."""
         xs, ys = self._gather(batches)
-        names = list(self.params)
-        leaves = {name: p.detach().requires_grad_() for name, p in self.params.items()}
-        logits = self._batched_logits(leaves, self.buffers, xs, True)
+        leaves = {name: p.detach() if name in self.stepped else p.detach().requires_grad_()
+                  for name, p in self.params.items()}
+        steps = {f"{layer}.{SGD_STEP}": self.optimizer.sgd_step(self.params[weight]).detach().requires_grad_()
+                 for weight, layer in self.stepped.items()}
+        logits = self._batched_logits(leaves, {**self.buffers, **steps}, xs, True)
         k, b, classes = logits.shape
         losses = F.cross_entropy(logits.reshape(k * b, classes), ys.reshape(-1), reduction="none").view(k, b).mean(1)
-        grads = torch.autograd.grad(losses.sum(), [leaves[name] for name in names])
-        self.optimizer.step(self.params, dict(zip(names, grads)))
+        names = [name for name in self.params if name not in self.stepped]
+        grads = torch.autograd.grad(losses.sum(), [leaves[name] for name in names] + list(steps.values()))
+        self.optimizer.step({name: self.params[name] for name in names}, dict(zip(names, grads[:len(names)])))
         return losses.detach()
 
     @torch.no_grad()

@@ -78,8 +78,10 @@ class StackedOptimizer:
                 self._adam(name, param, grads[name])
             return
         names = list(params)
+        if not names:  # (every weight stepped in the backward)
+            return
         tensors = [params[name] for name in names]
-        neg_lrs = [self._column("lr", [-lr for lr in self.lrs], t) for t in tensors]
+        neg_lrs = [self._neg_lrs(t) for t in tensors]
         step = [grads[name] for name in names]
         if self.optimizer == "momentum":
             if names[0] in self.state:
@@ -90,6 +92,18 @@ class StackedOptimizer:
                 self.state.update((name, g.detach().clone()) for name, g in zip(names, step))
             step = [self.state[name] for name in names]
         torch._foreach_addcmul_(tensors, step, neg_lrs)
+
+    def sgd_step(self, like: Tensor) -> Tensor:
+        """Plain SGD's per-model −η as a column that broadcasts over ``like`` (K, ...), for a
+        backward that makes the step θ ← θ + (−η_k) g of that parameter itself (the parameter
+        then left out of :meth:`step`)."""
+        if self.optimizer != "sgd":
+            raise ValueError(f"only plain SGD's step is made in a backward, not {self.optimizer}'s")
+        return self._neg_lrs(like)
+
+    def _neg_lrs(self, like: Tensor) -> Tensor:
+        """The per-model −η as a column that broadcasts over ``like``."""
+        return self._column("lr", [-lr for lr in self.lrs], like)
 
     def _adam(self, name: str, param: Tensor, grad: Tensor) -> None:
         beta1, beta2 = ADAM_BETAS

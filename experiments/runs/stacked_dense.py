@@ -28,10 +28,16 @@ forward-mode AD, torch.compile and dispatch modes differentiate or trace. A Func
 runs its formulas in torch operations (differentiable, so a double backward, tangents and batched
 gradients keep working) where it records a graph or the passes may not run; so does a forward whose
 norms overflow or underflow (the passes' ``safe`` flag), on the composite formula.
+
+With ``step`` (the per-model −η, (K, 1, 1)) a layer's backward makes plain SGD's step of its weight
+in place instead of returning the weight's gradient, W ← W − η ∂W, as one product that adds into W
+(:func:`~affdiv.experiments.runs.stacked_matmul.sgd_step_`; the composite's product makes it the
+same way: :func:`~affdiv.experiments.runs.stacked_matmul.baddbmm`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -41,8 +47,9 @@ from affdiv.experiments.runs import composite, stacked_matmul
 from affdiv.layers import _fused
 from affdiv.layers._scale import small_norm
 
-#: x Wᵀ + b for rows x (K, M, L), weight (K, N, L), bias (K, N) or None: (K, M, N).
-Product = Callable[[Tensor, Tensor, Tensor | None], Tensor]
+#: x Wᵀ + b for rows x (K, M, L), weight (K, N, L), bias (K, N) or None: (K, M, N); called as
+#: ``product(x, weight, bias, step=None)``, ``step`` as :func:`row_product`'s.
+Product = Callable[..., Tensor]
 
 
 def usable(*tensors: Tensor | None) -> bool:
@@ -60,27 +67,30 @@ def _passes_may_run(x: Tensor, weight: Tensor, bias: Tensor | None, scale: Tenso
                                               for t in (weight, bias))
 
 
-def row_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+def row_product(x: Tensor, weight: Tensor, bias: Tensor | None, step: Tensor | None = None) -> Tensor:
     """x Wᵀ + b for rows x (K, M, L), contiguous (K, M, N)
-    (:func:`~affdiv.experiments.runs.stacked_matmul.baddbmm`)."""
-    return stacked_matmul.baddbmm(None if bias is None else bias.unsqueeze(1), x, weight.transpose(1, 2))
+    (:func:`~affdiv.experiments.runs.stacked_matmul.baddbmm`; with ``step``, the per-model −η, its
+    backward makes the weight's SGD step)."""
+    return stacked_matmul.baddbmm(None if bias is None else bias.unsqueeze(1), x, weight.transpose(1, 2), step, "b")
 
 
-def affine_like(x: Tensor, weight: Tensor, bias: Tensor | None, product: Product = row_product) -> Tensor:
+def affine_like(x: Tensor, weight: Tensor, bias: Tensor | None, product: Product = row_product,
+                step: Tensor | None = None) -> Tensor:
     """z = (x Wᵀ + b)/√(‖x‖² + 1) per row, for rows x (K, M, L), weight (K, N, L), bias (K, N)
     or None: (K, M, N) (module docstring); x Wᵀ + b by ``product`` where it runs in torch
-    operations (default: :func:`row_product`)."""
+    operations (default: :func:`row_product`); with ``step`` the backward makes the weight's SGD
+    step (module docstring)."""
     if usable(x, weight, bias):
-        return StackedAffineLike.apply(x.contiguous(), weight, bias)
-    return affine_like_composite(x, weight, bias, product)
+        return StackedAffineLike.apply(x.contiguous(), weight, bias, step)
+    return affine_like_composite(x, weight, bias, functools.partial(product, step=step))
 
 
 def norm_like(x: Tensor, weight: Tensor, bias: Tensor | None, c: float, eps: float,
-              product: Product = row_product) -> Tensor:
-    """z = c·(x/max(‖x‖, eps)) Wᵀ + b per row, shapes and ``product`` as :func:`affine_like`."""
+              product: Product = row_product, step: Tensor | None = None) -> Tensor:
+    """z = c·(x/max(‖x‖, eps)) Wᵀ + b per row, shapes, ``product`` and ``step`` as :func:`affine_like`."""
     if usable(x, weight, bias):
-        return StackedNormLike.apply(x.contiguous(), weight, bias, c, eps)
-    return norm_like_composite(x, weight, bias, c, eps, product)
+        return StackedNormLike.apply(x.contiguous(), weight, bias, c, eps, step)
+    return norm_like_composite(x, weight, bias, c, eps, functools.partial(product, step=step))
 
 
 def affine_like_composite(x: Tensor, weight: Tensor, bias: Tensor | None, product: Product = row_product) -> Tensor:
@@ -103,38 +113,39 @@ class StackedAffineLike(torch.autograd.Function):
     """:func:`affine_like` on the fused passes (module docstring); x contiguous."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, step: Tensor | None) -> Tensor:
         z = row_product(x, weight, bias)
         r, safe = _fused.scale_outputs(_rows(z), _rows(x), "affine_like")
         ctx.fused = safe
         if not safe:  # some ‖x‖² overflowed (or is NaN): the composite's numbers
             z = affine_like_composite(x, weight, bias)
-        ctx.save_for_backward(x, weight, bias, r)
+        ctx.save_for_backward(x, weight, bias, r, step)
         return z
 
     @staticmethod
     def backward(ctx, g: Tensor) -> tuple[Tensor | None, ...]:
-        x, weight, bias, r = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad
+        x, weight, bias, r, step = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
         g = g.contiguous()
         if not (ctx.fused and _passes_may_run(x, weight, bias, r, g)):
-            return composite.composite_grads(affine_like_composite, (x, weight, bias), g, ctx.needs_input_grad)
+            return (*_composite_grads(affine_like_composite, (x, weight, bias), g, ctx.needs_input_grad[:3], step),
+                    _step_gradient(step))
         gy = _fused.scale_grad(_rows(g), r)[0].view(g.shape)
         dx = None
         if need_x:
             # ⟨gy, b⟩ per row, as (K, 1, M) (a row vector times gyᵀ: several times faster than gy b)
             offset = None if bias is None else stacked_matmul.product(bias.unsqueeze(1), gy.transpose(1, 2)).view(-1, 1)
             dx = _fused.minus_radial_(_rows(stacked_matmul.product(gy, weight)), _rows(x), r, c=offset)
-        return (None if dx is None else dx.view(x.shape),
-                stacked_matmul.product(gy.transpose(1, 2), x) if need_w else None,
-                gy.sum(1) if need_b and bias is not None else None)
+        return (None if dx is None else dx.view(x.shape), _weight_gradient(weight, step, gy, x, need_w),
+                gy.sum(1) if need_b and bias is not None else None, _step_gradient(step))
 
 
 class StackedNormLike(torch.autograd.Function):
     """:func:`norm_like` on the fused passes (module docstring); x contiguous."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, c: float, eps: float) -> Tensor:
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, c: float, eps: float,
+                step: Tensor | None) -> Tensor:
         z = row_product(x, weight, None)
         small = 0.0 if eps >= small_norm(x.dtype) else small_norm(x.dtype)  # eps too small to hide underflow
         q, safe = _fused.scale_outputs(_rows(z), _rows(x), "norm_like", k=c, eps=eps, small=small)
@@ -143,22 +154,51 @@ class StackedNormLike(torch.autograd.Function):
             z = norm_like_composite(x, weight, bias, c, eps)
         elif bias is not None:
             z.add_(bias.unsqueeze(1))
-        ctx.save_for_backward(x, weight, bias, q)
+        ctx.save_for_backward(x, weight, bias, q, step)
         return z
 
     @staticmethod
     def backward(ctx, g: Tensor) -> tuple[Tensor | None, ...]:
-        x, weight, bias, q = ctx.saved_tensors
+        x, weight, bias, q, step = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         g = g.contiguous()
         if not (ctx.fused and _passes_may_run(x, weight, bias, q, g)):
-            return *composite.composite_grads(lambda *inputs: norm_like_composite(*inputs, ctx.c, ctx.eps),
-                                              (x, weight, bias), g, ctx.needs_input_grad[:3]), None, None
+            return (*_composite_grads(lambda *inputs: norm_like_composite(*inputs, ctx.c, ctx.eps),
+                                      (x, weight, bias), g, ctx.needs_input_grad[:3], step),
+                    None, None, _step_gradient(step))
         gy = _fused.scale_grad(_rows(g), q)[0].view(g.shape)
         dx = None
         if need_x:  # ∂x = u − a·⟨u, x⟩·x, a = (q/c)² = 1/‖x‖² where q < c/eps, else 0
             dx = _fused.minus_radial_(_rows(stacked_matmul.product(gy, weight)), _rows(x), q, 1 / ctx.c,
                                       ctx.c / ctx.eps)
-        return (None if dx is None else dx.view(x.shape),
-                stacked_matmul.product(gy.transpose(1, 2), x) if need_w else None,
-                g.sum(1) if need_b and bias is not None else None, None, None)
+        return (None if dx is None else dx.view(x.shape), _weight_gradient(weight, step, gy, x, need_w),
+                g.sum(1) if need_b and bias is not None else None, None, None, _step_gradient(step))
+
+
+def _step_gradient(step: Tensor | None) -> Tensor | None:
+    """The output's gradient with respect to the SGD step
+    (:func:`~affdiv.experiments.runs.stacked_matmul.step_gradient`)."""
+    return None if step is None else stacked_matmul.step_gradient(step)
+
+
+def _weight_gradient(weight: Tensor, step: Tensor | None, gy: Tensor, x: Tensor, needed: bool) -> Tensor | None:
+    """∂W = gyᵀ x if ``needed``; with ``step``, the SGD step W ← W + step ⊙ ∂W made in place
+    instead (after ∂x, which reads W), and None."""
+    if step is not None:
+        stacked_matmul.plain_backward()
+        stacked_matmul.sgd_step_(weight, step, gy.transpose(1, 2), x)
+        return None
+    return stacked_matmul.product(gy.transpose(1, 2), x) if needed else None
+
+
+def _composite_grads(composite_fn: Callable[..., Tensor], inputs: tuple[Tensor | None, ...], g: Tensor, needs,
+                     step: Tensor | None) -> tuple[Tensor | None, ...]:
+    """:func:`~affdiv.experiments.runs.composite.composite_grads` of x, the weight and the bias;
+    with ``step``, the weight's gradient is taken too and the SGD step made with it, W ← W +
+    step ⊙ ∂W in place, its gradient returned as None."""
+    if step is None:
+        return composite.composite_grads(composite_fn, inputs, g, needs)
+    stacked_matmul.plain_backward()
+    dx, dw, db = composite.composite_grads(composite_fn, inputs, g, (needs[0], True, needs[2]))
+    inputs[1].addcmul_(dw, step)
+    return dx, None, db

@@ -1,6 +1,7 @@
 """benchmarks/fused_passes.py: inside ``routed_off(name)`` the pass ``name`` is off for the
-engine being timed, whether it is chosen when the engine is built (the CNN passes) or at every
-call (the others), and the other passes stay on; so are the two routes of the products."""
+engine being timed, whether it is chosen when the engine is built (the CNN passes, the step in
+the backward) or at every call (the others), and the other passes stay on; so are the two
+routes of the products."""
 
 import importlib.util
 import unittest.mock
@@ -10,7 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from affdiv.experiments.runs import activations, stacked_attention, stacked_dense, stacked_layer_norm, stacked_matmul
+from affdiv.experiments.runs import (
+    activations,
+    stacked_attention,
+    stacked_dense,
+    stacked_layer_norm,
+    stacked_matmul,
+)
 from affdiv.experiments.runs.config import RunConfig
 from affdiv.experiments.runs.training import build_member, stacked_engine
 from affdiv.layers import _fused, _native
@@ -27,7 +34,8 @@ _spec.loader.exec_module(fused_passes)
 CALLS = {"first block": (_fused, "conv_pool"), "later pools": (_fused, "max_pool2"),
          "dense scale": (stacked_dense.StackedAffineLike, "apply"),
          "attention": (stacked_attention.StackedAttention, "apply"),
-         "layer norm": (stacked_layer_norm.StackedLayerNorm, "apply"), "tanh": (activations.Tanh, "apply")}
+         "layer norm": (stacked_layer_norm.StackedLayerNorm, "apply"), "tanh": (activations.Tanh, "apply"),
+         "step in backward": (stacked_matmul, "sgd_step_")}
 
 
 def _one_step(method: str, digits, routed: str | None, watch, width: int | None = None, depth: int = 2):
@@ -57,7 +65,9 @@ def _calls_in_a_step(method: str, digits, routed: str | None, calls=CALLS) -> di
 
 
 @pytest.mark.parametrize("method, passes", [("conv", ["first block", "later pools"]),
-                                            ("affine_like", ["dense scale", "tanh"]), ("affine", ["tanh"]),
+                                            ("affine_like", ["dense scale", "tanh", "step in backward"]),
+                                            ("affine", ["tanh", "step in backward"]),
+                                            ("norm_l2", ["tanh", "step in backward"]),
                                             ("vit", ["attention", "layer norm"]),
                                             ("vit-affine_like", ["dense scale", "attention", "layer norm"])])
 def test_a_pass_routed_off_is_off_and_the_others_stay_on(digits, method, passes):
@@ -71,7 +81,7 @@ def test_a_pass_routed_off_is_off_and_the_others_stay_on(digits, method, passes)
 @pytest.mark.skipif(not _native.onednn_enabled(), reason="oneDNN's matmul is not bound here")
 def test_the_product_routes_routed_off_are_off(digits, monkeypatch):
     # the digits models' products are small: on torch's ops, on oneDNN with "small on torch" off
-    onednn = {"oneDNN": (stacked_matmul.OnednnBaddbmm, "apply")}
+    onednn = {"oneDNN": (_native, "onednn_bmm_")}
     assert _calls_in_a_step("affine", digits, None, onednn)["oneDNN"] == 0
     assert _calls_in_a_step("affine", digits, "small on torch", onednn)["oneDNN"] > 0
     # every product on oneDNN, a hidden layer of 128 gets its 8-column input gradient as (gᵀ W)ᵀ:

@@ -300,8 +300,7 @@ def test_the_stacked_engine_takes_onednn_in_float32_with_torchs_numbers_within_r
                 seen.append(rule(left, right))
                 return seen[-1]
 
-            with unittest.mock.patch.object(stacked_matmul.OnednnBaddbmm, "apply",
-                                            wraps=stacked_matmul.OnednnBaddbmm.apply) as spy, \
+            with unittest.mock.patch.object(_native, "onednn_bmm_", wraps=_native.onednn_bmm_) as spy, \
                     unittest.mock.patch.object(stacked_matmul, "thin_input_gradient", new=answered), context():
                 engine.step(orders[:, :8])
             engines.append((engine, spy.call_count))

@@ -1,0 +1,248 @@
+"""Plain SGD's step made in the backward of the stacked engine's dense layers
+(``stacked_matmul.baddbmm(..., step=...)``, ``stacked_dense``, ``batched.sgd_stepped``).
+
+The stepped weight must end as W + s ⊙ ∂W, s = −η per model, with ∂W the gradient the layer
+would have returned. The step sums W and the n terms fl(s l_i) r_i of ∂W's contraction (the smaller
+factor scaled, then one product added into W, which a kernel may fold into its sums in any order),
+so against the float64 value of the same operands (Higham, Accuracy and Stability of Numerical
+Algorithms, 2nd ed., eq. 3.5, over the n + 1 terms, with the scaling's rounding as one more factor
+(1 + δ) per term)
+
+    |got − exact| ≤ γ_{n+2} (|W| + |s| (|l| |r|)),    γ_k = k u / (1 − k u),
+
+elementwise, u = 2⁻²⁴ in float32 and 2⁻⁵³ in float64; in float64 the reference, computed in the
+same precision, carries as much rounding again, so the bound doubles. A step of the wrong sign,
+of the wrong operand, transposed, or forgotten is off by about |s ∂W|, far more. The other
+operands' gradients must read W before it moves: they are compared bit for bit with the unstepped product's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import unittest.mock
+
+import pytest
+import torch
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from affdiv.experiments.runs import batched, stacked_dense, stacked_matmul
+from affdiv.experiments.runs.config import RunConfig
+from affdiv.experiments.runs.training import build_member, stacked_engine
+from affdiv.layers import _native
+
+pytestmark = pytest.mark.usefixtures("one_thread", "small_products_on_onednn")
+
+ROUNDING = {torch.float32: 2.0**-24, torch.float64: 2.0**-53}
+ROUTES = {"oneDNN": contextlib.nullcontext, "torch": _native.disabled}
+
+
+def _gamma(n: int, u: float) -> float:
+    return n * u / (1 - n * u)
+
+
+def _assert_stepped(got: torch.Tensor, before: torch.Tensor, step: torch.Tensor, left: torch.Tensor,
+                    right: torch.Tensor) -> None:
+    """got against before + step ⊙ (left right), in float64, by the bound of the module docstring."""
+    s = step.detach().double()
+    exact = before.double() + s * torch.bmm(left.double(), right.double())
+    terms = before.double().abs() + s.abs() * torch.bmm(left.double().abs(), right.double().abs())
+    bound = _gamma(left.shape[2] + 2, ROUNDING[got.dtype]) * terms
+    bound *= 2 if got.dtype == torch.float64 else 1  # (the reference's own rounding)
+    assert ((got.double() - exact).abs() <= bound).all(), (got.double() - exact).abs().max()
+
+
+def _case(k, m, length, n, weight, bias, dtype, seed):
+    """(c, a, b, g, W) for c + a b with W = a or W = bᵀ, W contiguous as the engine's weights are."""
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, dtype=dtype)
+
+    a, b = randn(k, m, length), randn(k, length, n)
+    if weight == "b":
+        b = randn(k, n, length).transpose(1, 2)
+    c = randn(k, m, 1) if bias else None
+    return c, a, b, randn(k, m, n), (a if weight == "a" else b.transpose(1, 2))
+
+
+@example(k=2, m=256, length=64, n=16, weight="a", bias=True, dtype=torch.float32, route="oneDNN",
+         rates=(0.1, 0.4), seed=0)  # (a column layer: W (256, 64), 16 columns; its input gradient thin)
+@example(k=1, m=1, length=1, n=1, weight="b", bias=False, dtype=torch.float64, route="torch", rates=(1.0,), seed=1)
+@given(k=st.integers(1, 3), m=st.integers(1, 20), length=st.integers(1, 20), n=st.integers(1, 20),
+       weight=st.sampled_from(["a", "b"]), bias=st.booleans(), dtype=st.sampled_from([torch.float32, torch.float64]),
+       route=st.sampled_from(list(ROUTES)), rates=st.lists(st.floats(1e-3, 2.0), min_size=3, max_size=3),
+       seed=st.integers(0, 2**16))
+def test_the_step_moves_the_weight_by_minus_eta_times_its_gradient(k, m, length, n, weight, bias, dtype, route, rates,
+                                                                   seed):
+    c, a, b, g, w = _case(k, m, length, n, weight, bias, dtype, seed)
+    step = torch.tensor([-r for r in rates[:k]], dtype=dtype).view(k, 1, 1)
+    other = b if weight == "a" else a
+    inputs = [t.requires_grad_() for t in (c, other) if t is not None]
+    before = w.clone()
+    with ROUTES[route]():
+        plain = torch.autograd.grad(stacked_matmul.baddbmm(c, *_requiring(a, b, weight)), inputs, g)
+        out = stacked_matmul.baddbmm(c, a, b, step.requires_grad_(), weight)
+        *grads, step_grad = torch.autograd.grad(out, inputs + [step], g)
+    for got, want in zip(grads, plain):  # read before the weight moved
+        assert torch.equal(got, want)
+    assert torch.equal(step_grad, torch.zeros_like(step))
+    if weight == "a":  # ∂W = g bᵀ, contraction n
+        _assert_stepped(w, before, step, g, b.transpose(1, 2))
+    else:  # ∂W = gᵀ a, contraction m
+        _assert_stepped(w, before, step, g.transpose(1, 2), a)
+
+
+def _requiring(a: torch.Tensor, b: torch.Tensor, weight: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """a, b for the unstepped product: the operand that is not the weight requires a gradient."""
+    return (a, b.requires_grad_()) if weight == "a" else (a.requires_grad_(), b)
+
+
+def test_a_stepped_product_steps_where_nothing_else_needs_a_gradient():
+    # a first layer without a bias, on data: only the step requires a gradient, and that is enough
+    c, a, b, g, w = _case(2, 6, 5, 4, "a", False, torch.float64, 3)
+    before, step = w.clone(), torch.tensor([-0.1, -0.3], dtype=torch.float64).view(2, 1, 1).requires_grad_()
+    torch.autograd.grad(stacked_matmul.baddbmm(None, a, b, step), step, g)
+    _assert_stepped(w, before, step.detach(), g, b.transpose(1, 2))
+
+
+def test_the_step_is_refused_where_it_cannot_be_made():
+    c, a, b, g, _w = _case(2, 3, 4, 5, "a", True, torch.float32, 4)
+    step = torch.full((2, 1, 1), -0.1)
+    with pytest.raises(ValueError, match="must not require a gradient"):
+        stacked_matmul.baddbmm(c, a.clone().requires_grad_(), b, step)
+    with pytest.raises(ValueError, match="'a' or 'b'"):
+        stacked_matmul.baddbmm(c, a, b, step, "c")
+    out = stacked_matmul.baddbmm(c, a, b.requires_grad_(), step)
+    with pytest.raises(RuntimeError, match="cannot record a graph"):
+        torch.autograd.grad(out, b, g, create_graph=True)
+
+
+def test_a_compiled_step_is_refused():
+    # a compiled backward would not write the weight: the step would be lost without a word
+    _c, a, b, _g, _w = _case(2, 3, 4, 5, "a", False, torch.float32, 7)
+    compiled = torch.compile(lambda a, b, step: stacked_matmul.baddbmm(None, a, b, step), backend="eager")
+    with pytest.raises(RuntimeError, match="cannot be compiled"):
+        compiled(a, b.requires_grad_(), torch.full((2, 1, 1), -0.1))
+
+
+def test_a_weight_stepped_twice_in_one_graph_fails_loudly():
+    # tied weights: the second backward would read a weight the first has moved; autograd's
+    # version check stops it
+    _c, a, b, g, _w = _case(2, 3, 3, 3, "a", False, torch.float64, 5)
+    step = torch.full((2, 1, 1), -0.1, dtype=torch.float64).requires_grad_()
+    x = b.requires_grad_()
+    out = stacked_matmul.baddbmm(None, a, stacked_matmul.baddbmm(None, a, x, step), step)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(out, x, torch.ones_like(g))
+
+
+def _dense(layer: str, x, w, bias, step=None):
+    if layer == "affine_like":
+        return stacked_dense.affine_like(x, w, bias, step=step)
+    return stacked_dense.norm_like(x, w, bias, 1.0, 1e-6, step=step)
+
+
+ROUTED_OFF = {"fused": contextlib.nullcontext,
+              # the backward's composite fallback (a forward whose pass could not be trusted)
+              "fallback": lambda: unittest.mock.patch.object(stacked_dense, "_passes_may_run", lambda *a: False),
+              # the composite layer in torch operations, its product stepped
+              "composite": lambda: unittest.mock.patch.object(stacked_dense, "usable", lambda *t: False)}
+
+
+@pytest.mark.parametrize("route", list(ROUTED_OFF))
+@pytest.mark.parametrize("layer", ["affine_like", "norm_like"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_dense_layers_step_their_weight_and_keep_their_other_gradients(layer, dtype, route):
+    g = torch.Generator().manual_seed(6)
+    k, m, length, n = 2, 12, 9, 7
+    x = torch.randn(k, m, length, generator=g, dtype=dtype).requires_grad_()
+    w, bias = torch.randn(k, n, length, generator=g, dtype=dtype), torch.randn(k, n, generator=g, dtype=dtype)
+    gz = torch.randn(k, m, n, generator=g, dtype=dtype)
+    step = torch.tensor([-0.2, -0.05], dtype=dtype).view(k, 1, 1)
+    with ROUTED_OFF[route]():
+        weight = w.clone().requires_grad_()
+        bias_leaf = bias.clone().requires_grad_()
+        dx, dw, db = torch.autograd.grad(_dense(layer, x, weight, bias_leaf), (x, weight, bias_leaf), gz)
+        stepped, bias_leaf = w.clone(), bias.clone().requires_grad_()
+        step_leaf = step.clone().requires_grad_()
+        out = _dense(layer, x, stepped, bias_leaf, step_leaf)
+        sdx, sdb, sstep = torch.autograd.grad(out, (x, bias_leaf, step_leaf), gz)
+    assert torch.equal(sdx, dx) and torch.equal(sdb, db) and torch.equal(sstep, torch.zeros_like(step))
+    # W + s ∂W against the unstepped gradient ∂W: the step's sum (module docstring, with
+    # |gy|ᵀ |x| for |l| |r|), and the unstepped ∂W's own rounding with the reference's sum (in
+    # float64 computed in the same precision) within as much again
+    exact = w.double() + step.double() * dw.double()
+    terms = w.double().abs() + step.double().abs() * _abs_gradient(layer, x.detach(), gz)
+    bound = 2 * _gamma(m + 2, ROUNDING[dtype]) * terms
+    assert ((stepped.double() - exact).abs() <= bound).all()
+
+
+def _abs_gradient(layer: str, x: torch.Tensor, gz: torch.Tensor) -> torch.Tensor:
+    """|gy|ᵀ |x| in float64, gy the gradient that enters ∂W = gyᵀ x (the row scale times gz)."""
+    xd = x.double()
+    norms = xd.square().sum(2, keepdim=True)
+    scale = 1 / (norms + 1).sqrt() if layer == "affine_like" else 1 / norms.sqrt().clamp_min(1e-6)
+    return torch.bmm((scale * gz.double()).abs().transpose(1, 2), xd.abs())
+
+
+METHODS = ("affine", "affine_like", "norm_l2", "batchnorm", "layernorm", "rmsnorm")
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_the_engine_steps_the_dense_weights_in_their_backward_as_the_optimiser_would(digits, method):
+    # float64, three steps, against the same engine with every update by the optimiser: the two
+    # differ only in the steps' roundings (relative 1e-12 leaves ~1000 u for three steps of sums
+    # of 8 products on 16 features)
+    config = RunConfig(dataset="digits", method=method, depth=2, width=16, batch_size=8, seed=0, dtype="float64")
+    split = (torch.as_tensor(digits.train.x).double(), torch.as_tensor(digits.train.y))
+    orders = torch.stack([torch.randperm(len(split[1]), generator=torch.Generator().manual_seed(s)) for s in (0, 1)])
+
+    def engine():
+        models = [build_member(config, digits, seed) for seed in (0, 1)]
+        return stacked_engine(models[0])(models, "sgd", [0.1, 0.3], [None, None], [split] * 2, [split] * 2)
+
+    stepped = engine()
+    with unittest.mock.patch.object(batched, "sgd_stepped", lambda layers, optimizer: ()):
+        plain = engine()
+    assert stepped.stepped and not plain.stepped
+    assert all(stepped.params[name].dim() == 3 for name in stepped.stepped)
+    with unittest.mock.patch.object(stepped.optimizer, "step", wraps=stepped.optimizer.step) as update:
+        for i in range(3):
+            batch = orders[:, 8 * i: 8 * i + 8]
+            torch.testing.assert_close(stepped.step(batch), plain.step(batch), rtol=1e-12, atol=0)
+    assert all(set(call.args[0]).isdisjoint(stepped.stepped) for call in update.call_args_list)
+    for name, p in plain.params.items():
+        torch.testing.assert_close(stepped.params[name], p, rtol=1e-12, atol=1e-14)
+        assert not torch.equal(p, engine().params[name])  # (every parameter moved)
+
+
+@pytest.mark.parametrize("optimizer", ["momentum", "adam"])
+def test_only_plain_sgd_is_stepped_in_the_backward(digits, optimizer):
+    config = RunConfig(dataset="digits", method="affine", depth=2, width=16, batch_size=8, seed=0)
+    models = [build_member(config, digits, seed) for seed in (0, 1)]
+    split = (torch.as_tensor(digits.train.x), torch.as_tensor(digits.train.y))
+    engine = stacked_engine(models[0])(models, optimizer, [0.1, 0.3], [0.9, 0.9], [split] * 2, [split] * 2)
+    assert engine.stepped == {}
+    with pytest.raises(ValueError, match="only plain SGD"):
+        engine.optimizer.sgd_step(engine.params["1.weight"])
+
+
+def test_the_vit_keeps_its_updates_in_the_optimiser(digits):
+    config = RunConfig(dataset="digits", method="vit", depth=1, width=16, batch_size=8, seed=0)
+    models = [build_member(config, digits, seed) for seed in (0, 1)]
+    split = (torch.as_tensor(digits.train.x), torch.as_tensor(digits.train.y))
+    assert stacked_engine(models[0])(models, "sgd", [0.1, 0.3], [None] * 2, [split] * 2, [split] * 2).stepped == {}
+
+
+def test_a_layer_that_drops_its_step_fails_the_step(digits, monkeypatch):
+    # the steps are leaves whose gradient the engine asks for: a layer that ignored its step
+    # would leave its weight where it was; autograd refuses instead
+    config = RunConfig(dataset="digits", method="affine", depth=2, width=16, batch_size=8, seed=0)
+    models = [build_member(config, digits, seed) for seed in (0, 1)]
+    split = (torch.as_tensor(digits.train.x), torch.as_tensor(digits.train.y))
+    engine = stacked_engine(models[0])(models, "sgd", [0.1, 0.3], [None] * 2, [split] * 2, [split] * 2)
+    product = batched._column_product
+    monkeypatch.setattr(batched, "_column_product", lambda x, weight, bias, step=None: product(x, weight, bias))
+    with pytest.raises(RuntimeError, match="not have been used in the graph"):
+        engine.step(torch.arange(16).reshape(2, 8))
