@@ -30,19 +30,21 @@ backward, in place, instead of returning W's gradient (:class:`SgdStepBaddbmm`):
 
     W_k ← W_k + (−η_k) ∂W_k,   ∂W = g bᵀ (W = a)  or  (aᵀ g)ᵀ = gᵀ a (W = bᵀ),
 
-as one product that adds into W (:func:`sgd_step_`: the smaller factor scaled by −η_k, then
-oneDNN's product with its sum post-op, or ``torch.baddbmm_``), after the other operands'
-gradients, which read W before it moves. The gradient is never written out and read back, and
-the optimiser's pass over the weight is saved: with a study's 6 models of the MLP at B = 16 the
-step ran 1.2× as fast (``benchmarks/fused_passes.py``). The products' roundings differ from the
-separate update's (−η_k ∂W rounded once, not ∂W and then its product with −η_k). The weight must
-be used once in the graph and not require a gradient; a backward that records a graph (a double
+after the other operands' gradients, which read W before it moves (:func:`sgd_step_`). Where it
+pays (:func:`fused_step`) that is one product that adds into W, the smaller factor scaled by
+−η_k, by oneDNN's sum post-op: ∂W is never written out and read back, and the optimiser's pass
+over W is saved. Its roundings differ from the separate update's (−η_k ∂W rounded once, not ∂W
+and then its product with −η_k). Elsewhere the step is the optimiser's own, bit for bit: ∂W as
+the backward computes it without the step, then ``addcmul_`` with −η_k. The weight must be used
+once in the graph and not require a gradient; a backward that records a graph (a double
 backward) cannot make the step and raises, as does a product traced by torch.compile (whose
-compiled backward would drop the write into its input). A step that requires a gradient (a leaf of zeros
-gradient, :func:`step_gradient`) makes autograd run every stepped backward.
+compiled backward would drop the write into its input). A step that requires a gradient (a leaf
+of zeros gradient, :func:`step_gradient`) makes autograd run every stepped backward.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -166,13 +168,15 @@ def _onednn_baddbmm(c: Tensor | None, a: Tensor, b: Tensor) -> Tensor:
 
 class SgdStepBaddbmm(torch.autograd.Function):
     """:func:`baddbmm` whose backward makes the SGD step of its weight operand (module docstring);
-    its products by :func:`takes_onednn`'s rule."""
+    its product by :func:`takes_onednn`'s rule, and the gradients of the other operands (and of
+    the weight, for a step that is not :func:`fused_step`) as the product without the step
+    computes them on that route: :class:`OnednnBaddbmm`'s, or torch's ``baddbmm`` backward."""
 
     @staticmethod
     def forward(ctx, c: Tensor | None, a: Tensor, b: Tensor, step: Tensor, weight_is_a: bool) -> Tensor:
         ctx.save_for_backward(a, b, step)
-        ctx.c_shape, ctx.weight_is_a = (None if c is None else c.shape), weight_is_a
-        return _onednn_baddbmm(c, a, b) if takes_onednn(c, a, b) else _torch_baddbmm(c, a, b)
+        ctx.c_shape, ctx.weight_is_a, ctx.onednn = (None if c is None else c.shape), weight_is_a, takes_onednn(c, a, b)
+        return _onednn_baddbmm(c, a, b) if ctx.onednn else _torch_baddbmm(c, a, b)
 
     @staticmethod
     def backward(ctx, g: Tensor) -> tuple[Tensor | None, ...]:
@@ -180,14 +184,28 @@ class SgdStepBaddbmm(torch.autograd.Function):
         plain_backward()
         need_c, need_a, need_b = ctx.needs_input_grad[:3]
         grad_c = g.sum_to_size(ctx.c_shape) if need_c else None
+        gradients = _onednn_gradients if ctx.onednn else _torch_gradients
         if ctx.weight_is_a:  # ∂W = g bᵀ, after b's gradient (Wᵀ g) has read W
-            grad_b = _input_gradient(b, product, a.transpose(1, 2), g, True) if need_b else None
-            sgd_step_(a, step, g, b.transpose(1, 2))
+            grad_b = gradients(a, b, g, False, need_b)[1]
+            sgd_step_(a, step, g, b.transpose(1, 2), lambda: gradients(a, b, g, True, False)[0])
             return grad_c, None, grad_b, step_gradient(step), None
         # W = bᵀ: ∂W = gᵀ a, after a's gradient (g W) has read W
-        grad_a = _laid_out_as(a, product, g, b.transpose(1, 2)) if need_a else None
-        sgd_step_(b.transpose(1, 2), step, g.transpose(1, 2), a)
+        grad_a = gradients(a, b, g, need_a, False)[0]
+        sgd_step_(b.transpose(1, 2), step, g.transpose(1, 2), a,
+                  lambda: gradients(a, b, g, False, True)[1].transpose(1, 2))
         return grad_c, grad_a, None, step_gradient(step), None
+
+
+def _onednn_gradients(a: Tensor, b: Tensor, g: Tensor, need_a: bool, need_b: bool) -> tuple[Tensor | None, ...]:
+    """(∂a, ∂b) of a b for g as :class:`OnednnBaddbmm`'s plain backward computes them."""
+    return (_laid_out_as(a, product, g, b.transpose(1, 2)) if need_a else None,
+            _input_gradient(b, product, a.transpose(1, 2), g, True) if need_b else None)
+
+
+def _torch_gradients(a: Tensor, b: Tensor, g: Tensor, need_a: bool, need_b: bool) -> tuple[Tensor | None, ...]:
+    """(∂a, ∂b) of a b for g as torch's ``baddbmm`` and ``bmm`` backwards compute them."""
+    return (torch.bmm(g, b.transpose(1, 2)) if need_a else None,
+            torch.bmm(a.transpose(1, 2), g) if need_b else None)
 
 
 def plain_backward() -> None:
@@ -205,18 +223,42 @@ def step_gradient(step: Tensor) -> Tensor | None:
     return torch.zeros_like(step) if step.requires_grad else None
 
 
-def sgd_step_(weight: Tensor, step: Tensor, left: Tensor, right: Tensor) -> Tensor:
+def sgd_step_(weight: Tensor, step: Tensor, left: Tensor, right: Tensor,
+              gradient: Callable[[], Tensor] | None = None) -> Tensor:
     """weight += step ⊙ (left right) in place, weight (K, P, Q), left (K, P, M), right (K, M, Q),
-    step (K, 1, 1): the factor with fewer entries is scaled by the step, then the product is added
-    into the weight by oneDNN's sum post-op where :func:`takes_onednn` and the weight is contiguous,
-    else by ``torch.baddbmm_``. Returns the weight."""
+    step (K, 1, 1), left right the weight's gradient: where :func:`fused_step`, the factor with
+    fewer entries is scaled by the step and the product added into the weight by oneDNN's sum
+    post-op; else the optimiser's update, ``addcmul_`` of the gradient with the step, the gradient
+    computed as ``gradient()`` (default :func:`product` (left, right)) as the backward without the
+    step would. Returns the weight."""
+    if not fused_step(weight, left, right):
+        return weight.addcmul_(gradient() if gradient is not None else product(left, right), step)
     if left.shape[1] * left.shape[2] <= right.shape[1] * right.shape[2]:
         left = left * step
     else:
         right = right * step
-    if weight.is_contiguous() and takes_onednn(weight, left, right):
-        return _native.onednn_bmm_(weight, left, right, 1.0)
-    return weight.baddbmm_(left, right)
+    return _native.onednn_bmm_(weight, left, right, 1.0)
+
+
+#: The most rows M (the sum's length) of a weight's gradient for which :func:`fused_step` adds it
+#: into the weight in one product.
+FUSED_STEP_MAX_ROWS = 64
+#: The most bytes of a stacked weight (K, P, Q) for which it does.
+FUSED_STEP_MAX_BYTES = 24 * 2**20
+
+
+def fused_step(weight: Tensor, left: Tensor, right: Tensor) -> bool:
+    """Whether :func:`sgd_step_` adds the product into the weight in one oneDNN product: the
+    weight contiguous, :func:`takes_onednn`, at most :data:`FUSED_STEP_MAX_ROWS` rows in the sum
+    and at most :data:`FUSED_STEP_MAX_BYTES` of weight. On one core of an AMD processor with 32
+    MiB of L3 cache (weights of 128 and 256 rows on 128, 256 and 784 inputs, 3 to 48 models, 16
+    to 256 rows, a quick measurement) the one product took 0.55–0.97 of the time of the separate
+    product and ``addcmul_`` at 16–64 rows with up to 18 MiB of weight (0.55–0.91 at 16 rows); at
+    128 and 256 rows 0.93–1.04 up to 6 MiB and 0.94–1.24 from 9 to 18 MiB; with 37 MiB (48 models
+    of 256 × 784) 0.91 at 16 rows and 1.15–1.27 from 32: oneDNN's sum post-op reads a weight that
+    has left the cache slowly."""
+    return (weight.is_contiguous() and left.shape[2] <= FUSED_STEP_MAX_ROWS
+            and weight.numel() * weight.element_size() <= FUSED_STEP_MAX_BYTES and takes_onednn(weight, left, right))
 
 
 def _laid_out_as(operand: Tensor, mm, left: Tensor, right: Tensor) -> Tensor:

@@ -12,8 +12,10 @@ Algorithms, 2nd ed., eq. 3.5, over the n + 1 terms, with the scaling's rounding 
 
 elementwise, u = 2⁻²⁴ in float32 and 2⁻⁵³ in float64; in float64 the reference, computed in the
 same precision, carries as much rounding again, so the bound doubles. A step of the wrong sign,
-of the wrong operand, transposed, or forgotten is off by about |s ∂W|, far more. The other
-operands' gradients must read W before it moves: they are compared bit for bit with the unstepped product's.
+of the wrong operand, transposed, or forgotten is off by about |s ∂W|, far more. That bound holds
+for the fused product (``stacked_matmul.fused_step``); outside it the step must be the optimiser's
+update of the gradient the product without the step gives W, bit for bit. The other operands'
+gradients must read W before it moves: they are compared bit for bit with the unstepped product's.
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ def _case(k, m, length, n, weight, bias, dtype, seed):
 @example(k=2, m=256, length=64, n=16, weight="a", bias=True, dtype=torch.float32, route="oneDNN",
          rates=(0.1, 0.4), seed=0)  # (a column layer: W (256, 64), 16 columns; its input gradient thin)
 @example(k=1, m=1, length=1, n=1, weight="b", bias=False, dtype=torch.float64, route="torch", rates=(1.0,), seed=1)
+@example(k=2, m=3, length=4, n=stacked_matmul.FUSED_STEP_MAX_ROWS + 1, weight="a", bias=False, dtype=torch.float32,
+         route="oneDNN", rates=(0.2, 0.5), seed=2)  # (more rows than the fused product takes)
 @given(k=st.integers(1, 3), m=st.integers(1, 20), length=st.integers(1, 20), n=st.integers(1, 20),
        weight=st.sampled_from(["a", "b"]), bias=st.booleans(), dtype=st.sampled_from([torch.float32, torch.float64]),
        route=st.sampled_from(list(ROUTES)), rates=st.lists(st.floats(1e-3, 2.0), min_size=3, max_size=3),
@@ -77,25 +81,24 @@ def test_the_step_moves_the_weight_by_minus_eta_times_its_gradient(k, m, length,
                                                                    seed):
     c, a, b, g, w = _case(k, m, length, n, weight, bias, dtype, seed)
     step = torch.tensor([-r for r in rates[:k]], dtype=dtype).view(k, 1, 1)
-    other = b if weight == "a" else a
-    inputs = [t.requires_grad_() for t in (c, other) if t is not None]
+    inputs = [t.requires_grad_() for t in (c, b if weight == "a" else a) if t is not None]
+    left, right = (g, b.transpose(1, 2)) if weight == "a" else (g.transpose(1, 2), a)  # ∂W = left right
     before = w.clone()
     with ROUTES[route]():
-        plain = torch.autograd.grad(stacked_matmul.baddbmm(c, *_requiring(a, b, weight)), inputs, g)
+        fused = stacked_matmul.fused_step(w, left, right)
+        # the product without the step, W a leaf of its own
+        leaf = before.clone().requires_grad_()
+        factors = (leaf, b) if weight == "a" else (a, leaf.transpose(1, 2))
+        *plain, plain_w = torch.autograd.grad(stacked_matmul.baddbmm(c, *factors), inputs + [leaf], g)
         out = stacked_matmul.baddbmm(c, a, b, step.requires_grad_(), weight)
         *grads, step_grad = torch.autograd.grad(out, inputs + [step], g)
     for got, want in zip(grads, plain):  # read before the weight moved
         assert torch.equal(got, want)
     assert torch.equal(step_grad, torch.zeros_like(step))
-    if weight == "a":  # ∂W = g bᵀ, contraction n
-        _assert_stepped(w, before, step, g, b.transpose(1, 2))
-    else:  # ∂W = gᵀ a, contraction m
-        _assert_stepped(w, before, step, g.transpose(1, 2), a)
-
-
-def _requiring(a: torch.Tensor, b: torch.Tensor, weight: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """a, b for the unstepped product: the operand that is not the weight requires a gradient."""
-    return (a, b.requires_grad_()) if weight == "a" else (a.requires_grad_(), b)
+    if fused:
+        _assert_stepped(w, before, step, left, right)
+    else:  # the optimiser's update of the gradient the product gives W, bit for bit
+        assert torch.equal(w, before.addcmul(plain_w, step.detach()))
 
 
 def test_a_stepped_product_steps_where_nothing_else_needs_a_gradient():
@@ -189,13 +192,11 @@ def _abs_gradient(layer: str, x: torch.Tensor, gz: torch.Tensor) -> torch.Tensor
 METHODS = ("affine", "affine_like", "norm_l2", "batchnorm", "layernorm", "rmsnorm")
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_the_engine_steps_the_dense_weights_in_their_backward_as_the_optimiser_would(digits, method):
-    # float64, three steps, against the same engine with every update by the optimiser: the two
-    # differ only in the steps' roundings (relative 1e-12 leaves ~1000 u for three steps of sums
-    # of 8 products on 16 features)
-    config = RunConfig(dataset="digits", method=method, depth=2, width=16, batch_size=8, seed=0, dtype="float64")
-    split = (torch.as_tensor(digits.train.x).double(), torch.as_tensor(digits.train.y))
+def _engines(digits, method: str, dtype: str):
+    """(the engine, the engine with every update by the optimiser, a fresh engine: their models'
+    start), two models of ``method`` at lr 0.1 and 0.3; and the models' shuffles."""
+    config = RunConfig(dataset="digits", method=method, depth=2, width=16, batch_size=8, seed=0, dtype=dtype)
+    split = (torch.as_tensor(digits.train.x).to(getattr(torch, dtype)), torch.as_tensor(digits.train.y))
     orders = torch.stack([torch.randperm(len(split[1]), generator=torch.Generator().manual_seed(s)) for s in (0, 1)])
 
     def engine():
@@ -206,15 +207,63 @@ def test_the_engine_steps_the_dense_weights_in_their_backward_as_the_optimiser_w
     with unittest.mock.patch.object(batched, "sgd_stepped", lambda layers, optimizer: ()):
         plain = engine()
     assert stepped.stepped and not plain.stepped
-    assert all(stepped.params[name].dim() == 3 for name in stepped.stepped)
+    return stepped, plain, engine(), orders
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_where_the_product_is_not_fused_the_step_is_the_optimisers_bit_for_bit(digits, method):
+    # float64: oneDNN takes no product, so every step is ∂W as before and addcmul_ with −η, the
+    # optimiser's own update; three steps must leave the same bits as the optimiser's
+    stepped, plain, start, orders = _engines(digits, method, "float64")
     with unittest.mock.patch.object(stepped.optimizer, "step", wraps=stepped.optimizer.step) as update:
         for i in range(3):
             batch = orders[:, 8 * i: 8 * i + 8]
-            torch.testing.assert_close(stepped.step(batch), plain.step(batch), rtol=1e-12, atol=0)
+            assert torch.equal(stepped.step(batch), plain.step(batch))
     assert all(set(call.args[0]).isdisjoint(stepped.stepped) for call in update.call_args_list)
     for name, p in plain.params.items():
-        torch.testing.assert_close(stepped.params[name], p, rtol=1e-12, atol=1e-14)
-        assert not torch.equal(p, engine().params[name])  # (every parameter moved)
+        assert torch.equal(stepped.params[name], p), name
+        assert not torch.equal(p, start.params[name]), name  # (every parameter moved)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_the_fused_step_trains_as_the_optimiser_within_float32_rounding(digits, method):
+    # float32, every product on oneDNN (the module's fixture), 8 rows: the step is one fused
+    # product for every dense weight; three steps against the optimiser's update, relative 1e-5
+    # (~100 u: the two round −η ∂W differently, by a few u a step, and training carries it on)
+    stepped, plain, _start, orders = _engines(digits, method, "float32")
+    rule, fused = stacked_matmul.fused_step, []  # what each call of the rule answered
+
+    def answered(*operands):
+        fused.append(rule(*operands))
+        return fused[-1]
+
+    with unittest.mock.patch.object(stacked_matmul, "fused_step", answered):
+        for i in range(3):
+            batch = orders[:, 8 * i: 8 * i + 8]
+            torch.testing.assert_close(stepped.step(batch), plain.step(batch), rtol=1e-5, atol=1e-6)
+    assert fused == [True] * 3 * len(stepped.stepped)
+    for name, p in plain.params.items():
+        torch.testing.assert_close(stepped.params[name], p, rtol=1e-5, atol=1e-6)
+
+
+def test_the_fused_product_is_taken_within_its_lines_only():
+    k, p, q = 2, 8, 6
+    weight = torch.randn(k, p, q)
+    for rows in (stacked_matmul.FUSED_STEP_MAX_ROWS, stacked_matmul.FUSED_STEP_MAX_ROWS + 1):
+        left, right = torch.randn(k, p, rows), torch.randn(k, rows, q)
+        assert stacked_matmul.fused_step(weight, left, right) == (rows <= stacked_matmul.FUSED_STEP_MAX_ROWS)
+        assert not stacked_matmul.fused_step(weight.transpose(1, 2).contiguous().transpose(1, 2), left, right)
+        assert not stacked_matmul.fused_step(weight.double(), left.double(), right.double())
+    left, right = torch.randn(k, p, 4), torch.randn(k, 4, q)
+    line = weight.numel() * weight.element_size()
+    with unittest.mock.patch.object(stacked_matmul, "FUSED_STEP_MAX_BYTES", line):
+        assert stacked_matmul.fused_step(weight, left, right)
+    with unittest.mock.patch.object(stacked_matmul, "FUSED_STEP_MAX_BYTES", line - 1):
+        assert not stacked_matmul.fused_step(weight, left, right)
+        # outside the lines: the optimiser's update, bit for bit
+        step, before = torch.tensor([-0.1, -0.7]).view(k, 1, 1), weight.clone()
+        stacked_matmul.sgd_step_(weight, step, left, right)
+        assert torch.equal(weight, before.addcmul(stacked_matmul.product(left, right), step))
 
 
 @pytest.mark.parametrize("optimizer", ["momentum", "adam"])
