@@ -321,16 +321,24 @@ def _pool_relu(relu: bool) -> Layer:
     return layer
 
 
-def sgd_stepped(layers: Sequence[tuple[str | tuple[str, ...], nn.Module, Layer]] | None,
-                optimizer: str) -> tuple[str, ...]:
+#: The most bytes of a stack's parameters for which :func:`sgd_stepped` steps weights in the backward.
+SGD_STEP_MAX_BYTES = 16 * 2**20
+
+
+def sgd_stepped(layers: Sequence[tuple[str | tuple[str, ...], nn.Module, Layer]] | None, optimizer: str,
+                parameter_bytes: int) -> tuple[str, ...]:
     """The names of the layers whose backward makes their weight's SGD step (:data:`SGD_STEP`;
-    :mod:`~affdiv.experiments.runs.stacked_matmul`): with plain SGD, every ``nn.Linear``,
-    AffineLike and NormLike of :func:`batched_layers`, whose batched forms take the step; none with
-    momentum or Adam, whose updates read their state, nor in the vision transformer (its layers
-    are narrow, the update a small part of its step)."""
+    :mod:`~affdiv.experiments.runs.stacked_matmul`): with plain SGD and at most
+    :data:`SGD_STEP_MAX_BYTES` of stacked parameters, every ``nn.Linear``, AffineLike and NormLike
+    of :func:`batched_layers`, whose batched forms take the step; none with momentum or Adam, whose
+    updates read their state, nor in the vision transformer (its layers are narrow, the update a
+    small part of its step). The step pays where a weight is still in cache at its backward: in
+    the MLP arms' step (784-256-256-256-10, ``benchmarks/fused_passes.py``) it bought 1.15–1.21
+    with 6 and 12 models (8 and 16 MiB) at B = 16 and 1.01–1.03 with 24 (32 MiB), and cost up to
+    8% at B = 32–64 from 24 models on, while with 6 models it bought 1.08–1.15 at B = 32."""
     from affdiv.layers import AffineLike, NormLike
 
-    if optimizer != "sgd" or layers is None:
+    if optimizer != "sgd" or layers is None or parameter_bytes > SGD_STEP_MAX_BYTES:
         return ()
     return tuple(name for name, module, _layer in layers if type(module) in (nn.Linear, AffineLike, NormLike))
 
@@ -444,7 +452,8 @@ class BatchedEnsemble(StackedEnsemble):
         self.layers = batched_layers(self.base)
         self.vit = batched_vit(self.base) if self.layers is None else None
         self._loss_sum = _loss_sums
-        self.stepped = {f"{name}.weight": name for name in sgd_stepped(self.layers, optimizer)}
+        parameter_bytes = sum(p.numel() * p.element_size() for p in self.params.values())
+        self.stepped = {f"{name}.weight": name for name in sgd_stepped(self.layers, optimizer, parameter_bytes)}
 
     def _batched_logits(self, params: Stacked, buffers: Stacked, x: Tensor, training: bool) -> Tensor:
         """(K, B, classes) logits of the K models on their inputs ``x`` (K, B, ...)."""

@@ -242,23 +242,21 @@ def sgd_step_(weight: Tensor, step: Tensor, left: Tensor, right: Tensor,
 
 #: The most rows M (the sum's length) of a weight's gradient for which :func:`fused_step` adds it
 #: into the weight in one product.
-FUSED_STEP_MAX_ROWS = 64
-#: The most bytes of a stacked weight (K, P, Q) for which it does.
-FUSED_STEP_MAX_BYTES = 24 * 2**20
+FUSED_STEP_MAX_ROWS = 32
 
 
 def fused_step(weight: Tensor, left: Tensor, right: Tensor) -> bool:
     """Whether :func:`sgd_step_` adds the product into the weight in one oneDNN product: the
-    weight contiguous, :func:`takes_onednn`, at most :data:`FUSED_STEP_MAX_ROWS` rows in the sum
-    and at most :data:`FUSED_STEP_MAX_BYTES` of weight. On one core of an AMD processor with 32
-    MiB of L3 cache (weights of 128 and 256 rows on 128, 256 and 784 inputs, 3 to 48 models, 16
-    to 256 rows, a quick measurement) the one product took 0.55–0.97 of the time of the separate
-    product and ``addcmul_`` at 16–64 rows with up to 18 MiB of weight (0.55–0.91 at 16 rows); at
-    128 and 256 rows 0.93–1.04 up to 6 MiB and 0.94–1.24 from 9 to 18 MiB; with 37 MiB (48 models
-    of 256 × 784) 0.91 at 16 rows and 1.15–1.27 from 32: oneDNN's sum post-op reads a weight that
-    has left the cache slowly."""
-    return (weight.is_contiguous() and left.shape[2] <= FUSED_STEP_MAX_ROWS
-            and weight.numel() * weight.element_size() <= FUSED_STEP_MAX_BYTES and takes_onednn(weight, left, right))
+    weight contiguous, :func:`takes_onednn`, and at most :data:`FUSED_STEP_MAX_ROWS` rows in the
+    sum. On one core of an AMD processor with 32 MiB of L3 cache (weights of 128 and 256 rows on
+    128, 256 and 784 inputs, 3 to 48 models, their caches warm, a quick measurement) the one
+    product took 0.55–0.91 of the time of the separate product and ``addcmul_`` at 16 rows with up
+    to 18 MiB of weight, 0.73–0.93 at 32 rows, 0.80–0.97 at 64 and 0.93–1.24 at 128 and 256; and
+    oneDNN's sum post-op reads a weight that has left the cache slowly (37 MiB of weight:
+    1.15–1.27 from 32 rows). In the MLP's step (``benchmarks/fused_passes.py``) 64
+    rows bought nothing the rounds could see; the cache is the engine's rule
+    (:func:`~affdiv.experiments.runs.batched.sgd_stepped`)."""
+    return weight.is_contiguous() and left.shape[2] <= FUSED_STEP_MAX_ROWS and takes_onednn(weight, left, right)
 
 
 def _laid_out_as(operand: Tensor, mm, left: Tensor, right: Tensor) -> Tensor:

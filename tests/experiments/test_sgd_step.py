@@ -204,7 +204,7 @@ def _engines(digits, method: str, dtype: str):
         return stacked_engine(models[0])(models, "sgd", [0.1, 0.3], [None, None], [split] * 2, [split] * 2)
 
     stepped = engine()
-    with unittest.mock.patch.object(batched, "sgd_stepped", lambda layers, optimizer: ()):
+    with unittest.mock.patch.object(batched, "sgd_stepped", lambda layers, optimizer, parameter_bytes: ()):
         plain = engine()
     assert stepped.stepped and not plain.stepped
     return stepped, plain, engine(), orders
@@ -246,7 +246,7 @@ def test_the_fused_step_trains_as_the_optimiser_within_float32_rounding(digits, 
         torch.testing.assert_close(stepped.params[name], p, rtol=1e-5, atol=1e-6)
 
 
-def test_the_fused_product_is_taken_within_its_lines_only():
+def test_the_fused_product_is_taken_within_its_line_only():
     k, p, q = 2, 8, 6
     weight = torch.randn(k, p, q)
     for rows in (stacked_matmul.FUSED_STEP_MAX_ROWS, stacked_matmul.FUSED_STEP_MAX_ROWS + 1):
@@ -254,16 +254,23 @@ def test_the_fused_product_is_taken_within_its_lines_only():
         assert stacked_matmul.fused_step(weight, left, right) == (rows <= stacked_matmul.FUSED_STEP_MAX_ROWS)
         assert not stacked_matmul.fused_step(weight.transpose(1, 2).contiguous().transpose(1, 2), left, right)
         assert not stacked_matmul.fused_step(weight.double(), left.double(), right.double())
-    left, right = torch.randn(k, p, 4), torch.randn(k, 4, q)
-    line = weight.numel() * weight.element_size()
-    with unittest.mock.patch.object(stacked_matmul, "FUSED_STEP_MAX_BYTES", line):
-        assert stacked_matmul.fused_step(weight, left, right)
-    with unittest.mock.patch.object(stacked_matmul, "FUSED_STEP_MAX_BYTES", line - 1):
-        assert not stacked_matmul.fused_step(weight, left, right)
-        # outside the lines: the optimiser's update, bit for bit
-        step, before = torch.tensor([-0.1, -0.7]).view(k, 1, 1), weight.clone()
-        stacked_matmul.sgd_step_(weight, step, left, right)
-        assert torch.equal(weight, before.addcmul(stacked_matmul.product(left, right), step))
+    # beyond the line: the optimiser's update, bit for bit
+    step, before = torch.tensor([-0.1, -0.7]).view(k, 1, 1), weight.clone()
+    stacked_matmul.sgd_step_(weight, step, left, right)
+    assert torch.equal(weight, before.addcmul(stacked_matmul.product(left, right), step))
+
+
+def test_a_stack_steps_in_the_backward_up_to_its_line_of_bytes(digits):
+    config = RunConfig(dataset="digits", method="affine", depth=2, width=16, batch_size=8, seed=0)
+    split = (torch.as_tensor(digits.train.x), torch.as_tensor(digits.train.y))
+
+    def stepped(line: int) -> dict:
+        models = [build_member(config, digits, seed) for seed in (0, 1)]
+        with unittest.mock.patch.object(batched, "SGD_STEP_MAX_BYTES", line):
+            return stacked_engine(models[0])(models, "sgd", [0.1, 0.3], [None] * 2, [split] * 2, [split] * 2).stepped
+
+    size = 2 * sum(p.numel() * p.element_size() for p in build_member(config, digits, 0).parameters())
+    assert list(stepped(size)) == ["1.weight", "3.weight", "5.weight"] and stepped(size - 1) == {}
 
 
 @pytest.mark.parametrize("optimizer", ["momentum", "adam"])
