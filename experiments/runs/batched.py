@@ -495,19 +495,21 @@ class BatchedEnsemble(StackedEnsemble):
         return _to_rows(x, k).contiguous()
 
     def step(self, batches: Tensor) -> Tensor:
-        """:meth:`StackedEnsemble.step`; the weights of :func:`sgd_stepped`'s layers are stepped by
-        their layers' backward, the other parameters by the optimiser. Each layer's −η is a leaf
-        whose (zero) gradient is asked for, so that autograd runs every stepped backward, and
-        raises if a layer left its step unused."""
+        """:meth:`StackedEnsemble.step`; with at most ``stacked_matmul.FUSED_STEP_MAX_ROWS`` samples
+        a batch (the rows of a weight's gradient), the weights of :func:`sgd_stepped`'s layers are
+        stepped by their layers' backward, the other parameters by the optimiser. Each layer's −η
+        is a leaf whose (zero) gradient is asked for, so that autograd runs every stepped backward,
+        and raises if a layer left its step unused."""
         xs, ys = self._gather(batches)
-        leaves = {name: p.detach() if name in self.stepped else p.detach().requires_grad_()
+        stepped = self.stepped if batches.shape[1] <= stacked_matmul.FUSED_STEP_MAX_ROWS else {}
+        leaves = {name: p.detach() if name in stepped else p.detach().requires_grad_()
                   for name, p in self.params.items()}
         steps = {f"{layer}.{SGD_STEP}": self.optimizer.sgd_step(self.params[weight]).detach().requires_grad_()
-                 for weight, layer in self.stepped.items()}
+                 for weight, layer in stepped.items()}
         logits = self._batched_logits(leaves, {**self.buffers, **steps}, xs, True)
         k, b, classes = logits.shape
         losses = F.cross_entropy(logits.reshape(k * b, classes), ys.reshape(-1), reduction="none").view(k, b).mean(1)
-        names = [name for name in self.params if name not in self.stepped]
+        names = [name for name in self.params if name not in stepped]
         grads = torch.autograd.grad(losses.sum(), [leaves[name] for name in names] + list(steps.values()))
         self.optimizer.step({name: self.params[name] for name in names}, dict(zip(names, grads[:len(names)])))
         return losses.detach()

@@ -273,6 +273,16 @@ def test_a_stack_steps_in_the_backward_up_to_its_line_of_bytes(digits):
     assert list(stepped(size)) == ["1.weight", "3.weight", "5.weight"] and stepped(size - 1) == {}
 
 
+def test_a_batch_beyond_the_fused_products_rows_leaves_every_update_to_the_optimiser(digits):
+    stepped, _plain, _start, orders = _engines(digits, "affine", "float32")
+    line = stacked_matmul.FUSED_STEP_MAX_ROWS
+    with unittest.mock.patch.object(stepped.optimizer, "step", wraps=stepped.optimizer.step) as update:
+        stepped.step(orders[:, :line])
+        stepped.step(orders[:, :line + 1])
+    within, beyond = (set(call.args[0]) for call in update.call_args_list)
+    assert within == set(stepped.params) - set(stepped.stepped) and beyond == set(stepped.params)
+
+
 @pytest.mark.parametrize("optimizer", ["momentum", "adam"])
 def test_only_plain_sgd_is_stepped_in_the_backward(digits, optimizer):
     config = RunConfig(dataset="digits", method="affine", depth=2, width=16, batch_size=8, seed=0)
