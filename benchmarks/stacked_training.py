@@ -54,7 +54,9 @@ model-step. stacked / kernels is what the step spends outside those kernels (ele
 optimiser's update, memory traffic between them, Python and dispatch); kernels / floor is the rate
 of the kernels at the step's own shapes against the large GEMM's and convolution's. The replay
 reuses its inputs, warm in cache, so it typically runs faster than the same kernels inside the
-step.
+step. Where the MLPs' dense layers make their SGD step in the backward (``batched.sgd_stepped``)
+the update is part of a product, and so of the kernels: stacked / kernels then falls near 1 or
+below, and kernels / floor rises.
 
 Checks: ``--checks B ...`` also trains, stacked, one steps-to-target ensemble per batch size B as
 the fashion-ladder preset runs it (an affine MLP of width 128, one seed, its tuned grid with

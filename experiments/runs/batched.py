@@ -333,9 +333,12 @@ def sgd_stepped(layers: Sequence[tuple[str | tuple[str, ...], nn.Module, Layer]]
     of :func:`batched_layers`, whose batched forms take the step; none with momentum or Adam, whose
     updates read their state, nor in the vision transformer (its layers are narrow, the update a
     small part of its step). The step pays where a weight is still in cache at its backward: in
-    the MLP arms' step (784-256-256-256-10, ``benchmarks/fused_passes.py``) it bought 1.15–1.21
-    with 6 and 12 models (8 and 16 MiB) at B = 16 and 1.01–1.03 with 24 (32 MiB), and cost up to
-    8% at B = 32–64 from 24 models on, while with 6 models it bought 1.08–1.15 at B = 32."""
+    the MLP arms' step (784-256-256-256-10, one thread, ``benchmarks/fused_passes.py``,
+    ``benchmarks/results/cpu_fused_passes_sgd_step.json``) it bought 1.08–1.15 with 6 models (8
+    MiB) and 1.29–1.34 with 12 (16 MiB) at B = 16, 1.07–1.12 and 0.96–1.25 at B = 32, and nothing
+    the rounds could see with 3; under an earlier rule that stepped every stack of 24 and 48
+    models (32 and 64 MiB) it bought at most 3% at B = 16 and cost up to 8% at B = 32 and 64 (a
+    measurement not kept)."""
     from affdiv.layers import AffineLike, NormLike
 
     if optimizer != "sgd" or layers is None or parameter_bytes > SGD_STEP_MAX_BYTES:

@@ -29,8 +29,11 @@ channel count, so a model's float32 numbers can change at rounding level with it
 and so can affine_like's at width 128 (docs/results/fashion-target-noise/README.md). The batched
 engine's products also change library with the stack's size: under
 :data:`~affdiv.experiments.runs.stacked_matmul.ONEDNN_MIN_FLOPS` (which counts all the stacked
-models) they run on torch's ops, above it on oneDNN's, which round differently. In the tests
-(digits, width 16) affine_like's do not change, bit for bit.
+models) they run on torch's ops, above it on oneDNN's, which round differently; and with plain
+SGD the MLPs' dense weights take their update inside the backward, as one product rounded
+otherwise than the optimiser's update, only while the stack's parameters fit
+:data:`~affdiv.experiments.runs.batched.SGD_STEP_MAX_BYTES`. In the tests (digits, width 16)
+affine_like's do not change, bit for bit.
 
 Measurements (:class:`~affdiv.experiments.runs.training.Measurement`) look at one model at a
 time: :meth:`StackedEnsemble.copy` materialises model k as a plain module (a copy of the base

@@ -33,13 +33,15 @@ backward, in place, instead of returning W's gradient (:class:`SgdStepBaddbmm`):
 after the other operands' gradients, which read W before it moves (:func:`sgd_step_`). Where it
 pays (:func:`fused_step`) that is one product that adds into W, the smaller factor scaled by
 −η_k, by oneDNN's sum post-op: ∂W is never written out and read back, and the optimiser's pass
-over W is saved. Its roundings differ from the separate update's (−η_k ∂W rounded once, not ∂W
-and then its product with −η_k). Elsewhere the step is the optimiser's own, bit for bit: ∂W as
-the backward computes it without the step, then ``addcmul_`` with −η_k. The weight must be used
-once in the graph and not require a gradient; a backward that records a graph (a double
-backward) cannot make the step and raises, as does a product traced by torch.compile (whose
-compiled backward would drop the write into its input). A step that requires a gradient (a leaf
-of zeros gradient, :func:`step_gradient`) makes autograd run every stepped backward.
+over W is saved (the engine takes it where its stack stays in cache:
+:func:`~affdiv.experiments.runs.batched.sgd_stepped`). Its roundings differ from the separate
+update's (−η_k ∂W rounded once, not ∂W and then its product with −η_k). Elsewhere the step is
+the optimiser's own, bit for bit: ∂W as the backward computes it without the step, then
+``addcmul_`` with −η_k. The weight must be used once in the graph and not require a gradient; a
+backward that records a graph (a double backward) cannot make the step and raises, as does a
+product traced by torch.compile (whose compiled backward would drop the write into its input). A
+step that requires a gradient (a leaf of zeros gradient, :func:`step_gradient`) makes autograd
+run every stepped backward.
 """
 
 from __future__ import annotations
