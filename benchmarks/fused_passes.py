@@ -73,7 +73,7 @@ PASSES = {"first block": (conv_pool, "first_block_length", lambda layers: 0, CNN
           "tanh": (activations, "usable", lambda x: False, TANH_METHODS),
           "thin input gradient": (stacked_matmul, "thin_input_gradient", lambda left, right: False, ("affine",)),
           "small on torch": (stacked_matmul, "ONEDNN_MIN_FLOPS", 0, (*TANH_METHODS, *CNN_METHODS, *VIT_METHODS)),
-          "step in backward": (batched, "sgd_stepped", lambda layers, optimizer, parameter_bytes: (), TANH_METHODS)}
+          "step in backward": (batched, "sgd_stepped", lambda layers, optimizer, params: (), TANH_METHODS)}
 
 
 def routed_off(name: str) -> contextlib.AbstractContextManager:

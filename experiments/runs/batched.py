@@ -19,13 +19,17 @@ ReLU is one C pass too (:mod:`~affdiv.experiments.runs.pool_relu`). The step is
     (L_k)_k = CE(f(X_k; θ_k, β_k), Y_k),   (g_k)_k = ∂(Σ_k L_k)/∂θ
 
 (the models share no parameter, so the gradient of the sum is each model's own gradient; its
-seed is 1 for every L_k, exact), then the stacked optimiser's update. Each model's arithmetic is
-the formula it has alone, in batched kernels: its numbers equal those of the same model trained
-alone (or by the vmapped :class:`~affdiv.experiments.runs.stacked.StackedEnsemble`) up to the
-order of summation inside those kernels, within the bound the tests state for the vmapped
-engine. In float32 they may differ from the vmapped engine's at rounding level (the products' order
-of summation, and tanh's last bit: the engine's float32 tanh is the correctly rounded one,
-:mod:`~affdiv.experiments.runs.activations`, torch's is not everywhere).
+seed is 1 for every L_k, exact), then the stacked optimiser's update; with plain SGD, a float32
+MLP whose stack stays in cache makes its dense weights' update inside the backward
+(:func:`sgd_stepped`). Each model's arithmetic is the formula it has alone, in batched kernels:
+its numbers equal those of the same model trained alone (or by the vmapped
+:class:`~affdiv.experiments.runs.stacked.StackedEnsemble`) up to the order of summation inside
+those kernels and, for the update made in the backward, the roundings of its product
+(:mod:`~affdiv.experiments.runs.stacked_matmul`), within the bound the tests state for the
+vmapped engine. In float32 they may differ from the vmapped engine's at rounding level (the
+products' order of summation, the update made in the backward, and tanh's last bit: the
+engine's float32 tanh is the correctly rounded one, :mod:`~affdiv.experiments.runs.activations`,
+torch's is not everywhere).
 
 Checks, and the runs' test splits after training, evaluate one chunk of samples for all the
 models on that split: the first linear layer is then one GEMM with the K weights side by side (in
@@ -326,22 +330,27 @@ SGD_STEP_MAX_BYTES = 16 * 2**20
 
 
 def sgd_stepped(layers: Sequence[tuple[str | tuple[str, ...], nn.Module, Layer]] | None, optimizer: str,
-                parameter_bytes: int) -> tuple[str, ...]:
+                params: Stacked) -> tuple[str, ...]:
     """The names of the layers whose backward makes their weight's SGD step (:data:`SGD_STEP`;
-    :mod:`~affdiv.experiments.runs.stacked_matmul`): with plain SGD and at most
-    :data:`SGD_STEP_MAX_BYTES` of stacked parameters, every ``nn.Linear``, AffineLike and NormLike
-    of :func:`batched_layers`, whose batched forms take the step; none with momentum or Adam, whose
-    updates read their state, nor in the vision transformer (its layers are narrow, the update a
-    small part of its step). The step pays where a weight is still in cache at its backward: in
-    the MLP arms' step (784-256-256-256-10, one thread, ``benchmarks/fused_passes.py``,
-    ``benchmarks/results/cpu_fused_passes_sgd_step.json``) it bought 1.08–1.15 with 6 models (8
-    MiB) and 1.29–1.34 with 12 (16 MiB) at B = 16, 1.07–1.12 and 0.96–1.25 at B = 32, and nothing
-    the rounds could see with 3; under an earlier rule that stepped every stack of 24 and 48
-    models (32 and 64 MiB) it bought at most 3% at B = 16 and cost up to 8% at B = 32 and 64 (a
-    measurement not kept)."""
+    :mod:`~affdiv.experiments.runs.stacked_matmul`), given the stacked parameters ``params``: with
+    plain SGD, float32 parameters and at most :data:`SGD_STEP_MAX_BYTES` of them, every
+    ``nn.Linear``, AffineLike and NormLike of an MLP (:func:`batched_layers` without a
+    convolution), whose batched forms take the step; none with momentum or Adam, whose updates read
+    their state, in float64, where no product is fused, in a CNN, whose read-out was not measured,
+    nor in the vision transformer (its layers are narrow, the update a small part of its step).
+    The step pays where a weight is still in cache at its backward: in the MLP arms' step
+    (784-256-256-256-10, 1.28 MiB a model; one thread, ``benchmarks/fused_passes.py``,
+    ``benchmarks/results/cpu_fused_passes_sgd_step.json``) it bought 1.08–1.15 with 6 models (7.7
+    MiB) and 1.29–1.34 with 12 (15.3 MiB) at B = 16, 1.07–1.12 and 0.96–1.25 at B = 32, and
+    nothing the rounds could see with 3 (identical code read 0.96–1.03 in the same run); under
+    an earlier rule that stepped every stack of 24 and 48 models (31 and 61 MiB) it bought at most
+    3% at B = 16 and cost up to 8% at B = 32 and 64 (a measurement not kept)."""
     from affdiv.layers import AffineLike, NormLike
 
-    if optimizer != "sgd" or layers is None or parameter_bytes > SGD_STEP_MAX_BYTES:
+    if optimizer != "sgd" or layers is None or any(isinstance(module, nn.Conv2d) for _n, module, _l in layers):
+        return ()
+    if any(p.dtype != torch.float32 for p in params.values()) \
+            or sum(p.numel() * p.element_size() for p in params.values()) > SGD_STEP_MAX_BYTES:
         return ()
     return tuple(name for name, module, _layer in layers if type(module) in (nn.Linear, AffineLike, NormLike))
 
@@ -442,7 +451,10 @@ def _shared_input(x: Tensor, module: nn.Module, p: Stacked, k: int) -> tuple[Ten
 
 class BatchedEnsemble(StackedEnsemble):
     """The stacked ensemble of models that have a batched form (:func:`is_batched`), one autograd graph for
-    all; the interface, evaluation chunks, optimiser and state are :class:`StackedEnsemble`'s."""
+    all; the interface, evaluation chunks, optimiser and state are :class:`StackedEnsemble`'s.
+    ``stepped`` maps the weights whose SGD step their layers' backward makes to those layers' names
+    (:func:`sgd_stepped`, chosen again when :meth:`keep` drops models; emptied, the optimiser makes
+    every update)."""
 
     def __init__(self, models: Sequence[nn.Module], optimizer: str, lrs: Sequence[float],
                  momenta: Sequence[float | None], train: Sequence[tuple[Tensor, Tensor]],
@@ -455,8 +467,16 @@ class BatchedEnsemble(StackedEnsemble):
         self.layers = batched_layers(self.base)
         self.vit = batched_vit(self.base) if self.layers is None else None
         self._loss_sum = _loss_sums
-        parameter_bytes = sum(p.numel() * p.element_size() for p in self.params.values())
-        self.stepped = {f"{name}.weight": name for name in sgd_stepped(self.layers, optimizer, parameter_bytes)}
+        self._stepping()
+
+    def _stepping(self) -> None:
+        """Choose the weights that their layers' backward steps, for the stack as it is now."""
+        self.stepped = {f"{name}.weight": name for name in sgd_stepped(self.layers, self.optimizer.optimizer,
+                                                                       self.params)}
+
+    def keep(self, index: Sequence[int]) -> None:
+        super().keep(index)
+        self._stepping()
 
     def _batched_logits(self, params: Stacked, buffers: Stacked, x: Tensor, training: bool) -> Tensor:
         """(K, B, classes) logits of the K models on their inputs ``x`` (K, B, ...)."""
@@ -502,12 +522,13 @@ class BatchedEnsemble(StackedEnsemble):
         a batch (the rows of a weight's gradient), the weights of :func:`sgd_stepped`'s layers are
         stepped by their layers' backward, the other parameters by the optimiser. Each layer's −η
         is a leaf whose (zero) gradient is asked for, so that autograd runs every stepped backward,
-        and raises if a layer left its step unused."""
+        and raises if a layer left its step unused. A step that raises in the backward may leave
+        some weights stepped and the rest not: the ensemble is then not to be trained on."""
         xs, ys = self._gather(batches)
         stepped = self.stepped if batches.shape[1] <= stacked_matmul.FUSED_STEP_MAX_ROWS else {}
         leaves = {name: p.detach() if name in stepped else p.detach().requires_grad_()
                   for name, p in self.params.items()}
-        steps = {f"{layer}.{SGD_STEP}": self.optimizer.sgd_step(self.params[weight]).detach().requires_grad_()
+        steps = {f"{layer}.{SGD_STEP}": self.optimizer.sgd_neg_lr(self.params[weight]).detach().requires_grad_()
                  for weight, layer in stepped.items()}
         logits = self._batched_logits(leaves, {**self.buffers, **steps}, xs, True)
         k, b, classes = logits.shape

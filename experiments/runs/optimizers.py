@@ -93,7 +93,7 @@ class StackedOptimizer:
             step = [self.state[name] for name in names]
         torch._foreach_addcmul_(tensors, step, neg_lrs)
 
-    def sgd_step(self, like: Tensor) -> Tensor:
+    def sgd_neg_lr(self, like: Tensor) -> Tensor:
         """Plain SGD's per-model −η as a column that broadcasts over ``like`` (K, ...), for a
         backward that makes the step θ ← θ + (−η_k) g of that parameter itself (the parameter
         then left out of :meth:`step`)."""

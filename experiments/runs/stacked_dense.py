@@ -30,9 +30,11 @@ gradients keep working) where it records a graph or the passes may not run; so d
 norms overflow or underflow (the passes' ``safe`` flag), on the composite formula.
 
 With ``step`` (the per-model −η, (K, 1, 1)) a layer's backward makes plain SGD's step of its weight
-in place instead of returning the weight's gradient, W ← W − η ∂W, as one product that adds into W
+in place instead of returning the weight's gradient, W ← W − η ∂W, after ∂x has read W: one product
+that adds into W where it pays, else the optimiser's update of ∂W
 (:func:`~affdiv.experiments.runs.stacked_matmul.sgd_step_`; the composite's product makes it the
-same way: :func:`~affdiv.experiments.runs.stacked_matmul.baddbmm`).
+same way: :func:`~affdiv.experiments.runs.stacked_matmul.baddbmm`; the conditions:
+:func:`~affdiv.experiments.runs.stacked_matmul.check_step`).
 """
 
 from __future__ import annotations
@@ -80,17 +82,26 @@ def affine_like(x: Tensor, weight: Tensor, bias: Tensor | None, product: Product
     or None: (K, M, N) (module docstring); x Wᵀ + b by ``product`` where it runs in torch
     operations (default: :func:`row_product`); with ``step`` the backward makes the weight's SGD
     step (module docstring)."""
+    if step is not None:
+        stacked_matmul.check_step(weight, step)
     if usable(x, weight, bias):
         return StackedAffineLike.apply(x.contiguous(), weight, bias, step)
-    return affine_like_composite(x, weight, bias, functools.partial(product, step=step))
+    return affine_like_composite(x, weight, bias, _stepped(product, step))
 
 
 def norm_like(x: Tensor, weight: Tensor, bias: Tensor | None, c: float, eps: float,
               product: Product = row_product, step: Tensor | None = None) -> Tensor:
     """z = c·(x/max(‖x‖, eps)) Wᵀ + b per row, shapes, ``product`` and ``step`` as :func:`affine_like`."""
+    if step is not None:
+        stacked_matmul.check_step(weight, step)
     if usable(x, weight, bias):
         return StackedNormLike.apply(x.contiguous(), weight, bias, c, eps, step)
-    return norm_like_composite(x, weight, bias, c, eps, functools.partial(product, step=step))
+    return norm_like_composite(x, weight, bias, c, eps, _stepped(product, step))
+
+
+def _stepped(product: Product, step: Tensor | None) -> Product:
+    """``product`` making the weight's SGD step ``step`` in its backward (as it is without one)."""
+    return product if step is None else functools.partial(product, step=step)
 
 
 def affine_like_composite(x: Tensor, weight: Tensor, bias: Tensor | None, product: Product = row_product) -> Tensor:

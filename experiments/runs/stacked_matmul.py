@@ -31,17 +31,19 @@ backward, in place, instead of returning W's gradient (:class:`SgdStepBaddbmm`):
     W_k ← W_k + (−η_k) ∂W_k,   ∂W = g bᵀ (W = a)  or  (aᵀ g)ᵀ = gᵀ a (W = bᵀ),
 
 after the other operands' gradients, which read W before it moves (:func:`sgd_step_`). Where it
-pays (:func:`fused_step`) that is one product that adds into W, the smaller factor scaled by
-−η_k, by oneDNN's sum post-op: ∂W is never written out and read back, and the optimiser's pass
-over W is saved (the engine takes it where its stack stays in cache:
+pays (:func:`fused_step`) that is one product that adds into W, the factor of ∂W with fewer
+entries scaled by −η_k, by oneDNN's sum post-op: ∂W is never written out and read back, and the
+optimiser's pass over W is saved (the engine takes it where its stack stays in cache:
 :func:`~affdiv.experiments.runs.batched.sgd_stepped`). Its roundings differ from the separate
-update's (−η_k ∂W rounded once, not ∂W and then its product with −η_k). Elsewhere the step is
+update's: each entry of the scaled factor is rounded, then the products' sums are added into W,
+where the optimiser rounds ∂W, then its product with −η_k, then the sum. Elsewhere the step is
 the optimiser's own, bit for bit: ∂W as the backward computes it without the step, then
-``addcmul_`` with −η_k. The weight must be used once in the graph and not require a gradient; a
-backward that records a graph (a double backward) cannot make the step and raises, as does a
-product traced by torch.compile (whose compiled backward would drop the write into its input). A
-step that requires a gradient (a leaf of zeros gradient, :func:`step_gradient`) makes autograd
-run every stepped backward.
+``addcmul_`` with −η_k. The weight must be used once in the graph and not require a gradient, and
+the step must require one (:func:`check_step`: its gradient is zero, :func:`step_gradient`, and
+asking for it makes autograd run every stepped backward); a backward that records a graph (a
+double backward) cannot make the step and raises, as do saved-tensor hooks and torch.compile. If
+a backward raises after some of its products have stepped their weights, those weights have
+moved: the step is not atomic.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ import torch
 from torch import Tensor
 
 from affdiv.layers import _fused, _native
-from affdiv.layers._torch_internals import is_compiling, untraced_eager
+from affdiv.layers._torch_internals import is_compiling, saved_tensors_hooks_active, untraced_eager
 
 
 def usable(*tensors: Tensor | None) -> bool:
@@ -111,11 +113,7 @@ def baddbmm(c: Tensor | None, a: Tensor, b: Tensor, step: Tensor | None = None, 
     if step is not None:
         if weight not in ("a", "b"):
             raise ValueError(f"weight names the stepped operand, 'a' or 'b', got {weight!r}")
-        stepped = a if weight == "a" else b
-        if stepped.requires_grad:
-            raise ValueError("a weight stepped in the backward must not require a gradient")
-        if is_compiling():  # (a compiled backward would not write its input: the step would be lost)
-            raise RuntimeError("an SGD step in the backward cannot be compiled: leave the update to the optimiser")
+        check_step(a if weight == "a" else b, step)
         return SgdStepBaddbmm.apply(c, a, b, step, weight == "a")
     if takes_onednn(c, a, b):
         return OnednnBaddbmm.apply(c, a, b)
@@ -152,11 +150,8 @@ class OnednnBaddbmm(torch.autograd.Function):
         a, b = ctx.saved_tensors
         need_c, need_a, need_b = ctx.needs_input_grad
         # (a graph recorded, tangents or batched gradients: torch's products, differentiable)
-        recording = torch.is_grad_enabled()
-        mm = torch.bmm if recording else product
         return (g.sum_to_size(ctx.c_shape) if need_c else None,
-                _laid_out_as(a, mm, g, b.transpose(1, 2)) if need_a else None,
-                _input_gradient(b, mm, a.transpose(1, 2), g, not recording) if need_b else None)
+                *_onednn_gradients(a, b, g, need_a, need_b, torch.is_grad_enabled()))
 
 
 def _onednn_baddbmm(c: Tensor | None, a: Tensor, b: Tensor) -> Tensor:
@@ -198,10 +193,13 @@ class SgdStepBaddbmm(torch.autograd.Function):
         return grad_c, grad_a, None, step_gradient(step), None
 
 
-def _onednn_gradients(a: Tensor, b: Tensor, g: Tensor, need_a: bool, need_b: bool) -> tuple[Tensor | None, ...]:
-    """(∂a, ∂b) of a b for g as :class:`OnednnBaddbmm`'s plain backward computes them."""
-    return (_laid_out_as(a, product, g, b.transpose(1, 2)) if need_a else None,
-            _input_gradient(b, product, a.transpose(1, 2), g, True) if need_b else None)
+def _onednn_gradients(a: Tensor, b: Tensor, g: Tensor, need_a: bool, need_b: bool,
+                      recording: bool = False) -> tuple[Tensor | None, ...]:
+    """(∂a, ∂b) of a b for g as :class:`OnednnBaddbmm`'s backward computes them: by
+    :func:`product`, or by ``torch.bmm`` where the backward records a graph (differentiable)."""
+    mm = torch.bmm if recording else product
+    return (_laid_out_as(a, mm, g, b.transpose(1, 2)) if need_a else None,
+            _input_gradient(b, mm, a.transpose(1, 2), g, not recording) if need_b else None)
 
 
 def _torch_gradients(a: Tensor, b: Tensor, g: Tensor, need_a: bool, need_b: bool) -> tuple[Tensor | None, ...]:
@@ -210,19 +208,39 @@ def _torch_gradients(a: Tensor, b: Tensor, g: Tensor, need_a: bool, need_b: bool
             torch.bmm(a.transpose(1, 2), g) if need_b else None)
 
 
+def check_step(weight: Tensor, step: Tensor) -> None:
+    """Raise where a product's backward cannot make the SGD step of ``weight`` by ``step``: a
+    weight that requires a gradient (autograd would also want its gradient), a step that does not
+    (the product might then not be in the graph, and its backward not run), saved-tensor hooks (a
+    hook that copies what a Function saves would have the backward write into the copy), or a
+    trace by torch.compile (a compiled backward does not write its inputs)."""
+    if weight.requires_grad:
+        raise ValueError("a weight stepped in the backward must not require a gradient")
+    if not step.requires_grad:
+        raise ValueError("an SGD step made in the backward must require a gradient (its zeros), so that the "
+                         "product is in the graph")
+    if saved_tensors_hooks_active():
+        raise RuntimeError("an SGD step in the backward cannot be made under saved-tensor hooks: leave the update "
+                           "to the optimiser")
+    if is_compiling():
+        raise RuntimeError("an SGD step in the backward cannot be compiled: leave the update to the optimiser")
+
+
 def plain_backward() -> None:
-    """Raise unless the backward running records no graph: an SGD step made in a backward cannot
-    be differentiated (a double backward)."""
+    """Raise unless the backward running records no graph and is not compiled: an SGD step made
+    in a backward cannot be differentiated (a double backward), nor traced (compiled autograd)."""
     if torch.is_grad_enabled():
         raise RuntimeError("a backward that makes an SGD step cannot record a graph (a double backward)")
+    if is_compiling():
+        raise RuntimeError("a backward that makes an SGD step cannot be compiled: leave the update to the optimiser")
 
 
-def step_gradient(step: Tensor) -> Tensor | None:
+def step_gradient(step: Tensor) -> Tensor:
     """The gradient of a Function's output with respect to its SGD step: zero, exactly (the forward
-    does not read the step). A step that requires a gradient puts every stepped product on the
-    path from the loss to the step, so that autograd runs its backward whatever else requires a
-    gradient (a first layer without a bias, whose input is data)."""
-    return torch.zeros_like(step) if step.requires_grad else None
+    does not read the step). The step requires a gradient (:func:`check_step`), which puts every
+    stepped product on the path from the loss to the step, so that autograd runs its backward
+    whatever else requires a gradient (a first layer without a bias, whose input is data)."""
+    return torch.zeros_like(step)
 
 
 def sgd_step_(weight: Tensor, step: Tensor, left: Tensor, right: Tensor,

@@ -21,6 +21,7 @@ gradients must read W before it moves: they are compared bit for bit with the un
 from __future__ import annotations
 
 import contextlib
+import math
 import unittest.mock
 
 import pytest
@@ -36,6 +37,7 @@ from affdiv.layers import _native
 pytestmark = pytest.mark.usefixtures("one_thread", "small_products_on_onednn")
 
 ROUNDING = {torch.float32: 2.0**-24, torch.float64: 2.0**-53}
+LINE = stacked_matmul.ONEDNN_MIN_FLOPS  # (the package's line; the module's fixture lowers it to 0)
 ROUTES = {"oneDNN": contextlib.nullcontext, "torch": _native.disabled}
 
 
@@ -110,15 +112,29 @@ def test_a_stepped_product_steps_where_nothing_else_needs_a_gradient():
 
 
 def test_the_step_is_refused_where_it_cannot_be_made():
-    c, a, b, g, _w = _case(2, 3, 4, 5, "a", True, torch.float32, 4)
-    step = torch.full((2, 1, 1), -0.1)
+    c, a, b, g, w = _case(2, 3, 4, 5, "a", True, torch.float32, 4)
+    step = torch.full((2, 1, 1), -0.1, requires_grad=True)
+    before = w.clone()
     with pytest.raises(ValueError, match="must not require a gradient"):
         stacked_matmul.baddbmm(c, a.clone().requires_grad_(), b, step)
+    with pytest.raises(ValueError, match="must require a gradient"):
+        stacked_matmul.baddbmm(c, a, b, step.detach())
     with pytest.raises(ValueError, match="'a' or 'b'"):
         stacked_matmul.baddbmm(c, a, b, step, "c")
+    for layer in ("affine_like", "norm_like"):  # (the dense layers check the same)
+        with pytest.raises(ValueError, match="must not require a gradient"):
+            _dense(layer, b.transpose(1, 2), a.clone().requires_grad_(), None, step)
+    # a hook that copies what the Function saves would have the backward write into the copy
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t), \
+            pytest.raises(RuntimeError, match="saved-tensor hooks"):
+        stacked_matmul.baddbmm(c, a, b, step)
     out = stacked_matmul.baddbmm(c, a, b.requires_grad_(), step)
     with pytest.raises(RuntimeError, match="cannot record a graph"):
         torch.autograd.grad(out, b, g, create_graph=True)
+    torch.autograd.grad(out, b, g, retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):  # a second step of the same graph
+        torch.autograd.grad(out, b, g)
+    assert not torch.equal(w, before)  # (the first step was made, once)
 
 
 def test_a_compiled_step_is_refused():
@@ -126,7 +142,7 @@ def test_a_compiled_step_is_refused():
     _c, a, b, _g, _w = _case(2, 3, 4, 5, "a", False, torch.float32, 7)
     compiled = torch.compile(lambda a, b, step: stacked_matmul.baddbmm(None, a, b, step), backend="eager")
     with pytest.raises(RuntimeError, match="cannot be compiled"):
-        compiled(a, b.requires_grad_(), torch.full((2, 1, 1), -0.1))
+        compiled(a, b.requires_grad_(), torch.full((2, 1, 1), -0.1, requires_grad=True))
 
 
 def test_a_weight_stepped_twice_in_one_graph_fails_loudly():
@@ -169,12 +185,25 @@ def test_the_dense_layers_step_their_weight_and_keep_their_other_gradients(layer
         dx, dw, db = torch.autograd.grad(_dense(layer, x, weight, bias_leaf), (x, weight, bias_leaf), gz)
         stepped, bias_leaf = w.clone(), bias.clone().requires_grad_()
         step_leaf = step.clone().requires_grad_()
-        out = _dense(layer, x, stepped, bias_leaf, step_leaf)
-        sdx, sdb, sstep = torch.autograd.grad(out, (x, bias_leaf, step_leaf), gz)
+        rule, fused = stacked_matmul.fused_step, []  # what each call of the rule answered
+
+        def answered(*operands):
+            fused.append(rule(*operands))
+            return fused[-1]
+
+        with unittest.mock.patch.object(stacked_matmul, "fused_step", answered):
+            out = _dense(layer, x, stepped, bias_leaf, step_leaf)
+            sdx, sdb, sstep = torch.autograd.grad(out, (x, bias_leaf, step_leaf), gz)
     assert torch.equal(sdx, dx) and torch.equal(sdb, db) and torch.equal(sstep, torch.zeros_like(step))
+    # fused where the product may run on oneDNN: the Function's own step, or the composite's
+    # product; the fallback steps with the composite's gradient, as the optimiser would
+    assert fused == ([] if route == "fallback" else [dtype == torch.float32])
+    if not any(fused):  # the optimiser's update of the gradient the layer gives W, bit for bit
+        assert torch.equal(stepped, w.addcmul(dw, step))
+        return
     # W + s ∂W against the unstepped gradient ∂W: the step's sum (module docstring, with
-    # |gy|ᵀ |x| for |l| |r|), and the unstepped ∂W's own rounding with the reference's sum (in
-    # float64 computed in the same precision) within as much again
+    # |gy|ᵀ |x| for |l| |r|), and the unstepped ∂W's own rounding with the reference's sum within
+    # as much again
     exact = w.double() + step.double() * dw.double()
     terms = w.double().abs() + step.double().abs() * _abs_gradient(layer, x.detach(), gz)
     bound = 2 * _gamma(m + 2, ROUNDING[dtype]) * terms
@@ -192,45 +221,58 @@ def _abs_gradient(layer: str, x: torch.Tensor, gz: torch.Tensor) -> torch.Tensor
 METHODS = ("affine", "affine_like", "norm_l2", "batchnorm", "layernorm", "rmsnorm")
 
 
-def _engines(digits, method: str, dtype: str):
-    """(the engine, the engine with every update by the optimiser, a fresh engine: their models'
-    start), two models of ``method`` at lr 0.1 and 0.3; and the models' shuffles."""
+def _build(digits, method: str, dtype: str = "float32", lrs=(0.1, 0.3), optimizer: str = "sgd"):
+    """An engine of ``method``'s models (digits, width 16, B = 8), one per lr, on the training split."""
     config = RunConfig(dataset="digits", method=method, depth=2, width=16, batch_size=8, seed=0, dtype=dtype)
     split = (torch.as_tensor(digits.train.x).to(getattr(torch, dtype)), torch.as_tensor(digits.train.y))
-    orders = torch.stack([torch.randperm(len(split[1]), generator=torch.Generator().manual_seed(s)) for s in (0, 1)])
+    models = [build_member(config, digits, seed) for seed in range(len(lrs))]
+    return stacked_engine(models[0])(models, optimizer, list(lrs), [0.9] * len(lrs), [split] * len(lrs),
+                                     [split] * len(lrs))
 
-    def engine():
-        models = [build_member(config, digits, seed) for seed in (0, 1)]
-        return stacked_engine(models[0])(models, "sgd", [0.1, 0.3], [None, None], [split] * 2, [split] * 2)
 
-    stepped = engine()
-    with unittest.mock.patch.object(batched, "sgd_stepped", lambda layers, optimizer, parameter_bytes: ()):
-        plain = engine()
+def _engines(digits, method: str, lrs=(0.1, 0.3)):
+    """(the float32 engine, the same with every update by the optimiser, a fresh one: their models'
+    start), one model per lr; and the models' shuffles."""
+    stepped = _build(digits, method, lrs=lrs)
+    with unittest.mock.patch.object(batched, "sgd_stepped", lambda layers, optimizer, params: ()):
+        plain = _build(digits, method, lrs=lrs)
     assert stepped.stepped and not plain.stepped
-    return stepped, plain, engine(), orders
+    orders = torch.stack([torch.randperm(len(digits.train.y), generator=torch.Generator().manual_seed(s))
+                          for s in range(len(lrs))])
+    return stepped, plain, _build(digits, method, lrs=lrs), orders
+
+
+def _steps(stepped, plain, orders, exact: bool, count: int = 3) -> None:
+    """``count`` steps of both engines on the same batches of 8; their losses and parameters equal
+    bit for bit (``exact``) or within float32 rounding: relative 1e-5, about 170 u (each step
+    rounds −η ∂W otherwise than the optimiser, by a few u of each weight, and three steps of
+    training carry that through these small networks; a skipped step, or one of the wrong sign,
+    moves a weight by |η ∂W|, some 1e-3 of it here)."""
+    tolerance = dict(rtol=0, atol=0) if exact else dict(rtol=1e-5, atol=1e-6)
+    with unittest.mock.patch.object(stepped.optimizer, "step", wraps=stepped.optimizer.step) as update:
+        for i in range(count):
+            batch = orders[:, 8 * i: 8 * i + 8]
+            torch.testing.assert_close(stepped.step(batch), plain.step(batch), equal_nan=True, **tolerance)
+    assert all(set(call.args[0]).isdisjoint(stepped.stepped) for call in update.call_args_list)
+    for name, p in plain.params.items():
+        torch.testing.assert_close(stepped.params[name], p, equal_nan=True, msg=name, **tolerance)
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_where_the_product_is_not_fused_the_step_is_the_optimisers_bit_for_bit(digits, method):
-    # float64: oneDNN takes no product, so every step is ∂W as before and addcmul_ with −η, the
-    # optimiser's own update; three steps must leave the same bits as the optimiser's
-    stepped, plain, start, orders = _engines(digits, method, "float64")
-    with unittest.mock.patch.object(stepped.optimizer, "step", wraps=stepped.optimizer.step) as update:
-        for i in range(3):
-            batch = orders[:, 8 * i: 8 * i + 8]
-            assert torch.equal(stepped.step(batch), plain.step(batch))
-    assert all(set(call.args[0]).isdisjoint(stepped.stepped) for call in update.call_args_list)
+def test_where_the_product_is_not_fused_the_step_is_the_optimisers_bit_for_bit(digits, method, monkeypatch):
+    # at the package's oneDNN line the digits models' products run on torch's ops: every step is
+    # ∂W as the product gives it and addcmul_ with −η, the optimiser's own update, bit for bit
+    monkeypatch.setattr(stacked_matmul, "ONEDNN_MIN_FLOPS", LINE)
+    stepped, plain, start, orders = _engines(digits, method)
+    _steps(stepped, plain, orders, exact=True)
     for name, p in plain.params.items():
-        assert torch.equal(stepped.params[name], p), name
         assert not torch.equal(p, start.params[name]), name  # (every parameter moved)
 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_the_fused_step_trains_as_the_optimiser_within_float32_rounding(digits, method):
-    # float32, every product on oneDNN (the module's fixture), 8 rows: the step is one fused
-    # product for every dense weight; three steps against the optimiser's update, relative 1e-5
-    # (~100 u: the two round −η ∂W differently, by a few u a step, and training carries it on)
-    stepped, plain, _start, orders = _engines(digits, method, "float32")
+    # every product on oneDNN (the module's fixture), 8 rows: one fused product for every dense weight
+    stepped, plain, _start, orders = _engines(digits, method)
     rule, fused = stacked_matmul.fused_step, []  # what each call of the rule answered
 
     def answered(*operands):
@@ -238,12 +280,60 @@ def test_the_fused_step_trains_as_the_optimiser_within_float32_rounding(digits, 
         return fused[-1]
 
     with unittest.mock.patch.object(stacked_matmul, "fused_step", answered):
-        for i in range(3):
-            batch = orders[:, 8 * i: 8 * i + 8]
-            torch.testing.assert_close(stepped.step(batch), plain.step(batch), rtol=1e-5, atol=1e-6)
+        _steps(stepped, plain, orders, exact=False)
     assert fused == [True] * 3 * len(stepped.stepped)
-    for name, p in plain.params.items():
-        torch.testing.assert_close(stepped.params[name], p, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_and_unfused_layers_step_together(digits, monkeypatch):
+    # a line between the first layer's product (32,768 FLOPs) and the others' (8,192 and 5,120):
+    # the first layer's step is fused, the others' are the optimiser's
+    monkeypatch.setattr(stacked_matmul, "ONEDNN_MIN_FLOPS", 10_000)
+    stepped, plain, _start, orders = _engines(digits, "affine")
+    rule, fused = stacked_matmul.fused_step, []
+
+    def answered(*operands):
+        fused.append(rule(*operands))
+        return fused[-1]
+
+    with unittest.mock.patch.object(stacked_matmul, "fused_step", answered):
+        _steps(stepped, plain, orders, exact=False)
+    assert sorted(set(fused)) == [False, True] and sum(fused) == 3
+
+
+def test_a_diverging_model_leaves_the_others_as_the_optimiser_would(digits, monkeypatch):
+    # one model's infinite lr sends its weights to inf and NaN; the step passes them on as the
+    # optimiser does, and the other model's numbers do not change
+    monkeypatch.setattr(stacked_matmul, "ONEDNN_MIN_FLOPS", LINE)
+    stepped, plain, _start, orders = _engines(digits, "affine", lrs=(0.1, math.inf))
+    _steps(stepped, plain, orders, exact=True, count=4)
+    assert stepped.finite().tolist() == [True, False]
+
+
+def test_models_dropped_from_the_stack_choose_the_step_again(digits, monkeypatch):
+    # three models over the line of bytes, two within it: keep() steps the two in the backward,
+    # and they go on as the optimiser would have taken them
+    monkeypatch.setattr(stacked_matmul, "ONEDNN_MIN_FLOPS", LINE)
+    lrs = (0.1, 0.2, 0.3)
+    size = sum(p.numel() * p.element_size() for p in _build(digits, "affine", lrs=lrs[:1]).params.values())
+    monkeypatch.setattr(batched, "SGD_STEP_MAX_BYTES", 2 * size)
+    stepped = _build(digits, "affine", lrs=lrs)
+    with unittest.mock.patch.object(batched, "sgd_stepped", lambda layers, optimizer, params: ()):
+        plain = _build(digits, "affine", lrs=lrs)
+    assert stepped.stepped == {}
+    orders = torch.stack([torch.randperm(len(digits.train.y), generator=torch.Generator().manual_seed(s))
+                          for s in range(3)])
+    for engine in (stepped, plain):
+        engine.step(orders[:, :8])
+    stepped.keep([0, 2])
+    with unittest.mock.patch.object(batched, "sgd_stepped", lambda layers, optimizer, params: ()):
+        plain.keep([0, 2])
+    assert stepped.stepped and not plain.stepped
+    _steps(stepped, plain, orders[[0, 2], 8:], exact=True)
+
+
+@pytest.mark.parametrize("method, dtype", [("affine", "float64"), ("conv", "float32"), ("vit", "float32")])
+def test_float64_cnns_and_the_vit_keep_the_optimisers_update(digits, method, dtype):
+    assert _build(digits, method, dtype).stepped == {}
 
 
 def test_the_fused_product_is_taken_within_its_line_only():
@@ -274,7 +364,7 @@ def test_a_stack_steps_in_the_backward_up_to_its_line_of_bytes(digits):
 
 
 def test_a_batch_beyond_the_fused_products_rows_leaves_every_update_to_the_optimiser(digits):
-    stepped, _plain, _start, orders = _engines(digits, "affine", "float32")
+    stepped, _plain, _start, orders = _engines(digits, "affine")
     line = stacked_matmul.FUSED_STEP_MAX_ROWS
     with unittest.mock.patch.object(stepped.optimizer, "step", wraps=stepped.optimizer.step) as update:
         stepped.step(orders[:, :line])
@@ -285,29 +375,16 @@ def test_a_batch_beyond_the_fused_products_rows_leaves_every_update_to_the_optim
 
 @pytest.mark.parametrize("optimizer", ["momentum", "adam"])
 def test_only_plain_sgd_is_stepped_in_the_backward(digits, optimizer):
-    config = RunConfig(dataset="digits", method="affine", depth=2, width=16, batch_size=8, seed=0)
-    models = [build_member(config, digits, seed) for seed in (0, 1)]
-    split = (torch.as_tensor(digits.train.x), torch.as_tensor(digits.train.y))
-    engine = stacked_engine(models[0])(models, optimizer, [0.1, 0.3], [0.9, 0.9], [split] * 2, [split] * 2)
+    engine = _build(digits, "affine", optimizer=optimizer)
     assert engine.stepped == {}
     with pytest.raises(ValueError, match="only plain SGD"):
-        engine.optimizer.sgd_step(engine.params["1.weight"])
-
-
-def test_the_vit_keeps_its_updates_in_the_optimiser(digits):
-    config = RunConfig(dataset="digits", method="vit", depth=1, width=16, batch_size=8, seed=0)
-    models = [build_member(config, digits, seed) for seed in (0, 1)]
-    split = (torch.as_tensor(digits.train.x), torch.as_tensor(digits.train.y))
-    assert stacked_engine(models[0])(models, "sgd", [0.1, 0.3], [None] * 2, [split] * 2, [split] * 2).stepped == {}
+        engine.optimizer.sgd_neg_lr(engine.params["1.weight"])
 
 
 def test_a_layer_that_drops_its_step_fails_the_step(digits, monkeypatch):
     # the steps are leaves whose gradient the engine asks for: a layer that ignored its step
     # would leave its weight where it was; autograd refuses instead
-    config = RunConfig(dataset="digits", method="affine", depth=2, width=16, batch_size=8, seed=0)
-    models = [build_member(config, digits, seed) for seed in (0, 1)]
-    split = (torch.as_tensor(digits.train.x), torch.as_tensor(digits.train.y))
-    engine = stacked_engine(models[0])(models, "sgd", [0.1, 0.3], [None] * 2, [split] * 2, [split] * 2)
+    engine = _build(digits, "affine")
     product = batched._column_product
     monkeypatch.setattr(batched, "_column_product", lambda x, weight, bias, step=None: product(x, weight, bias))
     with pytest.raises(RuntimeError, match="not have been used in the graph"):
