@@ -55,8 +55,8 @@ optimiser's update, memory traffic between them, Python and dispatch); kernels /
 of the kernels at the step's own shapes against the large GEMM's and convolution's. The replay
 reuses its inputs, warm in cache, so it typically runs faster than the same kernels inside the
 step. Where the MLPs' dense layers make their SGD step in the backward (``batched.sgd_stepped``)
-the update is part of a product, and so of the kernels: stacked / kernels then falls near 1 or
-below, and kernels / floor rises.
+the update is part of a product, and so of the kernels: stacked / kernels then falls, and
+kernels / floor rises.
 
 Checks: ``--checks B ...`` also trains, stacked, one steps-to-target ensemble per batch size B as
 the fashion-ladder preset runs it (an affine MLP of width 128, one seed, its tuned grid with

@@ -274,7 +274,7 @@ def fused_step(weight: Tensor, left: Tensor, right: Tensor) -> bool:
     to 18 MiB of weight, 0.73–0.93 at 32 rows, 0.80–0.97 at 64 and 0.93–1.24 at 128 and 256; and
     oneDNN's sum post-op reads a weight that has left the cache slowly (37 MiB of weight:
     1.15–1.27 from 32 rows). In the MLP's step (``benchmarks/fused_passes.py``) 64
-    rows bought nothing the rounds could see; the cache is the engine's rule
+    rows bought nothing the rounds could see (a measurement not kept); the cache is the engine's rule
     (:func:`~affdiv.experiments.runs.batched.sgd_stepped`)."""
     return weight.is_contiguous() and left.shape[2] <= FUSED_STEP_MAX_ROWS and takes_onednn(weight, left, right)
 
