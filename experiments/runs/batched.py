@@ -331,25 +331,26 @@ SGD_STEP_MAX_BYTES = 16 * 2**20
 
 def sgd_stepped(layers: Sequence[tuple[str | tuple[str, ...], nn.Module, Layer]] | None, optimizer: str,
                 params: Stacked) -> tuple[str, ...]:
-    """The names of the layers whose backward makes their weight's SGD step (:data:`SGD_STEP`;
-    :mod:`~affdiv.experiments.runs.stacked_matmul`), given the stacked parameters ``params``: with
-    plain SGD, float32 parameters and at most :data:`SGD_STEP_MAX_BYTES` of them, every
-    ``nn.Linear``, AffineLike and NormLike of an MLP (:func:`batched_layers` without a
-    convolution), whose batched forms take the step; none with momentum or Adam, whose updates read
-    their state, in float64, where no product is fused, in a CNN, whose read-out was not measured,
-    nor in the vision transformer (its layers are narrow, the update a small part of its step).
-    The step pays where a weight is still in cache at its backward: in the MLP arms' step
-    (784-256-256-256-10, 1.28 MiB a model; one thread, ``benchmarks/fused_passes.py``,
-    ``benchmarks/results/cpu_fused_passes_sgd_step.json``) it bought 1.08–1.15 with 6 models (7.7
-    MiB) and 1.29–1.34 with 12 (15.3 MiB) at B = 16, 1.07–1.12 and 0.96–1.25 at B = 32, and
-    nothing the rounds could see with 3 (identical code read 0.96–1.03 in the same run); under
-    an earlier rule that stepped every stack of 24 and 48 models (31 and 61 MiB) it bought at most
-    3% at B = 16 and cost up to 8% at B = 32 and 64 (a measurement not kept)."""
+    """The names of the layers whose backward may make their weight's SGD step (:data:`SGD_STEP`;
+    :mod:`~affdiv.experiments.runs.stacked_matmul`; :meth:`BatchedEnsemble.step` takes those whose
+    step is one product), given the stacked parameters ``params``: with plain SGD, float32
+    parameters and at most :data:`SGD_STEP_MAX_BYTES` of them, every ``nn.Linear``, AffineLike
+    and NormLike of an MLP (:func:`batched_layers` whose stacked parameters have at most three
+    dimensions: no convolution), whose batched forms take the step; none with momentum or Adam,
+    whose updates read their state, in float64, where no product is fused, in a CNN, whose
+    read-out was not measured, nor in the vision transformer (its layers are narrow, the update a
+    small part of its step). The step pays where a weight is still in cache at its backward: in
+    the MLP arms' step (784-256-256-256-10, 1.28 MiB a model; one thread,
+    ``benchmarks/fused_passes.py``, ``benchmarks/results/cpu_fused_passes_sgd_step.json``) it
+    bought 1.08–1.15 with 6 models (7.7 MiB) and 1.29–1.34 with 12 (15.3 MiB) at B = 16,
+    1.07–1.12 and 0.96–1.25 at B = 32, and nothing the rounds could see with 3 (identical code
+    read 0.96–1.03 in the same run); under an earlier rule that stepped every stack of 24 and 48
+    models (31 and 61 MiB) it bought at most 3% at B = 16 and cost up to 8% at B = 32 and 64 (a
+    measurement not kept). The line is one process's: workers that share the L3 cache share it,
+    and each stack then has less of it."""
     from affdiv.layers import AffineLike, NormLike
 
-    if optimizer != "sgd" or layers is None or any(isinstance(module, nn.Conv2d) for _n, module, _l in layers):
-        return ()
-    if any(p.dtype != torch.float32 for p in params.values()) \
+    if optimizer != "sgd" or layers is None or any(p.dim() > 3 or p.dtype != torch.float32 for p in params.values()) \
             or sum(p.numel() * p.element_size() for p in params.values()) > SGD_STEP_MAX_BYTES:
         return ()
     return tuple(name for name, module, _layer in layers if type(module) in (nn.Linear, AffineLike, NormLike))
@@ -452,9 +453,9 @@ def _shared_input(x: Tensor, module: nn.Module, p: Stacked, k: int) -> tuple[Ten
 class BatchedEnsemble(StackedEnsemble):
     """The stacked ensemble of models that have a batched form (:func:`is_batched`), one autograd graph for
     all; the interface, evaluation chunks, optimiser and state are :class:`StackedEnsemble`'s.
-    ``stepped`` maps the weights whose SGD step their layers' backward makes to those layers' names
-    (:func:`sgd_stepped`, chosen again when :meth:`keep` drops models; emptied, the optimiser makes
-    every update)."""
+    ``stepped`` maps the weights whose SGD step their layers' backward may make to those layers'
+    names (:func:`sgd_stepped`, chosen again when :meth:`keep` drops models; emptied, the optimiser
+    makes every update); ``half_stepped`` says that a backward raised after some of those steps."""
 
     def __init__(self, models: Sequence[nn.Module], optimizer: str, lrs: Sequence[float],
                  momenta: Sequence[float | None], train: Sequence[tuple[Tensor, Tensor]],
@@ -467,16 +468,17 @@ class BatchedEnsemble(StackedEnsemble):
         self.layers = batched_layers(self.base)
         self.vit = batched_vit(self.base) if self.layers is None else None
         self._loss_sum = _loss_sums
-        self._stepping()
+        self._choose_stepped()
+        self.half_stepped = False
 
-    def _stepping(self) -> None:
+    def _choose_stepped(self) -> None:
         """Choose the weights that their layers' backward steps, for the stack as it is now."""
         self.stepped = {f"{name}.weight": name for name in sgd_stepped(self.layers, self.optimizer.optimizer,
                                                                        self.params)}
 
     def keep(self, index: Sequence[int]) -> None:
         super().keep(index)
-        self._stepping()
+        self._choose_stepped()
 
     def _batched_logits(self, params: Stacked, buffers: Stacked, x: Tensor, training: bool) -> Tensor:
         """(K, B, classes) logits of the K models on their inputs ``x`` (K, B, ...)."""
@@ -518,14 +520,18 @@ class BatchedEnsemble(StackedEnsemble):
         return _to_rows(x, k).contiguous()
 
     def step(self, batches: Tensor) -> Tensor:
-        """:meth:`StackedEnsemble.step`; with at most ``stacked_matmul.FUSED_STEP_MAX_ROWS`` samples
-        a batch (the rows of a weight's gradient), the weights of :func:`sgd_stepped`'s layers are
-        stepped by their layers' backward, the other parameters by the optimiser. Each layer's −η
-        is a leaf whose (zero) gradient is asked for, so that autograd runs every stepped backward,
-        and raises if a layer left its step unused. A step that raises in the backward may leave
-        some weights stepped and the rest not: the ensemble is then not to be trained on."""
+        """:meth:`StackedEnsemble.step`; the weights of :func:`sgd_stepped`'s layers whose step
+        is one product at this batch size (``stacked_matmul.fuses_step``: at most 32 samples, a
+        product on oneDNN) are stepped by their layers' backward, the other parameters by the
+        optimiser. Each layer's −η is a leaf whose (zero) gradient is asked for, so that autograd
+        runs every stepped backward, and raises if a layer left its step unused. A backward that
+        raises may have stepped some weights and not the rest: the ensemble then refuses to go on."""
+        if self.half_stepped:
+            raise RuntimeError("an earlier step raised in its backward after stepping some weights and not the "
+                               "others: this ensemble cannot be trained on")
         xs, ys = self._gather(batches)
-        stepped = self.stepped if batches.shape[1] <= stacked_matmul.FUSED_STEP_MAX_ROWS else {}
+        stepped = {weight: layer for weight, layer in self.stepped.items()
+                   if stacked_matmul.fuses_step(self.params[weight], batches.shape[1])}
         leaves = {name: p.detach() if name in stepped else p.detach().requires_grad_()
                   for name, p in self.params.items()}
         steps = {f"{layer}.{SGD_STEP}": self.optimizer.sgd_neg_lr(self.params[weight]).detach().requires_grad_()
@@ -534,7 +540,11 @@ class BatchedEnsemble(StackedEnsemble):
         k, b, classes = logits.shape
         losses = F.cross_entropy(logits.reshape(k * b, classes), ys.reshape(-1), reduction="none").view(k, b).mean(1)
         names = [name for name in self.params if name not in stepped]
-        grads = torch.autograd.grad(losses.sum(), [leaves[name] for name in names] + list(steps.values()))
+        try:
+            grads = torch.autograd.grad(losses.sum(), [leaves[name] for name in names] + list(steps.values()))
+        except BaseException:
+            self.half_stepped = bool(stepped)
+            raise
         self.optimizer.step({name: self.params[name] for name in names}, dict(zip(names, grads[:len(names)])))
         return losses.detach()
 

@@ -196,7 +196,7 @@ def _weight_gradient(weight: Tensor, step: Tensor | None, gy: Tensor, x: Tensor,
     """∂W = gyᵀ x if ``needed``; with ``step``, the SGD step W ← W + step ⊙ ∂W made in place
     instead (after ∂x, which reads W), and None."""
     if step is not None:
-        stacked_matmul.plain_backward()
+        stacked_matmul.check_plain_backward()
         stacked_matmul.sgd_step_(weight, step, gy.transpose(1, 2), x)
         return None
     return stacked_matmul.product(gy.transpose(1, 2), x) if needed else None
@@ -209,7 +209,7 @@ def _composite_grads(composite_fn: Callable[..., Tensor], inputs: tuple[Tensor |
     step ⊙ ∂W in place, its gradient returned as None."""
     if step is None:
         return composite.composite_grads(composite_fn, inputs, g, needs)
-    stacked_matmul.plain_backward()
+    stacked_matmul.check_plain_backward()
     dx, dw, db = composite.composite_grads(composite_fn, inputs, g, (needs[0], True, needs[2]))
     inputs[1].addcmul_(dw, step)
     return dx, None, db

@@ -178,7 +178,7 @@ class SgdStepBaddbmm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: Tensor) -> tuple[Tensor | None, ...]:
         a, b, step = ctx.saved_tensors
-        plain_backward()
+        check_plain_backward()
         need_c, need_a, need_b = ctx.needs_input_grad[:3]
         grad_c = g.sum_to_size(ctx.c_shape) if need_c else None
         gradients = _onednn_gradients if ctx.onednn else _torch_gradients
@@ -226,7 +226,7 @@ def check_step(weight: Tensor, step: Tensor) -> None:
         raise RuntimeError("an SGD step in the backward cannot be compiled: leave the update to the optimiser")
 
 
-def plain_backward() -> None:
+def check_plain_backward() -> None:
     """Raise unless the backward running records no graph and is not compiled: an SGD step made
     in a backward cannot be differentiated (a double backward), nor traced (compiled autograd)."""
     if torch.is_grad_enabled():
@@ -266,17 +266,25 @@ FUSED_STEP_MAX_ROWS = 32
 
 
 def fused_step(weight: Tensor, left: Tensor, right: Tensor) -> bool:
-    """Whether :func:`sgd_step_` adds the product into the weight in one oneDNN product: the
-    weight contiguous, :func:`takes_onednn`, and at most :data:`FUSED_STEP_MAX_ROWS` rows in the
-    sum. On one core of an AMD processor with 32 MiB of L3 cache (weights of 128 and 256 rows on
-    128, 256 and 784 inputs, 3 to 48 models, their caches warm, a quick measurement) the one
-    product took 0.55–0.91 of the time of the separate product and ``addcmul_`` at 16 rows with up
-    to 18 MiB of weight, 0.73–0.93 at 32 rows, 0.80–0.97 at 64 and 0.93–1.24 at 128 and 256; and
-    oneDNN's sum post-op reads a weight that has left the cache slowly (37 MiB of weight:
-    1.15–1.27 from 32 rows). In the MLP's step (``benchmarks/fused_passes.py``) 64
-    rows bought nothing the rounds could see (a measurement not kept); the cache is the engine's rule
-    (:func:`~affdiv.experiments.runs.batched.sgd_stepped`)."""
-    return weight.is_contiguous() and left.shape[2] <= FUSED_STEP_MAX_ROWS and takes_onednn(weight, left, right)
+    """Whether :func:`sgd_step_` adds the product into the weight in one oneDNN product:
+    :func:`fuses_step` for the weight and the rows of the sum, and :func:`takes_onednn` for the
+    product's factors."""
+    return fuses_step(weight, left.shape[2]) and takes_onednn(weight, left, right)
+
+
+def fuses_step(weight: Tensor, rows: int) -> bool:
+    """Whether the SGD step of a stacked weight (K, P, Q) whose gradient sums ``rows`` rows may be
+    one oneDNN product (:func:`sgd_step_`): the weight contiguous, :func:`usable`, at most
+    :data:`FUSED_STEP_MAX_ROWS` rows and the product of at least :data:`ONEDNN_MIN_FLOPS`, 2·K·P·rows·Q.
+    On one core of an AMD processor with 32 MiB of L3 cache (weights of 128 and 256 rows on 128,
+    256 and 784 inputs, 3 to 48 models, their caches warm, a quick measurement) the one product
+    took 0.55–0.91 of the time of the separate product and ``addcmul_`` at 16 rows with up to 18
+    MiB of weight, 0.73–0.93 at 32 rows, 0.80–0.97 at 64 and 0.93–1.24 at 128 and 256; and
+    oneDNN's sum post-op reads a weight that has left the cache slowly (37 MiB of weight: 1.15–1.27
+    from 32 rows). The cache is the engine's rule (:func:`~affdiv.experiments.runs.batched.sgd_stepped`)."""
+    k, p, q = weight.shape
+    return (weight.is_contiguous() and rows <= FUSED_STEP_MAX_ROWS and usable(weight)
+            and 2 * k * p * rows * q >= ONEDNN_MIN_FLOPS)
 
 
 def _laid_out_as(operand: Tensor, mm, left: Tensor, right: Tensor) -> Tensor:

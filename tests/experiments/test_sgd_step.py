@@ -39,6 +39,21 @@ pytestmark = pytest.mark.usefixtures("one_thread", "small_products_on_onednn")
 ROUNDING = {torch.float32: 2.0**-24, torch.float64: 2.0**-53}
 LINE = stacked_matmul.ONEDNN_MIN_FLOPS  # (the package's line; the module's fixture lowers it to 0)
 ROUTES = {"oneDNN": contextlib.nullcontext, "torch": _native.disabled}
+#: For the tests of the engine's fused step, which only oneDNN's product makes.
+needs_onednn = pytest.mark.skipif(not _native.onednn_enabled(), reason="oneDNN's matmul is not bound here")
+
+
+@contextlib.contextmanager
+def _fused_answers():
+    """Inside the block, every answer of ``stacked_matmul.fused_step``, in order, in the list yielded."""
+    rule, answers = stacked_matmul.fused_step, []
+
+    def answered(*operands):
+        answers.append(rule(*operands))
+        return answers[-1]
+
+    with unittest.mock.patch.object(stacked_matmul, "fused_step", answered):
+        yield answers
 
 
 def _gamma(n: int, u: float) -> float:
@@ -75,6 +90,8 @@ def _case(k, m, length, n, weight, bias, dtype, seed):
 @example(k=1, m=1, length=1, n=1, weight="b", bias=False, dtype=torch.float64, route="torch", rates=(1.0,), seed=1)
 @example(k=2, m=3, length=4, n=stacked_matmul.FUSED_STEP_MAX_ROWS + 1, weight="a", bias=False, dtype=torch.float32,
          route="oneDNN", rates=(0.2, 0.5), seed=2)  # (more rows than the fused product takes)
+@example(k=2, m=stacked_matmul.FUSED_STEP_MAX_ROWS + 1, length=4, n=3, weight="b", bias=True, dtype=torch.float32,
+         route="oneDNN", rates=(0.2, 0.5), seed=3)  # (the same for a weight passed as Wᵀ)
 @given(k=st.integers(1, 3), m=st.integers(1, 20), length=st.integers(1, 20), n=st.integers(1, 20),
        weight=st.sampled_from(["a", "b"]), bias=st.booleans(), dtype=st.sampled_from([torch.float32, torch.float64]),
        route=st.sampled_from(list(ROUTES)), rates=st.lists(st.floats(1e-3, 2.0), min_size=3, max_size=3),
@@ -93,7 +110,11 @@ def test_the_step_moves_the_weight_by_minus_eta_times_its_gradient(k, m, length,
         factors = (leaf, b) if weight == "a" else (a, leaf.transpose(1, 2))
         *plain, plain_w = torch.autograd.grad(stacked_matmul.baddbmm(c, *factors), inputs + [leaf], g)
         out = stacked_matmul.baddbmm(c, a, b, step.requires_grad_(), weight)
-        *grads, step_grad = torch.autograd.grad(out, inputs + [step], g)
+        with unittest.mock.patch.object(_native, "onednn_bmm_", wraps=_native.onednn_bmm_) as onednn:
+            *grads, step_grad = torch.autograd.grad(out, inputs + [step], g)
+    # the fused step is one oneDNN product that adds into the weight itself
+    into_w = [call for call in onednn.call_args_list if call.args[0].data_ptr() == w.data_ptr()]
+    assert [call.args[3] for call in into_w] == ([1.0] if fused else [])
     for got, want in zip(grads, plain):  # read before the weight moved
         assert torch.equal(got, want)
     assert torch.equal(step_grad, torch.zeros_like(step))
@@ -134,7 +155,7 @@ def test_the_step_is_refused_where_it_cannot_be_made():
     torch.autograd.grad(out, b, g, retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):  # a second step of the same graph
         torch.autograd.grad(out, b, g)
-    assert not torch.equal(w, before)  # (the first step was made, once)
+    _assert_stepped(w, before, step.detach(), g, b.detach().transpose(1, 2))  # (one step made)
 
 
 def test_a_compiled_step_is_refused():
@@ -185,19 +206,13 @@ def test_the_dense_layers_step_their_weight_and_keep_their_other_gradients(layer
         dx, dw, db = torch.autograd.grad(_dense(layer, x, weight, bias_leaf), (x, weight, bias_leaf), gz)
         stepped, bias_leaf = w.clone(), bias.clone().requires_grad_()
         step_leaf = step.clone().requires_grad_()
-        rule, fused = stacked_matmul.fused_step, []  # what each call of the rule answered
-
-        def answered(*operands):
-            fused.append(rule(*operands))
-            return fused[-1]
-
-        with unittest.mock.patch.object(stacked_matmul, "fused_step", answered):
+        with _fused_answers() as fused:
             out = _dense(layer, x, stepped, bias_leaf, step_leaf)
             sdx, sdb, sstep = torch.autograd.grad(out, (x, bias_leaf, step_leaf), gz)
     assert torch.equal(sdx, dx) and torch.equal(sdb, db) and torch.equal(sstep, torch.zeros_like(step))
     # fused where the product may run on oneDNN: the Function's own step, or the composite's
     # product; the fallback steps with the composite's gradient, as the optimiser would
-    assert fused == ([] if route == "fallback" else [dtype == torch.float32])
+    assert fused == ([] if route == "fallback" else [dtype == torch.float32 and _native.onednn_enabled()])
     if not any(fused):  # the optimiser's update of the gradient the layer gives W, bit for bit
         assert torch.equal(stepped, w.addcmul(dw, step))
         return
@@ -221,9 +236,9 @@ def _abs_gradient(layer: str, x: torch.Tensor, gz: torch.Tensor) -> torch.Tensor
 METHODS = ("affine", "affine_like", "norm_l2", "batchnorm", "layernorm", "rmsnorm")
 
 
-def _build(digits, method: str, dtype: str = "float32", lrs=(0.1, 0.3), optimizer: str = "sgd"):
+def _build(digits, method: str, dtype: str = "float32", lrs=(0.1, 0.3), optimizer: str = "sgd", depth: int = 2):
     """An engine of ``method``'s models (digits, width 16, B = 8), one per lr, on the training split."""
-    config = RunConfig(dataset="digits", method=method, depth=2, width=16, batch_size=8, seed=0, dtype=dtype)
+    config = RunConfig(dataset="digits", method=method, depth=depth, width=16, batch_size=8, seed=0, dtype=dtype)
     split = (torch.as_tensor(digits.train.x).to(getattr(torch, dtype)), torch.as_tensor(digits.train.y))
     models = [build_member(config, digits, seed) for seed in range(len(lrs))]
     return stacked_engine(models[0])(models, optimizer, list(lrs), [0.9] * len(lrs), [split] * len(lrs),
@@ -249,70 +264,68 @@ def _steps(stepped, plain, orders, exact: bool, count: int = 3) -> None:
     training carry that through these small networks; a skipped step, or one of the wrong sign,
     moves a weight by |η ∂W|, some 1e-3 of it here)."""
     tolerance = dict(rtol=0, atol=0) if exact else dict(rtol=1e-5, atol=1e-6)
-    with unittest.mock.patch.object(stepped.optimizer, "step", wraps=stepped.optimizer.step) as update:
-        for i in range(count):
-            batch = orders[:, 8 * i: 8 * i + 8]
-            torch.testing.assert_close(stepped.step(batch), plain.step(batch), equal_nan=True, **tolerance)
-    assert all(set(call.args[0]).isdisjoint(stepped.stepped) for call in update.call_args_list)
+    for i in range(count):
+        batch = orders[:, 8 * i: 8 * i + 8]
+        torch.testing.assert_close(stepped.step(batch), plain.step(batch), equal_nan=True, **tolerance)
     for name, p in plain.params.items():
         torch.testing.assert_close(stepped.params[name], p, equal_nan=True, msg=name, **tolerance)
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_where_the_product_is_not_fused_the_step_is_the_optimisers_bit_for_bit(digits, method, monkeypatch):
-    # at the package's oneDNN line the digits models' products run on torch's ops: every step is
-    # ∂W as the product gives it and addcmul_ with −η, the optimiser's own update, bit for bit
+def test_layers_whose_step_would_not_be_one_product_leave_it_to_the_optimiser(digits, method, monkeypatch):
+    # at the package's oneDNN line the digits models' products run on torch's ops: no layer is
+    # stepped in its backward, and the numbers are the optimiser's, bit for bit
     monkeypatch.setattr(stacked_matmul, "ONEDNN_MIN_FLOPS", LINE)
     stepped, plain, start, orders = _engines(digits, method)
-    _steps(stepped, plain, orders, exact=True)
+    with unittest.mock.patch.object(stepped.optimizer, "step", wraps=stepped.optimizer.step) as update:
+        _steps(stepped, plain, orders, exact=True)
+    assert all(set(call.args[0]) == set(stepped.params) for call in update.call_args_list)
     for name, p in plain.params.items():
         assert not torch.equal(p, start.params[name]), name  # (every parameter moved)
 
 
+@needs_onednn
 @pytest.mark.parametrize("method", METHODS)
 def test_the_fused_step_trains_as_the_optimiser_within_float32_rounding(digits, method):
     # every product on oneDNN (the module's fixture), 8 rows: one fused product for every dense weight
     stepped, plain, _start, orders = _engines(digits, method)
-    rule, fused = stacked_matmul.fused_step, []  # what each call of the rule answered
-
-    def answered(*operands):
-        fused.append(rule(*operands))
-        return fused[-1]
-
-    with unittest.mock.patch.object(stacked_matmul, "fused_step", answered):
+    with _fused_answers() as fused, \
+            unittest.mock.patch.object(stepped.optimizer, "step", wraps=stepped.optimizer.step) as update:
         _steps(stepped, plain, orders, exact=False)
     assert fused == [True] * 3 * len(stepped.stepped)
+    assert all(set(call.args[0]) == set(stepped.params) - set(stepped.stepped) for call in update.call_args_list)
 
 
-def test_fused_and_unfused_layers_step_together(digits, monkeypatch):
+@needs_onednn
+def test_only_the_layers_whose_step_is_one_product_are_stepped(digits, monkeypatch):
     # a line between the first layer's product (32,768 FLOPs) and the others' (8,192 and 5,120):
     # the first layer's step is fused, the others' are the optimiser's
     monkeypatch.setattr(stacked_matmul, "ONEDNN_MIN_FLOPS", 10_000)
     stepped, plain, _start, orders = _engines(digits, "affine")
-    rule, fused = stacked_matmul.fused_step, []
-
-    def answered(*operands):
-        fused.append(rule(*operands))
-        return fused[-1]
-
-    with unittest.mock.patch.object(stacked_matmul, "fused_step", answered):
+    with _fused_answers() as fused, \
+            unittest.mock.patch.object(stepped.optimizer, "step", wraps=stepped.optimizer.step) as update:
         _steps(stepped, plain, orders, exact=False)
-    assert sorted(set(fused)) == [False, True] and sum(fused) == 3
+    assert fused == [True] * 3
+    assert all(set(call.args[0]) == set(stepped.params) - {"1.weight"} for call in update.call_args_list)
 
 
-def test_a_diverging_model_leaves_the_others_as_the_optimiser_would(digits, monkeypatch):
-    # one model's infinite lr sends its weights to inf and NaN; the step passes them on as the
-    # optimiser does, and the other model's numbers do not change
-    monkeypatch.setattr(stacked_matmul, "ONEDNN_MIN_FLOPS", LINE)
+@needs_onednn
+def test_a_diverging_model_leaves_the_others_as_the_optimiser_would(digits):
+    # one model's infinite lr sends its weights to inf and NaN (the fused product spreads the NaN
+    # further than the optimiser's update does); the other model goes on as the optimiser's
     stepped, plain, _start, orders = _engines(digits, "affine", lrs=(0.1, math.inf))
-    _steps(stepped, plain, orders, exact=True, count=4)
-    assert stepped.finite().tolist() == [True, False]
+    for i in range(4):
+        batch = orders[:, 8 * i: 8 * i + 8]
+        torch.testing.assert_close(stepped.step(batch)[0], plain.step(batch)[0], rtol=1e-5, atol=1e-6)
+    assert stepped.finite().tolist() == plain.finite().tolist() == [True, False]
+    for name, p in plain.params.items():
+        torch.testing.assert_close(stepped.params[name][0], p[0], rtol=1e-5, atol=1e-6, msg=name)
 
 
+@needs_onednn
 def test_models_dropped_from_the_stack_choose_the_step_again(digits, monkeypatch):
     # three models over the line of bytes, two within it: keep() steps the two in the backward,
     # and they go on as the optimiser would have taken them
-    monkeypatch.setattr(stacked_matmul, "ONEDNN_MIN_FLOPS", LINE)
     lrs = (0.1, 0.2, 0.3)
     size = sum(p.numel() * p.element_size() for p in _build(digits, "affine", lrs=lrs[:1]).params.values())
     monkeypatch.setattr(batched, "SGD_STEP_MAX_BYTES", 2 * size)
@@ -328,12 +341,37 @@ def test_models_dropped_from_the_stack_choose_the_step_again(digits, monkeypatch
     with unittest.mock.patch.object(batched, "sgd_stepped", lambda layers, optimizer, params: ()):
         plain.keep([0, 2])
     assert stepped.stepped and not plain.stepped
-    _steps(stepped, plain, orders[[0, 2], 8:], exact=True)
+    with _fused_answers() as fused:
+        _steps(stepped, plain, orders[[0, 2], 8:], exact=False)
+    assert fused and all(fused)
 
 
-@pytest.mark.parametrize("method, dtype", [("affine", "float64"), ("conv", "float32"), ("vit", "float32")])
-def test_float64_cnns_and_the_vit_keep_the_optimisers_update(digits, method, dtype):
-    assert _build(digits, method, dtype).stepped == {}
+@needs_onednn
+def test_a_backward_that_raises_after_a_step_stops_the_ensemble(digits):
+    engine = _build(digits, "affine")
+    step, calls = stacked_matmul.sgd_step_, []
+
+    def second_fails(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("a failure in the backward")
+        return step(*args, **kwargs)
+
+    with unittest.mock.patch.object(stacked_matmul, "sgd_step_", second_fails), \
+            pytest.raises(RuntimeError, match="a failure in the backward"):
+        engine.step(torch.arange(16).reshape(2, 8))
+    assert engine.half_stepped
+    with pytest.raises(RuntimeError, match="cannot be trained on"):
+        engine.step(torch.arange(16).reshape(2, 8))
+
+
+@pytest.mark.parametrize("method, dtype, depth", [("affine", "float64", 2), ("conv", "float32", 2),
+                                                 ("conv", "float32", 1), ("patchnorm", "float32", 1),
+                                                 ("patchnorm", "float32", 2), ("conv+batchnorm", "float32", 1),
+                                                 ("vit", "float32", 1)])
+def test_float64_cnns_and_the_vit_keep_the_optimisers_update(digits, method, dtype, depth):
+    # (a CNN of depth 1 has its one convolution in the fused first block)
+    assert _build(digits, method, dtype, depth=depth).stepped == {}
 
 
 def test_the_fused_product_is_taken_within_its_line_only():
@@ -363,6 +401,7 @@ def test_a_stack_steps_in_the_backward_up_to_its_line_of_bytes(digits):
     assert list(stepped(size)) == ["1.weight", "3.weight", "5.weight"] and stepped(size - 1) == {}
 
 
+@needs_onednn
 def test_a_batch_beyond_the_fused_products_rows_leaves_every_update_to_the_optimiser(digits):
     stepped, _plain, _start, orders = _engines(digits, "affine")
     line = stacked_matmul.FUSED_STEP_MAX_ROWS
@@ -373,6 +412,14 @@ def test_a_batch_beyond_the_fused_products_rows_leaves_every_update_to_the_optim
     assert within == set(stepped.params) - set(stepped.stepped) and beyond == set(stepped.params)
 
 
+def test_without_onednn_every_update_is_the_optimisers(digits):
+    stepped, _plain, _start, orders = _engines(digits, "affine")
+    with _native.disabled(), \
+            unittest.mock.patch.object(stepped.optimizer, "step", wraps=stepped.optimizer.step) as update:
+        stepped.step(orders[:, :8])
+    assert set(update.call_args.args[0]) == set(stepped.params)
+
+
 @pytest.mark.parametrize("optimizer", ["momentum", "adam"])
 def test_only_plain_sgd_is_stepped_in_the_backward(digits, optimizer):
     engine = _build(digits, "affine", optimizer=optimizer)
@@ -381,6 +428,7 @@ def test_only_plain_sgd_is_stepped_in_the_backward(digits, optimizer):
         engine.optimizer.sgd_neg_lr(engine.params["1.weight"])
 
 
+@needs_onednn
 def test_a_layer_that_drops_its_step_fails_the_step(digits, monkeypatch):
     # the steps are leaves whose gradient the engine asks for: a layer that ignored its step
     # would leave its weight where it was; autograd refuses instead
