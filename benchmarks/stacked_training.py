@@ -55,7 +55,8 @@ optimiser's update, memory traffic between them, Python and dispatch); kernels /
 of the kernels at the step's own shapes against the large GEMM's and convolution's. The replay
 reuses its inputs, warm in cache, so it typically runs faster than the same kernels inside the
 step. Where the MLPs' dense layers make their SGD step in the backward (``batched.sgd_stepped``)
-the update is part of a product, and so of the kernels: stacked / kernels then falls, and
+the update is part of a product, and so of the kernels, which the replay runs on tensors of its
+own, not on the weights the step keeps in cache: stacked / kernels can then fall below 1, and
 kernels / floor rises.
 
 Checks: ``--checks B ...`` also trains, stacked, one steps-to-target ensemble per batch size B as

@@ -342,9 +342,9 @@ def sgd_stepped(layers: Sequence[tuple[str | tuple[str, ...], nn.Module, Layer]]
     small part of its step). The step pays where a weight is still in cache at its backward: in
     the MLP arms' step (784-256-256-256-10, 1.28 MiB a model; one thread,
     ``benchmarks/fused_passes.py``, ``benchmarks/results/cpu_fused_passes_sgd_step.json``) it
-    bought 1.08–1.15 with 6 models (7.7 MiB) and 1.29–1.34 with 12 (15.3 MiB) at B = 16,
-    1.07–1.12 and 0.96–1.25 at B = 32, and nothing the rounds could see with 3 (identical code
-    read 0.96–1.03 in the same run); under an earlier rule that stepped every stack of 24 and 48
+    bought 1.10–1.12 with 6 models (7.7 MiB) and 1.27–1.41 with 12 (15.3 MiB) at B = 16,
+    1.04–1.08 and 1.12–1.15 at B = 32, and nothing the rounds could see with 3 (identical code
+    read 0.98–1.03 in the same run); under an earlier rule that stepped every stack of 24 and 48
     models (31 and 61 MiB) it bought at most 3% at B = 16 and cost up to 8% at B = 32 and 64 (a
     measurement not kept). The line is one process's: workers that share the L3 cache share it,
     and each stack then has less of it."""

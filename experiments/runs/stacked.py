@@ -30,9 +30,10 @@ and so can affine_like's at width 128 (docs/results/fashion-target-noise/README.
 engine's products also change library with the stack's size: under
 :data:`~affdiv.experiments.runs.stacked_matmul.ONEDNN_MIN_FLOPS` (which counts all the stacked
 models) they run on torch's ops, above it on oneDNN's, which round differently; and with plain
-SGD the MLPs' dense weights take their update inside the backward, as one product rounded
-otherwise than the optimiser's update, only while the stack's parameters fit
-:data:`~affdiv.experiments.runs.batched.SGD_STEP_MAX_BYTES`. In the tests (digits, width 16)
+SGD in float32 an MLP's dense weights take their update inside the backward, as one product
+rounded otherwise than the optimiser's update, only while the stack's parameters fit
+:data:`~affdiv.experiments.runs.batched.SGD_STEP_MAX_BYTES`, the batch has at most 32 samples and
+the layer's product is on oneDNN (``stacked_matmul.fuses_step``). In the tests (digits, width 16)
 affine_like's do not change, bit for bit.
 
 Measurements (:class:`~affdiv.experiments.runs.training.Measurement`) look at one model at a
