@@ -326,7 +326,7 @@ def _pool_relu(relu: bool) -> Layer:
 
 
 #: The most bytes of a stack's parameters for which :func:`sgd_stepped` steps weights in the backward.
-SGD_STEP_MAX_BYTES = 16 * 2**20
+SGD_STEP_MAX_BYTES = 8 * 2**20
 
 
 def sgd_stepped(layers: Sequence[tuple[str | tuple[str, ...], nn.Module, Layer]] | None, optimizer: str,
@@ -339,15 +339,17 @@ def sgd_stepped(layers: Sequence[tuple[str | tuple[str, ...], nn.Module, Layer]]
     dimensions: no convolution), whose batched forms take the step; none with momentum or Adam,
     whose updates read their state, in float64, where no product is fused, in a CNN, whose
     read-out was not measured, nor in the vision transformer (its layers are narrow, the update a
-    small part of its step). The step pays where a weight is still in cache at its backward: in
-    the MLP arms' step (784-256-256-256-10, 1.28 MiB a model; one thread,
-    ``benchmarks/fused_passes.py``, ``benchmarks/results/cpu_fused_passes_sgd_step.json``) it
-    bought 1.10–1.12 with 6 models (7.7 MiB) and 1.27–1.41 with 12 (15.3 MiB) at B = 16,
-    1.04–1.08 and 1.12–1.15 at B = 32, and nothing the rounds could see with 3 (identical code
-    read 0.98–1.03 in the same run); under an earlier rule that stepped every stack of 24 and 48
-    models (31 and 61 MiB) it bought at most 3% at B = 16 and cost up to 8% at B = 32 and 64 (a
-    measurement not kept). The line is one process's: workers that share the L3 cache share it,
-    and each stack then has less of it."""
+    small part of its step). The step pays where a weight is still in cache at its backward. In
+    the MLP arms' step (784-256-256-256-10, 1.28 MiB a model; one thread a process,
+    ``benchmarks/fused_passes.py``) it bought 1.10–1.12 with 6 models (7.7 MiB) and 1.27–1.41 with
+    12 (15.3 MiB) at B = 16, 1.04–1.08 and 1.12–1.15 at B = 32, and nothing the rounds could see
+    with 3 (identical code read 0.98–1.03 in the same run;
+    ``benchmarks/results/cpu_fused_passes_sgd_step.json``); but with two such processes at once,
+    as a sweep's two workers share the L3 cache, 6 models read 0.97–1.20 at B = 16 and 0.99–1.12
+    at B = 32, and 12 models 1.00–1.12 and 0.90–0.97 (``cpu_fused_passes_sgd_step_two_workers_*``).
+    The line is therefore 8 MiB, which holds a study's six learning-rate candidates of that MLP.
+    Under an earlier rule that stepped every stack of 24 and 48 models (31 and 61 MiB) the step
+    bought at most 3% at B = 16 and cost up to 8% at B = 32 and 64 (a measurement not kept)."""
     from affdiv.layers import AffineLike, NormLike
 
     if optimizer != "sgd" or layers is None or any(p.dim() > 3 or p.dtype != torch.float32 for p in params.values()) \
