@@ -267,9 +267,9 @@ FUSED_STEP_MAX_ROWS = 32
 
 def fused_step(weight: Tensor, left: Tensor, right: Tensor) -> bool:
     """Whether :func:`sgd_step_` adds the product into the weight in one oneDNN product:
-    :func:`fuses_step` for the weight and the rows of the sum, and :func:`takes_onednn` for the
-    product's factors."""
-    return fuses_step(weight, left.shape[2]) and takes_onednn(weight, left, right)
+    :func:`fuses_step` for the weight and the rows of the sum (its FLOPs are the product's), and
+    the product's factors :func:`usable`."""
+    return fuses_step(weight, left.shape[2]) and usable(left, right)
 
 
 def fuses_step(weight: Tensor, rows: int) -> bool:
