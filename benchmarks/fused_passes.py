@@ -14,12 +14,15 @@ attention, ``experiments.runs.stacked_attention``, and LayerNorms,
 ``experiments.runs.stacked_layer_norm``; the MLP arms' tanh, ``experiments.runs.activations``), so
 that those layers run unfused (the dense layers, attention and LayerNorms in torch operations, tanh
 as torch's; with the first block off, its pool and ReLU take the later pools' pass); every other
-pass stays on in both. Two routes of the products (``experiments.runs.stacked_matmul``) and one of
-the update are timed the same way: "thin input gradient", the column layers' Wᵀ g with few columns
-computed as (gᵀ W)ᵀ (off: Wᵀ g); "small on torch", the products below ``ONEDNN_MIN_FLOPS`` on
-torch's ops (off: every product on oneDNN); and "step in backward", the MLP arms' dense layers
-making their weights' SGD step in their backward (``experiments.runs.batched.sgd_stepped``; off:
-the optimiser's update of those weights, chosen when the engine is built). Their SGD steps are
+pass stays on in both. Three routes of the products (``experiments.runs.stacked_matmul``) and one
+of the update are timed the same way: "thin input gradient", the column layers' Wᵀ g with few
+columns computed as (gᵀ W)ᵀ (off: Wᵀ g); "small on torch", the products below ``ONEDNN_MIN_FLOPS``
+on torch's ops (off: every product on oneDNN); "MKL on Intel", every product (and the fused SGD
+step) on torch's BLAS where it is MKL on an Intel processor (``ONEDNN_PREFERRED``; off: on oneDNN
+from the line up, as on other processors, where the two variants are the same code); and "step
+in backward", the MLP arms' dense layers making their weights' SGD step in their backward
+(``experiments.runs.batched.sgd_stepped``; off: the optimiser's update of those weights, chosen
+when the engine is built). Their SGD steps are
 timed in interleaved rounds, the two in turn first (each model its own shuffle, as in
 ``stacked_training``); the printed figure is the median over rounds of the paired ratio without /
 with the pass (above 1: the pass makes the step faster). Both engines
@@ -73,6 +76,7 @@ PASSES = {"first block": (conv_pool, "first_block_length", lambda layers: 0, CNN
           "tanh": (activations, "usable", lambda x: False, TANH_METHODS),
           "thin input gradient": (stacked_matmul, "thin_input_gradient", lambda left, right: False, ("affine",)),
           "small on torch": (stacked_matmul, "ONEDNN_MIN_FLOPS", 0, (*TANH_METHODS, *CNN_METHODS, *VIT_METHODS)),
+          "MKL on Intel": (stacked_matmul, "ONEDNN_PREFERRED", True, (*TANH_METHODS, *CNN_METHODS, *VIT_METHODS)),
           "step in backward": (batched, "sgd_stepped", lambda layers, optimizer, params: (), TANH_METHODS)}
 
 

@@ -4,7 +4,7 @@ For an ``nn.Sequential`` of the layers in :data:`LAYER_NAMES` (every MLP method 
 conv+batchnorm and patchnorm CNNs of :mod:`~affdiv.experiments.runs.models`), :class:`BatchedEnsemble` runs the
 K stacked models as one ordinary autograd graph, without ``torch.func``: the activations of an
 MLP are (K, B, F) and a linear layer is one batched product, z_kᵀ = W_k x_kᵀ + b_k
-(``baddbmm``; in float32 on oneDNN where it may run and the product is large enough,
+(``baddbmm``; in float32 on oneDNN where it is the faster library, may run and the product is large enough,
 :mod:`~affdiv.experiments.runs.stacked_matmul`);
 the activations of a CNN are (B, K·C, H, W) in channels-last memory order, so a
 convolution is one grouped convolution (groups = K) and BatchNorm, pooling and the activations
@@ -33,7 +33,7 @@ torch's is not everywhere).
 
 Checks, and the runs' test splits after training, evaluate one chunk of samples for all the
 models on that split: the first linear layer is then one GEMM with the K weights side by side (in
-float32 on oneDNN where it may run and the product is large enough, as the engine's other
+float32 on oneDNN where it is the faster library, may run and the product is large enough, as the engine's other
 products: the largest product of an MLP's check), a first convolution on more than one input
 channel one dense convolution, and models on different splits of one size are evaluated in one
 pass per chunk.
@@ -524,10 +524,11 @@ class BatchedEnsemble(StackedEnsemble):
     def step(self, batches: Tensor) -> Tensor:
         """:meth:`StackedEnsemble.step`; the weights of :func:`sgd_stepped`'s layers whose step
         is one product at this batch size (``stacked_matmul.fuses_step``: at most 32 samples, a
-        product on oneDNN) are stepped by their layers' backward, the other parameters by the
-        optimiser. Each layer's −η is a leaf whose (zero) gradient is asked for, so that autograd
-        runs every stepped backward, and raises if a layer left its step unused. A backward that
-        raises may have stepped some weights and not the rest: the ensemble then refuses to go on."""
+        product of at least ``stacked_matmul.ONEDNN_MIN_FLOPS``) are stepped by their layers'
+        backward, the other parameters by the optimiser. Each layer's −η is a leaf whose (zero)
+        gradient is asked for, so that autograd runs every stepped backward, and raises if a layer
+        left its step unused. A backward that raises may have stepped some weights and not the
+        rest: the ensemble then refuses to go on."""
         if self.half_stepped:
             raise RuntimeError("an earlier step raised in its backward after stepping some weights and not the "
                                "others: this ensemble cannot be trained on")

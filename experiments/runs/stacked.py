@@ -29,11 +29,13 @@ channel count, so a model's float32 numbers can change at rounding level with it
 and so can affine_like's at width 128 (docs/results/fashion-target-noise/README.md). The batched
 engine's products also change library with the stack's size: under
 :data:`~affdiv.experiments.runs.stacked_matmul.ONEDNN_MIN_FLOPS` (which counts all the stacked
-models) they run on torch's ops, above it on oneDNN's, which round differently; and with plain
+models) they run on torch's ops, above it on oneDNN's, which round differently, except on an
+Intel processor with MKL, where they are torch's at every size
+(:data:`~affdiv.experiments.runs.stacked_matmul.ONEDNN_PREFERRED`); and with plain
 SGD in float32 an MLP's dense weights take their update inside the backward, as one product
 rounded otherwise than the optimiser's update, only while the stack's parameters fit
 :data:`~affdiv.experiments.runs.batched.SGD_STEP_MAX_BYTES`, the batch has at most 32 samples and
-the layer's product is on oneDNN (``stacked_matmul.fuses_step``). In the tests (digits, width 16)
+the layer's product is at least that line (``stacked_matmul.fuses_step``). In the tests (digits, width 16)
 affine_like's do not change, bit for bit.
 
 Measurements (:class:`~affdiv.experiments.runs.training.Measurement`) look at one model at a

@@ -1,4 +1,5 @@
-"""The stacked engine's batched products, on oneDNN where it may run them, else on torch's.
+"""The stacked engine's batched products, on oneDNN where it is the faster library and may run
+them, else on torch's.
 
 A stacked linear layer is a batched product with a bias,
 
@@ -15,8 +16,13 @@ measures both in every round). torch has no op that reaches oneDNN's float32 mat
 package's C++ extension binds torch's own call of it (:func:`affdiv.layers._native.onednn_bmm_`),
 and :class:`OnednnBaddbmm` is written here around it. Its numbers are the product's up to the order
 of summation inside the kernel: float32 rounding, which the engine's batched kernels already allow
-(:mod:`~affdiv.experiments.runs.batched`). It is taken wherever the processor can run it, measured
-faster only on that AMD processor (on an Intel processor with AVX-512, MKL uses AVX-512 itself).
+(:mod:`~affdiv.experiments.runs.batched`). MKL picks its kernels by the processor's vendor, and
+on an Intel processor runs its AVX-512 code itself: there, on one core of an Intel Xeon processor
+(``benchmarks/results/cpu_training_roofline_intel_xeon.json``), ``torch.mm`` ran at 118-137 GF/s
+and oneDNN's matmul at 70-115, and the MLP's stacked step at B = 1024 ran at 0.86-0.92 of one model
+at a time's speed (MKL's products). The products therefore take oneDNN everywhere but where torch's
+BLAS is MKL on an Intel processor (:data:`ONEDNN_PREFERRED`, from the processor's vendor: a
+property of the machine, never of a timing, so a run's numbers do not depend on its load).
 
 :func:`baddbmm` takes oneDNN where :func:`usable` and the product has at least
 :data:`ONEDNN_MIN_FLOPS` (smaller ones run faster on torch's ops: :func:`takes_onednn`), else
@@ -57,6 +63,31 @@ from affdiv.layers import _fused, _native
 from affdiv.layers._torch_internals import is_compiling, saved_tensors_hooks_active, untraced_eager
 
 
+def cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str | None:
+    """The processor's vendor as its cpuid names it ("GenuineIntel", "AuthenticAMD", …), read from
+    Linux's ``cpuinfo`` file; None where that is not to be read or names none."""
+    try:
+        with open(cpuinfo, encoding="ascii", errors="replace") as info:
+            for line in info:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        return None
+    return None
+
+
+def onednn_preferred(vendor: str | None, mkl: bool) -> bool:
+    """Whether oneDNN is the faster library for the engine's float32 products on a processor of
+    ``vendor`` whose torch multiplies with MKL (``mkl``) or another BLAS: everywhere but where MKL
+    runs on an Intel processor (module docstring)."""
+    return not (mkl and vendor == "GenuineIntel")
+
+
+#: Whether the engine's float32 products and its SGD step's fused product take oneDNN where it may
+#: run them (:func:`takes_onednn`, :func:`sgd_step_`): :func:`onednn_preferred` on this machine.
+ONEDNN_PREFERRED = onednn_preferred(cpu_vendor(), torch.backends.mkl.is_available())
+
+
 def usable(*tensors: Tensor | None) -> bool:
     """Whether oneDNN may take a product of these tensors (None entries ignored): not traced by
     torch.compile, no torch.func transform, dispatch mode or forward-mode AD (whose rules only
@@ -88,8 +119,8 @@ ONEDNN_MIN_FLOPS = 4_000_000
 
 
 def takes_onednn(c: Tensor | None, a: Tensor, b: Tensor) -> bool:
-    """Whether the product a b (+ c) runs on oneDNN: :func:`usable`, and at least
-    :data:`ONEDNN_MIN_FLOPS`. Below that torch's ops are faster. On one core a call of oneDNN's
+    """Whether the product a b (+ c) runs on oneDNN: :data:`ONEDNN_PREFERRED`, :func:`usable`, and
+    at least :data:`ONEDNN_MIN_FLOPS`. Below that torch's ops are faster. On one core a call of oneDNN's
     matmul through torch's took about 11 µs where ``torch.bmm`` took 2, and :class:`OnednnBaddbmm`'s
     Python forward and backward add to that: a product's forward and backward (FLOPs counted for
     the forward) took 105 µs on oneDNN and 39 on torch's ops at 0.52 MFLOP (one model's 256 rows
@@ -102,7 +133,8 @@ def takes_onednn(c: Tensor | None, a: Tensor, b: Tensor) -> bool:
     below the line; the roofline's 48-model cells mostly lie above it. Below it the product and its
     backward are torch's own, so a weight passed as Wᵀ gets its gradient as torch lays it out (a
     transposed view), not in W's layout (:func:`_laid_out_as`)."""
-    return usable(c, a, b) and 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2] >= ONEDNN_MIN_FLOPS
+    return ONEDNN_PREFERRED and usable(c, a, b) and 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2] \
+        >= ONEDNN_MIN_FLOPS
 
 
 def baddbmm(c: Tensor | None, a: Tensor, b: Tensor, step: Tensor | None = None, weight: str = "a") -> Tensor:
@@ -247,17 +279,20 @@ def sgd_step_(weight: Tensor, step: Tensor, left: Tensor, right: Tensor,
               gradient: Callable[[], Tensor] | None = None) -> Tensor:
     """weight += step ⊙ (left right) in place, weight (K, P, Q), left (K, P, M), right (K, M, Q),
     step (K, 1, 1), left right the weight's gradient: where :func:`fused_step`, the factor with
-    fewer entries is scaled by the step and the product added into the weight by oneDNN's sum
-    post-op; else the optimiser's update, ``addcmul_`` of the gradient with the step, the gradient
-    computed as ``gradient()`` (default :func:`product` (left, right)) as the backward without the
-    step would. Returns the weight."""
+    fewer entries is scaled by the step and the product added into the weight by one product that
+    adds into its output, oneDNN's with its sum post-op where :data:`ONEDNN_PREFERRED`, else
+    torch's in-place ``baddbmm_`` (its BLAS's GEMM with β = 1); else the optimiser's update,
+    ``addcmul_`` of the gradient with the step, the gradient computed as ``gradient()`` (default
+    :func:`product` (left, right)) as the backward without the step would. Returns the weight."""
     if not fused_step(weight, left, right):
         return weight.addcmul_(gradient() if gradient is not None else product(left, right), step)
     if left.shape[1] * left.shape[2] <= right.shape[1] * right.shape[2]:
         left = left * step
     else:
         right = right * step
-    return _native.onednn_bmm_(weight, left, right, 1.0)
+    if ONEDNN_PREFERRED:
+        return _native.onednn_bmm_(weight, left, right, 1.0)
+    return weight.baddbmm_(left, right)
 
 
 #: The most rows M (the sum's length) of a weight's gradient for which :func:`fused_step` adds it
@@ -266,7 +301,7 @@ FUSED_STEP_MAX_ROWS = 32
 
 
 def fused_step(weight: Tensor, left: Tensor, right: Tensor) -> bool:
-    """Whether :func:`sgd_step_` adds the product into the weight in one oneDNN product:
+    """Whether :func:`sgd_step_` adds the product into the weight in one product:
     :func:`fuses_step` for the weight and the rows of the sum (its FLOPs are the product's), and
     the product's factors :func:`usable`."""
     return fuses_step(weight, left.shape[2]) and usable(left, right)
@@ -274,7 +309,7 @@ def fused_step(weight: Tensor, left: Tensor, right: Tensor) -> bool:
 
 def fuses_step(weight: Tensor, rows: int) -> bool:
     """Whether the SGD step of a stacked weight (K, P, Q) whose gradient sums ``rows`` rows may be
-    one oneDNN product (:func:`sgd_step_`): the weight contiguous, :func:`usable`, at most
+    one product that adds into it (:func:`sgd_step_`): the weight contiguous, :func:`usable`, at most
     :data:`FUSED_STEP_MAX_ROWS` rows and the product of at least :data:`ONEDNN_MIN_FLOPS`, 2·K·P·rows·Q.
     On one core of an AMD processor with 32 MiB of L3 cache (weights of 128 and 256 rows on 128,
     256 and 784 inputs, 3 to 48 models, their caches warm, a quick measurement) the one product

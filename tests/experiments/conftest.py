@@ -23,12 +23,14 @@ def one_thread():
 
 @pytest.fixture
 def small_products_on_onednn(monkeypatch):
-    """oneDNN's products at every size (``stacked_matmul.ONEDNN_MIN_FLOPS`` = 0), for tests that
-    exercise them on small models, which the engine would otherwise multiply with torch's ops.
-    Used by ``pytestmark = pytest.mark.usefixtures("small_products_on_onednn")``."""
+    """oneDNN's products at every size (``stacked_matmul.ONEDNN_MIN_FLOPS`` = 0) and on every
+    processor (``stacked_matmul.ONEDNN_PREFERRED``), for tests that exercise them on small models,
+    which the engine would otherwise multiply with torch's ops. Used by
+    ``pytestmark = pytest.mark.usefixtures("small_products_on_onednn")``."""
     from affdiv.experiments.runs import stacked_matmul
 
     monkeypatch.setattr(stacked_matmul, "ONEDNN_MIN_FLOPS", 0)
+    monkeypatch.setattr(stacked_matmul, "ONEDNN_PREFERRED", True)
 
 
 @pytest.fixture(scope="module")

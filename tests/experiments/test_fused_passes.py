@@ -84,6 +84,8 @@ def test_a_pass_routed_off_is_off_and_the_others_stay_on(digits, method, passes)
 @pytest.mark.skipif(not _native.onednn_enabled(), reason="oneDNN's matmul is not bound here")
 def test_the_product_routes_routed_off_are_off(digits, monkeypatch):
     # the digits models' products are small: on torch's ops, on oneDNN with "small on torch" off
+    # (on every processor: on an Intel processor with MKL the engine's products are torch's)
+    monkeypatch.setattr(stacked_matmul, "ONEDNN_PREFERRED", True)
     onednn = {"oneDNN": (_native, "onednn_bmm_")}
     assert _calls_in_a_step("affine", digits, None, onednn)["oneDNN"] == 0
     assert _calls_in_a_step("affine", digits, "small on torch", onednn)["oneDNN"] > 0
@@ -104,3 +106,13 @@ def test_the_product_routes_routed_off_are_off(digits, monkeypatch):
     assert 8 in rows_of_first_factors(None)
     off = rows_of_first_factors("thin input gradient")
     assert off and 8 not in off
+
+
+@pytest.mark.skipif(not _native.onednn_enabled(), reason="oneDNN's matmul is not bound here")
+def test_mkl_on_intel_routed_off_multiplies_on_onednn(digits, monkeypatch):
+    # as on an Intel processor with MKL: every product torch's; routed off, oneDNN's (every size here)
+    monkeypatch.setattr(stacked_matmul, "ONEDNN_MIN_FLOPS", 0)
+    monkeypatch.setattr(stacked_matmul, "ONEDNN_PREFERRED", False)
+    onednn = {"oneDNN": (_native, "onednn_bmm_")}
+    assert _calls_in_a_step("affine", digits, None, onednn)["oneDNN"] == 0
+    assert _calls_in_a_step("affine", digits, "MKL on Intel", onednn)["oneDNN"] > 0

@@ -124,6 +124,33 @@ def test_the_step_moves_the_weight_by_minus_eta_times_its_gradient(k, m, length,
         assert torch.equal(w, before.addcmul(plain_w, step.detach()))
 
 
+@pytest.mark.parametrize("weight", ["a", "b"])
+@pytest.mark.parametrize("rows", [8, stacked_matmul.FUSED_STEP_MAX_ROWS + 1])
+def test_where_mkl_is_preferred_the_fused_step_is_torchs_product_into_the_weight(weight, rows, monkeypatch):
+    # an Intel processor with MKL (stacked_matmul.ONEDNN_PREFERRED false): no product on oneDNN;
+    # the fused step is torch's in-place baddbmm_ into the weight itself, within the bound above
+    monkeypatch.setattr(stacked_matmul, "ONEDNN_PREFERRED", False)
+    into, original = [], torch.Tensor.baddbmm_
+    monkeypatch.setattr(torch.Tensor, "baddbmm_",
+                        lambda self, *args, **kwargs: into.append(self.data_ptr()) or original(self, *args, **kwargs))
+    c, a, b, g, w = _case(2, 5, 7, rows, weight, True, torch.float32, 0) if weight == "a" else \
+        _case(2, rows, 7, 5, weight, True, torch.float32, 0)
+    step = torch.tensor([-0.3, -0.7]).view(2, 1, 1)
+    inputs = [t.requires_grad_() for t in (c, b if weight == "a" else a)]
+    left, right = (g, b.transpose(1, 2)) if weight == "a" else (g.transpose(1, 2), a)
+    before = w.clone()
+    fused = stacked_matmul.fused_step(w, left, right)
+    assert fused == (rows <= stacked_matmul.FUSED_STEP_MAX_ROWS)
+    with unittest.mock.patch.object(_native, "onednn_bmm_", wraps=_native.onednn_bmm_) as onednn:
+        out = stacked_matmul.baddbmm(c, a, b, step.requires_grad_(), weight)
+        torch.autograd.grad(out, inputs + [step], g)
+    assert onednn.call_count == 0 and into == ([w.data_ptr()] if fused else [])
+    if fused:
+        _assert_stepped(w, before, step, left, right)
+    else:
+        assert torch.equal(w, before.addcmul(torch.bmm(left, right), step.detach()))
+
+
 def test_a_stepped_product_steps_where_nothing_else_needs_a_gradient():
     # a first layer without a bias, on data: only the step requires a gradient, and that is enough
     c, a, b, g, w = _case(2, 6, 5, 4, "a", False, torch.float64, 3)
@@ -285,9 +312,12 @@ def test_layers_whose_step_would_not_be_one_product_leave_it_to_the_optimiser(di
 
 
 @needs_onednn
+@pytest.mark.parametrize("onednn", [True, False], ids=["oneDNN", "MKL on Intel"])
 @pytest.mark.parametrize("method", METHODS)
-def test_the_fused_step_trains_as_the_optimiser_within_float32_rounding(digits, method):
-    # every product on oneDNN (the module's fixture), 8 rows: one fused product for every dense weight
+def test_the_fused_step_trains_as_the_optimiser_within_float32_rounding(digits, method, onednn, monkeypatch):
+    # every product on oneDNN (the module's fixture), or every product torch's where MKL is the
+    # preferred library; 8 rows: one fused product for every dense weight
+    monkeypatch.setattr(stacked_matmul, "ONEDNN_PREFERRED", onednn)
     stepped, plain, _start, orders = _engines(digits, method)
     with _fused_answers() as fused, \
             unittest.mock.patch.object(stepped.optimizer, "step", wraps=stepped.optimizer.step) as update:

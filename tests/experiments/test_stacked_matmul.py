@@ -343,3 +343,31 @@ def test_a_check_takes_onednn_for_the_first_layer_of_each_split(digits, method):
                                                                                       (16 * 64, 1, 64)]
             tolerance = 1e-5 if dtype == "float32" else 1e-12
             torch.testing.assert_close(logits, alone, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize(("vendor", "mkl", "preferred"), [("GenuineIntel", True, False), ("GenuineIntel", False, True),
+                                                          ("AuthenticAMD", True, True), (None, True, True)])
+def test_onednn_is_preferred_everywhere_but_mkl_on_an_intel_processor(vendor, mkl, preferred):
+    assert stacked_matmul.onednn_preferred(vendor, mkl) is preferred
+
+
+def test_the_vendor_is_read_from_cpuinfo(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n")
+    assert stacked_matmul.cpu_vendor(str(info)) == "AuthenticAMD"
+    info.write_text("processor\t: 0\nCPU implementer\t: 0x41\n")  # (an ARM processor names none)
+    assert stacked_matmul.cpu_vendor(str(info)) is None
+    assert stacked_matmul.cpu_vendor(str(tmp_path / "absent")) is None
+
+
+def test_where_onednn_is_not_preferred_every_product_is_torchs(monkeypatch):
+    a, b, c = torch.randn(3, 64, 32), torch.randn(3, 32, 48), torch.randn(3, 1, 48)
+    assert stacked_matmul.takes_onednn(c, a, b)  # (the module's fixture: every size, every processor)
+    monkeypatch.setattr(stacked_matmul, "ONEDNN_PREFERRED", False)
+    assert not stacked_matmul.takes_onednn(c, a, b)
+    with unittest.mock.patch.object(_native, "onednn_bmm_", wraps=_native.onednn_bmm_) as onednn:
+        out = stacked_matmul.baddbmm(c, a.requires_grad_(), b)
+        out.backward(torch.ones_like(out))
+        product = stacked_matmul.product(a.detach(), b)
+    assert onednn.call_count == 0
+    assert torch.equal(out, torch.baddbmm(c, a, b)) and torch.equal(product, torch.bmm(a.detach(), b))
