@@ -124,12 +124,27 @@ def command_line(argv: list[str], root: str | os.PathLike | None = None) -> str:
     return " ".join([*head, *(portable(token) for token in argv[1:])])
 
 
+def cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str | None:
+    """The processor's vendor as its cpuid names it ("GenuineIntel", "AuthenticAMD", …), read from
+    Linux's ``cpuinfo`` file (where ``platform.processor()`` names none); None where that is not
+    to be read or names none."""
+    try:
+        with open(cpuinfo, encoding="ascii", errors="replace") as info:
+            for line in info:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        return None
+    return None
+
+
 def provenance(**extra) -> dict:
     """A JSON-ready provenance record; ``extra`` (seed, config hash, ...) is merged in; absolute
     paths in the command are written relative to the working directory.
 
     Keys: package, version, git_commit, git_dirty, git_source (module docstring), libraries,
-    command, platform, machine, processor, cpu_count, time_utc, then ``extra``."""
+    command, platform, machine, processor (``platform.processor()``, else :func:`cpu_vendor`),
+    cpu_count, time_utc, then ``extra``."""
     record = {
         "package": "affdiv",
         "version": __version__,
@@ -138,7 +153,7 @@ def provenance(**extra) -> dict:
         "command": command_line(sys.argv, os.getcwd()),
         "platform": platform.platform(),
         "machine": platform.machine(),
-        "processor": platform.processor() or None,
+        "processor": platform.processor() or cpu_vendor(),
         "cpu_count": os.cpu_count(),
         "time_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
     }

@@ -17,7 +17,8 @@ as torch's; with the first block off, its pool and ReLU take the later pools' pa
 pass stays on in both. Three routes of the products (``experiments.runs.stacked_matmul``) and one
 of the update are timed the same way: "thin input gradient", the column layers' Wᵀ g with few
 columns computed as (gᵀ W)ᵀ (off: Wᵀ g); "small on torch", the products below ``ONEDNN_MIN_FLOPS``
-on torch's ops (off: every product on oneDNN); "MKL on Intel", every product (and the fused SGD
+on torch's ops (off: every product on oneDNN; on an Intel processor with MKL, where no product is
+oneDNN's, the two variants of these two are the same code); "MKL on Intel", every product (and the fused SGD
 step) on torch's BLAS where it is MKL on an Intel processor (``ONEDNN_PREFERRED``; off: on oneDNN
 from the line up, as on other processors, where the two variants are the same code); and "step
 in backward", the MLP arms' dense layers making their weights' SGD step in their backward

@@ -95,3 +95,24 @@ def test_the_command_names_no_absolute_path(tmp_path, monkeypatch):
     script = [str(tmp_path / "benchmarks" / "bench.py"), "--json", "/elsewhere/out/b.json", "--in=/elsewhere/a.csv"]
     assert provenance.command_line(script, tmp_path) == "python benchmarks/bench.py --json b.json --in=a.csv"
     assert provenance.command_line(["/x/affdiv/__main__.py", "verify"], tmp_path) == "affdiv verify"
+
+
+def test_the_vendor_is_read_from_cpuinfo(tmp_path):
+    from affdiv.provenance import cpu_vendor
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n")
+    assert cpu_vendor(str(info)) == "AuthenticAMD"
+    info.write_text("processor\t: 0\nCPU implementer\t: 0x41\n")  # (an ARM processor names none)
+    assert cpu_vendor(str(info)) is None
+    assert cpu_vendor(str(tmp_path / "absent")) is None
+
+
+def test_the_processor_falls_back_to_the_vendor(monkeypatch):
+    from affdiv import provenance as module
+
+    monkeypatch.setattr(module.platform, "processor", lambda: "")
+    monkeypatch.setattr(module, "cpu_vendor", lambda: "GenuineIntel")
+    assert module.provenance()["processor"] == "GenuineIntel"
+    monkeypatch.setattr(module.platform, "processor", lambda: "arm")
+    assert module.provenance()["processor"] == "arm"

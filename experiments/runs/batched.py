@@ -4,7 +4,7 @@ For an ``nn.Sequential`` of the layers in :data:`LAYER_NAMES` (every MLP method 
 conv+batchnorm and patchnorm CNNs of :mod:`~affdiv.experiments.runs.models`), :class:`BatchedEnsemble` runs the
 K stacked models as one ordinary autograd graph, without ``torch.func``: the activations of an
 MLP are (K, B, F) and a linear layer is one batched product, z_kᵀ = W_k x_kᵀ + b_k
-(``baddbmm``; in float32 on oneDNN where it is the faster library, may run and the product is large enough,
+(``baddbmm``; in float32 on oneDNN where it is preferred, may run and the product is large enough,
 :mod:`~affdiv.experiments.runs.stacked_matmul`);
 the activations of a CNN are (B, K·C, H, W) in channels-last memory order, so a
 convolution is one grouped convolution (groups = K) and BatchNorm, pooling and the activations
@@ -33,7 +33,7 @@ torch's is not everywhere).
 
 Checks, and the runs' test splits after training, evaluate one chunk of samples for all the
 models on that split: the first linear layer is then one GEMM with the K weights side by side (in
-float32 on oneDNN where it is the faster library, may run and the product is large enough, as the engine's other
+float32 on oneDNN where it is preferred, may run and the product is large enough, as the engine's other
 products: the largest product of an MLP's check), a first convolution on more than one input
 channel one dense convolution, and models on different splits of one size are evaluated in one
 pass per chunk.
@@ -111,7 +111,8 @@ def _token_linear(x: Tensor, p: Stacked, k: int, _training: bool = True) -> Tens
     """z = x Wᵀ + b with z contiguous (:func:`~affdiv.experiments.runs.stacked_dense.row_product`): for
     many rows of few features (a transformer's tokens), whose activations are then split into heads
     and normalised row by row (the weight, passed as Wᵀ, gets its gradient in W's layout where
-    the product runs on oneDNN: :func:`~affdiv.experiments.runs.stacked_matmul.baddbmm`)."""
+    the product runs on oneDNN, as torch lays it out, a transposed view, where torch's product
+    takes it: :func:`~affdiv.experiments.runs.stacked_matmul.baddbmm`)."""
     return stacked_dense.row_product(x, p["weight"], p.get("bias"))
 
 
@@ -440,8 +441,8 @@ def _shared_input(x: Tensor, module: nn.Module, p: Stacked, k: int) -> tuple[Ten
     if type(module) is nn.Flatten:
         return x.flatten(1), True
     w = p.get("weight")
-    if type(module) is nn.Linear:  # a batch of one (oneDNN's product where it may run and is large enough), Wᵀ a
-        # view oneDNN reads as is
+    if type(module) is nn.Linear:  # a batch of one (oneDNN's product where it is preferred, may run and is large
+        # enough), Wᵀ a view either library reads as is
         bias = p["bias"].reshape(1, 1, -1) if "bias" in p else None
         z = stacked_matmul.baddbmm(bias, x.unsqueeze(0), w.reshape(1, -1, w.shape[2]).transpose(1, 2))
         return z[0].view(x.shape[0], k, -1).transpose(0, 1), False

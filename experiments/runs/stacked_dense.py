@@ -16,8 +16,8 @@ and for the gradient g of z, with the row scale s (r or q) and gy = s·g,
 Written in torch operations (square, sum, sqrt, a broadcast division and their backwards) a
 layer makes a dozen passes over its (K, M, N) output; in a profile of the vit-affine_like step
 they took more time than its matrix products. Here the product is
-:func:`~affdiv.experiments.runs.stacked_matmul.baddbmm`'s (oneDNN in float32 where it may run and
-the product is large enough),
+:func:`~affdiv.experiments.runs.stacked_matmul.baddbmm`'s (oneDNN in float32 where it is preferred, may run
+and the product is large enough),
 the scale is one pass (``_fused.scale_outputs``), and the backward is one pass that scales g
 (``_fused.scale_grad``), the two products and one pass that takes off the radial part
 (``_fused.minus_radial_``), each row's arithmetic that of the layer alone.

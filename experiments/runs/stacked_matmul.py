@@ -1,5 +1,5 @@
-"""The stacked engine's batched products, on oneDNN where it is the faster library and may run
-them, else on torch's.
+"""The stacked engine's batched products, on oneDNN where it is preferred and may run them, else
+on torch's.
 
 A stacked linear layer is a batched product with a bias,
 
@@ -17,14 +17,16 @@ package's C++ extension binds torch's own call of it (:func:`affdiv.layers._nati
 and :class:`OnednnBaddbmm` is written here around it. Its numbers are the product's up to the order
 of summation inside the kernel: float32 rounding, which the engine's batched kernels already allow
 (:mod:`~affdiv.experiments.runs.batched`). MKL picks its kernels by the processor's vendor, and
-on an Intel processor runs its AVX-512 code itself: there, on one core of an Intel Xeon processor
-(``benchmarks/results/cpu_training_roofline_intel_xeon.json``), ``torch.mm`` ran at 118-137 GF/s
-and oneDNN's matmul at 70-115, and the MLP's stacked step at B = 1024 ran at 0.86-0.92 of one model
-at a time's speed (MKL's products). The products therefore take oneDNN everywhere but where torch's
-BLAS is MKL on an Intel processor (:data:`ONEDNN_PREFERRED`, from the processor's vendor: a
-property of the machine, never of a timing, so a run's numbers do not depend on its load).
+on an Intel processor with AVX-512 runs its AVX-512 code itself: there, on one core of an Intel
+Xeon processor (``benchmarks/results/cpu_training_roofline_intel_xeon.json``), ``torch.mm`` of the
+floor's square matrices ran 1.10-1.92 times as fast as oneDNN's matmul in every row, and the MLP
+arms' stacked step on oneDNN's products at B = 1024 ran at 0.86-0.92 of the speed of one model
+at a time on torch's. The products therefore take oneDNN everywhere but where torch's BLAS is
+MKL on an Intel processor (:data:`ONEDNN_PREFERRED`, a rule of the machine, never a timing, so a
+run's numbers do not depend on its load; ``benchmarks/fused_passes.py`` times it as the pass "MKL
+on Intel").
 
-:func:`baddbmm` takes oneDNN where :func:`usable` and the product has at least
+:func:`baddbmm` takes oneDNN where :data:`ONEDNN_PREFERRED`, :func:`usable` and the product has at least
 :data:`ONEDNN_MIN_FLOPS` (smaller ones run faster on torch's ops: :func:`takes_onednn`), else
 ``torch.baddbmm`` / ``torch.bmm``. The backward checks again: a backward that records a graph (a
 double backward), carries forward-mode tangents or batched gradients takes torch's products, which
@@ -38,7 +40,8 @@ backward, in place, instead of returning W's gradient (:class:`SgdStepBaddbmm`):
 
 after the other operands' gradients, which read W before it moves (:func:`sgd_step_`). Where it
 pays (:func:`fused_step`) that is one product that adds into W, the factor of ∂W with fewer
-entries scaled by −η_k, by oneDNN's sum post-op: ∂W is never written out and read back, and the
+entries scaled by −η_k, by oneDNN's sum post-op (torch's in-place ``baddbmm_``, a GEMM with β = 1,
+where oneDNN is not :data:`ONEDNN_PREFERRED`): ∂W is never written out and read back, and the
 optimiser's pass over W is saved (the engine takes it where its stack stays in cache:
 :func:`~affdiv.experiments.runs.batched.sgd_stepped`). Its roundings differ from the separate
 update's: each entry of the scaled factor is rounded, then the products' sums are added into W,
@@ -61,43 +64,42 @@ from torch import Tensor
 
 from affdiv.layers import _fused, _native
 from affdiv.layers._torch_internals import is_compiling, saved_tensors_hooks_active, untraced_eager
-
-
-def cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str | None:
-    """The processor's vendor as its cpuid names it ("GenuineIntel", "AuthenticAMD", …), read from
-    Linux's ``cpuinfo`` file; None where that is not to be read or names none."""
-    try:
-        with open(cpuinfo, encoding="ascii", errors="replace") as info:
-            for line in info:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        return None
-    return None
+from affdiv.provenance import cpu_vendor
 
 
 def onednn_preferred(vendor: str | None, mkl: bool) -> bool:
-    """Whether oneDNN is the faster library for the engine's float32 products on a processor of
-    ``vendor`` whose torch multiplies with MKL (``mkl``) or another BLAS: everywhere but where MKL
-    runs on an Intel processor (module docstring)."""
+    """The rule for whether the engine's float32 products take oneDNN on a processor of ``vendor``
+    (as cpuid names it) whose torch multiplies with MKL (``mkl``) or another BLAS: everywhere but
+    where MKL runs on an Intel processor, which it gives its own widest code (module docstring).
+    A rule of the machine, not a timing on it."""
     return not (mkl and vendor == "GenuineIntel")
+
+
+def _blas_is_mkl() -> bool:
+    """Whether torch's BLAS is MKL (its build configuration says so)."""
+    return "BLAS_INFO=mkl" in torch.__config__.show()
 
 
 #: Whether the engine's float32 products and its SGD step's fused product take oneDNN where it may
 #: run them (:func:`takes_onednn`, :func:`sgd_step_`): :func:`onednn_preferred` on this machine.
-ONEDNN_PREFERRED = onednn_preferred(cpu_vendor(), torch.backends.mkl.is_available())
+ONEDNN_PREFERRED = onednn_preferred(cpu_vendor(), _blas_is_mkl())
 
 
 def usable(*tensors: Tensor | None) -> bool:
-    """Whether oneDNN may take a product of these tensors (None entries ignored): not traced by
-    torch.compile, no torch.func transform, dispatch mode or forward-mode AD (whose rules only
-    torch's ops have); torch's own oneDNN switch on and its float32 matmul precision full
-    (:func:`_full_float32_precision`); the extension bound oneDNN's matmul (its self-test runs at
-    the first call that gets this far) and ``affdiv.layers._native.disabled`` is not in force; CPU
-    autocast off (torch's products follow it);
-    each tensor a plain strided float32 CPU tensor (no subclass, not wrapped), none empty."""
-    if not untraced_eager() or not torch.backends.mkldnn.enabled or not _full_float32_precision() \
-            or torch.is_autocast_enabled("cpu") or not _native.onednn_enabled():
+    """Whether oneDNN may take a product of these tensors (None entries ignored): torch's own
+    oneDNN switch on and its float32 matmul precision full (:func:`_full_float32_precision`); the
+    extension bound oneDNN's matmul (its self-test runs at the first call that gets this far) and
+    ``affdiv.layers._native.disabled`` is not in force; and :func:`plain_operands`."""
+    return plain_operands(*tensors) and torch.backends.mkldnn.enabled and _full_float32_precision() \
+        and _native.onednn_enabled()
+
+
+def plain_operands(*tensors: Tensor | None) -> bool:
+    """Whether these tensors (None entries ignored) are operands of a plain eager product: not
+    traced by torch.compile, no torch.func transform, dispatch mode or forward-mode AD (whose rules
+    only torch's ops have); CPU autocast off (torch's products follow it); each tensor a plain
+    strided float32 CPU tensor (no subclass, not wrapped), none empty."""
+    if not untraced_eager() or torch.is_autocast_enabled("cpu"):
         return False
     return all(t is None or (t.dtype == torch.float32 and t.is_cpu and t.layout == torch.strided and t.numel() > 0
                              and _fused.plain(t))
@@ -303,23 +305,34 @@ FUSED_STEP_MAX_ROWS = 32
 def fused_step(weight: Tensor, left: Tensor, right: Tensor) -> bool:
     """Whether :func:`sgd_step_` adds the product into the weight in one product:
     :func:`fuses_step` for the weight and the rows of the sum (its FLOPs are the product's), and
-    the product's factors :func:`usable`."""
-    return fuses_step(weight, left.shape[2]) and usable(left, right)
+    the product's factors operands it may take (:func:`_step_operands`)."""
+    return fuses_step(weight, left.shape[2]) and _step_operands(left, right)
 
 
 def fuses_step(weight: Tensor, rows: int) -> bool:
     """Whether the SGD step of a stacked weight (K, P, Q) whose gradient sums ``rows`` rows may be
-    one product that adds into it (:func:`sgd_step_`): the weight contiguous, :func:`usable`, at most
-    :data:`FUSED_STEP_MAX_ROWS` rows and the product of at least :data:`ONEDNN_MIN_FLOPS`, 2·K·P·rows·Q.
+    one product that adds into it (:func:`sgd_step_`): the weight contiguous and an operand that
+    product may take (:func:`_step_operands`), at most :data:`FUSED_STEP_MAX_ROWS` rows and the
+    product of at least :data:`ONEDNN_MIN_FLOPS`, 2·K·P·rows·Q.
     On one core of an AMD processor with 32 MiB of L3 cache (weights of 128 and 256 rows on 128,
     256 and 784 inputs, 3 to 48 models, their caches warm, a quick measurement) the one product
     took 0.55–0.91 of the time of the separate product and ``addcmul_`` at 16 rows with up to 18
     MiB of weight, 0.73–0.93 at 32 rows, 0.80–0.97 at 64 and 0.93–1.24 at 128 and 256; and
     oneDNN's sum post-op reads a weight that has left the cache slowly (37 MiB of weight: 1.15–1.27
-    from 32 rows). The cache is the engine's rule (:func:`~affdiv.experiments.runs.batched.sgd_stepped`)."""
+    from 32 rows). The cache is the engine's rule (:func:`~affdiv.experiments.runs.batched.sgd_stepped`).
+    Where the products are torch's (not :data:`ONEDNN_PREFERRED`) the same lines are kept, measured
+    on oneDNN only; on one core of an Intel Xeon processor torch's ``baddbmm_`` took 0.54–0.83 of
+    the time of ``bmm`` and ``addcmul_`` at 16 and 32 rows, 6 to 48 models of 256 × 784 weights (a
+    quick measurement)."""
     k, p, q = weight.shape
-    return (weight.is_contiguous() and rows <= FUSED_STEP_MAX_ROWS and usable(weight)
+    return (weight.is_contiguous() and rows <= FUSED_STEP_MAX_ROWS and _step_operands(weight)
             and 2 * k * p * rows * q >= ONEDNN_MIN_FLOPS)
+
+
+def _step_operands(*tensors: Tensor) -> bool:
+    """Whether the fused step's product may take these operands: :func:`usable` on oneDNN
+    (:data:`ONEDNN_PREFERRED`), else :func:`plain_operands` for torch's ``baddbmm_``."""
+    return usable(*tensors) if ONEDNN_PREFERRED else plain_operands(*tensors)
 
 
 def _laid_out_as(operand: Tensor, mm, left: Tensor, right: Tensor) -> Tensor:

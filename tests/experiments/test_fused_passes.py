@@ -1,6 +1,6 @@
 """benchmarks/fused_passes.py: inside ``routed_off(name)`` the pass ``name`` is off for the
 engine being timed, whether it is chosen when the engine is built (the CNN passes, the step in
-the backward) or at every call (the others), and the other passes stay on; so are the two
+the backward) or at every call (the others), and the other passes stay on; so are the three
 routes of the products."""
 
 import importlib.util

@@ -39,7 +39,7 @@ pytestmark = pytest.mark.usefixtures("one_thread", "small_products_on_onednn")
 ROUNDING = {torch.float32: 2.0**-24, torch.float64: 2.0**-53}
 LINE = stacked_matmul.ONEDNN_MIN_FLOPS  # (the package's line; the module's fixture lowers it to 0)
 ROUTES = {"oneDNN": contextlib.nullcontext, "torch": _native.disabled}
-#: For the tests of the engine's fused step, which only oneDNN's product makes.
+#: For the tests of the engine's fused step on oneDNN's product.
 needs_onednn = pytest.mark.skipif(not _native.onednn_enabled(), reason="oneDNN's matmul is not bound here")
 
 
@@ -142,13 +142,17 @@ def test_where_mkl_is_preferred_the_fused_step_is_torchs_product_into_the_weight
     fused = stacked_matmul.fused_step(w, left, right)
     assert fused == (rows <= stacked_matmul.FUSED_STEP_MAX_ROWS)
     with unittest.mock.patch.object(_native, "onednn_bmm_", wraps=_native.onednn_bmm_) as onednn:
+        leaf = before.clone().requires_grad_()  # the product without the step, W a leaf of its own
+        factors = (leaf, b) if weight == "a" else (a, leaf.transpose(1, 2))
+        plain_w = torch.autograd.grad(stacked_matmul.baddbmm(c, *factors), leaf, g)[0]
+        into.clear()
         out = stacked_matmul.baddbmm(c, a, b, step.requires_grad_(), weight)
         torch.autograd.grad(out, inputs + [step], g)
     assert onednn.call_count == 0 and into == ([w.data_ptr()] if fused else [])
     if fused:
         _assert_stepped(w, before, step, left, right)
-    else:
-        assert torch.equal(w, before.addcmul(torch.bmm(left, right), step.detach()))
+    else:  # the optimiser's update of the gradient torch's product gives W, bit for bit
+        assert torch.equal(w, before.addcmul(plain_w, step.detach()))
 
 
 def test_a_stepped_product_steps_where_nothing_else_needs_a_gradient():

@@ -351,15 +351,6 @@ def test_onednn_is_preferred_everywhere_but_mkl_on_an_intel_processor(vendor, mk
     assert stacked_matmul.onednn_preferred(vendor, mkl) is preferred
 
 
-def test_the_vendor_is_read_from_cpuinfo(tmp_path):
-    info = tmp_path / "cpuinfo"
-    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n")
-    assert stacked_matmul.cpu_vendor(str(info)) == "AuthenticAMD"
-    info.write_text("processor\t: 0\nCPU implementer\t: 0x41\n")  # (an ARM processor names none)
-    assert stacked_matmul.cpu_vendor(str(info)) is None
-    assert stacked_matmul.cpu_vendor(str(tmp_path / "absent")) is None
-
-
 def test_where_onednn_is_not_preferred_every_product_is_torchs(monkeypatch):
     a, b, c = torch.randn(3, 64, 32), torch.randn(3, 32, 48), torch.randn(3, 1, 48)
     assert stacked_matmul.takes_onednn(c, a, b)  # (the module's fixture: every size, every processor)

@@ -81,8 +81,9 @@ def test_a_processor_without_onednns_float32_path_keeps_torchs_products():
     # oneDNN told to use AVX2 at most, as on a processor without AVX-512: its float32 matmul
     # raises there, so the self-test must refuse it and the engine's products must be torch's
     # (and the self-test waits for the first use: an import runs no product)
+    # (any product would take oneDNN, on any processor)
     script = ("import torch; from affdiv.layers import _native; from affdiv.experiments.runs import stacked_matmul; "
-              "stacked_matmul.ONEDNN_MIN_FLOPS = 0; "  # (a product of any size would take oneDNN)
+              "stacked_matmul.ONEDNN_MIN_FLOPS = 0; stacked_matmul.ONEDNN_PREFERRED = True; "
               "a, b = torch.randn(2, 3, 4), torch.randn(2, 4, 5); print(_native._onednn['bound']); "
               "print(_native.onednn_enabled(), torch.equal(stacked_matmul.baddbmm(None, a, b), torch.bmm(a, b)))")
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
