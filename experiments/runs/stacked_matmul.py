@@ -19,12 +19,12 @@ of summation inside the kernel: float32 rounding, which the engine's batched ker
 (:mod:`~affdiv.experiments.runs.batched`). MKL picks its kernels by the processor's vendor, and
 on an Intel processor with AVX-512 runs its AVX-512 code itself: there, on one core of an Intel
 Xeon processor (``benchmarks/results/cpu_training_roofline_intel_xeon.json``), ``torch.mm`` of the
-floor's square matrices ran 1.10-1.92 times as fast as oneDNN's matmul in every row, and the MLP
-arms' stacked step on oneDNN's products at B = 1024 ran at 0.86-0.92 of the speed of one model
-at a time on torch's. The products therefore take oneDNN everywhere but where torch's BLAS is
-MKL on an Intel processor (:data:`ONEDNN_PREFERRED`, a rule of the machine, never a timing, so a
-run's numbers do not depend on its load; ``benchmarks/fused_passes.py`` times it as the pass "MKL
-on Intel").
+floor's square matrices ran 1.10-1.92 times as fast as oneDNN's matmul in every row. The
+products therefore take oneDNN everywhere but where torch's BLAS is MKL on an Intel processor
+(:data:`ONEDNN_PREFERRED`, a rule of the machine, never a timing, so a run's numbers do not depend
+on its load). With 48 stacked models that bought the MLP arms' and the vit's step 1.09-1.20 at
+B = 16, cost the MLP 5% at B = 64 and read 0.98-1.07 elsewhere (``benchmarks/fused_passes.py``,
+the pass "MKL on Intel", paired rounds: ``cpu_fused_passes_mkl_on_intel.json``).
 
 :func:`baddbmm` takes oneDNN where :data:`ONEDNN_PREFERRED`, :func:`usable` and the product has at least
 :data:`ONEDNN_MIN_FLOPS` (smaller ones run faster on torch's ops: :func:`takes_onednn`), else
@@ -81,7 +81,7 @@ def _blas_is_mkl() -> bool:
 
 
 #: Whether the engine's float32 products and its SGD step's fused product take oneDNN where it may
-#: run them (:func:`takes_onednn`, :func:`sgd_step_`): :func:`onednn_preferred` on this machine.
+#: run them (:func:`takes_onednn`, :func:`sgd_step_`): :func:`onednn_preferred` for the processor it runs on.
 ONEDNN_PREFERRED = onednn_preferred(cpu_vendor(), _blas_is_mkl())
 
 
