@@ -126,13 +126,12 @@ def command_line(argv: list[str], root: str | os.PathLike | None = None) -> str:
 
 def cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str | None:
     """The processor's vendor as its cpuid names it ("GenuineIntel", "AuthenticAMD", …), read from
-    Linux's ``cpuinfo`` file (where ``platform.processor()`` names none); None where that is not
-    to be read or names none."""
+    Linux's ``cpuinfo`` file; None where that is not to be read or names none."""
     try:
         with open(cpuinfo, encoding="ascii", errors="replace") as info:
             for line in info:
                 if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
+                    return line.split(":", 1)[1].strip() or None
     except OSError:
         return None
     return None
@@ -143,8 +142,8 @@ def provenance(**extra) -> dict:
     paths in the command are written relative to the working directory.
 
     Keys: package, version, git_commit, git_dirty, git_source (module docstring), libraries,
-    command, platform, machine, processor (``platform.processor()``, else :func:`cpu_vendor`),
-    cpu_count, time_utc, then ``extra``."""
+    command, platform, machine, processor, cpu_vendor (:func:`cpu_vendor`: which library the
+    stacked engine's products take follows it), cpu_count, time_utc, then ``extra``."""
     record = {
         "package": "affdiv",
         "version": __version__,
@@ -153,7 +152,8 @@ def provenance(**extra) -> dict:
         "command": command_line(sys.argv, os.getcwd()),
         "platform": platform.platform(),
         "machine": platform.machine(),
-        "processor": platform.processor() or cpu_vendor(),
+        "processor": platform.processor() or None,
+        "cpu_vendor": cpu_vendor(),
         "cpu_count": os.cpu_count(),
         "time_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
     }

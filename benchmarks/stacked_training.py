@@ -14,7 +14,8 @@ engines (``training.OneAtATime``; the stacked engine ``training.stacked_engine``
 named in the table; ``--vmap`` also times ``stacked.StackedEnsemble``, the vmapped fallback;
 ``--plain`` times the stacked engine again inside ``affdiv.layers._fused.disabled()`` and
 ``affdiv.layers._native.disabled()``, without the compiled passes (on the CNN arms without the fused
-blocks described below) and with torch's products instead of oneDNN's; ``--compiled``
+blocks described below) and with torch's products instead of oneDNN's (on an Intel processor with
+MKL, where the engine's products are torch's already, it differs by the passes only); ``--compiled``
 times it with its batched forward compiled by ``torch.compile`` (inductor; autograd then runs the
 compiled backward, and the optimiser makes every update, as a compiled backward cannot make the
 dense layers' SGD step in place; the compilation, in an untimed first step, is not counted)) taking SGD

@@ -35,7 +35,8 @@ Intel processor with MKL, where they are torch's at every size
 SGD in float32 an MLP's dense weights take their update inside the backward, as one product
 rounded otherwise than the optimiser's update, only while the stack's parameters fit
 :data:`~affdiv.experiments.runs.batched.SGD_STEP_MAX_BYTES`, the batch has at most 32 samples and
-the layer's product is at least that line (``stacked_matmul.fuses_step``). In the tests (digits, width 16)
+the layer's product is at least that line and one the fused step may take
+(``stacked_matmul.fuses_step``). In the tests (digits, width 16)
 affine_like's do not change, bit for bit.
 
 Measurements (:class:`~affdiv.experiments.runs.training.Measurement`) look at one model at a

@@ -22,8 +22,9 @@ Xeon processor (``benchmarks/results/cpu_training_roofline_intel_xeon.json``), `
 floor's square matrices ran 1.10-1.92 times as fast as oneDNN's matmul in every row. The
 products therefore take oneDNN everywhere but where torch's BLAS is MKL on an Intel processor
 (:data:`ONEDNN_PREFERRED`, a rule of the machine, never a timing, so a run's numbers do not depend
-on its load). With 48 stacked models that bought the MLP arms' and the vit's step 1.09-1.20 at
-B = 16, cost the MLP 5% at B = 64 and read 0.98-1.07 elsewhere (``benchmarks/fused_passes.py``,
+on its load). With as many models as the roofline stacks (48 for the MLPs) that bought the MLP
+arms' and the vit's step 1.09-1.20 at B = 16, cost the MLP about 6% at B = 64 (0.95) and read
+0.97-1.07 elsewhere (``benchmarks/fused_passes.py``,
 the pass "MKL on Intel", paired rounds: ``cpu_fused_passes_mkl_on_intel.json``).
 
 :func:`baddbmm` takes oneDNN where :data:`ONEDNN_PREFERRED`, :func:`usable` and the product has at least
@@ -75,14 +76,15 @@ def onednn_preferred(vendor: str | None, mkl: bool) -> bool:
     return not (mkl and vendor == "GenuineIntel")
 
 
-def _blas_is_mkl() -> bool:
-    """Whether torch's BLAS is MKL (its build configuration says so)."""
-    return "BLAS_INFO=mkl" in torch.__config__.show()
+def blas_is_mkl(config: str | None = None) -> bool:
+    """Whether torch's BLAS is MKL, as its build configuration (``config``, default
+    ``torch.__config__.show()``) says: ``BLAS_INFO=mkl``."""
+    return "BLAS_INFO=mkl" in (torch.__config__.show() if config is None else config)
 
 
 #: Whether the engine's float32 products and its SGD step's fused product take oneDNN where it may
 #: run them (:func:`takes_onednn`, :func:`sgd_step_`): :func:`onednn_preferred` for the processor it runs on.
-ONEDNN_PREFERRED = onednn_preferred(cpu_vendor(), _blas_is_mkl())
+ONEDNN_PREFERRED = onednn_preferred(cpu_vendor(), blas_is_mkl())
 
 
 def usable(*tensors: Tensor | None) -> bool:
@@ -322,7 +324,7 @@ def fuses_step(weight: Tensor, rows: int) -> bool:
     from 32 rows). The cache is the engine's rule (:func:`~affdiv.experiments.runs.batched.sgd_stepped`).
     Where the products are torch's (not :data:`ONEDNN_PREFERRED`) the same lines are kept, measured
     on oneDNN only; on one core of an Intel Xeon processor torch's ``baddbmm_`` took 0.54–0.83 of
-    the time of ``bmm`` and ``addcmul_`` at 16 and 32 rows, 6 to 48 models of 256 × 784 weights (a
+    the time of ``bmm`` and ``addcmul_`` at 16 and 32 rows, 6 to 48 models of 784 × 256 weights (a
     quick measurement)."""
     k, p, q = weight.shape
     return (weight.is_contiguous() and rows <= FUSED_STEP_MAX_ROWS and _step_operands(weight)

@@ -70,9 +70,9 @@ def _calls_in_a_step(method: str, digits, routed: str | None, calls=CALLS) -> di
                                             ("norm_l2", ["tanh", "step in backward"]),
                                             ("vit", ["attention", "layer norm"]),
                                             ("vit-affine_like", ["dense scale", "attention", "layer norm"])])
-@pytest.mark.usefixtures("small_products_on_onednn")  # (the digits models' steps are one product on oneDNN only)
+@pytest.mark.usefixtures("small_products_on_onednn")  # (the digits models' steps are one product on oneDNN's route)
 def test_a_pass_routed_off_is_off_and_the_others_stay_on(digits, method, passes):
-    if not _native.onednn_enabled():  # (the step in the backward is taken only where oneDNN makes it)
+    if not _native.onednn_enabled():  # (on oneDNN's route, which the fixture takes, the step needs it)
         passes = [name for name in passes if name != "step in backward"]
     assert all(method in fused_passes.PASSES[name][-1] for name in passes)
     assert all(_calls_in_a_step(method, digits, None)[name] > 0 for name in passes)

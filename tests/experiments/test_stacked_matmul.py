@@ -345,12 +345,6 @@ def test_a_check_takes_onednn_for_the_first_layer_of_each_split(digits, method):
             torch.testing.assert_close(logits, alone, rtol=tolerance, atol=tolerance)
 
 
-@pytest.mark.parametrize(("vendor", "mkl", "preferred"), [("GenuineIntel", True, False), ("GenuineIntel", False, True),
-                                                          ("AuthenticAMD", True, True), (None, True, True)])
-def test_onednn_is_preferred_everywhere_but_mkl_on_an_intel_processor(vendor, mkl, preferred):
-    assert stacked_matmul.onednn_preferred(vendor, mkl) is preferred
-
-
 def test_where_onednn_is_not_preferred_every_product_is_torchs(monkeypatch):
     a, b, c = torch.randn(3, 64, 32), torch.randn(3, 32, 48), torch.randn(3, 1, 48)
     assert stacked_matmul.takes_onednn(c, a, b)  # (the module's fixture: every size, every processor)
