@@ -27,6 +27,7 @@ import functools
 import importlib
 import os
 import platform
+import shlex
 import subprocess
 import sys
 from importlib.metadata import PackageNotFoundError, version
@@ -109,7 +110,8 @@ def command_line(argv: list[str], root: str | os.PathLike | None = None) -> str:
     """``argv`` as a record writes it: ``affdiv ARGS`` for the command line (``python -m affdiv``
     included), ``python SCRIPT ARGS`` for a script (a benchmark); absolute paths (also in
     ``--option=PATH`` and ``--set KEY=PATH``) relative to ``root``, and a path outside ``root`` as
-    its file name alone (where it lay on the machine that wrote the record says nothing to a reader)."""
+    its file name alone (where it lay on the machine that wrote the record says nothing to a reader);
+    quoted as a POSIX shell reads it (``shlex.join``), so that the line runs as written."""
     def portable(token: str) -> str:
         option, sep, value = token.partition("=")
         if sep and not os.path.isabs(token):  # --option=PATH, or a --set KEY=PATH value
@@ -121,7 +123,7 @@ def command_line(argv: list[str], root: str | os.PathLike | None = None) -> str:
 
     program = os.path.basename(argv[0]) if argv else "affdiv"
     head = ["affdiv"] if program in ("affdiv", "__main__.py", "-m", "") else ["python", portable(argv[0])]
-    return " ".join([*head, *(portable(token) for token in argv[1:])])
+    return shlex.join([*head, *(portable(token) for token in argv[1:])])
 
 
 def cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str | None:

@@ -1,6 +1,7 @@
 """Provenance names this package's own source: never the commit of the directory it is run from."""
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -95,6 +96,11 @@ def test_the_command_names_no_absolute_path(tmp_path, monkeypatch):
     script = [str(tmp_path / "benchmarks" / "bench.py"), "--json", "/elsewhere/out/b.json", "--in=/elsewhere/a.csv"]
     assert provenance.command_line(script, tmp_path) == "python benchmarks/bench.py --json b.json --in=a.csv"
     assert provenance.command_line(["/x/affdiv/__main__.py", "verify"], tmp_path) == "affdiv verify"
+    # quoted as a shell reads it: the line runs as written
+    argv = ["/x/bin/affdiv", "falsify", "--passes", "MKL on Intel", "--set", 'lr_rule="sqrt"']
+    line = provenance.command_line(argv, tmp_path)
+    assert line == """affdiv falsify --passes 'MKL on Intel' --set 'lr_rule="sqrt"'"""
+    assert shlex.split(line)[1:] == argv[1:]
 
 
 def test_the_vendor_is_read_from_cpuinfo(tmp_path):

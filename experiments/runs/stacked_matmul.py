@@ -25,7 +25,9 @@ products therefore take oneDNN everywhere but where torch's BLAS is MKL on an In
 on its load). With as many models as the roofline stacks (48 for the MLPs) that bought the MLP
 arms' and the vit's step 1.09-1.20 at B = 16, cost the MLP about 6% at B = 64 (0.95) and read
 0.97-1.07 elsewhere (``benchmarks/fused_passes.py``,
-the pass "MKL on Intel", paired rounds: ``cpu_fused_passes_mkl_on_intel.json``).
+the pass "MKL on Intel", paired rounds: ``cpu_fused_passes_mkl_on_intel.json``), and with a
+study's stacks of 6 and 12 MLPs at B = 16 and 32 1.13-1.35
+(``cpu_fused_passes_mkl_on_intel_small_stacks.json``).
 
 :func:`baddbmm` takes oneDNN where :data:`ONEDNN_PREFERRED`, :func:`usable` and the product has at least
 :data:`ONEDNN_MIN_FLOPS` (smaller ones run faster on torch's ops: :func:`takes_onednn`), else
@@ -325,7 +327,8 @@ def fuses_step(weight: Tensor, rows: int) -> bool:
     Where the products are torch's (not :data:`ONEDNN_PREFERRED`) the same lines are kept, measured
     on oneDNN only; on one core of an Intel Xeon processor torch's ``baddbmm_`` took 0.54–0.83 of
     the time of ``bmm`` and ``addcmul_`` at 16 and 32 rows, 6 to 48 models of 784 × 256 weights (a
-    quick measurement)."""
+    quick measurement), and in the MLP arms' step with 6 models at B = 16 and 32 the fused step
+    read 0.97-1.14 against the optimiser's update (``cpu_fused_passes_mkl_on_intel_small_stacks.json``)."""
     k, p, q = weight.shape
     return (weight.is_contiguous() and rows <= FUSED_STEP_MAX_ROWS and _step_operands(weight)
             and 2 * k * p * rows * q >= ONEDNN_MIN_FLOPS)
