@@ -317,13 +317,12 @@ def test_layers_whose_step_would_not_be_one_product_leave_it_to_the_optimiser(di
         assert not torch.equal(p, start.params[name]), name  # (every parameter moved)
 
 
-@pytest.mark.parametrize("onednn", [True, False], ids=["oneDNN", "MKL on Intel"])
+@pytest.mark.parametrize("onednn", [pytest.param(True, marks=needs_onednn, id="oneDNN"),
+                                    pytest.param(False, id="MKL on Intel")])
 @pytest.mark.parametrize("method", METHODS)
 def test_the_fused_step_trains_as_the_optimiser_within_float32_rounding(digits, method, onednn, monkeypatch):
     # every product on oneDNN (the module's fixture), or every product torch's where MKL is the
     # preferred library (which needs no oneDNN); 8 rows: one fused product for every dense weight
-    if onednn and not _native.onednn_enabled():
-        pytest.skip("oneDNN's matmul is not bound here")
     monkeypatch.setattr(stacked_matmul, "ONEDNN_PREFERRED", onednn)
     stepped, plain, _start, orders = _engines(digits, method)
     with _fused_answers() as fused, \
