@@ -326,7 +326,8 @@ def _pool_relu(relu: bool) -> Layer:
     return layer
 
 
-#: The most bytes of a stack's parameters for which :func:`sgd_stepped` steps weights in the backward.
+#: The most bytes of a stack's parameters for which :func:`sgd_stepped` steps weights in the backward
+#: where the fused step is oneDNN's (:data:`~affdiv.experiments.runs.stacked_matmul.ONEDNN_PREFERRED`).
 SGD_STEP_MAX_BYTES = 8 * 2**20
 
 
@@ -334,14 +335,16 @@ def sgd_stepped(layers: Sequence[tuple[str | tuple[str, ...], nn.Module, Layer]]
                 params: Stacked) -> tuple[str, ...]:
     """The names of the layers whose backward may make their weight's SGD step (:data:`SGD_STEP`;
     :mod:`~affdiv.experiments.runs.stacked_matmul`; :meth:`BatchedEnsemble.step` takes those whose
-    step is one product), given the stacked parameters ``params``: with plain SGD, float32
-    parameters and at most :data:`SGD_STEP_MAX_BYTES` of them, every ``nn.Linear``, AffineLike
-    and NormLike of an MLP (:func:`batched_layers` whose stacked parameters have at most three
-    dimensions: no convolution), whose batched forms take the step; none with momentum or Adam,
-    whose updates read their state, in float64, where no product is fused, in a CNN, whose
-    read-out was not measured, nor in the vision transformer (its layers are narrow, the update a
-    small part of its step). The step pays where a weight is still in cache at its backward. In
-    the MLP arms' step (784-256-256-256-10, 1.28 MiB a model; one thread a process,
+    step is one product), given the stacked parameters ``params``: with plain SGD and float32
+    parameters, every ``nn.Linear``, AffineLike and NormLike of an MLP (:func:`batched_layers`
+    whose stacked parameters have at most three dimensions: no convolution), whose batched forms
+    take the step, where the fused step is oneDNN's only while the parameters hold at most
+    :data:`SGD_STEP_MAX_BYTES`; none with momentum or Adam, whose updates read their state, in
+    float64, where no product is fused, in a CNN, whose read-out was not measured, nor in the
+    vision transformer (its layers are narrow, the update a small part of its step).
+
+    oneDNN's step pays where a weight is still in cache at its backward. In the MLP arms' step
+    (784-256-256-256-10, 1.28 MiB a model; one thread a process, an AMD processor,
     ``benchmarks/fused_passes.py``) it bought 1.10–1.12 with 6 models (7.7 MiB) and 1.27–1.41 with
     12 (15.3 MiB) at B = 16, 1.04–1.08 and 1.12–1.15 at B = 32, and nothing the rounds could see
     with 3 (identical code read 0.98–1.03 in the same run;
@@ -350,11 +353,17 @@ def sgd_stepped(layers: Sequence[tuple[str | tuple[str, ...], nn.Module, Layer]]
     at B = 32, and 12 models 1.00–1.12 and 0.90–0.97 (``cpu_fused_passes_sgd_step_two_workers_*``).
     The line is therefore 8 MiB, which holds a study's six learning-rate candidates of that MLP.
     Under an earlier rule that stepped every stack of 24 and 48 models (31 and 61 MiB) the step
-    bought at most 3% at B = 16 and cost up to 8% at B = 32 and 64 (a measurement not kept)."""
+    bought at most 3% at B = 16 and cost up to 8% at B = 32 and 64 (a measurement not kept).
+    torch's ``baddbmm_`` on MKL (an Intel Xeon processor) reads the weight as a GEMM's β = 1
+    operand, at the pace of the product, and pays at every stack size: with 12 and 48 models (15
+    and 61 MiB) it bought 1.09–1.35 at B = 16 with one process and 1.15–1.41 with two at once
+    (``cpu_fused_passes_mkl_step_bytes.json``), so on MKL the engine has no line of bytes."""
     from affdiv.layers import AffineLike, NormLike
 
-    if optimizer != "sgd" or layers is None or any(p.dim() > 3 or p.dtype != torch.float32 for p in params.values()) \
-            or sum(p.numel() * p.element_size() for p in params.values()) > SGD_STEP_MAX_BYTES:
+    if optimizer != "sgd" or layers is None or any(p.dim() > 3 or p.dtype != torch.float32 for p in params.values()):
+        return ()
+    if stacked_matmul.ONEDNN_PREFERRED and sum(p.numel() * p.element_size() for p in params.values()) \
+            > SGD_STEP_MAX_BYTES:
         return ()
     return tuple(name for name, module, _layer in layers if type(module) in (nn.Linear, AffineLike, NormLike))
 
@@ -524,8 +533,8 @@ class BatchedEnsemble(StackedEnsemble):
 
     def step(self, batches: Tensor) -> Tensor:
         """:meth:`StackedEnsemble.step`; the weights of :func:`sgd_stepped`'s layers whose step
-        is one product at this batch size (``stacked_matmul.fuses_step``: at most 32 samples, a
-        product of at least ``stacked_matmul.ONEDNN_MIN_FLOPS``) are stepped by their layers'
+        is one product at this batch size (``stacked_matmul.fuses_step``: at most 32 samples on
+        oneDNN, 256 on MKL, a product of at least ``stacked_matmul.ONEDNN_MIN_FLOPS``) are stepped by their layers'
         backward, the other parameters by the optimiser. Each layer's −η is a leaf whose (zero)
         gradient is asked for, so that autograd runs every stepped backward, and raises if a layer
         left its step unused. A backward that raises may have stepped some weights and not the

@@ -45,8 +45,8 @@ after the other operands' gradients, which read W before it moves (:func:`sgd_st
 pays (:func:`fused_step`) that is one product that adds into W, the factor of ∂W with fewer
 entries scaled by −η_k, by oneDNN's sum post-op (torch's in-place ``baddbmm_``, a GEMM with β = 1,
 where oneDNN is not :data:`ONEDNN_PREFERRED`): ∂W is never written out and read back, and the
-optimiser's pass over W is saved (the engine takes it where its stack stays in cache:
-:func:`~affdiv.experiments.runs.batched.sgd_stepped`). Its roundings differ from the separate
+optimiser's pass over W is saved (the engine takes it on oneDNN where its stack stays in cache,
+on MKL at any size: :func:`~affdiv.experiments.runs.batched.sgd_stepped`). Its roundings differ from the separate
 update's: each entry of the scaled factor is rounded, then the products' sums are added into W,
 where the optimiser rounds ∂W, then its product with −η_k, then the sum. Elsewhere the step is
 the optimiser's own, bit for bit: ∂W as the backward computes it without the step, then
@@ -302,8 +302,10 @@ def sgd_step_(weight: Tensor, step: Tensor, left: Tensor, right: Tensor,
 
 
 #: The most rows M (the sum's length) of a weight's gradient for which :func:`fused_step` adds it
-#: into the weight in one product.
+#: into the weight in one product on oneDNN (:data:`ONEDNN_PREFERRED`; :func:`fuses_step`).
 FUSED_STEP_MAX_ROWS = 32
+#: The same line on torch's ``baddbmm_`` where the BLAS is MKL on an Intel processor.
+MKL_FUSED_STEP_MAX_ROWS = 256
 
 
 def fused_step(weight: Tensor, left: Tensor, right: Tensor) -> bool:
@@ -316,21 +318,26 @@ def fused_step(weight: Tensor, left: Tensor, right: Tensor) -> bool:
 def fuses_step(weight: Tensor, rows: int) -> bool:
     """Whether the SGD step of a stacked weight (K, P, Q) whose gradient sums ``rows`` rows may be
     one product that adds into it (:func:`sgd_step_`): the weight contiguous and an operand that
-    product may take (:func:`_step_operands`), at most :data:`FUSED_STEP_MAX_ROWS` rows and the
-    product of at least :data:`ONEDNN_MIN_FLOPS`, 2·K·P·rows·Q.
-    On one core of an AMD processor with 32 MiB of L3 cache (weights of 128 and 256 rows on 128,
-    256 and 784 inputs, 3 to 48 models, their caches warm, a quick measurement) the one product
-    took 0.55–0.91 of the time of the separate product and ``addcmul_`` at 16 rows with up to 18
-    MiB of weight, 0.73–0.93 at 32 rows, 0.80–0.97 at 64 and 0.93–1.24 at 128 and 256; and
-    oneDNN's sum post-op reads a weight that has left the cache slowly (37 MiB of weight: 1.15–1.27
-    from 32 rows). The cache is the engine's rule (:func:`~affdiv.experiments.runs.batched.sgd_stepped`).
-    Where the products are torch's (not :data:`ONEDNN_PREFERRED`) the same lines are kept, measured
-    on oneDNN only; on one core of an Intel Xeon processor torch's ``baddbmm_`` took 0.54–0.83 of
-    the time of ``bmm`` and ``addcmul_`` at 16 and 32 rows, 6 to 48 models of 784 × 256 weights (a
-    quick measurement), and in the MLP arms' step with 6 models at B = 16 and 32 the fused step
-    read 0.97-1.14 against the optimiser's update (``cpu_fused_passes_mkl_on_intel_small_stacks.json``)."""
+    product may take (:func:`_step_operands`), the product of at least :data:`ONEDNN_MIN_FLOPS`,
+    2·K·P·rows·Q, and at most :data:`FUSED_STEP_MAX_ROWS` rows on oneDNN, at most
+    :data:`MKL_FUSED_STEP_MAX_ROWS` on MKL (:data:`ONEDNN_PREFERRED` false).
+
+    The fused product saves the gradient's write and the update's pass over the weight, a fixed
+    cost against the product's, which grows with the rows. On oneDNN, on one core of an AMD
+    processor with 32 MiB of L3 cache (weights of 128 and 256 rows on 128, 256 and 784 inputs, 3
+    to 48 models, their caches warm, a quick measurement), the one product took 0.55–0.91 of the
+    time of the separate product and ``addcmul_`` at 16 rows with up to 18 MiB of weight, 0.73–0.93
+    at 32 rows, 0.80–0.97 at 64 and 0.93–1.24 at 128 and 256; and oneDNN's sum post-op reads a
+    weight that has left the cache slowly (37 MiB of weight: 1.15–1.27 from 32 rows), which the
+    engine's line of bytes keeps it from (:func:`~affdiv.experiments.runs.batched.sgd_stepped`).
+    On MKL, on one core of an Intel Xeon processor, torch's ``baddbmm_`` took 0.54–0.83 of the
+    time of ``bmm`` and ``addcmul_`` at 16 and 32 rows, 6 to 48 models of 784 × 256 weights (a
+    quick measurement); in the MLP arms' step (``benchmarks/fused_passes.py``, the pass "step in
+    backward", 12 and 48 models, paired rounds; ``cpu_fused_passes_mkl_step_rows.json``) the
+    fused step bought about 5% at B = 64 and 128, 0–8% at 256, and cost 0–4% at 1024."""
     k, p, q = weight.shape
-    return (weight.is_contiguous() and rows <= FUSED_STEP_MAX_ROWS and _step_operands(weight)
+    most_rows = FUSED_STEP_MAX_ROWS if ONEDNN_PREFERRED else MKL_FUSED_STEP_MAX_ROWS
+    return (weight.is_contiguous() and rows <= most_rows and _step_operands(weight)
             and 2 * k * p * rows * q >= ONEDNN_MIN_FLOPS)
 
 

@@ -125,10 +125,12 @@ def test_the_step_moves_the_weight_by_minus_eta_times_its_gradient(k, m, length,
 
 
 @pytest.mark.parametrize("weight", ["a", "b"])
-@pytest.mark.parametrize("rows", [8, stacked_matmul.FUSED_STEP_MAX_ROWS + 1])
+@pytest.mark.parametrize("rows", [8, stacked_matmul.FUSED_STEP_MAX_ROWS + 1,
+                                  stacked_matmul.MKL_FUSED_STEP_MAX_ROWS + 1])
 def test_where_mkl_is_preferred_the_fused_step_is_torchs_product_into_the_weight(weight, rows, monkeypatch):
     # an Intel processor with MKL (stacked_matmul.ONEDNN_PREFERRED false): no product on oneDNN;
-    # the fused step is torch's in-place baddbmm_ into the weight itself, within the bound above
+    # the fused step is torch's in-place baddbmm_ into the weight itself, within the bound above,
+    # up to MKL's line of rows (beyond oneDNN's)
     monkeypatch.setattr(stacked_matmul, "ONEDNN_PREFERRED", False)
     into, original = [], torch.Tensor.baddbmm_
     monkeypatch.setattr(torch.Tensor, "baddbmm_",
@@ -140,7 +142,7 @@ def test_where_mkl_is_preferred_the_fused_step_is_torchs_product_into_the_weight
     left, right = (g, b.transpose(1, 2)) if weight == "a" else (g.transpose(1, 2), a)
     before = w.clone()
     fused = stacked_matmul.fused_step(w, left, right)
-    assert fused == (rows <= stacked_matmul.FUSED_STEP_MAX_ROWS)
+    assert fused == (rows <= stacked_matmul.MKL_FUSED_STEP_MAX_ROWS)
     with unittest.mock.patch.object(_native, "onednn_bmm_", wraps=_native.onednn_bmm_) as onednn:
         leaf = before.clone().requires_grad_()  # the product without the step, W a leaf of its own
         factors = (leaf, b) if weight == "a" else (a, leaf.transpose(1, 2))
@@ -410,12 +412,18 @@ def test_float64_cnns_and_the_vit_keep_the_optimisers_update(digits, method, dty
     assert _build(digits, method, dtype, depth=depth).stepped == {}
 
 
-def test_the_fused_product_is_taken_within_its_line_only():
+LINES_OF_ROWS = [pytest.param(True, stacked_matmul.FUSED_STEP_MAX_ROWS, id="oneDNN", marks=needs_onednn),
+                 pytest.param(False, stacked_matmul.MKL_FUSED_STEP_MAX_ROWS, id="MKL")]
+
+
+@pytest.mark.parametrize("onednn_preferred, line", LINES_OF_ROWS)
+def test_the_fused_product_is_taken_within_its_line_only(onednn_preferred, line, monkeypatch):
+    monkeypatch.setattr(stacked_matmul, "ONEDNN_PREFERRED", onednn_preferred)
     k, p, q = 2, 8, 6
     weight = torch.randn(k, p, q)
-    for rows in (stacked_matmul.FUSED_STEP_MAX_ROWS, stacked_matmul.FUSED_STEP_MAX_ROWS + 1):
+    for rows in (line, line + 1):
         left, right = torch.randn(k, p, rows), torch.randn(k, rows, q)
-        assert stacked_matmul.fused_step(weight, left, right) == (rows <= stacked_matmul.FUSED_STEP_MAX_ROWS)
+        assert stacked_matmul.fused_step(weight, left, right) == (rows <= line)
         assert not stacked_matmul.fused_step(weight.transpose(1, 2).contiguous().transpose(1, 2), left, right)
         assert not stacked_matmul.fused_step(weight.double(), left.double(), right.double())
     # beyond the line: the optimiser's update, bit for bit
@@ -424,7 +432,9 @@ def test_the_fused_product_is_taken_within_its_line_only():
     assert torch.equal(weight, before.addcmul(stacked_matmul.product(left, right), step))
 
 
-def test_a_stack_steps_in_the_backward_up_to_its_line_of_bytes(digits):
+@pytest.mark.parametrize("onednn_preferred", [True, False], ids=["oneDNN", "MKL"])
+def test_a_stack_steps_in_the_backward_up_to_its_line_of_bytes_on_onednn_only(digits, onednn_preferred, monkeypatch):
+    monkeypatch.setattr(stacked_matmul, "ONEDNN_PREFERRED", onednn_preferred)
     config = RunConfig(dataset="digits", method="affine", depth=2, width=16, batch_size=8, seed=0)
     split = (torch.as_tensor(digits.train.x), torch.as_tensor(digits.train.y))
 
@@ -434,13 +444,15 @@ def test_a_stack_steps_in_the_backward_up_to_its_line_of_bytes(digits):
             return stacked_engine(models[0])(models, "sgd", [0.1, 0.3], [None] * 2, [split] * 2, [split] * 2).stepped
 
     size = 2 * sum(p.numel() * p.element_size() for p in build_member(config, digits, 0).parameters())
-    assert list(stepped(size)) == ["1.weight", "3.weight", "5.weight"] and stepped(size - 1) == {}
+    layers = ["1.weight", "3.weight", "5.weight"]
+    assert list(stepped(size)) == layers and list(stepped(size - 1)) == ([] if onednn_preferred else layers)
 
 
-@needs_onednn
-def test_a_batch_beyond_the_fused_products_rows_leaves_every_update_to_the_optimiser(digits):
+@pytest.mark.parametrize("onednn_preferred, line", LINES_OF_ROWS)
+def test_a_batch_beyond_the_fused_products_rows_leaves_every_update_to_the_optimiser(digits, onednn_preferred, line,
+                                                                                     monkeypatch):
+    monkeypatch.setattr(stacked_matmul, "ONEDNN_PREFERRED", onednn_preferred)
     stepped, _plain, _start, orders = _engines(digits, "affine")
-    line = stacked_matmul.FUSED_STEP_MAX_ROWS
     with unittest.mock.patch.object(stepped.optimizer, "step", wraps=stepped.optimizer.step) as update:
         stepped.step(orders[:, :line])
         stepped.step(orders[:, :line + 1])
