@@ -354,10 +354,12 @@ def sgd_stepped(layers: Sequence[tuple[str | tuple[str, ...], nn.Module, Layer]]
     The line is therefore 8 MiB, which holds a study's six learning-rate candidates of that MLP.
     Under an earlier rule that stepped every stack of 24 and 48 models (31 and 61 MiB) the step
     bought at most 3% at B = 16 and cost up to 8% at B = 32 and 64 (a measurement not kept).
-    torch's ``baddbmm_`` on MKL (an Intel Xeon processor) reads the weight as a GEMM's β = 1
-    operand, at the pace of the product, and pays at every stack size: with 12 and 48 models (15
-    and 61 MiB) it bought 1.09–1.35 at B = 16 with one process and 1.15–1.41 with two at once
-    (``cpu_fused_passes_mkl_step_bytes.json``), so on MKL the engine has no line of bytes."""
+    torch's ``baddbmm_`` on MKL (one core of an Intel Xeon processor with a large shared L3) paid
+    at every stack size measured: with 12 and 48 models (15 and 61 MiB) it bought 1.19–1.35 at B =
+    16 and 1.04–1.11 at B = 64 with one process
+    (``benchmarks/results/cpu_fused_passes_mkl_step_lines.json``), and 1.21–1.36 and 1.04–1.11
+    with two at once (``cpu_fused_passes_mkl_step_lines_two_workers_{1,2}.json``), so on MKL the
+    engine has no line of bytes."""
     from affdiv.layers import AffineLike, NormLike
 
     if optimizer != "sgd" or layers is None or any(p.dim() > 3 or p.dtype != torch.float32 for p in params.values()):
@@ -534,8 +536,8 @@ class BatchedEnsemble(StackedEnsemble):
     def step(self, batches: Tensor) -> Tensor:
         """:meth:`StackedEnsemble.step`; the weights of :func:`sgd_stepped`'s layers whose step
         is one product at this batch size (``stacked_matmul.fuses_step``: at most 32 samples on
-        oneDNN, 256 on MKL, a product of at least ``stacked_matmul.ONEDNN_MIN_FLOPS``) are stepped by their layers'
-        backward, the other parameters by the optimiser. Each layer's −η is a leaf whose (zero)
+        oneDNN, 128 on MKL, a product of at least ``stacked_matmul.ONEDNN_MIN_FLOPS``) are stepped
+        by their layers' backward, the other parameters by the optimiser. Each layer's −η is a leaf whose (zero)
         gradient is asked for, so that autograd runs every stepped backward, and raises if a layer
         left its step unused. A backward that raises may have stepped some weights and not the
         rest: the ensemble then refuses to go on."""

@@ -305,7 +305,7 @@ def sgd_step_(weight: Tensor, step: Tensor, left: Tensor, right: Tensor,
 #: into the weight in one product on oneDNN (:data:`ONEDNN_PREFERRED`; :func:`fuses_step`).
 FUSED_STEP_MAX_ROWS = 32
 #: The same line on torch's ``baddbmm_`` where the BLAS is MKL on an Intel processor.
-MKL_FUSED_STEP_MAX_ROWS = 256
+MKL_FUSED_STEP_MAX_ROWS = 128
 
 
 def fused_step(weight: Tensor, left: Tensor, right: Tensor) -> bool:
@@ -332,9 +332,13 @@ def fuses_step(weight: Tensor, rows: int) -> bool:
     engine's line of bytes keeps it from (:func:`~affdiv.experiments.runs.batched.sgd_stepped`).
     On MKL, on one core of an Intel Xeon processor, torch's ``baddbmm_`` took 0.54–0.83 of the
     time of ``bmm`` and ``addcmul_`` at 16 and 32 rows, 6 to 48 models of 784 × 256 weights (a
-    quick measurement); in the MLP arms' step (``benchmarks/fused_passes.py``, the pass "step in
-    backward", 12 and 48 models, paired rounds; ``cpu_fused_passes_mkl_step_rows.json``) the
-    fused step bought about 5% at B = 64 and 128, 0–8% at 256, and cost 0–4% at 1024."""
+    quick measurement). In the MLP arms' step (``benchmarks/fused_passes.py``, the pass "step in
+    backward", 12 and 48 models, paired rounds, one process;
+    ``benchmarks/results/cpu_fused_passes_mkl_step_lines.json``) the fused step read 1.19–1.35 at
+    B = 16, 1.05–1.18 at 32, 1.04–1.11 at 64, 1.01–1.09 at 128 and 0.96–1.10 at 256, where the
+    identical code of both variants read 0.97–1.03 (at B = 1024, beyond that run's line of 256):
+    the line is the most rows at which every cell gained. With two such processes at once, as a
+    sweep's two workers run, 128 rows read 0.97–1.07 (``cpu_fused_passes_mkl_step_lines_two_workers_{1,2}.json``)."""
     k, p, q = weight.shape
     most_rows = FUSED_STEP_MAX_ROWS if ONEDNN_PREFERRED else MKL_FUSED_STEP_MAX_ROWS
     return (weight.is_contiguous() and rows <= most_rows and _step_operands(weight)
