@@ -19,8 +19,10 @@ of the update are timed the same way: "thin input gradient", the column layers' 
 columns computed as (gᵀ W)ᵀ (off: Wᵀ g); "small on torch", the products below ``ONEDNN_MIN_FLOPS``
 on torch's ops (off: every product on oneDNN; on an Intel processor with MKL, where no product is
 oneDNN's, the two variants of these two are the same code); "MKL on Intel", every product (and the fused SGD
-step) on torch's BLAS where it is MKL on an Intel processor (``ONEDNN_PREFERRED``; off: on oneDNN
-from the line up, as on other processors, where the two variants are the same code); and "step
+step) on torch's BLAS and the MLP arms' tanh torch's where the BLAS is MKL on an Intel processor
+(``ONEDNN_PREFERRED``; off: the products on oneDNN from the line up and tanh on its pass, as on
+other processors, where the two variants are the same code; on such a processor the pass "tanh"
+is the same code in both variants); and "step
 in backward", the MLP arms' dense layers making their weights' SGD step in their backward
 (``experiments.runs.batched.sgd_stepped``; off: the optimiser's update of those weights, chosen
 when the engine is built). Their SGD steps are

@@ -1,20 +1,32 @@
-"""The stacked engine's tanh activation on the fused pass in float32.
+"""The stacked engine's tanh activation on the fused pass in float32, where it pays.
 
-torch's float32 tanh on the CPU is not vectorised: about 2 ns an element on one core, whatever
-vector width the processor has (its ATEN_CPU_CAPABILITY), which in the stacked MLP arms is
-about a seventh of a training step at B = 256 (three tanh layers against their matrix products).
-The pass ``_fused.tanh`` computes each element in double from a reduced ``expm1`` (within 1e-15 of
-tanh(x), relative) and rounds it once to float (its derivation in ``_fused_cpu.c``): the correctly
-rounded tanh on each of the 2³¹ non-negative float32 inputs, and so on the negative ones (it is odd
-by construction, and rounding to nearest is symmetric), where torch's float32 tanh misrounds 82,383 of
-them (``benchmarks/tanh_accuracy.py``); and about 2.4× faster with AVX-512 (0.98 against 2.36 ns
-an element in that run, one thread).
+torch's float32 tanh on the CPU is, in a build with MKL (torch's CPU wheels), MKL's vector math
+(VML), which picks its code by the processor's vendor, as MKL's products do
+(:mod:`~affdiv.experiments.runs.stacked_matmul`). On an AMD processor with AVX-512 it took about
+2.4 ns an element on one core (``benchmarks/results/cpu_tanh_accuracy.json``), which in the
+stacked MLP arms is about a seventh of a training step at B = 256 (three tanh layers against
+their matrix products). The pass ``_fused.tanh`` computes each element in double from a reduced
+``expm1`` (within 1e-15 of tanh(x), relative) and rounds it once to float (its derivation in
+``_fused_cpu.c``): the correctly rounded tanh on each of the 2³¹ non-negative float32 inputs, and
+so on the negative ones (it is odd by construction, and rounding to nearest is symmetric), where
+torch's float32 tanh misrounded 82,383 of them on that processor (``benchmarks/tanh_accuracy.py``);
+and 2.4× as fast there (0.98 against 2.36 ns an element in that run, one thread). On an Intel
+processor MKL runs its own AVX-512 code: on one core of an Intel Xeon processor torch's tanh took
+1.63 ns an element against the pass's 2.25 over the accuracy benchmark's 64 MiB chunks
+(``benchmarks/results/cpu_tanh_accuracy_intel_xeon.json``; 0.5–0.6 against 2.5–2.8 on arrays that
+stay in cache, a quick measurement), and the MLP arms' step with torch's tanh took 0.89–1.00 of
+the time of the step with the pass (12 and 48 models at B = 16 to 1024, paired rounds:
+``benchmarks/results/cpu_fused_passes_tanh_mkl_on_intel.json``). The engine therefore takes the
+pass everywhere but where torch's BLAS is MKL on an Intel processor, the rule of the products'
+library (``stacked_matmul.ONEDNN_PREFERRED`` false): a rule of the machine, never a timing. There
+its float32 numbers are torch's tanh's, which there misrounded 803,349 of the 2³¹ non-negative
+inputs, each by one unit in the last place (the same benchmark; the largest difference from the
+pass's bits over them all, a quick check).
 
 The backward is torch's own, ``tanh_backward(g, y) = g·(1 − y²)`` on the saved output, which
 autograd differentiates again (a double backward) and runs on batched gradients. :func:`tanh`
-takes :class:`Tanh` where :func:`usable` (``_fused.functions_usable``, a float32 tensor stored
-densely in some order of its dimensions), else ``torch.tanh``, which torch.func, forward-mode AD,
-torch.compile, dispatch modes (but one that only observes) and other dtypes get.
+takes :class:`Tanh` where :func:`takes_pass`, else ``torch.tanh``, which torch.func, forward-mode
+AD, torch.compile, dispatch modes (but one that only observes) and other dtypes get.
 """
 
 from __future__ import annotations
@@ -22,7 +34,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from affdiv.experiments.runs import stacked_matmul
 from affdiv.layers import _fused
+
+
+def takes_pass(x: Tensor) -> bool:
+    """Whether :func:`tanh` takes the pass for x: where it pays, everywhere but where torch's BLAS
+    is MKL on an Intel processor (``stacked_matmul.ONEDNN_PREFERRED``; module docstring), and
+    :func:`usable`."""
+    return stacked_matmul.ONEDNN_PREFERRED and usable(x)
 
 
 def usable(x: Tensor) -> bool:
@@ -33,7 +53,7 @@ def usable(x: Tensor) -> bool:
 
 def tanh(x: Tensor) -> Tensor:
     """tanh(x), in x's layout (module docstring)."""
-    return Tanh.apply(x) if usable(x) else torch.tanh(x)
+    return Tanh.apply(x) if takes_pass(x) else torch.tanh(x)
 
 
 class Tanh(torch.autograd.Function):

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from affdiv.experiments.runs import activations
+from affdiv.experiments.runs import activations, stacked_matmul
 from affdiv.layers import _fused
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
@@ -40,8 +40,11 @@ _NEAR_MIDPOINT_INPUT = float.fromhex("0x1.13d76cp-3")
 
 
 @pytest.fixture(autouse=True)
-def _seeded():
+def _seeded_on_the_pass_route(monkeypatch):
+    """Seeded, and on every processor the route that takes the pass (on an Intel processor with
+    MKL the engine's tanh is torch's: the tests of that rule set it back)."""
     torch.manual_seed(0)
+    monkeypatch.setattr(stacked_matmul, "ONEDNN_PREFERRED", True)
 
 
 def _assert_correctly_rounded(x: torch.Tensor, y: torch.Tensor) -> None:
@@ -166,7 +169,11 @@ def test_calls_the_pass_cannot_serve_take_torchs_tanh():
             assert torch.equal(activations.tanh(x), torch.tanh(x))
 
 
-def test_the_stacked_engine_takes_the_pass_for_float32_tanh_and_trains_as_one_model_alone(digits):
+@pytest.mark.parametrize("onednn_preferred, calls", [(True, 2), (False, 0)], ids=["pass", "MKL on Intel"])
+def test_the_stacked_engine_takes_the_pass_for_float32_tanh_but_with_mkl_on_intel_and_trains_as_one_model_alone(
+        digits, onednn_preferred, calls, monkeypatch):
+    # (where torch's BLAS is MKL on an Intel processor, torch's tanh is MKL's own code: no pass)
+    monkeypatch.setattr(stacked_matmul, "ONEDNN_PREFERRED", onednn_preferred)
     from affdiv.experiments.runs.config import RunConfig
     from affdiv.experiments.runs.training import build_member, stacked_engine
 
@@ -178,7 +185,7 @@ def test_the_stacked_engine_takes_the_pass_for_float32_tanh_and_trains_as_one_mo
     batch = torch.stack([torch.arange(8), torch.arange(8, 16)])
     with unittest.mock.patch.object(activations.Tanh, "apply", wraps=activations.Tanh.apply) as applied:
         losses = engine.step(batch)
-    assert applied.call_count == 2  # the two hidden layers' tanh
+    assert applied.call_count == calls  # the two hidden layers' tanh, or none
     for k, (model, lr) in enumerate(zip(alone, (0.1, 0.2))):
         loss = torch.nn.functional.cross_entropy(model(split[0][batch[k]]), split[1][batch[k]])
         loss.backward()

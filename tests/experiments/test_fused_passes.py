@@ -116,3 +116,11 @@ def test_mkl_on_intel_routed_off_multiplies_on_onednn(digits, monkeypatch):
     onednn = {"oneDNN": (_native, "onednn_bmm_")}
     assert _calls_in_a_step("affine", digits, None, onednn)["oneDNN"] == 0
     assert _calls_in_a_step("affine", digits, "MKL on Intel", onednn)["oneDNN"] > 0
+
+
+def test_mkl_on_intel_routed_off_takes_the_tanh_pass(digits, monkeypatch):
+    # as on an Intel processor with MKL: torch's tanh; routed off, the pass
+    monkeypatch.setattr(stacked_matmul, "ONEDNN_PREFERRED", False)
+    tanh = {"tanh": CALLS["tanh"]}
+    assert _calls_in_a_step("affine", digits, None, tanh)["tanh"] == 0
+    assert _calls_in_a_step("affine", digits, "MKL on Intel", tanh)["tanh"] > 0
