@@ -140,3 +140,31 @@ def test_the_compiled_variant_trains_the_models_the_stacked_engine_trains(digits
 def test_the_compiled_variant_names_an_engine_without_a_batched_forward():
     with pytest.raises(ValueError, match="--compiled times the batched engine's forward; object has none"):
         roofline.compile_forward(object())
+
+
+def test_the_copy_moves_its_bytes_twice_and_copies():
+    copy, moved = roofline.bandwidth_timer(4 * 1000)
+    copied = copy()
+    assert moved == 2 * 4 * 1000 and copied.numel() == 1000 and not torch.equal(copied, torch.zeros(1000))
+    assert torch.equal(copy(), copied)
+
+
+def test_the_roof_is_the_larger_of_the_arithmetic_and_the_parameters_three_passes(digits, monkeypatch):
+    # the MLP arm on digits' 64 inputs, 3 models, one round: its parameters counted by hand
+    width, models = 256, 3
+    parameters = (64 * width + width) + 2 * (width * width + width) + (width * 10 + 10)
+    row = roofline.measure("mlp", 16, digits, rounds=1, seconds=0.01, members=models)
+    assert row["parameter_mib"] * 2**20 == 4 * models * parameters
+    bandwidth = row["copy_gib_per_s"] * 2**30
+    torch.testing.assert_close(row["memory_floor_ms_per_model_step"] * models / 1e3,
+                               3 * 4 * models * parameters / bandwidth, rtol=1e-12, atol=0)
+    roof = max(row["floor_ms_per_model_step"], row["memory_floor_ms_per_model_step"])
+    torch.testing.assert_close(row["stacked_over_roof"], row["stacked_ms_per_model_step"] / roof, rtol=1e-12, atol=0)
+    # with the copy 1000 times as slow, the memory floor is the roof; as fast as light, the arithmetic
+    slow, fast = roofline.bandwidth_timer, lambda nbytes: (lambda: None, 2 * 1000 * nbytes)
+    for timer, bound in ((lambda nbytes: (slow(nbytes)[0], 2 * nbytes / 1000), "memory"), (fast, "arithmetic")):
+        monkeypatch.setattr(roofline, "bandwidth_timer", timer)
+        row = roofline.measure("mlp", 16, digits, rounds=1, seconds=0.01, members=models)
+        floor = row["memory_floor_ms_per_model_step" if bound == "memory" else "floor_ms_per_model_step"]
+        torch.testing.assert_close(row["stacked_over_roof"], row["stacked_ms_per_model_step"] / floor,
+                                   rtol=1e-12, atol=0)
