@@ -20,9 +20,12 @@ columns computed as (gᵀ W)ᵀ (off: Wᵀ g); "small on torch", the products be
 on torch's ops (off: every product on oneDNN; on an Intel processor with MKL, where no product is
 oneDNN's, the two variants of these two are the same code); "MKL on Intel", every product (and the fused SGD
 step) on torch's BLAS and the MLP arms' tanh torch's where the BLAS is MKL on an Intel processor
-(``ONEDNN_PREFERRED``; off: the products on oneDNN from the line up and tanh on its pass, as on
-other processors, where the two variants are the same code; on such a processor the pass "tanh"
-is the same code in both variants); and "step
+(``ONEDNN_PREFERRED``; off: the products on oneDNN from the line up, the fused step within
+oneDNN's lines of bytes and rows, and tanh on its pass, as on other processors, where the two
+variants are the same code; runs of this pass before tanh and the step's lines followed the rule
+measured the products and the step's product alone); "torch's tanh on Intel", that tanh alone
+(``activations.takes_pass``; off: the pass wherever it may run; on other processors, and for the
+pass "tanh" on such a processor, the two variants are the same code); and "step
 in backward", the MLP arms' dense layers making their weights' SGD step in their backward
 (``experiments.runs.batched.sgd_stepped``; off: the optimiser's update of those weights, chosen
 when the engine is built). Their SGD steps are
@@ -80,6 +83,7 @@ PASSES = {"first block": (conv_pool, "first_block_length", lambda layers: 0, CNN
           "thin input gradient": (stacked_matmul, "thin_input_gradient", lambda left, right: False, ("affine",)),
           "small on torch": (stacked_matmul, "ONEDNN_MIN_FLOPS", 0, (*TANH_METHODS, *CNN_METHODS, *VIT_METHODS)),
           "MKL on Intel": (stacked_matmul, "ONEDNN_PREFERRED", True, (*TANH_METHODS, *CNN_METHODS, *VIT_METHODS)),
+          "torch's tanh on Intel": (activations, "takes_pass", activations.usable, TANH_METHODS),
           "step in backward": (batched, "sgd_stepped", lambda layers, optimizer, params: (), TANH_METHODS)}
 
 

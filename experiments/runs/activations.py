@@ -13,15 +13,15 @@ torch's float32 tanh misrounded 82,383 of them on that processor (``benchmarks/t
 and 2.4× as fast there (0.98 against 2.36 ns an element in that run, one thread). On an Intel
 processor MKL runs its own AVX-512 code: on one core of an Intel Xeon processor torch's tanh took
 1.63 ns an element against the pass's 2.25 over the accuracy benchmark's 64 MiB chunks
-(``benchmarks/results/cpu_tanh_accuracy_intel_xeon.json``; 0.5–0.6 against 2.5–2.8 on arrays that
-stay in cache, a quick measurement), and the MLP arms' step with torch's tanh took 0.89–1.00 of
-the time of the step with the pass (12 and 48 models at B = 16 to 1024, paired rounds:
+(``benchmarks/results/cpu_tanh_accuracy_intel_xeon.json``), and the MLP arms' step with torch's
+tanh took 0.89–1.00 of the time of the step with the pass (12 and 48 models at B = 16 to 1024,
+paired rounds, the pass "torch's tanh on Intel":
 ``benchmarks/results/cpu_fused_passes_tanh_mkl_on_intel.json``). The engine therefore takes the
 pass everywhere but where torch's BLAS is MKL on an Intel processor, the rule of the products'
 library (``stacked_matmul.ONEDNN_PREFERRED`` false): a rule of the machine, never a timing. There
 its float32 numbers are torch's tanh's, which there misrounded 803,349 of the 2³¹ non-negative
-inputs, each by one unit in the last place (the same benchmark; the largest difference from the
-pass's bits over them all, a quick check).
+inputs (the same benchmark), each by one unit in the last place (the largest difference from the
+pass's bits over them all, a quick check not recorded).
 
 The backward is torch's own, ``tanh_backward(g, y) = g·(1 − y²)`` on the saved output, which
 autograd differentiates again (a double backward) and runs on batched gradients. :func:`tanh`

@@ -29,7 +29,8 @@ those kernels and, for the update made in the backward, the roundings of its pro
 vmapped engine. In float32 they may differ from the vmapped engine's at rounding level (the
 products' order of summation, the update made in the backward, and tanh's last bit: the
 engine's float32 tanh is the correctly rounded one, :mod:`~affdiv.experiments.runs.activations`,
-torch's is not everywhere).
+torch's is not everywhere, except where torch's BLAS is MKL on an Intel processor, where it is
+torch's).
 
 Checks, and the runs' test splits after training, evaluate one chunk of samples for all the
 models on that split: the first linear layer is then one GEMM with the K weights side by side (in
@@ -329,6 +330,8 @@ def _pool_relu(relu: bool) -> Layer:
 #: The most bytes of a stack's parameters for which :func:`sgd_stepped` steps weights in the backward
 #: where the fused step is oneDNN's (:data:`~affdiv.experiments.runs.stacked_matmul.ONEDNN_PREFERRED`).
 SGD_STEP_MAX_BYTES = 8 * 2**20
+#: The same line where it is torch's ``baddbmm_`` on MKL: the largest stack measured, 61 MiB, within it.
+MKL_SGD_STEP_MAX_BYTES = 64 * 2**20
 
 
 def sgd_stepped(layers: Sequence[tuple[str | tuple[str, ...], nn.Module, Layer]] | None, optimizer: str,
@@ -338,10 +341,11 @@ def sgd_stepped(layers: Sequence[tuple[str | tuple[str, ...], nn.Module, Layer]]
     step is one product), given the stacked parameters ``params``: with plain SGD and float32
     parameters, every ``nn.Linear``, AffineLike and NormLike of an MLP (:func:`batched_layers`
     whose stacked parameters have at most three dimensions: no convolution), whose batched forms
-    take the step, where the fused step is oneDNN's only while the parameters hold at most
-    :data:`SGD_STEP_MAX_BYTES`; none with momentum or Adam, whose updates read their state, in
-    float64, where no product is fused, in a CNN, whose read-out was not measured, nor in the
-    vision transformer (its layers are narrow, the update a small part of its step).
+    take the step, while the parameters hold at most :data:`SGD_STEP_MAX_BYTES` where the fused
+    step is oneDNN's, :data:`MKL_SGD_STEP_MAX_BYTES` where it is MKL's; none with momentum or
+    Adam, whose updates read their state, in float64, where no product is fused, in a CNN, whose
+    read-out was not measured, nor in the vision transformer (its layers are narrow, the update a
+    small part of its step).
 
     oneDNN's step pays where a weight is still in cache at its backward. In the MLP arms' step
     (784-256-256-256-10, 1.28 MiB a model; one thread a process, an AMD processor,
@@ -359,13 +363,14 @@ def sgd_stepped(layers: Sequence[tuple[str | tuple[str, ...], nn.Module, Layer]]
     16 and 1.04–1.11 at B = 64 with one process
     (``benchmarks/results/cpu_fused_passes_mkl_step_lines.json``), and 1.21–1.36 and 1.04–1.11
     with two at once (``cpu_fused_passes_mkl_step_lines_two_workers_{1,2}.json``), so on MKL the
-    engine has no line of bytes."""
+    line is the largest stack measured (a stack beyond the L3 cache, which that processor's host
+    shares, 300 MiB, was not)."""
     from affdiv.layers import AffineLike, NormLike
 
     if optimizer != "sgd" or layers is None or any(p.dim() > 3 or p.dtype != torch.float32 for p in params.values()):
         return ()
-    if stacked_matmul.ONEDNN_PREFERRED and sum(p.numel() * p.element_size() for p in params.values()) \
-            > SGD_STEP_MAX_BYTES:
+    line = SGD_STEP_MAX_BYTES if stacked_matmul.ONEDNN_PREFERRED else MKL_SGD_STEP_MAX_BYTES
+    if sum(p.numel() * p.element_size() for p in params.values()) > line:
         return ()
     return tuple(name for name, module, _layer in layers if type(module) in (nn.Linear, AffineLike, NormLike))
 
@@ -536,7 +541,7 @@ class BatchedEnsemble(StackedEnsemble):
     def step(self, batches: Tensor) -> Tensor:
         """:meth:`StackedEnsemble.step`; the weights of :func:`sgd_stepped`'s layers whose step
         is one product at this batch size (``stacked_matmul.fuses_step``: at most 32 samples on
-        oneDNN, 128 on MKL, a product of at least ``stacked_matmul.ONEDNN_MIN_FLOPS``) are stepped
+        oneDNN, 64 on MKL, a product of at least ``stacked_matmul.ONEDNN_MIN_FLOPS``) are stepped
         by their layers' backward, the other parameters by the optimiser. Each layer's −η is a leaf whose (zero)
         gradient is asked for, so that autograd runs every stepped backward, and raises if a layer
         left its step unused. A backward that raises may have stepped some weights and not the

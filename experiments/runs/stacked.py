@@ -34,8 +34,8 @@ Intel processor with MKL, where they are torch's at every size
 (:data:`~affdiv.experiments.runs.stacked_matmul.ONEDNN_PREFERRED`); and with plain
 SGD in float32 an MLP's dense weights take their update inside the backward, as one product
 rounded otherwise than the optimiser's update, only while the stack's parameters fit
-:data:`~affdiv.experiments.runs.batched.SGD_STEP_MAX_BYTES` (on oneDNN; on MKL at any size), the
-batch has at most 32 samples (on MKL 128) and
+:data:`~affdiv.experiments.runs.batched.SGD_STEP_MAX_BYTES` (on MKL ``MKL_SGD_STEP_MAX_BYTES``), the
+batch has at most 32 samples (on MKL 64) and
 the layer's product is at least that line and one the fused step may take
 (``stacked_matmul.fuses_step``). In the tests (digits, width 16)
 affine_like's do not change, bit for bit.

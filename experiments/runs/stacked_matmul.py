@@ -46,9 +46,10 @@ pays (:func:`fused_step`) that is one product that adds into W, the factor of �
 entries scaled by −η_k, by oneDNN's sum post-op (torch's in-place ``baddbmm_``, a GEMM with β = 1,
 where oneDNN is not :data:`ONEDNN_PREFERRED`): ∂W is never written out and read back, and the
 optimiser's pass over W is saved (the engine takes it on oneDNN where its stack stays in cache,
-on MKL at any size: :func:`~affdiv.experiments.runs.batched.sgd_stepped`). Its roundings differ from the separate
-update's: each entry of the scaled factor is rounded, then the products' sums are added into W,
-where the optimiser rounds ∂W, then its product with −η_k, then the sum. Elsewhere the step is
+on MKL up to the largest stack measured: :func:`~affdiv.experiments.runs.batched.sgd_stepped`).
+Its roundings differ from the separate update's: each entry of the scaled factor is rounded, then
+the products' sums are added into W, where the optimiser rounds ∂W, then its product with −η_k,
+then the sum. Elsewhere the step is
 the optimiser's own, bit for bit: ∂W as the backward computes it without the step, then
 ``addcmul_`` with −η_k. The weight must be used once in the graph and not require a gradient, and
 the step must require one (:func:`check_step`: its gradient is zero, :func:`step_gradient`, and
@@ -85,7 +86,10 @@ def blas_is_mkl(config: str | None = None) -> bool:
 
 
 #: Whether the engine's float32 products and its SGD step's fused product take oneDNN where it may
-#: run them (:func:`takes_onednn`, :func:`sgd_step_`): :func:`onednn_preferred` for the processor it runs on.
+#: run them (:func:`takes_onednn`, :func:`sgd_step_`): :func:`onednn_preferred` for the processor it
+#: runs on. False (MKL on an Intel processor) also sets the fused step's lines (:func:`fuses_step`,
+#: :func:`~affdiv.experiments.runs.batched.sgd_stepped`) and puts the MLPs' tanh on torch's
+#: (:func:`~affdiv.experiments.runs.activations.takes_pass`): one rule of the machine for all.
 ONEDNN_PREFERRED = onednn_preferred(cpu_vendor(), blas_is_mkl())
 
 
@@ -305,7 +309,7 @@ def sgd_step_(weight: Tensor, step: Tensor, left: Tensor, right: Tensor,
 #: into the weight in one product on oneDNN (:data:`ONEDNN_PREFERRED`; :func:`fuses_step`).
 FUSED_STEP_MAX_ROWS = 32
 #: The same line on torch's ``baddbmm_`` where the BLAS is MKL on an Intel processor.
-MKL_FUSED_STEP_MAX_ROWS = 128
+MKL_FUSED_STEP_MAX_ROWS = 64
 
 
 def fused_step(weight: Tensor, left: Tensor, right: Tensor) -> bool:
@@ -335,10 +339,13 @@ def fuses_step(weight: Tensor, rows: int) -> bool:
     quick measurement). In the MLP arms' step (``benchmarks/fused_passes.py``, the pass "step in
     backward", 12 and 48 models, paired rounds, one process;
     ``benchmarks/results/cpu_fused_passes_mkl_step_lines.json``) the fused step read 1.19–1.35 at
-    B = 16, 1.05–1.18 at 32, 1.04–1.11 at 64, 1.01–1.09 at 128 and 0.96–1.10 at 256, where the
-    identical code of both variants read 0.97–1.03 (at B = 1024, beyond that run's line of 256):
-    the line is the most rows at which every cell gained. With two such processes at once, as a
-    sweep's two workers run, 128 rows read 0.97–1.07 (``cpu_fused_passes_mkl_step_lines_two_workers_{1,2}.json``)."""
+    B = 16, 1.05–1.17 at 32, 1.04–1.11 at 64, 1.01–1.09 at 128 and 0.96–1.10 at 256, where the
+    identical code of both variants read 0.97–1.03 (at B = 1024, beyond that run's line of 256);
+    with two such processes at once, as a sweep's two workers run, 1.04–1.11 at 64 rows and
+    0.97–1.07 at 128 (``cpu_fused_passes_mkl_step_lines_two_workers_{1,2}.json``). The line is the
+    most rows at which every cell, with one process or two, gained beyond that noise. The line of
+    :data:`ONEDNN_MIN_FLOPS` is oneDNN's call's, kept on MKL unmeasured (it leaves only products
+    far smaller than the harness's MLPs' to the optimiser)."""
     k, p, q = weight.shape
     most_rows = FUSED_STEP_MAX_ROWS if ONEDNN_PREFERRED else MKL_FUSED_STEP_MAX_ROWS
     return (weight.is_contiguous() and rows <= most_rows and _step_operands(weight)

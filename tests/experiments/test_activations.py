@@ -61,6 +61,16 @@ def test_the_reference_refuses_a_value_one_float_off_and_accepts_the_rounded_tan
     assert tanh_accuracy.misrounded(x, off)[0][:3].all()
 
 
+def test_the_distance_in_ulps_counts_steps_along_the_floats_across_zero():
+    one_up = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))
+    two_up = torch.nextafter(one_up, torch.tensor(2.0))
+    tiny = 2.0**-149  # the smallest subnormal
+    correct = torch.tensor([1.0, 1.0, 0.0, -0.0, float("nan"), -1.0, tiny, 3.0])
+    y = torch.stack([one_up, two_up, torch.tensor(-0.0), torch.tensor(0.0), torch.tensor(float("nan")),
+                     torch.tensor(-1.0), torch.tensor(-tiny), torch.tensor(float("nan"))])
+    assert tanh_accuracy.ulps_apart(y, correct).tolist() == [1, 2, 0, 0, 0, 0, 2, 0]
+
+
 def test_the_reference_asks_mpmath_near_a_midpoint():
     # float64 alone may not decide it; mpmath does, and the float on the other side of tanh(x) fails
     import mpmath
@@ -151,6 +161,13 @@ def test_the_functions_gradients_are_torchs_formula_at_its_output():
     w = activations.tanh(v)
     batched, = torch.autograd.grad(w, v, basis, is_grads_batched=True)
     torch.testing.assert_close(batched, torch.diag(1 - w.detach() ** 2), rtol=1e-5, atol=0)
+
+
+def test_where_mkl_runs_on_an_intel_processor_the_tanh_is_torchs_bit_for_bit(monkeypatch):
+    monkeypatch.setattr(stacked_matmul, "ONEDNN_PREFERRED", False)
+    x = torch.randn(64, 33) * 4
+    with unittest.mock.patch.object(activations.Tanh, "apply", side_effect=AssertionError("the pass ran")):
+        assert torch.equal(activations.tanh(x), torch.tanh(x))
 
 
 def test_calls_the_pass_cannot_serve_take_torchs_tanh():

@@ -124,3 +124,4 @@ def test_mkl_on_intel_routed_off_takes_the_tanh_pass(digits, monkeypatch):
     tanh = {"tanh": CALLS["tanh"]}
     assert _calls_in_a_step("affine", digits, None, tanh)["tanh"] == 0
     assert _calls_in_a_step("affine", digits, "MKL on Intel", tanh)["tanh"] > 0
+    assert _calls_in_a_step("affine", digits, "torch's tanh on Intel", tanh)["tanh"] > 0

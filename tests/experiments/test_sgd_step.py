@@ -432,20 +432,20 @@ def test_the_fused_product_is_taken_within_its_line_only(onednn_preferred, line,
     assert torch.equal(weight, before.addcmul(stacked_matmul.product(left, right), step))
 
 
-@pytest.mark.parametrize("onednn_preferred", [True, False], ids=["oneDNN", "MKL"])
-def test_a_stack_steps_in_the_backward_up_to_its_line_of_bytes_on_onednn_only(digits, onednn_preferred, monkeypatch):
+@pytest.mark.parametrize("onednn_preferred, line", [(True, "SGD_STEP_MAX_BYTES"), (False, "MKL_SGD_STEP_MAX_BYTES")],
+                         ids=["oneDNN", "MKL"])
+def test_a_stack_steps_in_the_backward_up_to_its_routes_line_of_bytes(digits, onednn_preferred, line, monkeypatch):
     monkeypatch.setattr(stacked_matmul, "ONEDNN_PREFERRED", onednn_preferred)
     config = RunConfig(dataset="digits", method="affine", depth=2, width=16, batch_size=8, seed=0)
     split = (torch.as_tensor(digits.train.x), torch.as_tensor(digits.train.y))
 
-    def stepped(line: int) -> dict:
+    def stepped(bytes_line: int) -> dict:
         models = [build_member(config, digits, seed) for seed in (0, 1)]
-        with unittest.mock.patch.object(batched, "SGD_STEP_MAX_BYTES", line):
+        with unittest.mock.patch.object(batched, line, bytes_line):
             return stacked_engine(models[0])(models, "sgd", [0.1, 0.3], [None] * 2, [split] * 2, [split] * 2).stepped
 
     size = 2 * sum(p.numel() * p.element_size() for p in build_member(config, digits, 0).parameters())
-    layers = ["1.weight", "3.weight", "5.weight"]
-    assert list(stepped(size)) == layers and list(stepped(size - 1)) == ([] if onednn_preferred else layers)
+    assert list(stepped(size)) == ["1.weight", "3.weight", "5.weight"] and stepped(size - 1) == {}
 
 
 @pytest.mark.parametrize("onednn_preferred, line", LINES_OF_ROWS)
