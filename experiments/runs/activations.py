@@ -12,7 +12,7 @@ so on the negative ones (it is odd by construction, and rounding to nearest is s
 torch's float32 tanh misrounded 82,383 of them on that processor (``benchmarks/tanh_accuracy.py``);
 and 2.4× as fast there (0.98 against 2.36 ns an element in that run, one thread). On an Intel
 processor MKL runs its own AVX-512 code: on one core of an Intel Xeon processor torch's tanh took
-1.63 ns an element against the pass's 2.25 over the accuracy benchmark's 64 MiB chunks
+1.85 ns an element against the pass's 2.31 over the accuracy benchmark's 64 MiB chunks
 (``benchmarks/results/cpu_tanh_accuracy_intel_xeon.json``), and the MLP arms' step with torch's
 tanh took 0.89–1.00 of the time of the step with the pass (12 and 48 models at B = 16 to 1024,
 paired rounds, the pass "torch's tanh on Intel":
@@ -20,8 +20,7 @@ paired rounds, the pass "torch's tanh on Intel":
 pass everywhere but where torch's BLAS is MKL on an Intel processor, the rule of the products'
 library (``stacked_matmul.ONEDNN_PREFERRED`` false): a rule of the machine, never a timing. There
 its float32 numbers are torch's tanh's, which there misrounded 803,349 of the 2³¹ non-negative
-inputs (the same benchmark), each by one unit in the last place (the largest difference from the
-pass's bits over them all, a quick check not recorded).
+inputs (the same benchmark), each by one unit in the last place.
 
 The backward is torch's own, ``tanh_backward(g, y) = g·(1 − y²)`` on the saved output, which
 autograd differentiates again (a double backward) and runs on batched gradients. :func:`tanh`
