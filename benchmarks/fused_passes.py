@@ -14,16 +14,16 @@ attention, ``experiments.runs.stacked_attention``, and LayerNorms,
 ``experiments.runs.stacked_layer_norm``; the MLP arms' tanh, ``experiments.runs.activations``), so
 that those layers run unfused (the dense layers, attention and LayerNorms in torch operations, tanh
 as torch's; with the first block off, its pool and ReLU take the later pools' pass); every other
-pass stays on in both. Three routes of the products (``experiments.runs.stacked_matmul``) and one
-of the update are timed the same way: "thin input gradient", the column layers' Wᵀ g with few
+pass stays on in both. Three routes of the products (``experiments.runs.stacked_matmul``), one of
+tanh and one of the update are timed the same way: "thin input gradient", the column layers' Wᵀ g with few
 columns computed as (gᵀ W)ᵀ (off: Wᵀ g); "small on torch", the products below ``ONEDNN_MIN_FLOPS``
 on torch's ops (off: every product on oneDNN; on an Intel processor with MKL, where no product is
 oneDNN's, the two variants of these two are the same code); "MKL on Intel", every product (and the fused SGD
 step) on torch's BLAS and the MLP arms' tanh torch's where the BLAS is MKL on an Intel processor
 (``ONEDNN_PREFERRED``; off: the products on oneDNN from the line up, the fused step within
 oneDNN's lines of bytes and rows, and tanh on its pass, as on other processors, where the two
-variants are the same code; runs of this pass before tanh and the step's lines followed the rule
-measured the products and the step's product alone); "torch's tanh on Intel", that tanh alone
+variants are the same code; the runs of this pass made before tanh and the step's lines followed
+the rule measured the products and the step's product alone); "torch's tanh on Intel", that tanh alone
 (``activations.takes_pass``; off: the pass wherever it may run; on other processors, and for the
 pass "tanh" on such a processor, the two variants are the same code); and "step
 in backward", the MLP arms' dense layers making their weights' SGD step in their backward

@@ -65,13 +65,14 @@ def differs(y: torch.Tensor, correct: torch.Tensor) -> torch.Tensor:
 
 def ulps_apart(y: torch.Tensor, correct: torch.Tensor) -> torch.Tensor:
     """The distance from ``correct`` to y in units in the last place: the steps between them along
-    the float32 values ordered by value (0 where equal, −0 and +0 equal, and where either is NaN)."""
+    the float32 values ordered by value (0 where equal, −0 and +0 equal, and where both are NaN;
+    2³² where only one is, farther than any two floats)."""
     def ordered(v: torch.Tensor) -> torch.Tensor:
         bits = v.view(torch.int32).to(torch.int64)
         return torch.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
 
     apart = (ordered(y) - ordered(correct)).abs()
-    return torch.where(y.isnan() | correct.isnan(), 0, apart)
+    return torch.where(y.isnan() | correct.isnan(), 2**32 * (y.isnan() != correct.isnan()), apart)
 
 
 def _nearer_to_tanh(x: float, a: float, b: float) -> float:

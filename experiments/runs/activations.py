@@ -15,8 +15,9 @@ processor MKL runs its own AVX-512 code: on one core of an Intel Xeon processor 
 1.85 ns an element against the pass's 2.31 over the accuracy benchmark's 64 MiB chunks
 (``benchmarks/results/cpu_tanh_accuracy_intel_xeon.json``), and the MLP arms' step with torch's
 tanh took 0.89–1.00 of the time of the step with the pass (12 and 48 models at B = 16 to 1024,
-paired rounds, the pass "torch's tanh on Intel":
-``benchmarks/results/cpu_fused_passes_tanh_mkl_on_intel.json``). The engine therefore takes the
+paired rounds, the pass "tanh" run before this rule:
+``benchmarks/results/cpu_fused_passes_tanh_mkl_on_intel.json``; the pass "torch's tanh on Intel"
+now measures the same, as its reciprocal). The engine therefore takes the
 pass everywhere but where torch's BLAS is MKL on an Intel processor, the rule of the products'
 library (``stacked_matmul.ONEDNN_PREFERRED`` false): a rule of the machine, never a timing. There
 its float32 numbers are torch's tanh's, which there misrounded 803,349 of the 2³¹ non-negative

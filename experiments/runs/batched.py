@@ -29,7 +29,7 @@ those kernels and, for the update made in the backward, the roundings of its pro
 vmapped engine. In float32 they may differ from the vmapped engine's at rounding level (the
 products' order of summation, the update made in the backward, and tanh's last bit: the
 engine's float32 tanh is the correctly rounded one, :mod:`~affdiv.experiments.runs.activations`,
-torch's is not everywhere, except where torch's BLAS is MKL on an Intel processor, where it is
+torch's is not everywhere; where torch's BLAS is MKL on an Intel processor the engine takes
 torch's).
 
 Checks, and the runs' test splits after training, evaluate one chunk of samples for all the
@@ -359,11 +359,11 @@ def sgd_stepped(layers: Sequence[tuple[str | tuple[str, ...], nn.Module, Layer]]
     Under an earlier rule that stepped every stack of 24 and 48 models (31 and 61 MiB) the step
     bought at most 3% at B = 16 and cost up to 8% at B = 32 and 64 (a measurement not kept).
     torch's ``baddbmm_`` on MKL (one core of an Intel Xeon processor with a large shared L3) paid
-    at every stack size measured: with 12 and 48 models (15 and 61 MiB) it bought 1.19–1.35 at B =
+    in the stacks measured: with 12 and 48 models (15 and 61 MiB) it bought 1.19–1.35 at B =
     16 and 1.04–1.11 at B = 64 with one process
     (``benchmarks/results/cpu_fused_passes_mkl_step_lines.json``), and 1.21–1.36 and 1.04–1.11
     with two at once (``cpu_fused_passes_mkl_step_lines_two_workers_{1,2}.json``), so on MKL the
-    line is the largest stack measured (a stack beyond the L3 cache, which that processor's host
+    line is just above the largest stack measured (a stack beyond the L3 cache, which that processor's host
     shares, 300 MiB, was not)."""
     from affdiv.layers import AffineLike, NormLike
 

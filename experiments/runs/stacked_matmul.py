@@ -46,7 +46,7 @@ pays (:func:`fused_step`) that is one product that adds into W, the factor of �
 entries scaled by −η_k, by oneDNN's sum post-op (torch's in-place ``baddbmm_``, a GEMM with β = 1,
 where oneDNN is not :data:`ONEDNN_PREFERRED`): ∂W is never written out and read back, and the
 optimiser's pass over W is saved (the engine takes it on oneDNN where its stack stays in cache,
-on MKL up to the largest stack measured: :func:`~affdiv.experiments.runs.batched.sgd_stepped`).
+on MKL up to 64 MiB: :func:`~affdiv.experiments.runs.batched.sgd_stepped`).
 Its roundings differ from the separate update's: each entry of the scaled factor is rounded, then
 the products' sums are added into W, where the optimiser rounds ∂W, then its product with −η_k,
 then the sum. Elsewhere the step is
