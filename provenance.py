@@ -27,6 +27,7 @@ import functools
 import importlib
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -137,6 +138,27 @@ def cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str | None:
     except OSError:
         return None
     return None
+
+
+def torch_blas(config: str | None = None) -> str | None:
+    """The BLAS torch multiplies with, as its build configuration (``config``, default
+    ``torch.__config__.show()``) names it in ``BLAS_INFO=`` ("mkl", "open", …); None where it
+    names none."""
+    if config is None:
+        import torch
+
+        config = torch.__config__.show()
+    found = re.search(r"\bBLAS_INFO=([^,\s]*)", config)
+    return found.group(1) or None if found else None
+
+
+@functools.cache
+def cpu_identity() -> dict:
+    """``{"vendor", "torch_blas"}`` of this process's machine (read once per process): the facts
+    that decide which library the stacked engine's float32 products and tanh take
+    (``experiments.runs.stacked_matmul.ONEDNN_PREFERRED``), and so their roundings; what a results
+    store records with each run beside its code."""
+    return {"vendor": cpu_vendor(), "torch_blas": torch_blas()}
 
 
 def provenance(**extra) -> dict:

@@ -13,6 +13,7 @@ functions that train or read a store, so that ``affdiv analyse`` of a CSV does n
 from __future__ import annotations
 
 import hashlib
+import json
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -62,15 +63,17 @@ def _progress(started: float):
 
 
 def code_versions(store: ResultStore, hashes: Sequence[str] | None = None) -> list[dict]:
-    """The code that trained the runs (``hashes``: of these only), as the store recorded it:
-    ``{"version", "git_commit", "git_dirty", "runs"}`` per distinct code, most runs first; the
-    runs stored without a record count under version None."""
+    """The code that trained the runs (``hashes``: of these only) and their machines, as the store
+    recorded them: ``{"version", "git_commit", "git_dirty", "cpu", "runs"}`` per distinct code and
+    machine (``cpu``: :func:`affdiv.provenance.cpu_identity`, None where not recorded), most runs
+    first; the runs stored without a record count under version None."""
     counts: dict[tuple, int] = {}
     for code in store.code_versions(hashes).values():
-        key = (None, None, None) if code is None else (code["version"], code["git_commit"], code["git_dirty"])
+        key = (None, None, None, None) if code is None else \
+            (code["version"], code["git_commit"], code["git_dirty"], json.dumps(code["cpu"], sort_keys=True))
         counts[key] = counts.get(key, 0) + 1
-    return [{"version": v, "git_commit": c, "git_dirty": d, "runs": n}
-            for (v, c, d), n in sorted(counts.items(), key=lambda item: (-item[1], str(item[0])))]
+    return [{"version": v, "git_commit": c, "git_dirty": d, "cpu": None if cpu is None else json.loads(cpu), "runs": n}
+            for (v, c, d, cpu), n in sorted(counts.items(), key=lambda item: (-item[1], str(item[0])))]
 
 
 def analyse_and_report(out: Path, records: list[dict], curves: list[dict] | None, settings: AnalysisSettings,

@@ -116,6 +116,17 @@ def test_the_vendor_is_read_from_cpuinfo(tmp_path):
     assert cpu_vendor(str(tmp_path / "absent")) is None
 
 
+def test_torchs_blas_is_read_from_its_build_configuration():
+    from affdiv.provenance import torch_blas
+
+    settings = "  - Build settings: BLAS_INFO={}, BUILD_TYPE=Release, LAPACK_INFO=mkl,\n"
+    assert torch_blas("PyTorch built with:\n" + settings.format("mkl")) == "mkl"
+    assert torch_blas(settings.format("open")) == "open"
+    assert torch_blas(settings.format("")) is None
+    assert torch_blas("  - Build settings: BUILD_TYPE=Release, LAPACK_INFO=mkl\n") is None  # (no BLAS named)
+    assert torch_blas("  - Build settings: XBLAS_INFO=mkl\n") is None
+
+
 def test_the_record_names_the_processors_vendor(monkeypatch):
     from affdiv import provenance as module
 

@@ -144,9 +144,10 @@ def _caveats(summary: Mapping) -> list:
                      "failed_runs in the provenance).")
     code = provenance.get("run_code") or []  # the code that trained the runs, as the store recorded it
     if len(code) > 1:
-        items.append(f"The runs were trained by {len(code)} versions of affdiv ({'; '.join(map(_code, code))}). "
-                     "Numbers of different versions may differ: rerun the runs of the other versions to compare "
-                     "like with like.")
+        items.append(f"The runs were trained by {len(code)} versions of affdiv or machines "
+                     f"({'; '.join(map(_code, code))}). Numbers of different versions may differ, and float32 numbers "
+                     "of machines whose processor vendor or torch BLAS differ (they decide the stacked engine's "
+                     "products and tanh) at rounding level: rerun the runs of the others to compare like with like.")
     elif code and (code[0].get("version"), code[0].get("git_commit")) != (provenance.get("version"),
                                                                           provenance.get("git_commit")):
         items.append(f"The runs were trained by other code than the command that wrote this report "
@@ -169,14 +170,18 @@ def _caveats(summary: Mapping) -> list:
 
 
 def _code(entry: Mapping) -> str:
-    """One entry of the provenance's ``run_code``: ``affdiv 0.1.0 (commit 2fe6550...): 8 runs``."""
+    """One entry of the provenance's ``run_code``: ``affdiv 0.1.0 (commit 2fe6550...; GenuineIntel,
+    torch BLAS mkl): 8 runs``."""
     runs = f"{entry.get('runs')} run(s)"
     if entry.get("version") is None:
         return f"not recorded (stored before affdiv recorded it): {runs}"
     commit = entry.get("git_commit")
     where = f"commit {commit[:12]}{' with uncommitted changes' if entry.get('git_dirty') else ''}" if commit else \
         "no git commit"
-    return f"affdiv {entry['version']} ({where}): {runs}"
+    cpu = entry.get("cpu")
+    machine = "" if cpu is None else f"; {cpu.get('vendor') or 'processor vendor unknown'}, torch BLAS " \
+                                     f"{cpu.get('torch_blas') or 'unknown'}"
+    return f"affdiv {entry['version']} ({where}{machine}): {runs}"
 
 
 def _verdict_block(summary: Mapping) -> list:

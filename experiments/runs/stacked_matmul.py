@@ -68,7 +68,7 @@ from torch import Tensor
 
 from affdiv.layers import _fused, _native
 from affdiv.layers._torch_internals import is_compiling, saved_tensors_hooks_active, untraced_eager
-from affdiv.provenance import cpu_vendor
+from affdiv.provenance import cpu_vendor, torch_blas
 
 
 def onednn_preferred(vendor: str | None, mkl: bool) -> bool:
@@ -81,8 +81,8 @@ def onednn_preferred(vendor: str | None, mkl: bool) -> bool:
 
 def blas_is_mkl(config: str | None = None) -> bool:
     """Whether torch's BLAS is MKL, as its build configuration (``config``, default
-    ``torch.__config__.show()``) says: ``BLAS_INFO=mkl``."""
-    return "BLAS_INFO=mkl" in (torch.__config__.show() if config is None else config)
+    ``torch.__config__.show()``) says: ``BLAS_INFO=mkl`` (:func:`affdiv.provenance.torch_blas`)."""
+    return torch_blas(config) == "mkl"
 
 
 #: Whether the engine's float32 products and its SGD step's fused product take oneDNN where it may

@@ -51,8 +51,11 @@ split) is kept per :func:`raw_key` in the ``raw_data`` table, from the first run
 existed have no such record (the first run put after them sets it).
 
 The code behind each run: the ``run_code`` table keeps the affdiv version, git commit and
-dirty flag of the process that trained each run (:func:`affdiv.provenance.code_identity`);
-:meth:`ResultStore.code_versions` reads them (None for a run stored before that table existed).
+dirty flag of the process that trained each run (:func:`affdiv.provenance.code_identity`), and
+its processor's vendor and torch's BLAS (:func:`affdiv.provenance.cpu_identity`, in the ``cpu``
+column, added to a store of an earlier version with the first run that has it), which decide the
+stacked engine's float32 routes; :meth:`ResultStore.code_versions` reads them (None for a run
+stored before that table existed; its ``cpu`` None for one stored before that column).
 
 Both tables are created by a writer and read when present; a store without them is read as it is.
 """
@@ -154,13 +157,15 @@ CREATE TABLE IF NOT EXISTS raw_data (
     first_utc  TEXT NOT NULL
 )
 """
-# The code that trained each run: affdiv's version, git commit and dirty flag (null: not known).
+# The code that trained each run: affdiv's version, git commit and dirty flag, and the machine's
+# processor vendor and torch's BLAS as JSON (null: not known).
 _RUN_CODE = """
 CREATE TABLE IF NOT EXISTS run_code (
     config_hash TEXT PRIMARY KEY,
     version     TEXT NOT NULL,
     git_commit  TEXT,
-    git_dirty   INTEGER
+    git_dirty   INTEGER,
+    cpu         TEXT
 )
 """
 
@@ -300,9 +305,9 @@ class StoredRun:
     first run with candidates adds their column to a store of an earlier version);
     ``raw_sha256``: the SHA-256 of the raw data it trained on (``Dataset.config["raw_sha256"]``),
     checked against and added to the ``raw_data`` table; ``code``: ``{"version", "git_commit",
-    "git_dirty"}`` of the process that trained it (None: this process's,
-    :func:`affdiv.provenance.code_identity`); ``check_seconds``: the part of ``seconds`` spent
-    reading the validation split (None: not recorded).
+    "git_dirty"}`` of the process that trained it, and optionally ``"cpu"``, its machine's
+    :func:`affdiv.provenance.cpu_identity` (None: this process's, both); ``check_seconds``: the
+    part of ``seconds`` spent reading the validation split (None: not recorded).
     """
 
     metrics: Mapping
@@ -367,10 +372,10 @@ class ResultStore:
             self._lock.close()
             self._lock = None
 
-    def _has_column(self, name: str) -> bool:
-        """Whether the runs table has the column ``name`` (stores of earlier versions lack the
-        nullable ones added later)."""
-        return any(row[1] == name for row in self._query("PRAGMA table_info(runs)"))
+    def _has_column(self, name: str, table: str = "runs") -> bool:
+        """Whether ``table`` has the column ``name`` (stores of earlier versions lack the nullable
+        ones added later)."""
+        return any(row[1] == name for row in self._query(f"PRAGMA table_info({table})"))
 
     def _check_integrity(self) -> None:
         problems = [" ".join(str(row[0]).split()) for row in self._db.execute("PRAGMA quick_check(3)")]
@@ -495,14 +500,18 @@ class ResultStore:
         _refuse_other_raw_data(self.path, self.raw_data(), expected)
 
     def code_versions(self, hashes: Iterable[str] | None = None) -> dict[str, dict | None]:
-        """{config hash: {"version", "git_commit", "git_dirty"} of the code that trained the run, or
-        None when the store did not record it (a run stored before the record existed)}."""
+        """{config hash: {"version", "git_commit", "git_dirty", "cpu"} of the code that trained the
+        run and its machine (``cpu``: :func:`affdiv.provenance.cpu_identity`, None where not
+        recorded), or None when the store did not record the code (a run stored before the record
+        existed)}."""
         known = {}
         if "run_code" in self._tables():
-            for key, version, commit, dirty in self._query("SELECT config_hash, version, git_commit, git_dirty "
-                                                           "FROM run_code"):
+            cpu = "cpu" if self._has_column("cpu", "run_code") else "NULL"
+            for key, version, commit, dirty, machine in self._query(
+                    f"SELECT config_hash, version, git_commit, git_dirty, {cpu} FROM run_code"):
                 known[key] = {"version": version, "git_commit": commit,
-                              "git_dirty": None if dirty is None else bool(dirty)}
+                              "git_dirty": None if dirty is None else bool(dirty),
+                              "cpu": None if machine is None else json.loads(machine)}
         runs = self.finished() if hashes is None else set(hashes) & self.finished()
         return {key: known.get(key) for key in sorted(runs)}
 
@@ -517,7 +526,7 @@ class ResultStore:
         """
         if self.read_only:
             raise PermissionError(f"{self.path}: opened read-only")
-        from affdiv.provenance import code_identity
+        from affdiv.provenance import code_identity, cpu_identity
 
         if not isinstance(run, StoredRun):
             raise ValueError(f"run must be a StoredRun, got {type(run).__name__}")
@@ -526,7 +535,7 @@ class ResultStore:
         key = config_hash(config)
         data = data_key(config)
         self.check_fingerprints({data: run.data_fingerprint})
-        code = dict(run.code or code_identity())
+        code = dict(run.code or {**code_identity(), "cpu": cpu_identity()})
         row = (
             key,
             canonical_json(config),
@@ -568,8 +577,15 @@ class ResultStore:
             self._db.execute(f"INSERT OR IGNORE INTO runs ({', '.join(columns)}) "
                              f"VALUES ({', '.join('?' * len(columns))})", values)
             dirty = code.get("git_dirty")
-            self._db.execute("INSERT OR IGNORE INTO run_code VALUES (?, ?, ?, ?)",
-                             (key, str(code["version"]), code.get("git_commit"), None if dirty is None else int(dirty)))
+            columns, values = ["config_hash", "version", "git_commit", "git_dirty"], \
+                [key, str(code["version"]), code.get("git_commit"), None if dirty is None else int(dirty)]
+            if code.get("cpu") is not None:
+                if not self._has_column("cpu", "run_code"):  # a store of an earlier version: the column is added
+                    self._db.execute("ALTER TABLE run_code ADD COLUMN cpu TEXT")
+                columns.append("cpu")
+                values.append(canonical_json(dict(code["cpu"])))
+            self._db.execute(f"INSERT OR IGNORE INTO run_code ({', '.join(columns)}) "
+                             f"VALUES ({', '.join('?' * len(columns))})", values)
 
     def put_failure(self, config: dict, *, error: str, kind: str, attempts: int, detail: str = "") -> str:
         """Record that a run failed on its last attempt (``kind``: "worker died", "exception", ...;

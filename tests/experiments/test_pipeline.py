@@ -273,7 +273,8 @@ def test_a_new_seed_on_changed_raw_data_is_refused(quick, tmp_path, capsys, monk
     assert sha256(db) == before  # nothing trained, nothing written
 
 
-@pytest.mark.parametrize("older", ["UPDATE run_code SET version = '0.0.1', git_commit = NULL, git_dirty = NULL",
+@pytest.mark.parametrize("older", ["UPDATE run_code SET version = '0.0.1', git_commit = NULL, git_dirty = NULL, "
+                                   "cpu = '{\"torch_blas\":\"open\",\"vendor\":\"AuthenticAMD\"}'",
                                    "DROP TABLE run_code"])
 def test_a_resumed_store_names_the_code_that_trained_its_runs(quick, quick_run, tmp_path, older):
     from affdiv.provenance import code_identity
@@ -284,18 +285,20 @@ def test_a_resumed_store_names_the_code_that_trained_its_runs(quick, quick_run, 
     assert main(["falsify", *quick, "--db", str(db), "--out", str(tmp_path / "out")]) == 0
     provenance = json.loads((tmp_path / "out" / "summary.json").read_text())["provenance"]
     assert provenance["runs_resumed_from_db"] == 4 and provenance["version"] == code_identity()["version"]
-    version, shown = ("0.0.1", "affdiv 0.0.1 (no git commit): 4 run(s)") if older.startswith("UPDATE") else \
-        (None, "not recorded (stored before affdiv recorded it): 4 run(s)")
-    assert provenance["run_code"] == [{"version": version, "git_commit": None, "git_dirty": None, "runs": 4}]
+    version, cpu, shown = ("0.0.1", {"torch_blas": "open", "vendor": "AuthenticAMD"},
+                           "affdiv 0.0.1 (no git commit; AuthenticAMD, torch BLAS open): 4 run(s)") \
+        if older.startswith("UPDATE") else (None, None, "not recorded (stored before affdiv recorded it): 4 run(s)")
+    assert provenance["run_code"] == [{"version": version, "git_commit": None, "git_dirty": None, "cpu": cpu,
+                                       "runs": 4}]
     report = " ".join((tmp_path / "out" / "report.md").read_text().split())
     assert f"The runs were trained by other code than the command that wrote this report ({shown})" in report
 
 
 def test_a_store_of_one_known_version_has_no_version_caveat(quick_run):
-    from affdiv.provenance import code_identity
+    from affdiv.provenance import code_identity, cpu_identity
 
     provenance = json.loads((quick_run / "summary.json").read_text())["provenance"]
-    assert provenance["run_code"] == [{**code_identity(), "runs": 4}]
+    assert provenance["run_code"] == [{**code_identity(), "cpu": cpu_identity(), "runs": 4}]
     assert "The runs were trained by" not in (quick_run / "report.md").read_text()
 
 
@@ -331,8 +334,15 @@ def _analysed_copy(quick_run, tmp_path, statement: str) -> str:
 def test_a_store_of_several_versions_lists_them(quick_run, tmp_path):
     report = _analysed_copy(quick_run, tmp_path,
                             "DELETE FROM run_code WHERE config_hash IN (SELECT config_hash FROM run_code LIMIT 1)")
-    assert "The runs were trained by 2 versions of affdiv (affdiv " in report
+    assert "The runs were trained by 2 versions of affdiv or machines (affdiv " in report
     assert "; not recorded (stored before affdiv recorded it): 1 run(s))" in report
+    # the same code on a processor of another vendor: named, with what differs
+    (tmp_path / "machine").mkdir()
+    report = _analysed_copy(quick_run, tmp_path / "machine",
+                            "UPDATE run_code SET cpu = '{\"torch_blas\":\"mkl\",\"vendor\":\"AuthenticAMD\"}' "
+                            "WHERE config_hash IN (SELECT config_hash FROM run_code LIMIT 1)")
+    assert "The runs were trained by 2 versions of affdiv or machines (affdiv " in report
+    assert "; AuthenticAMD, torch BLAS mkl): 1 run(s)" in report and "processor vendor or torch BLAS differ" in report
 
 
 # --------------------------------------------------------------------------------- analyse: inputs

@@ -415,22 +415,36 @@ def test_the_raw_key_holds_the_data_seed_exactly_where_the_raw_data_depends_on_i
     assert set(GENERATED_FROM_SEED) <= set(DATASETS)
 
 
-def test_each_run_records_the_code_that_trained_it(tmp_path):
-    from affdiv.provenance import code_identity
+def test_each_run_records_the_code_that_trained_it_and_its_machine(tmp_path):
+    from affdiv.provenance import code_identity, cpu_identity
 
     path = tmp_path / "r.sqlite"
     old = {"version": "0.1.0", "git_commit": "c" * 40, "git_dirty": False}
+    amd = {**old, "cpu": {"vendor": "AuthenticAMD", "torch_blas": "mkl"}}
     with ResultStore(path) as store:
         first = _put_run(store, DIGITS, code=old)
         second = _put_run(store, {**DIGITS, "seed": 1})
+        third = _put_run(store, {**DIGITS, "seed": 2}, code=amd)
     with ResultStore(path, read_only=True) as store:
-        assert store.code_versions() == {first: old, second: code_identity()}
+        assert store.code_versions() == {first: {**old, "cpu": None},
+                                         second: {**code_identity(), "cpu": cpu_identity()}, third: amd}
+    # a store of an earlier version, whose run_code has no cpu column: read as not recorded, and
+    # the column added with the first run that has it
+    execute = sqlite3.connect(path)
+    execute.executescript("CREATE TABLE old_code AS SELECT config_hash, version, git_commit, git_dirty FROM run_code; "
+                          "DROP TABLE run_code; ALTER TABLE old_code RENAME TO run_code;")
+    execute.close()
+    with ResultStore(path) as store:
+        assert set(map(str, store.code_versions().values())) == {str({**old, "cpu": None}),
+                                                                 str({**code_identity(), "cpu": None})}
+        fourth = _put_run(store, {**DIGITS, "seed": 3}, code=amd)
+        assert store.code_versions()[fourth] == amd and store.code_versions()[first] == {**old, "cpu": None}
     execute = sqlite3.connect(path)
     execute.execute("DROP TABLE run_code")  # as a store written before runs recorded their code
     execute.commit()
     execute.close()
     with ResultStore(path, read_only=True) as store:
-        assert store.code_versions() == {first: None, second: None}
+        assert store.code_versions() == {first: None, second: None, third: None, fourth: None}
 
 
 # ------------------------------------------------------------- locks, a second writer, a full disk
