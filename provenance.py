@@ -152,13 +152,25 @@ def torch_blas(config: str | None = None) -> str | None:
     return found.group(1) or None if found else None
 
 
-@functools.cache
 def cpu_identity() -> dict:
-    """``{"vendor", "torch_blas"}`` of this process's machine (read once per process): the facts
-    that decide which library the stacked engine's float32 products and tanh take
-    (``experiments.runs.stacked_matmul.ONEDNN_PREFERRED``), and so their roundings; what a results
-    store records with each run beside its code."""
-    return {"vendor": cpu_vendor(), "torch_blas": torch_blas()}
+    """What of this process's machine and libraries decides the stacked engine's float32 CPU
+    numbers, beside the package's code: ``{"vendor", "torch_blas", "onednn", "torch",
+    "cpu_capability"}``, the processor's vendor and torch's BLAS (which pick the products' and
+    tanh's library, ``experiments.runs.stacked_matmul.ONEDNN_PREFERRED``), whether the package's
+    oneDNN matmul runs here (``affdiv.layers._native.onednn_enabled``), torch's version and the
+    instruction set its kernels take (``torch.backends.cpu.get_cpu_capability``); what a results
+    store records with each run. Read once per process; a fresh dict each call."""
+    return dict(_cpu_identity())
+
+
+@functools.cache
+def _cpu_identity() -> dict:
+    import torch
+
+    from affdiv.layers import _native
+
+    return {"vendor": cpu_vendor(), "torch_blas": torch_blas(), "onednn": _native.onednn_enabled(),
+            "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
 def provenance(**extra) -> dict:

@@ -144,10 +144,16 @@ def _caveats(summary: Mapping) -> list:
                      "failed_runs in the provenance).")
     code = provenance.get("run_code") or []  # the code that trained the runs, as the store recorded it
     if len(code) > 1:
-        items.append(f"The runs were trained by {len(code)} versions of affdiv or machines "
-                     f"({'; '.join(map(_code, code))}). Numbers of different versions may differ, and float32 numbers "
-                     "of machines whose processor vendor or torch BLAS differ (they decide the stacked engine's "
-                     "products and tanh) at rounding level: rerun the runs of the others to compare like with like.")
+        versions = len({(entry.get("version"), entry.get("git_commit"), entry.get("git_dirty")) for entry in code})
+        machines = len({json.dumps(entry["cpu"], sort_keys=True) for entry in code if entry.get("cpu") is not None})
+        why = [*(["numbers of different versions may differ"] if versions > 1 else []),
+               *(["the stacked engine's float32 CPU numbers follow the machine (its processor's vendor and "
+                  "instruction set, torch and its BLAS), and training carries a difference in the last bits onward, "
+                  "so runs of different machines may differ too"] if machines > 1 else [])] \
+            or ["some runs' machines were not recorded (stored before affdiv recorded them)"]
+        items.append(f"The runs were trained by {versions} version(s) of affdiv on {machines} recorded machine(s) "
+                     f"({'; '.join(map(_code, code))}): {' and '.join(why)}. Rerun the runs of the others to "
+                     "compare like with like.")
     elif code and (code[0].get("version"), code[0].get("git_commit")) != (provenance.get("version"),
                                                                           provenance.get("git_commit")):
         items.append(f"The runs were trained by other code than the command that wrote this report "
@@ -178,10 +184,19 @@ def _code(entry: Mapping) -> str:
     commit = entry.get("git_commit")
     where = f"commit {commit[:12]}{' with uncommitted changes' if entry.get('git_dirty') else ''}" if commit else \
         "no git commit"
-    cpu = entry.get("cpu")
-    machine = "" if cpu is None else f"; {cpu.get('vendor') or 'processor vendor unknown'}, torch BLAS " \
-                                     f"{cpu.get('torch_blas') or 'unknown'}"
-    return f"affdiv {entry['version']} ({where}{machine}): {runs}"
+    return f"affdiv {entry['version']} ({where}{_machine(entry.get('cpu'))}): {runs}"
+
+
+def _machine(cpu: Mapping | None) -> str:
+    """A run_code entry's ``cpu`` as the report names it, ``; GenuineIntel, torch 2.13.0 AVX512,
+    BLAS mkl, oneDNN on`` (the parts recorded), or nothing where none is."""
+    if cpu is None:
+        return ""
+    torch_part = " ".join(str(cpu[key]) for key in ("torch", "cpu_capability") if cpu.get(key))
+    parts = [cpu.get("vendor") or "processor vendor unknown", *([f"torch {torch_part}"] if torch_part else []),
+             *([f"BLAS {cpu['torch_blas']}"] if cpu.get("torch_blas") else []),
+             *([f"oneDNN {'on' if cpu['onednn'] else 'off'}"] if "onednn" in cpu else [])]
+    return "; " + ", ".join(parts)
 
 
 def _verdict_block(summary: Mapping) -> list:

@@ -52,10 +52,11 @@ existed have no such record (the first run put after them sets it).
 
 The code behind each run: the ``run_code`` table keeps the affdiv version, git commit and
 dirty flag of the process that trained each run (:func:`affdiv.provenance.code_identity`), and
-its processor's vendor and torch's BLAS (:func:`affdiv.provenance.cpu_identity`, in the ``cpu``
-column, added to a store of an earlier version with the first run that has it), which decide the
-stacked engine's float32 routes; :meth:`ResultStore.code_versions` reads them (None for a run
-stored before that table existed; its ``cpu`` None for one stored before that column).
+its machine (:func:`affdiv.provenance.cpu_identity`: processor vendor and instruction set, torch's
+version and BLAS, oneDNN; in the ``cpu`` column, added to a store of an earlier version with the
+first run that has it), which decide the stacked engine's float32 numbers;
+:meth:`ResultStore.code_versions` reads them (None for a run stored before that table existed;
+its ``cpu`` None for one stored before that column).
 
 Both tables are created by a writer and read when present; a store without them is read as it is.
 """
@@ -511,7 +512,7 @@ class ResultStore:
                     f"SELECT config_hash, version, git_commit, git_dirty, {cpu} FROM run_code"):
                 known[key] = {"version": version, "git_commit": commit,
                               "git_dirty": None if dirty is None else bool(dirty),
-                              "cpu": None if machine is None else json.loads(machine)}
+                              "cpu": None if machine is None else self._cpu(machine, key)}
         runs = self.finished() if hashes is None else set(hashes) & self.finished()
         return {key: known.get(key) for key in sorted(runs)}
 
@@ -627,6 +628,13 @@ class ResultStore:
         return sorted(out, key=lambda f: _record_order({**f["config"], "config_hash": f["config_hash"]}))
 
     # ---------------------------------------------------------------------------------- reading
+    def _cpu(self, text: str, key: str) -> dict:
+        """The ``cpu`` cell of run ``key``'s code: a JSON object (:func:`affdiv.provenance.cpu_identity`)."""
+        value = self._json(text, key, "cpu")
+        if not isinstance(value, dict):
+            raise ValueError(f"{self.path}: run {key}: column 'cpu' is not a JSON object (damaged store)")
+        return value
+
     def _json(self, text, key: str, column: str):
         """The JSON value of one cell: text, or (``candidates`` only) zlib-compressed JSON bytes."""
         try:

@@ -420,7 +420,8 @@ def test_each_run_records_the_code_that_trained_it_and_its_machine(tmp_path):
 
     path = tmp_path / "r.sqlite"
     old = {"version": "0.1.0", "git_commit": "c" * 40, "git_dirty": False}
-    amd = {**old, "cpu": {"vendor": "AuthenticAMD", "torch_blas": "mkl"}}
+    amd = {**old, "cpu": {"vendor": "AuthenticAMD", "torch_blas": "mkl", "onednn": True, "torch": "2.13.0",
+                          "cpu_capability": "AVX512"}}
     with ResultStore(path) as store:
         first = _put_run(store, DIGITS, code=old)
         second = _put_run(store, {**DIGITS, "seed": 1})
@@ -428,23 +429,48 @@ def test_each_run_records_the_code_that_trained_it_and_its_machine(tmp_path):
     with ResultStore(path, read_only=True) as store:
         assert store.code_versions() == {first: {**old, "cpu": None},
                                          second: {**code_identity(), "cpu": cpu_identity()}, third: amd}
-    # a store of an earlier version, whose run_code has no cpu column: read as not recorded, and
-    # the column added with the first run that has it
+    # a store of an earlier version, whose run_code has no cpu column: read (read-only, leaving every
+    # byte) as not recorded, a run without a machine added without the column, which the first run
+    # with one adds
     execute = sqlite3.connect(path)
-    execute.executescript("CREATE TABLE old_code AS SELECT config_hash, version, git_commit, git_dirty FROM run_code; "
-                          "DROP TABLE run_code; ALTER TABLE old_code RENAME TO run_code;")
+    execute.executescript("ALTER TABLE run_code RENAME TO newer; CREATE TABLE run_code (config_hash TEXT PRIMARY KEY, "
+                          "version TEXT NOT NULL, git_commit TEXT, git_dirty INTEGER); INSERT INTO run_code SELECT "
+                          "config_hash, version, git_commit, git_dirty FROM newer; DROP TABLE newer;")
     execute.close()
+    before = hashlib.sha256(path.read_bytes()).hexdigest()
+    unrecorded = {first: {**old, "cpu": None}, second: {**code_identity(), "cpu": None}, third: {**old, "cpu": None}}
+    with ResultStore(path, read_only=True) as store:
+        assert store.code_versions() == unrecorded
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == before
+
+    def columns() -> list[str]:
+        with sqlite3.connect(path) as db:
+            return [row[1] for row in db.execute("PRAGMA table_info(run_code)")]
+
     with ResultStore(path) as store:
-        assert set(map(str, store.code_versions().values())) == {str({**old, "cpu": None}),
-                                                                 str({**code_identity(), "cpu": None})}
-        fourth = _put_run(store, {**DIGITS, "seed": 3}, code=amd)
-        assert store.code_versions()[fourth] == amd and store.code_versions()[first] == {**old, "cpu": None}
+        fourth = _put_run(store, {**DIGITS, "seed": 3}, code=old)
+        assert "cpu" not in columns()
+        fifth = _put_run(store, {**DIGITS, "seed": 4}, code=amd)
+        assert "cpu" in columns()
+        assert store.code_versions() == {**unrecorded, fourth: {**old, "cpu": None}, fifth: amd}
     execute = sqlite3.connect(path)
     execute.execute("DROP TABLE run_code")  # as a store written before runs recorded their code
     execute.commit()
     execute.close()
     with ResultStore(path, read_only=True) as store:
-        assert store.code_versions() == {first: None, second: None, third: None, fourth: None}
+        assert store.code_versions() == {first: None, second: None, third: None, fourth: None, fifth: None}
+
+
+@pytest.mark.parametrize("cell, message", [("'{'", "column 'cpu' is not valid JSON"),
+                                           ("'[1]'", "column 'cpu' is not a JSON object")])
+def test_a_damaged_machine_record_is_named(tmp_path, cell, message):
+    path = tmp_path / "r.sqlite"
+    with ResultStore(path) as store:
+        key = _put_run(store, DIGITS)
+    with sqlite3.connect(path) as db:
+        db.execute(f"UPDATE run_code SET cpu = {cell}")
+    with ResultStore(path, read_only=True) as store, pytest.raises(ValueError, match=f"run {key}: {message}"):
+        store.code_versions()
 
 
 # ------------------------------------------------------------- locks, a second writer, a full disk
