@@ -163,6 +163,12 @@ def cpu_identity() -> dict:
     return dict(_cpu_identity())
 
 
+def machine_key(cpu: dict | None) -> tuple | None:
+    """A recorded :func:`cpu_identity` as a hashable key (its items in order of name; None where
+    none was recorded), to count the runs of each machine."""
+    return None if cpu is None else tuple(sorted(cpu.items()))
+
+
 @functools.cache
 def _cpu_identity() -> dict:
     import torch

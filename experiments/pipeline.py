@@ -13,7 +13,6 @@ functions that train or read a store, so that ``affdiv analyse`` of a CSV does n
 from __future__ import annotations
 
 import hashlib
-import json
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -38,7 +37,7 @@ from affdiv.experiments.plan import (
 )
 from affdiv.experiments.records import RENAMED_METHODS, is_sqlite, read_csv, read_csv_rows
 from affdiv.experiments.report.writer import write_report
-from affdiv.provenance import provenance, relative_path
+from affdiv.provenance import machine_key, provenance, relative_path
 from affdiv.vocabulary import TARGET_METRIC
 
 if TYPE_CHECKING:
@@ -70,9 +69,9 @@ def code_versions(store: ResultStore, hashes: Sequence[str] | None = None) -> li
     counts: dict[tuple, int] = {}
     for code in store.code_versions(hashes).values():
         key = (None, None, None, None) if code is None else \
-            (code["version"], code["git_commit"], code["git_dirty"], json.dumps(code["cpu"], sort_keys=True))
+            (code["version"], code["git_commit"], code["git_dirty"], machine_key(code["cpu"]))
         counts[key] = counts.get(key, 0) + 1
-    return [{"version": v, "git_commit": c, "git_dirty": d, "cpu": None if cpu is None else json.loads(cpu), "runs": n}
+    return [{"version": v, "git_commit": c, "git_dirty": d, "cpu": None if cpu is None else dict(cpu), "runs": n}
             for (v, c, d, cpu), n in sorted(counts.items(), key=lambda item: (-item[1], str(item[0])))]
 
 

@@ -85,6 +85,7 @@ from affdiv.experiments.analysis.critical_batch import target_key
 from affdiv.experiments.analysis.design import StudyAnalysis, design_of
 from affdiv.experiments.records import write_csv
 from affdiv.experiments.report import figures
+from affdiv.provenance import machine_key
 from affdiv.reporting import (
     HTML_STYLE,
     Column,
@@ -145,7 +146,7 @@ def _caveats(summary: Mapping) -> list:
     code = provenance.get("run_code") or []  # the code that trained the runs, as the store recorded it
     if len(code) > 1:
         versions = len({(entry.get("version"), entry.get("git_commit"), entry.get("git_dirty")) for entry in code})
-        machines = len({json.dumps(entry["cpu"], sort_keys=True) for entry in code if entry.get("cpu") is not None})
+        machines = len({machine_key(entry["cpu"]) for entry in code if entry.get("cpu") is not None})
         why = [*(["numbers of different versions may differ"] if versions > 1 else []),
                *(["the stacked engine's float32 CPU numbers follow the machine (its processor's vendor and "
                   "instruction set, torch and its BLAS), and training carries a difference in the last bits onward, "

@@ -542,10 +542,10 @@ class BatchedEnsemble(StackedEnsemble):
         """:meth:`StackedEnsemble.step`; the weights of :func:`sgd_stepped`'s layers whose step
         is one product at this batch size (``stacked_matmul.fuses_step``: at most 32 samples on
         oneDNN, 64 on MKL, a product of at least ``stacked_matmul.ONEDNN_MIN_FLOPS``) are stepped
-        by their layers' backward, the other parameters by the optimiser. Each layer's −η is a leaf whose (zero)
-        gradient is asked for, so that autograd runs every stepped backward, and raises if a layer
-        left its step unused. A backward that raises may have stepped some weights and not the
-        rest: the ensemble then refuses to go on."""
+        by their layers' backward, the other parameters by the optimiser. Each layer's −η is a leaf
+        whose (zero) gradient is asked for, so that autograd runs every stepped backward, and raises
+        if a layer left its step unused. A backward that raises may have stepped some weights and
+        not the rest: the ensemble then refuses to go on."""
         if self.half_stepped:
             raise RuntimeError("an earlier step raised in its backward after stepping some weights and not the "
                                "others: this ensemble cannot be trained on")
