@@ -5,6 +5,7 @@ import csv
 import gzip
 import hashlib
 import json
+import re
 import shutil
 import sqlite3
 import subprocess
@@ -314,8 +315,13 @@ def test_the_report_states_the_share_of_the_runs_time_in_checks(quick_run, tmp_p
     seconds = round(sum(s for s, _c in rows), 1)
     assert provenance["compute_time_s"] == seconds
     report = " ".join((quick_run / "report.md").read_text().split())
-    assert f"The 4 runs took {seconds:,.0f} s in all; their checks (validation " \
-           f"reads) took {100 * share:.1f}% of it." in report
+    stated = re.search(r"The 4 runs took ([\d,]+) s in all; their checks \(validation reads\) took "
+                       r"(\d+\.\d)% of it\.", report)
+    assert stated, report
+    assert stated[1] == f"{seconds:,.0f}"
+    # a percentage to 0.1 from the share the provenance keeps to 4 places, so rounded twice: within half
+    # its last digit (0.05) and the share's own rounding (0.005 in percent) of the exact share
+    assert abs(float(stated[2]) - 100 * share) <= 0.05 + 0.005 + 1e-9, (stated[2], share)
     report = _analysed_copy(quick_run, tmp_path, "UPDATE runs SET check_seconds = NULL WHERE config_hash IN "
                                                  "(SELECT config_hash FROM runs LIMIT 3)")
     assert "% of it (over the 1 of 4 runs that recorded it; the others were stored before affdiv did)." in report
