@@ -78,24 +78,59 @@ def test_the_recorded_kernels_are_the_steps_own_and_replaying_them_leaves_the_mo
     # floor, each product and convolution once: the models × one model's FLOPs (counted on torch's
     # ops; not the stacked composite's count, which torch.utils.flop_counter overstates for a
     # grouped convolution: it counts its weight gradient as if every group saw every channel)
-    width, passes, (low, high) = CELLS[method]
+    width, passes, bounds = CELLS[method]
+    calls = _replayed(digits, method, width, bounds)
+    names = {func.__name__ for func, _args, _kwargs in calls if not isinstance(func, torch._ops.OpOverload)}
+    if _fused.available():  # (oneDNN's products where it is bound, too)
+        assert names == (passes if _native.onednn_enabled() else passes - {"onednn_bmm_"})
+
+
+@pytest.mark.parametrize("method", ["affine", "norm_l2", "affine_like"])
+def test_the_recorded_kernels_hold_the_sgd_step_made_by_mkls_product(digits, monkeypatch, method):
+    # where the products are torch's (MKL's, ONEDNN_PREFERRED false), the fused SGD step is torch's
+    # in-place baddbmm_, an op torch.utils.flop_counter does not count: the replay holds it too, so
+    # the step's arithmetic is the floor's (these MLPs' products at every size: ONEDNN_MIN_FLOPS 0)
+    from affdiv.experiments.runs import stacked_matmul
+
+    monkeypatch.setattr(stacked_matmul, "ONEDNN_MIN_FLOPS", 0)
+    monkeypatch.setattr(stacked_matmul, "ONEDNN_PREFERRED", False)
+    width, _passes, bounds = CELLS[method]
+    calls = _replayed(digits, method, width, bounds)
+    assert not any(func.__name__ == "onednn_bmm_" for func, _args, _kwargs in calls)
+    assert sum(func is torch.ops.aten.baddbmm_.default for func, _args, _kwargs in calls) == 2  # (two layers)
+
+
+def _replayed(digits, method: str, width: int, bounds: tuple[float, float]) -> list[tuple]:
+    """The kernels recorded in one step of two stacked models of ``method`` (depth 1, ``width``),
+    after checking that replaying them runs the floor's FLOPs within ``bounds`` of it and leaves
+    the models' parameters alone."""
     config = RunConfig(dataset="digits", method=method.split()[0], depth=1, width=width, batch_size=8, seed=0)
     models = [build_member(config, digits, seed) for seed in (0, 1)]
     split = (torch.as_tensor(digits.train.x), torch.as_tensor(digits.train.y))
     engine = stacked_engine(models[0])(models, "sgd", [0.1, 0.2], [None, None], [split] * 2, [split] * 2)
     orders = torch.stack([torch.randperm(len(split[1]), generator=torch.Generator().manual_seed(s)) for s in (0, 1)])
     calls = roofline.kernel_calls(engine, orders, 8)
-    package = [(func, args) for func, args, _kwargs in calls if not isinstance(func, torch._ops.OpOverload)]
-    names = {func.__name__ for func, _args in package}
-    if _fused.available():  # (oneDNN's products where it is bound, too)
-        assert names == (passes if _native.onednn_enabled() else passes - {"onednn_bmm_"})
     before = {name: p.clone() for name, p in engine.params.items()}
     with FlopCounterMode(display=False) as replayed:
         roofline.replay(calls)
-    flops = replayed.get_total_flops() + sum(_package_pass_flops(func, args) for func, args in package)
+    flops = replayed.get_total_flops() + sum(_uncounted_flops(func, args) for func, args, _kwargs in calls)
     floor = 2 * sum(roofline._step_flops(config, digits).values())
-    assert floor > 0 and low * floor <= flops <= high * floor
+    low, high = bounds
+    assert floor > 0 and low * floor <= flops <= high * floor, (flops, floor)
     assert all(torch.equal(p, before[name]) for name, p in engine.params.items())
+    return calls
+
+
+def _uncounted_flops(func, args) -> int:
+    """The FLOPs of a recorded call that torch.utils.flop_counter does not count: the package's
+    passes (:func:`_package_pass_flops`) and torch's in-place batched product (self + a b, a (K,
+    M, L), b (K, L, N)); 0 for the ops it counts."""
+    if func is torch.ops.aten.baddbmm_.default:
+        _self, a, b = args[:3]
+        return 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
+    if isinstance(func, torch._ops.OpOverload):
+        return 0
+    return _package_pass_flops(func, args)
 
 
 def test_a_replayed_tensor_has_the_recorded_layout_over_its_own_storage():
