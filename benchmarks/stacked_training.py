@@ -183,7 +183,8 @@ PACKAGE_PRODUCTS = ((_native, "onednn_bmm_"), (_fused, "attention_scores"), (_fu
 
 def kernel_calls(engine, orders, batch: int) -> list[tuple]:
     """The matrix products and convolutions of one step of ``engine``, as the step ran them, each
-    (function, args, kwargs) over random tensors of the same shapes, strides and dtypes: the ops that
+    (function, args, kwargs) over random tensors of the same shapes, strides and dtypes, sharing
+    memory where the step's did (:func:`_like`): the ops that
     ``torch.utils.flop_counter`` counts and their in-place forms (the fused SGD step's ``baddbmm_``
     on MKL, which it does not count), and the package's passes in ``PACKAGE_PRODUCTS``, recorded
     during one step from batch number 0. The recording mode only observes (``affdiv_observes_only``), so
@@ -195,11 +196,14 @@ def kernel_calls(engine, orders, batch: int) -> list[tuple]:
     from torch.utils.flop_counter import flop_registry
 
     counted = {packet.__name__ for packet in flop_registry}
-    calls = []
+    calls, storages = [], {}
+
+    def like(value):
+        return _like(value, storages)
 
     def recorded(function):
         def call(*args, **kwargs):
-            calls.append((function, *tree_map(_like, (args, kwargs))))
+            calls.append((function, *tree_map(like, (args, kwargs))))
             return function(*args, **kwargs)
 
         return call
@@ -210,7 +214,7 @@ def kernel_calls(engine, orders, batch: int) -> list[tuple]:
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             if func.overloadpacket.__name__.removesuffix("_") in counted:
-                calls.append((func, *tree_map(_like, (args, kwargs))))
+                calls.append((func, *tree_map(like, (args, kwargs))))
             return func(*args, **kwargs)
 
     _native.onednn_enabled()  # (its first call runs oneDNN's self-test, whose products are no step's)
@@ -228,18 +232,23 @@ def replay(calls: list[tuple]) -> None:
         func(*args, **kwargs)
 
 
-def _like(value):
-    """A random tensor laid out as ``value`` (its shape, strides, dtype; over a storage of its own
-    extent), a copy of ``value`` if it holds integers (indices, such as a pool's argmax, which a pass
-    follows), or ``value`` itself if it is no tensor."""
+def _like(value, storages: dict):
+    """A tensor laid out as ``value`` (its shape, strides, storage offset and dtype) over a storage
+    of its own, of the size of value's, holding random numbers, or a copy of value's if it holds
+    integers (indices, such as a pool's argmax, which a pass follows); ``value`` itself if it is no
+    tensor. Tensors over one storage in the step get one storage in the replay (``storages``, keyed
+    by the step's storage's address, size and dtype): a weight that the forward, the input's
+    gradient and the fused SGD step each read is then one buffer, which a product finds in cache
+    after the one before as it did in the step."""
     if not isinstance(value, torch.Tensor):
         return value
-    extent = 1 + sum((n - 1) * s for n, s in zip(value.shape, value.stride()) if n > 0) if value.numel() else 0
-    if value.is_floating_point():
-        storage = torch.randn(extent, dtype=value.dtype, device=value.device)
-    else:  # the stretch of storage the recorded tensor reads
-        storage = value.as_strided((extent,), (1,)).clone()
-    return storage.as_strided(value.shape, value.stride())
+    storage = value.untyped_storage()
+    key = (storage.data_ptr(), storage.nbytes(), value.dtype)
+    if key not in storages:
+        whole = torch.empty(0, dtype=value.dtype, device=value.device).set_(
+            storage, 0, (storage.nbytes() // value.element_size(),), (1,))
+        storages[key] = torch.randn_like(whole) if value.is_floating_point() else whole.clone()
+    return storages[key].as_strided(value.shape, value.stride(), value.storage_offset())
 
 
 def _median_seconds(fn, repeats: int = 3) -> float:

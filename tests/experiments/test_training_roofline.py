@@ -133,15 +133,25 @@ def _uncounted_flops(func, args) -> int:
     return _package_pass_flops(func, args)
 
 
-def test_a_replayed_tensor_has_the_recorded_layout_over_its_own_storage():
-    base = torch.randn(3, 4)
-    for recorded in (base.t(), base[:, 1:3], base.unsqueeze(0).expand(5, 3, 4), torch.empty(0, 2)):
-        like = roofline._like(recorded)
-        assert (like.shape, like.stride(), like.dtype) == (recorded.shape, recorded.stride(), recorded.dtype)
+def test_a_replayed_tensor_has_the_recorded_layout_over_its_own_storage_shared_as_in_the_step():
+    base, other = torch.randn(3, 4), torch.randn(3, 4)
+    storages = {}
+    views = (base[1], base.t(), base[:, 1:3], base.unsqueeze(0).expand(5, 3, 4))  # (the first, a part)
+    likes = [roofline._like(recorded, storages) for recorded in views]
+    for recorded, like in zip(views, likes):
+        assert (like.shape, like.stride(), like.storage_offset(), like.dtype) == \
+            (recorded.shape, recorded.stride(), recorded.storage_offset(), recorded.dtype)
         assert like.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
-    assert roofline._like(3) == 3 and roofline._like([1, 2]) == [1, 2]
+    # the views of one tensor share one storage of its size, as they did in the step; another
+    # tensor of the same shape gets its own
+    assert len({like.untyped_storage().data_ptr() for like in likes}) == 1
+    assert likes[0].untyped_storage().nbytes() == base.untyped_storage().nbytes()
+    assert torch.equal(likes[2], likes[1].t()[:, 1:3]) and torch.equal(likes[0], likes[1].t()[1])
+    assert roofline._like(other, storages).untyped_storage().data_ptr() != likes[0].untyped_storage().data_ptr()
+    assert roofline._like(torch.empty(0, 2), storages).shape == (0, 2)
+    assert roofline._like(3, storages) == 3 and roofline._like([1, 2], storages) == [1, 2]
     which = torch.randint(0, 4, (3, 1, 5), dtype=torch.uint8).expand(3, 2, 5)  # (indices a pass follows)
-    copied = roofline._like(which)
+    copied = roofline._like(which, storages)
     assert copied.stride() == which.stride() and torch.equal(copied, which)
     assert copied.untyped_storage().data_ptr() != which.untyped_storage().data_ptr()
 
