@@ -183,10 +183,10 @@ PACKAGE_PRODUCTS = ((_native, "onednn_bmm_"), (_fused, "attention_scores"), (_fu
 
 def kernel_calls(engine, orders, batch: int) -> list[tuple]:
     """The matrix products and convolutions of one step of ``engine``, as the step ran them, each
-    (function, args, kwargs) over random tensors of the same shapes, strides and dtypes, sharing
-    memory where the step's did (:func:`_like`): the ops that
-    ``torch.utils.flop_counter`` counts and their in-place forms (the fused SGD step's ``baddbmm_``
-    on MKL, which it does not count), and the package's passes in ``PACKAGE_PRODUCTS``, recorded
+    (function, args, kwargs) over tensors laid out as the step's (:func:`_like`): the ops that
+    ``torch.utils.flop_counter`` counts and their in-place forms in torch's ``aten`` (the fused SGD
+    step's ``baddbmm_`` on MKL, which it does not count), and the package's passes in
+    ``PACKAGE_PRODUCTS``, recorded
     during one step from batch number 0. The recording mode only observes (``affdiv_observes_only``), so
     the step takes the paths it takes unrecorded."""
     from unittest import mock
@@ -195,7 +195,8 @@ def kernel_calls(engine, orders, batch: int) -> list[tuple]:
     from torch.utils._pytree import tree_map
     from torch.utils.flop_counter import flop_registry
 
-    counted = {packet.__name__ for packet in flop_registry}
+    in_place = (getattr(torch.ops.aten, f"{packet.__name__}_", None) for packet in flop_registry)
+    counted = set(flop_registry) | {packet for packet in in_place if packet is not None}
     calls, storages = [], {}
 
     def like(value):
@@ -213,7 +214,7 @@ def kernel_calls(engine, orders, batch: int) -> list[tuple]:
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            if func.overloadpacket.__name__.removesuffix("_") in counted:
+            if func.overloadpacket in counted:
                 calls.append((func, *tree_map(like, (args, kwargs))))
             return func(*args, **kwargs)
 
@@ -233,21 +234,26 @@ def replay(calls: list[tuple]) -> None:
 
 
 def _like(value, storages: dict):
-    """A tensor laid out as ``value`` (its shape, strides, storage offset and dtype) over a storage
-    of its own, of the size of value's, holding random numbers, or a copy of value's if it holds
-    integers (indices, such as a pool's argmax, which a pass follows); ``value`` itself if it is no
-    tensor. Tensors over one storage in the step get one storage in the replay (``storages``, keyed
-    by the step's storage's address, size and dtype): a weight that the forward, the input's
-    gradient and the fused SGD step each read is then one buffer, which a product finds in cache
-    after the one before as it did in the step."""
+    """``value`` laid out again for the replay, over memory the step does not own: a tensor of its
+    shape, strides, storage offset and dtype; ``value`` itself if it is no tensor. A floating-point
+    tensor holds random numbers, and the floating-point tensors that were views of one storage in
+    the step (a weight that the forward, its input's gradient and the fused SGD step each read) are
+    views of one random storage of that storage's whole size (``storages``, keyed by its address,
+    size and dtype), so that the replay reads memory as the step did (a view of a large storage
+    costs the whole storage). An integer tensor (indices, such as a pool's argmax, which a pass
+    follows) holds a copy of the stretch of storage it reads, taken at each call: an address the
+    step freed may hold other indices later."""
     if not isinstance(value, torch.Tensor):
         return value
+    if not value.is_floating_point():
+        extent = 1 + sum((n - 1) * s for n, s in zip(value.shape, value.stride()) if n > 0) if value.numel() else 0
+        return value.as_strided((extent,), (1,)).clone().as_strided(value.shape, value.stride())
     storage = value.untyped_storage()
     key = (storage.data_ptr(), storage.nbytes(), value.dtype)
     if key not in storages:
         whole = torch.empty(0, dtype=value.dtype, device=value.device).set_(
             storage, 0, (storage.nbytes() // value.element_size(),), (1,))
-        storages[key] = torch.randn_like(whole) if value.is_floating_point() else whole.clone()
+        storages[key] = torch.randn_like(whole)
     return storages[key].as_strided(value.shape, value.stride(), value.storage_offset())
 
 
