@@ -235,12 +235,12 @@ def replay(calls: list[tuple]) -> None:
 
 def _like(value, storages: dict):
     """``value`` laid out again for the replay, over memory the step does not own: a tensor of its
-    shape, strides, storage offset and dtype; ``value`` itself if it is no tensor. A floating-point
-    tensor holds random numbers, and the floating-point tensors that were views of one storage in
-    the step (a weight that the forward, its input's gradient and the fused SGD step each read) are
-    views of one random storage of that storage's whole size (``storages``, keyed by its address,
-    size and dtype), so that the replay reads memory as the step did (a view of a large storage
-    costs the whole storage). An integer tensor (indices, such as a pool's argmax, which a pass
+    shape, strides and dtype; ``value`` itself if it is no tensor. A floating-point tensor holds
+    random numbers at its storage offset, and the floating-point tensors that were views of one
+    storage in the step (a weight that the forward, its input's gradient and the fused SGD step
+    each read) are views of one random storage of that storage's whole size (``storages``, keyed
+    by its address, size and dtype), so that the replay reads memory as the step did (a view of a
+    large storage costs the whole storage). An integer tensor (indices, such as a pool's argmax, which a pass
     follows) holds a copy of the stretch of storage it reads, taken at each call: an address the
     step freed may hold other indices later."""
     if not isinstance(value, torch.Tensor):

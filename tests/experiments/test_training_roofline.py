@@ -160,6 +160,8 @@ def test_a_replayed_tensor_has_the_recorded_layout_over_its_own_storage_shared_a
     which.fill_(7)
     again = roofline._like(which, storages)
     assert torch.equal(again, which) and not torch.equal(copied, which)
+    part = torch.arange(10)[3:9:2]  # (from an offset, strided)
+    assert torch.equal(roofline._like(part, storages), part)
 
 
 def test_the_compiled_variant_trains_the_models_the_stacked_engine_trains(digits):
