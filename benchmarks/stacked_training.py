@@ -186,9 +186,8 @@ def kernel_calls(engine, orders, batch: int) -> list[tuple]:
     (function, args, kwargs) over tensors laid out as the step's (:func:`_like`): the ops that
     ``torch.utils.flop_counter`` counts and their in-place forms in torch's ``aten`` (the fused SGD
     step's ``baddbmm_`` on MKL, which it does not count), and the package's passes in
-    ``PACKAGE_PRODUCTS``, recorded
-    during one step from batch number 0. The recording mode only observes (``affdiv_observes_only``), so
-    the step takes the paths it takes unrecorded."""
+    ``PACKAGE_PRODUCTS``, recorded during one step from batch number 0. The recording mode only
+    observes (``affdiv_observes_only``), so the step takes the paths it takes unrecorded."""
     from unittest import mock
 
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -240,9 +239,9 @@ def _like(value, storages: dict):
     storage in the step (a weight that the forward, its input's gradient and the fused SGD step
     each read) are views of one random storage of that storage's whole size (``storages``, keyed
     by its address, size and dtype), so that the replay reads memory as the step did (a view of a
-    large storage costs the whole storage). An integer tensor (indices, such as a pool's argmax, which a pass
-    follows) holds a copy of the stretch of storage it reads, taken at each call: an address the
-    step freed may hold other indices later."""
+    large storage costs the whole storage). An integer tensor (indices, such as a pool's argmax,
+    which a pass follows) holds a copy of the stretch of storage it reads, taken at each call: an
+    address the step freed may hold other indices later."""
     if not isinstance(value, torch.Tensor):
         return value
     if not value.is_floating_point():

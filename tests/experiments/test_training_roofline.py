@@ -89,8 +89,8 @@ def test_the_recorded_kernels_are_the_steps_own_and_replaying_them_leaves_the_mo
 def test_the_recorded_kernels_hold_the_sgd_step_made_by_torchs_product(digits, monkeypatch, method):
     # where the products are torch's (ONEDNN_PREFERRED false, as on MKL on an Intel processor), the
     # fused SGD step is torch's in-place baddbmm_, which torch.utils.flop_counter does not count: the
-    # replay holds it too, so
-    # the step's arithmetic is the floor's (these MLPs' products at every size: ONEDNN_MIN_FLOPS 0)
+    # replay holds it too, so the step's arithmetic is the floor's (these MLPs' products at every
+    # size: ONEDNN_MIN_FLOPS 0)
     from affdiv.experiments.runs import stacked_matmul
 
     monkeypatch.setattr(stacked_matmul, "ONEDNN_MIN_FLOPS", 0)
