@@ -163,9 +163,26 @@ def cpu_identity() -> dict:
     return dict(_cpu_identity())
 
 
+def machine_identity(device: str = "cpu") -> dict:
+    """What of the machine decides a run's numbers on ``device`` (a torch device string) beside the
+    package's code, as a results store records it with each run: :func:`cpu_identity`, and on a
+    CUDA device also the GPU's name and compute capability and the CUDA version torch was built
+    with (``"gpu"``, ``"gpu_capability"``, ``"cuda"``), whose libraries pick their kernels by the
+    GPU."""
+    identity = cpu_identity()
+    import torch
+
+    where = torch.device(device)
+    if where.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(where)
+        identity.update(gpu=torch.cuda.get_device_name(where), gpu_capability=f"{major}.{minor}",
+                        cuda=torch.version.cuda)
+    return identity
+
+
 def machine_key(cpu: dict | None) -> tuple | None:
-    """A recorded :func:`cpu_identity` as a hashable key (its items in order of name; None where
-    none was recorded), to count the runs of each machine."""
+    """A recorded :func:`machine_identity` as a hashable key (its items in order of name; None
+    where none was recorded), to count the runs of each machine."""
     return None if cpu is None else tuple(sorted(cpu.items()))
 
 

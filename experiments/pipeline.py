@@ -64,7 +64,7 @@ def _progress(started: float):
 def code_versions(store: ResultStore, hashes: Sequence[str] | None = None) -> list[dict]:
     """The code that trained the runs (``hashes``: of these only) and their machines, as the store
     recorded them: ``{"version", "git_commit", "git_dirty", "cpu", "runs"}`` per distinct code and
-    machine (``cpu``: :func:`affdiv.provenance.cpu_identity`, None where not recorded), most runs
+    machine (``cpu``: :func:`affdiv.provenance.machine_identity`, None where not recorded), most runs
     first; the runs stored without a record count under version None."""
     counts: dict[tuple, int] = {}
     for code in store.code_versions(hashes).values():

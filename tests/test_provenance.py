@@ -132,3 +132,23 @@ def test_the_record_names_the_processors_vendor(monkeypatch):
 
     monkeypatch.setattr(module, "cpu_vendor", lambda: "GenuineIntel")
     assert module.provenance()["cpu_vendor"] == "GenuineIntel"
+
+
+def test_the_machine_of_a_run_on_a_gpu_names_the_gpu_and_cuda(monkeypatch):
+    import torch
+
+    from affdiv.provenance import cpu_identity, machine_identity
+
+    asked = []
+
+    def name(device):
+        asked.append(device)
+        return "SomeGPU"
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", name)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 6))
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    assert machine_identity("cpu") == machine_identity() == cpu_identity()
+    assert not asked  # (a CPU run asks nothing of CUDA)
+    assert machine_identity("cuda:1") == {**cpu_identity(), "gpu": "SomeGPU", "gpu_capability": "8.6", "cuda": "12.8"}
+    assert asked == [torch.device("cuda:1")]

@@ -148,9 +148,10 @@ def _caveats(summary: Mapping) -> list:
         versions = len({(entry.get("version"), entry.get("git_commit"), entry.get("git_dirty")) for entry in code})
         machines = len({machine_key(entry["cpu"]) for entry in code if entry.get("cpu") is not None})
         why = [*(["numbers of different versions may differ"] if versions > 1 else []),
-               *(["the stacked engine's float32 CPU numbers follow the machine (its processor's vendor and "
-                  "instruction set, torch and its BLAS), and training carries a difference in the last bits onward, "
-                  "so runs of different machines may differ too"] if machines > 1 else [])] \
+               *(["a run's numbers follow the machine's kernels (on a CPU, chosen by the processor's vendor and "
+                  "instruction set, torch and its BLAS; on a GPU, by the GPU and CUDA), and training carries a "
+                  "difference in the last bits onward, so runs of different machines may differ too"]
+                 if machines > 1 else [])] \
             or ["some runs' machines were not recorded (stored before affdiv recorded them)"]
         items.append(f"The runs were trained by {versions} version(s) of affdiv on {machines} recorded machine(s) "
                      f"({'; '.join(map(_code, code))}): {' and '.join(why)}. Rerun the runs of the others to "
@@ -189,14 +190,18 @@ def _code(entry: Mapping) -> str:
 
 
 def _machine(cpu: Mapping | None) -> str:
-    """A run_code entry's ``cpu`` as the report names it, ``; GenuineIntel, torch 2.13.0 AVX512,
-    BLAS mkl, oneDNN on`` (the parts recorded), or nothing where none is."""
+    """A run_code entry's ``cpu`` (``affdiv.provenance.machine_identity``) as the report names it,
+    ``; GenuineIntel, torch 2.13.0 AVX512, BLAS mkl, oneDNN on`` and, for a run on a GPU, ``, GPU
+    NVIDIA H100 (9.0), CUDA 12.8`` (the parts recorded), or nothing where none is."""
     if cpu is None:
         return ""
     torch_part = " ".join(str(cpu[key]) for key in ("torch", "cpu_capability") if cpu.get(key))
+    capability = f" ({cpu['gpu_capability']})" if cpu.get("gpu_capability") else ""
     parts = [cpu.get("vendor") or "processor vendor unknown", *([f"torch {torch_part}"] if torch_part else []),
              *([f"BLAS {cpu['torch_blas']}"] if cpu.get("torch_blas") else []),
-             *([f"oneDNN {'on' if cpu['onednn'] else 'off'}"] if "onednn" in cpu else [])]
+             *([f"oneDNN {'on' if cpu['onednn'] else 'off'}"] if "onednn" in cpu else []),
+             *([f"GPU {cpu['gpu']}{capability}"] if cpu.get("gpu") else []),
+             *([f"CUDA {cpu['cuda']}"] if cpu.get("cuda") else [])]
     return "; " + ", ".join(parts)
 
 

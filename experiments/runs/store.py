@@ -52,9 +52,10 @@ existed have no such record (the first run put after them sets it).
 
 The code behind each run: the ``run_code`` table keeps the affdiv version, git commit and
 dirty flag of the process that trained each run (:func:`affdiv.provenance.code_identity`), and
-its machine (:func:`affdiv.provenance.cpu_identity`: processor vendor and instruction set, torch's
-version and BLAS, oneDNN; in the ``cpu`` column, added to a store of an earlier version with the
-first run that has it), which decide the stacked engine's float32 numbers;
+its machine (:func:`affdiv.provenance.machine_identity`: processor vendor and instruction set,
+torch's version and BLAS, oneDNN, and on a GPU the GPU and CUDA's version; in the ``cpu`` column,
+added to a store of an earlier version with the first run that has it), which decide the kernels
+and so the roundings of its numbers;
 :meth:`ResultStore.code_versions` reads them (None for a run stored before that table existed;
 its ``cpu`` None for one stored before that column).
 
@@ -158,8 +159,8 @@ CREATE TABLE IF NOT EXISTS raw_data (
     first_utc  TEXT NOT NULL
 )
 """
-# The code that trained each run: affdiv's version, git commit and dirty flag, and the machine's
-# processor vendor and torch's BLAS as JSON (null: not known).
+# The code that trained each run: affdiv's version, git commit and dirty flag, and its machine
+# (affdiv.provenance.machine_identity) as JSON (null: not known).
 _RUN_CODE = """
 CREATE TABLE IF NOT EXISTS run_code (
     config_hash TEXT PRIMARY KEY,
@@ -307,7 +308,8 @@ class StoredRun:
     ``raw_sha256``: the SHA-256 of the raw data it trained on (``Dataset.config["raw_sha256"]``),
     checked against and added to the ``raw_data`` table; ``code``: ``{"version", "git_commit",
     "git_dirty"}`` of the process that trained it, and optionally ``"cpu"``, its machine's
-    :func:`affdiv.provenance.cpu_identity` (None: this process's, both); ``check_seconds``: the
+    :func:`affdiv.provenance.machine_identity` (None: this process's, both, for the config's
+    device); ``check_seconds``: the
     part of ``seconds`` spent reading the validation split (None: not recorded).
     """
 
@@ -502,7 +504,7 @@ class ResultStore:
 
     def code_versions(self, hashes: Iterable[str] | None = None) -> dict[str, dict | None]:
         """{config hash: {"version", "git_commit", "git_dirty", "cpu"} of the code that trained the
-        run and its machine (``cpu``: :func:`affdiv.provenance.cpu_identity`, None where not
+        run and its machine (``cpu``: :func:`affdiv.provenance.machine_identity`, None where not
         recorded), or None when the store did not record the code (a run stored before the record
         existed)}."""
         known = {}
@@ -527,7 +529,7 @@ class ResultStore:
         """
         if self.read_only:
             raise PermissionError(f"{self.path}: opened read-only")
-        from affdiv.provenance import code_identity, cpu_identity
+        from affdiv.provenance import code_identity, machine_identity
 
         if not isinstance(run, StoredRun):
             raise ValueError(f"run must be a StoredRun, got {type(run).__name__}")
@@ -536,7 +538,7 @@ class ResultStore:
         key = config_hash(config)
         data = data_key(config)
         self.check_fingerprints({data: run.data_fingerprint})
-        code = dict(run.code or {**code_identity(), "cpu": cpu_identity()})
+        code = dict(run.code or {**code_identity(), "cpu": machine_identity(config.get("device", "cpu"))})
         row = (
             key,
             canonical_json(config),
@@ -629,7 +631,7 @@ class ResultStore:
 
     # ---------------------------------------------------------------------------------- reading
     def _cpu(self, text: str, key: str) -> dict:
-        """The ``cpu`` cell of run ``key``'s code: a JSON object (:func:`affdiv.provenance.cpu_identity`)."""
+        """The ``cpu`` cell of run ``key``'s code: a JSON object (:func:`affdiv.provenance.machine_identity`)."""
         value = self._json(text, key, "cpu")
         if not isinstance(value, dict):
             raise ValueError(f"{self.path}: run {key}: column 'cpu' is not a JSON object (damaged store)")

@@ -165,10 +165,10 @@ _SET_UP = object()  # _run_unit's default data folder: the one _init_worker set 
 def _run_unit(unit: Sequence[RunConfig], stack: bool, measurements: Sequence[Measurement],
               data_dir: str | None | object = _SET_UP) -> list[tuple[RunConfig, StoredRun]]:
     """Train one unit (runs of one ensemble key); returns (config, what to store) per run, with the
-    raw data's hash and the code identity of the process that trained it and of its machine's
-    processor and BLAS. ``data_dir`` travels with a Dask task (a worker may serve several sweeps);
-    pool workers use their own."""
-    from affdiv.provenance import code_identity, cpu_identity
+    raw data's hash and the code identity of the process that trained it and of its machine
+    (``provenance.machine_identity`` of the run's device). ``data_dir`` travels with a Dask task (a
+    worker may serve several sweeps); pool workers use their own."""
+    from affdiv.provenance import code_identity, machine_identity
 
     folder = _DATA_DIR if data_dir is _SET_UP else data_dir
     datasets = [dataset_for(c, folder) for c in unit]
@@ -176,7 +176,7 @@ def _run_unit(unit: Sequence[RunConfig], stack: bool, measurements: Sequence[Mea
     return [(config, StoredRun(result.metrics, result.curves, result.seconds, result.data_fingerprint,
                                measurements=result.measurements or None, candidates=result.candidates or None,
                                check_seconds=result.check_seconds, raw_sha256=data.config.get("raw_sha256"),
-                               code={**code_identity(), "cpu": cpu_identity()}))
+                               code={**code_identity(), "cpu": machine_identity(config.device)}))
             for config, data, result in zip(unit, datasets, results)]
 
 

@@ -352,6 +352,14 @@ def test_a_store_of_several_versions_lists_them(quick_run, tmp_path):
     assert "The runs were trained by 1 version(s) of affdiv on 2 recorded machine(s) (affdiv " in report
     assert "; SomeVendor, BLAS open, oneDNN off): 1 run(s)" in report
     assert "so runs of different machines may differ too. Rerun" in report
+    # a run on a GPU: the GPU and CUDA are named too
+    (tmp_path / "gpu").mkdir()
+    report = _analysed_copy(quick_run, tmp_path / "gpu",
+                            "UPDATE run_code SET cpu = '{\"vendor\":\"SomeVendor\",\"gpu\":\"SomeGPU\","
+                            "\"gpu_capability\":\"8.6\",\"cuda\":\"12.8\"}' "
+                            "WHERE config_hash IN (SELECT config_hash FROM run_code LIMIT 1)")
+    assert "; SomeVendor, GPU SomeGPU (8.6), CUDA 12.8): 1 run(s)" in report
+    assert "on a GPU, by the GPU and CUDA" in report
 
 
 # --------------------------------------------------------------------------------- analyse: inputs

@@ -35,6 +35,19 @@ def test_grid_is_the_full_product_in_a_fixed_order():
     assert expand_grid(BASE, dict(reversed(list(axes.items())))) == configs
 
 
+def test_a_unit_records_the_machine_of_its_runs_device(monkeypatch):
+    # each run's code carries provenance.machine_identity of the device it trained on (a GPU run's
+    # names the GPU); here a run on the CPU named as "cpu:0", with the identity replaced by one
+    # that names its argument
+    from affdiv import provenance
+    from affdiv.experiments.runs import sweep
+
+    monkeypatch.setattr(provenance, "machine_identity", lambda device: {"device": device})
+    [config] = expand_grid({**BASE, "device": "cpu:0"}, {"method": ["affine"], "batch_size": [16], "seed": [0]})
+    [(trained, stored)] = sweep._run_unit([config], stack=False, measurements=(), data_dir=None)
+    assert trained == config and stored.code["cpu"] == {"device": "cpu:0"}
+
+
 def test_grid_collapses_duplicates_and_refuses_empty_axes():
     # lr_grid only matters to the tuned rule, so these two grid points are one run.
     assert len(expand_grid({**BASE, "method": "affine", "batch_size": 8, "seed": 0},
