@@ -166,17 +166,23 @@ def cpu_identity() -> dict:
 def machine_identity(device: str = "cpu") -> dict:
     """What of the machine decides a run's numbers on ``device`` (a torch device string) beside the
     package's code, as a results store records it with each run: :func:`cpu_identity`, and on a
-    CUDA device also the GPU's name and compute capability and the CUDA version torch was built
-    with (``"gpu"``, ``"gpu_capability"``, ``"cuda"``), whose libraries pick their kernels by the
-    GPU."""
+    CUDA device also the GPU's name and compute capability and the versions of CUDA (or, on ROCm,
+    HIP) and cuDNN torch was built with (``"gpu"``, ``"gpu_capability"``, ``"cuda"`` or ``"hip"``,
+    ``"cudnn"``), whose kernels follow the GPU. (Other devices, such as Apple's ``mps``, record
+    the processor's alone.) A CUDA device where CUDA is not available is a ValueError: the record
+    is of the machine that trains."""
     identity = cpu_identity()
     import torch
 
     where = torch.device(device)
     if where.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: CUDA is not available here, so this machine cannot have trained "
+                             "on it (record the machine that did)")
         major, minor = torch.cuda.get_device_capability(where)
         identity.update(gpu=torch.cuda.get_device_name(where), gpu_capability=f"{major}.{minor}",
-                        cuda=torch.version.cuda)
+                        **({"hip": torch.version.hip} if torch.version.hip else {"cuda": torch.version.cuda}),
+                        cudnn=torch.backends.cudnn.version())
     return identity
 
 

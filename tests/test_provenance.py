@@ -148,7 +148,16 @@ def test_the_machine_of_a_run_on_a_gpu_names_the_gpu_and_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", name)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 6))
     monkeypatch.setattr(torch.version, "cuda", "12.8")
-    assert machine_identity("cpu") == machine_identity() == cpu_identity()
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91002)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert machine_identity("cpu") == machine_identity() == machine_identity("mps") == cpu_identity()
     assert not asked  # (a CPU run asks nothing of CUDA)
-    assert machine_identity("cuda:1") == {**cpu_identity(), "gpu": "SomeGPU", "gpu_capability": "8.6", "cuda": "12.8"}
+    with pytest.raises(ValueError, match=r"^device 'cuda:1': CUDA is not available here"):
+        machine_identity("cuda:1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert machine_identity("cuda:1") == {**cpu_identity(), "gpu": "SomeGPU", "gpu_capability": "8.6", "cuda": "12.8",
+                                          "cudnn": 91002}
     assert asked == [torch.device("cuda:1")]
+    monkeypatch.setattr(torch.version, "hip", "6.2")  # (ROCm: HIP's version in CUDA's place)
+    assert machine_identity("cuda")["hip"] == "6.2" and "cuda" not in machine_identity("cuda")

@@ -149,7 +149,7 @@ def _caveats(summary: Mapping) -> list:
         machines = len({machine_key(entry["cpu"]) for entry in code if entry.get("cpu") is not None})
         why = [*(["numbers of different versions may differ"] if versions > 1 else []),
                *(["a run's numbers follow the machine's kernels (on a CPU, chosen by the processor's vendor and "
-                  "instruction set, torch and its BLAS; on a GPU, by the GPU and CUDA), and training carries a "
+                  "instruction set, torch and its BLAS; on a CUDA GPU, by the GPU and CUDA), and training carries a "
                   "difference in the last bits onward, so runs of different machines may differ too"]
                  if machines > 1 else [])] \
             or ["some runs' machines were not recorded (stored before affdiv recorded them)"]
@@ -179,7 +179,7 @@ def _caveats(summary: Mapping) -> list:
 
 def _code(entry: Mapping) -> str:
     """One entry of the provenance's ``run_code``: ``affdiv 0.1.0 (commit 2fe6550...; GenuineIntel,
-    torch BLAS mkl): 8 runs``."""
+    torch 2.13.0 AVX512, BLAS mkl, oneDNN on): 8 run(s)`` (:func:`_machine`)."""
     runs = f"{entry.get('runs')} run(s)"
     if entry.get("version") is None:
         return f"not recorded (stored before affdiv recorded it): {runs}"
@@ -191,8 +191,9 @@ def _code(entry: Mapping) -> str:
 
 def _machine(cpu: Mapping | None) -> str:
     """A run_code entry's ``cpu`` (``affdiv.provenance.machine_identity``) as the report names it,
-    ``; GenuineIntel, torch 2.13.0 AVX512, BLAS mkl, oneDNN on`` and, for a run on a GPU, ``, GPU
-    NVIDIA H100 (9.0), CUDA 12.8`` (the parts recorded), or nothing where none is."""
+    ``; GenuineIntel, torch 2.13.0 AVX512, BLAS mkl, oneDNN on`` and, for a run on a CUDA GPU,
+    ``, GPU NVIDIA H100 80GB HBM3 (9.0), CUDA 12.8, cuDNN 91002`` (the parts recorded), or nothing
+    where none is."""
     if cpu is None:
         return ""
     torch_part = " ".join(str(cpu[key]) for key in ("torch", "cpu_capability") if cpu.get(key))
@@ -201,7 +202,8 @@ def _machine(cpu: Mapping | None) -> str:
              *([f"BLAS {cpu['torch_blas']}"] if cpu.get("torch_blas") else []),
              *([f"oneDNN {'on' if cpu['onednn'] else 'off'}"] if "onednn" in cpu else []),
              *([f"GPU {cpu['gpu']}{capability}"] if cpu.get("gpu") else []),
-             *([f"CUDA {cpu['cuda']}"] if cpu.get("cuda") else [])]
+             *(f"{name} {cpu[key]}" for key, name in (("cuda", "CUDA"), ("hip", "HIP"), ("cudnn", "cuDNN"))
+               if cpu.get(key))]
     return "; " + ", ".join(parts)
 
 

@@ -53,9 +53,9 @@ existed have no such record (the first run put after them sets it).
 The code behind each run: the ``run_code`` table keeps the affdiv version, git commit and
 dirty flag of the process that trained each run (:func:`affdiv.provenance.code_identity`), and
 its machine (:func:`affdiv.provenance.machine_identity`: processor vendor and instruction set,
-torch's version and BLAS, oneDNN, and on a GPU the GPU and CUDA's version; in the ``cpu`` column,
-added to a store of an earlier version with the first run that has it), which decide the kernels
-and so the roundings of its numbers;
+torch's version and BLAS, oneDNN, and on a CUDA GPU the GPU and the CUDA and cuDNN versions; in
+the ``cpu`` column, added to a store of an earlier version with the first run that has it), which
+decide the kernels and so the roundings of its numbers;
 :meth:`ResultStore.code_versions` reads them (None for a run stored before that table existed;
 its ``cpu`` None for one stored before that column).
 
@@ -308,8 +308,8 @@ class StoredRun:
     ``raw_sha256``: the SHA-256 of the raw data it trained on (``Dataset.config["raw_sha256"]``),
     checked against and added to the ``raw_data`` table; ``code``: ``{"version", "git_commit",
     "git_dirty"}`` of the process that trained it, and optionally ``"cpu"``, its machine's
-    :func:`affdiv.provenance.machine_identity` (None: this process's, both, for the config's
-    device); ``check_seconds``: the
+    :func:`affdiv.provenance.machine_identity` (None: this process's, both, on the config's
+    device: a run trained elsewhere passes its own); ``check_seconds``: the
     part of ``seconds`` spent reading the validation split (None: not recorded).
     """
 

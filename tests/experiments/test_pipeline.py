@@ -356,10 +356,10 @@ def test_a_store_of_several_versions_lists_them(quick_run, tmp_path):
     (tmp_path / "gpu").mkdir()
     report = _analysed_copy(quick_run, tmp_path / "gpu",
                             "UPDATE run_code SET cpu = '{\"vendor\":\"SomeVendor\",\"gpu\":\"SomeGPU\","
-                            "\"gpu_capability\":\"8.6\",\"cuda\":\"12.8\"}' "
+                            "\"gpu_capability\":\"8.6\",\"cuda\":\"12.8\",\"cudnn\":91002}' "
                             "WHERE config_hash IN (SELECT config_hash FROM run_code LIMIT 1)")
-    assert "; SomeVendor, GPU SomeGPU (8.6), CUDA 12.8): 1 run(s)" in report
-    assert "on a GPU, by the GPU and CUDA" in report
+    assert "; SomeVendor, GPU SomeGPU (8.6), CUDA 12.8, cuDNN 91002): 1 run(s)" in report
+    assert "on a CUDA GPU, by the GPU and CUDA" in report
 
 
 # --------------------------------------------------------------------------------- analyse: inputs

@@ -461,6 +461,28 @@ def test_each_run_records_the_code_that_trained_it_and_its_machine(tmp_path):
         assert store.code_versions() == {first: None, second: None, third: None, fourth: None, fifth: None}
 
 
+def test_a_run_put_without_its_code_records_this_machine_on_its_device(tmp_path, monkeypatch):
+    # put's default is this process's machine on the run's device: a CUDA run's names the GPU (torch's
+    # answers replaced: no GPU here); a device CUDA cannot serve here is refused, naming it
+    import torch
+
+    from affdiv.provenance import code_identity, cpu_identity
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "SomeGPU")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91002)
+    with ResultStore(tmp_path / "r.sqlite") as store:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        with pytest.raises(ValueError, match=r"^device 'cuda:0': CUDA is not available here"):
+            _put_run(store, {**DIGITS, "device": "cuda:0"})
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        key = _put_run(store, {**DIGITS, "device": "cuda:0"})
+        assert store.code_versions() == {key: {**code_identity(), "cpu": {
+            **cpu_identity(), "gpu": "SomeGPU", "gpu_capability": "9.0", "cuda": "12.8", "cudnn": 91002}}}
+
+
 @pytest.mark.parametrize("cell, message", [("'{'", "column 'cpu' is not valid JSON"),
                                            ("'[1]'", "column 'cpu' is not a JSON object")])
 def test_a_damaged_machine_record_is_named(tmp_path, cell, message):
