@@ -177,8 +177,8 @@ def machine_identity(device: str = "cpu") -> dict:
     where = torch.device(device)
     if where.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device {device!r}: CUDA is not available here, so this machine cannot have trained "
-                             "on it (record the machine that did)")
+            raise ValueError(f"device {device!r}: CUDA is not available here, so no run on it was trained here "
+                             "(record the machine that trained it)")
         major, minor = torch.cuda.get_device_capability(where)
         identity.update(gpu=torch.cuda.get_device_name(where), gpu_capability=f"{major}.{minor}",
                         **({"hip": torch.version.hip} if torch.version.hip else {"cuda": torch.version.cuda}),

@@ -343,21 +343,21 @@ def test_a_store_of_several_versions_lists_them(quick_run, tmp_path):
     assert "The runs were trained by 2 version(s) of affdiv on 1 recorded machine(s) (affdiv " in report
     assert "; not recorded (stored before affdiv recorded it): 1 run(s)): numbers of different versions may " \
            "differ. Rerun" in report
+
+    def one_run_on(folder: str, machine: dict) -> str:  # the report with one run's machine record replaced
+        (tmp_path / folder).mkdir()
+        return _analysed_copy(quick_run, tmp_path / folder,
+                              f"UPDATE run_code SET cpu = '{json.dumps(machine)}' "
+                              "WHERE config_hash IN (SELECT config_hash FROM run_code LIMIT 1)")
+
     # the same code on a machine of another vendor: named, with what differs (a vendor no host has)
-    (tmp_path / "machine").mkdir()
-    report = _analysed_copy(quick_run, tmp_path / "machine",
-                            "UPDATE run_code SET cpu = '{\"onednn\":false,\"torch_blas\":\"open\","
-                            "\"vendor\":\"SomeVendor\"}' "
-                            "WHERE config_hash IN (SELECT config_hash FROM run_code LIMIT 1)")
+    report = one_run_on("machine", {"onednn": False, "torch_blas": "open", "vendor": "SomeVendor"})
     assert "The runs were trained by 1 version(s) of affdiv on 2 recorded machine(s) (affdiv " in report
     assert "; SomeVendor, BLAS open, oneDNN off): 1 run(s)" in report
     assert "so runs of different machines may differ too. Rerun" in report
-    # a run on a GPU: the GPU and CUDA are named too
-    (tmp_path / "gpu").mkdir()
-    report = _analysed_copy(quick_run, tmp_path / "gpu",
-                            "UPDATE run_code SET cpu = '{\"vendor\":\"SomeVendor\",\"gpu\":\"SomeGPU\","
-                            "\"gpu_capability\":\"8.6\",\"cuda\":\"12.8\",\"cudnn\":91002}' "
-                            "WHERE config_hash IN (SELECT config_hash FROM run_code LIMIT 1)")
+    # a run on a GPU: the GPU, CUDA and cuDNN are named too
+    report = one_run_on("gpu", {"vendor": "SomeVendor", "gpu": "SomeGPU", "gpu_capability": "8.6", "cuda": "12.8",
+                                "cudnn": 91002})
     assert "; SomeVendor, GPU SomeGPU (8.6), CUDA 12.8, cuDNN 91002): 1 run(s)" in report
     assert "on a CUDA GPU, by the GPU and CUDA" in report
 
