@@ -158,8 +158,8 @@ def cpu_identity() -> dict:
     "cpu_capability"}``, the processor's vendor and torch's BLAS (which pick the products' and
     tanh's library, ``experiments.runs.stacked_matmul.ONEDNN_PREFERRED``), whether the package's
     oneDNN matmul runs here (``affdiv.layers._native.onednn_enabled``), torch's version and the
-    instruction set its kernels take (``torch.backends.cpu.get_cpu_capability``); what a results
-    store records with each run. Read once per process; a fresh dict each call."""
+    instruction set its kernels take (``torch.backends.cpu.get_cpu_capability``); the whole of
+    :func:`machine_identity` for a run on the CPU. Read once per process; a fresh dict each call."""
     return dict(_cpu_identity())
 
 
@@ -171,9 +171,9 @@ def machine_identity(device: str = "cpu") -> dict:
     ``"cudnn"``), whose kernels follow the GPU. (Other devices, such as Apple's ``mps``, record
     the processor's alone.) A CUDA device where CUDA is not available is a ValueError: the record
     is of the machine that trains."""
-    identity = cpu_identity()
     import torch
 
+    identity = cpu_identity()
     where = torch.device(device)
     if where.type == "cuda":
         if not torch.cuda.is_available():

@@ -56,19 +56,20 @@ Patterson, CACM 2009), which bounds a step by its arithmetic or its memory traff
 longer: printed as stacked / roof, with its target met (``roof_met``) at ≤ 1.5 as the floor's.
 
 The step's kernels: the matrix products and convolutions one stacked step ran, as it ran them
-(every op that ``torch.utils.flop_counter`` counts, recorded with its shapes, strides and arguments
-by a dispatch mode that only observes, so that the step takes its own paths under it, and the
-package's passes that hold products, which no dispatch mode sees and which are recorded by name:
-oneDNN's matmul, the fused attention, the CNN's fused first block with its pool (``PACKAGE_PRODUCTS``)),
-replayed on random tensors of the same layouts and timed in every round: "kernels ms" per
-model-step. stacked / kernels is what the step spends outside those kernels (elementwise work, the
-optimiser's update, memory traffic between them, Python and dispatch); kernels / floor is the rate
-of the kernels at the step's own shapes against the large GEMM's and convolution's. The replay
-reuses its inputs, warm in cache, so it typically runs faster than the same kernels inside the
-step. Where the MLPs' dense layers make their SGD step in the backward (``batched.sgd_stepped``)
-the update is part of a product, and so of the kernels, which the replay runs on tensors of its
-own, not on the weights the step keeps in cache: stacked / kernels can then fall below 1, and
-kernels / floor rises.
+(every op that ``torch.utils.flop_counter`` counts and its in-place form, such as the fused SGD
+step's ``baddbmm_`` on MKL, recorded with its shapes, strides and arguments by a dispatch mode that
+only observes, so that the step takes its own paths under it, and the package's passes that hold
+products, which no dispatch mode sees and which are recorded by name: oneDNN's matmul, the fused
+attention, the CNN's fused first block with its pool (``PACKAGE_PRODUCTS``)), replayed on random
+tensors of the same layouts, which share storage where the step's did (``_like``), and timed in
+every round: "kernels ms" per model-step. stacked / kernels is what the step spends outside those
+kernels (elementwise work, the optimiser's update, memory traffic between them, Python and
+dispatch); kernels / floor is the rate of the kernels at the step's own shapes against the large
+GEMM's and convolution's. The replay runs the kernels back to back, without the step's work
+between them, so it may run them faster or slower than the step does: where the MLPs' dense layers
+make their SGD step in the backward (``batched.sgd_stepped``) the update is part of a product, and
+so of the kernels, and stacked / kernels has read below 1 (0.79, the MLP at B = 16 on an Intel
+processor's one core).
 
 Checks: ``--checks B ...`` also trains, stacked, one steps-to-target ensemble per batch size B as
 the fashion-ladder preset runs it (an affine MLP of width 128, one seed, its tuned grid with
