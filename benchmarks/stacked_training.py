@@ -2,7 +2,7 @@
 
     python benchmarks/stacked_training.py [--threads 2] [--rounds 3] [--seconds 1.5] [--json PATH]
                                           [--arms mlp cnn vit ...] [--batch-sizes B ...] [--members K ...]
-                                          [--vmap] [--plain] [--compiled]
+                                          [--split K ...] [--vmap] [--plain] [--compiled]
 
 A *cell* is a batch size of a Fashion-MNIST study with 8 seeds × 6 learning rates = 48 models: the
 MLP arm (784-256-256-256-10, tanh) and the CNN arm (3 blocks of 32 channels, relu), each at B = 16,
@@ -26,7 +26,14 @@ at a time is timed on 8 models (its cost per model-step does not depend on how m
 step is the bare loop (forward, ``zero_grad``, ``backward``, ``torch.optim`` step, the loss kept),
 its products torch's (``nn.Linear``), so where the stacked engine multiplies on oneDNN the speed-up
 holds that change of library too (``--plain`` times the stacked engine on torch's products).
-``--members K ...`` times K stacked models instead, a row per K (how the gain grows with K). Each
+``--members K ...`` times K stacked models instead, a row per K (how the gain grows with K).
+``--split K ...`` also times the same stacked models as stacks of at most K models, trained one
+after the other for the same steps (as a sweep's worker trains the ensembles that a smaller
+``--ensemble-memory`` makes), in the same rounds; the row's ``split`` has, for each K below its
+stacked models, the time per model-step, the median over rounds of the paired ratio one stack ÷
+the smaller stacks (above 1: the smaller stacks ran faster) and the time over the floor. A smaller
+stack pays its step's fixed cost (Python, dispatch) over fewer models, and may keep its parameters
+and activations in caches that the whole stack's overflow. Each
 round times one measurement of each variant (a fixed number of steps, about ``--seconds`` long),
 rounds interleaved so that the machine's drifts hit all; the speed-up is the median over rounds of
 the paired ratio (one-at-a-time / stacked time per model-step) = the ratio of runs per hour.
@@ -95,6 +102,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -139,9 +147,10 @@ def cell_models(config, data) -> int:
     return max(1, min(CELL, DEFAULT_ENSEMBLE_MEMORY // member_bytes(config, data.input_shape, data.num_classes)))
 
 
-def _engine(kind, config, data, models: int):
-    """The first ``models`` of the cell's 48 (seed, lr) models as an engine, and their shuffles."""
-    members = [(seed, lr) for seed in range(CELL // len(LRS)) for lr in LRS][:models]
+def _engine(kind, config, data, models: int, first: int = 0):
+    """``models`` of the cell's 48 (seed, lr) models from number ``first`` as an engine, and their
+    shuffles."""
+    members = [(seed, lr) for seed in range(CELL // len(LRS)) for lr in LRS][first : first + models]
     nets = [build_member(config, data, seed) for seed, _lr in members]
     split = (data.train.x, data.train.y)
     engine = kind(nets, "sgd", [lr for _s, lr in members], [None] * models, [split] * models, [split] * models)
@@ -158,6 +167,18 @@ def _time_steps(engine, orders, batch: int, steps: int, start: int) -> float:
         j = i % per_epoch
         engine.step(orders[:, j * batch : (j + 1) * batch])
     return time.perf_counter() - begin
+
+
+def _stacks(kind, config, data, models: int, size: int) -> list[tuple]:
+    """The first ``models`` of the cell's models as consecutive engines of at most ``size`` models
+    each, with their shuffles (as a sweep's ensembles of at most ``size`` models)."""
+    return [_engine(kind, config, data, min(size, models - first), first) for first in range(0, models, size)]
+
+
+def _time_stacks(stacks: list[tuple], batch: int, steps: int, start: int) -> float:
+    """Seconds for ``steps`` steps of each of ``stacks``' engines, one engine's steps after the
+    other's (as a sweep's worker trains its ensembles)."""
+    return sum(_time_steps(engine, orders, batch, steps, start) for engine, orders in stacks)
 
 
 def _step_flops(config, data) -> dict[str, int]:
@@ -350,50 +371,57 @@ def compile_forward(engine, backend="inductor") -> None:
 
 
 def measure(arm: str, batch: int, data, rounds: int, seconds: float, members: int | None = None,
-            vmap: bool = False, plain: bool = False, compiled: bool = False) -> dict:
+            vmap: bool = False, plain: bool = False, compiled: bool = False, split: Sequence[int] = ()) -> dict:
     """One row: ``members`` stacked models (default: as many as fit the default ensemble memory,
     at most the cell's 48) against one at a time (and the vmapped engine if ``vmap``, the stacked
     engine without the compiled passes if ``plain``, with its forward compiled by torch.compile if
-    ``compiled``)."""
+    ``compiled``, and the same models as stacks of at most K, trained one after the other, for each
+    K in ``split`` below the stacked models: the row's ``split``)."""
     settings, _sizes = ARMS[arm]
     config = RunConfig(dataset="fashion-mnist", batch_size=batch, seed=0, **settings)
     stacked_models = members or cell_models(config, data)
     probe = build_member(config, data, 0)
-    kinds = {"alone": (OneAtATime, ONE_AT_A_TIME_MODELS),
-             "stacked": (stacked_engine(probe), stacked_models)}
+    if not all(size >= 1 for size in split):
+        raise ValueError(f"split: each stack size must be >= 1, got {list(split)}")
+    split = [size for size in split if size < stacked_models]  # (a stack that small already: nothing to split)
+    # name -> (engine, models, models a stack)
+    kinds = {"alone": (OneAtATime, ONE_AT_A_TIME_MODELS, ONE_AT_A_TIME_MODELS),
+             "stacked": (stacked_engine(probe), stacked_models, stacked_models)}
     if vmap:
-        kinds["vmap"] = (StackedEnsemble, stacked_models)
+        kinds["vmap"] = (StackedEnsemble, stacked_models, stacked_models)
     if plain:
         kinds["plain"] = kinds["stacked"]
     if compiled:
         kinds["compiled"] = kinds["stacked"]
-    engines = {name: (*_engine(kind, config, data, k), k) for name, (kind, k) in kinds.items()}
+    for size in split:
+        kinds[_split_name(size)] = (stacked_engine(probe), stacked_models, size)
+    engines = {name: (_stacks(kind, config, data, k, size), k) for name, (kind, k, size) in kinds.items()}
     if compiled:
-        compile_forward(engines["compiled"][0])
-        _time_steps(*engines["compiled"][:2], batch, 1, 0)  # (the compilation: not timed)
+        compile_forward(engines["compiled"][0][0][0])
+        _time_stacks(engines["compiled"][0], batch, 1, 0)  # (the compilation: not timed)
     # Steps per measurement: about ``seconds`` of the slowest variant, from the last of WARM_UP
     # warm-up steps each, and at least 2 (the first steps of a large cell allocate and fault in
     # their memory: with a single warm-up step, rounds of one step at the vit's B = 256 read 1.6–2.5×
     # the later ones)
     warm = {}
-    for name, (engine, orders, _k) in engines.items():
+    for name, (stacks, _k) in engines.items():
         with _variant_context(name):
-            _time_steps(engine, orders, batch, WARM_UP - 1, 0)
-            warm[name] = _time_steps(engine, orders, batch, 1, WARM_UP - 1)
+            _time_stacks(stacks, batch, WARM_UP - 1, 0)
+            warm[name] = _time_stacks(stacks, batch, 1, WARM_UP - 1)
     steps = max(2, round(seconds / max(warm.values())))
     flops = {kind: n * stacked_models for kind, n in _step_flops(config, data).items()}
     libraries = gemm_timers(flops["gemm"])
     parameter_bytes = stacked_models * sum(p.numel() * p.element_size() for p in probe.parameters())
     passes = memory_timers(parameter_bytes)
     timers = {**libraries, **({"conv": conv_timer(config, data)} if flops["conv"] else {}), **passes}
-    calls = kernel_calls(*engines["stacked"][:2], batch)
+    calls = kernel_calls(*engines["stacked"][0][0], batch)
     per_model = {name: [] for name in engines}
     rates = {kind: [] for kind in timers}
     kernels = []
     for r in range(rounds):
-        for name, (engine, orders, k) in engines.items():
+        for name, (stacks, k) in engines.items():
             with _variant_context(name):
-                per_model[name].append(_time_steps(engine, orders, batch, steps, WARM_UP + r * steps) / (steps * k))
+                per_model[name].append(_time_stacks(stacks, batch, steps, WARM_UP + r * steps) / (steps * k))
         for kind, (fn, done) in timers.items():  # in every round too: the floor sees the machine's drifts
             rates[kind].append(done / _median_seconds(fn))
         kernels.append(_median_seconds(lambda: replay(calls)) / stacked_models)
@@ -412,7 +440,7 @@ def measure(arm: str, batch: int, data, rounds: int, seconds: float, members: in
                   for name, times in per_model.items()}
     target = None if members else SPEEDUP_TARGETS.get(batch, 1.0)  # the targets are for the default ensembles
     row = {
-        "arm": arm, "batch_size": batch, "engine": engines["stacked"][0].__class__.__name__,
+        "arm": arm, "batch_size": batch, "engine": engines["stacked"][0][0][0].__class__.__name__,
         "stacked_models": stacked_models, "steps_per_round": steps, "rounds": rounds,
         "alone_ms_per_model_step": 1e3 * median["alone"],
         "stacked_ms_per_model_step": 1e3 * median["stacked"],
@@ -449,7 +477,19 @@ def measure(arm: str, batch: int, data, rounds: int, seconds: float, members: in
             row[f"{name}_over_stacked"] = statistics.median(
                 v / s for v, s in zip(per_model[name], per_model["stacked"]))
             row[f"{name}_over_floor"] = over_floor[name]
+    row["split"] = []
+    for size in split:
+        name = _split_name(size)
+        paired = [s / t for s, t in zip(per_model["stacked"], per_model[name])]  # > 1: the smaller stacks ran faster
+        row["split"].append({"models_per_stack": size, "stacks": len(engines[name][0]),
+                             "ms_per_model_step": 1e3 * median[name], "speedup_over_stacked": statistics.median(paired),
+                             "speedup_over_stacked_rounds": paired, "over_floor": over_floor[name]})
     return row
+
+
+def _split_name(size: int) -> str:
+    """The variant of the stacked models as stacks of at most ``size``."""
+    return f"stacks of {size}"
 
 
 COLUMNS = (("arm", "4", "arm"), ("B", ">5", "batch_size"), ("engine", "16", "engine"), ("K", ">3", "stacked_models"),
@@ -478,10 +518,20 @@ def format_row(row: dict) -> str:
     return " ".join(cells)
 
 
+def format_split(row: dict) -> list[str]:
+    """A line for each stack size of the row's ``split``."""
+    return [f"  {row['arm']} B={row['batch_size']} as {s['stacks']} stacks of at most {s['models_per_stack']}: "
+            f"{s['ms_per_model_step']:.3f} ms a model-step, {s['speedup_over_stacked']:.2f}x as fast as one stack "
+            f"of {row['stacked_models']} (rounds {min(s['speedup_over_stacked_rounds']):.2f}-"
+            f"{max(s['speedup_over_stacked_rounds']):.2f}), {s['over_floor']:.2f}x the floor"
+            for s in row.get("split", [])]
+
+
 def format_table(rows: list[dict]) -> str:
-    """The rows as a fixed-width text table (— where a value does not apply)."""
+    """The rows as a fixed-width text table (— where a value does not apply), each followed by its
+    ``split`` lines."""
     header = " ".join(format(title, spec.split(".")[0].rstrip("df")) for title, spec, _key in COLUMNS)
-    return "\n".join([header, *map(format_row, rows)])
+    return "\n".join([header, *(line for row in rows for line in (format_row(row), *format_split(row)))])
 
 
 CHECK_SETTINGS = dict(dataset="fashion-mnist", method="affine", depth=3, width=128, activation="tanh",
@@ -533,6 +583,9 @@ def main(argv=None) -> int:
     parser.add_argument("--members", nargs="+", type=int,
                         help="stacked ensemble sizes to time, a row each (default: as many as fit the default "
                              "ensemble memory, at most 48)")
+    parser.add_argument("--split", nargs="+", type=int, default=[], metavar="K",
+                        help="also time the stacked models as stacks of at most K, trained one after the other "
+                             "(as a sweep's smaller ensembles), paired with the one stack in every round")
     parser.add_argument("--vmap", action="store_true", help="also time the vmapped engine (StackedEnsemble)")
     parser.add_argument("--plain", action="store_true",
                         help="also time the stacked engine without the compiled passes (_fused.disabled())")
@@ -548,6 +601,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if not all(1 <= k <= CELL for k in args.members or []):
         parser.error(f"--members: each K must be in 1..{CELL} (a cell's models), got {args.members}")
+    if not all(1 <= k < CELL for k in args.split):
+        parser.error(f"--split: each K must be in 1..{CELL - 1} (fewer than a cell's models), got {args.split}")
     if not all(b >= 1 for b in [*(args.batch_sizes or []), *args.checks]):
         parser.error(f"--batch-sizes and --checks must be >= 1, got {args.batch_sizes} and {args.checks}")
     if args.json:
@@ -563,8 +618,8 @@ def main(argv=None) -> int:
     for arm in args.arms:
         for batch, members in itertools.product(args.batch_sizes or ARMS[arm][1], args.members or [None]):
             rows.append(measure(arm, batch, data, args.rounds, args.seconds, members, args.vmap, args.plain,
-                                args.compiled))
-            print(format_row(rows[-1]), flush=True)
+                                args.compiled, args.split))
+            print("\n".join([format_row(rows[-1]), *format_split(rows[-1])]), flush=True)
     checks = []
     for batch in args.checks:
         geometric = None

@@ -227,3 +227,40 @@ def test_the_roof_is_the_larger_of_the_arithmetic_and_the_parameters_three_passe
                                    rtol=1e-12, atol=0)
         if bound == "memory_floor_ms_per_model_step":
             assert row["roof_met"]
+
+
+def test_the_split_variant_trains_the_stacks_models_as_smaller_stacks_one_after_the_other(digits):
+    # 5 models as stacks of 2, 2 and 1, each stepped 3 times in turn: the same models, lrs and
+    # batches as one stack of 5, so the same parameters, up to the order of summation inside a
+    # batched product of fewer matrices: float32 rounding (~1e-7 relative, as the benchmark trains),
+    # carried through three steps
+    config = RunConfig(dataset="digits", method="affine_like", depth=1, width=8, batch_size=8, seed=0)
+    kind = stacked_engine(build_member(config, digits, 0))
+    whole = roofline._stacks(kind, config, digits, 5, 5)
+    split = roofline._stacks(kind, config, digits, 5, 2)
+    assert [len(orders) for _engine, orders in split] == [2, 2, 1] and len(whole) == 1
+    initial = {name: p.clone() for name, p in whole[0][0].params.items()}
+    for stacks in (whole, split):
+        assert roofline._time_stacks(stacks, 8, 3, 0) > 0
+    for name, p in whole[0][0].params.items():
+        assert not torch.equal(p, initial[name])
+        torch.testing.assert_close(torch.cat([engine.params[name] for engine, _orders in split]), p,
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_the_split_rows_pair_the_smaller_stacks_with_the_one_stack_in_every_round(digits):
+    row = roofline.measure("mlp", 16, digits, rounds=2, seconds=0.01, members=3, split=[1, 2, 3])
+    assert [(s["models_per_stack"], s["stacks"]) for s in row["split"]] == [(1, 3), (2, 2)]  # (3: nothing to split)
+    for s in row["split"]:
+        assert len(s["speedup_over_stacked_rounds"]) == 2
+        assert s["speedup_over_stacked"] == pytest.approx(sum(s["speedup_over_stacked_rounds"]) / 2, rel=1e-12)
+    lines = roofline.format_table([row]).splitlines()
+    assert len(lines) == 4 and lines[2].startswith("  mlp B=16 as 3 stacks of at most 1: ")
+    # one round: the ratio is the one stack's time over the smaller stacks' (above 1: they ran faster)
+    row = roofline.measure("mlp", 16, digits, rounds=1, seconds=0.01, members=3, split=[2])
+    (s,) = row["split"]
+    assert s["speedup_over_stacked"] == pytest.approx(row["stacked_ms_per_model_step"] / s["ms_per_model_step"],
+                                                      rel=1e-12)
+    assert s["over_floor"] == pytest.approx(s["ms_per_model_step"] / row["floor_ms_per_model_step"], rel=1e-12)
+    with pytest.raises(ValueError, match=r"split: each stack size must be >= 1, got \[0\]"):
+        roofline.measure("mlp", 16, digits, rounds=1, seconds=0.01, members=3, split=[0])
