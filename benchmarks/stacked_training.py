@@ -377,14 +377,14 @@ def measure(arm: str, batch: int, data, rounds: int, seconds: float, members: in
     engine without the compiled passes if ``plain``, with its forward compiled by torch.compile if
     ``compiled``, and the same models as stacks of at most K, trained one after the other, for each
     K in ``split`` below the stacked models: the row's ``split``)."""
+    if not all(size >= 1 for size in split):
+        raise ValueError(f"split: each stack size must be >= 1, got {list(split)}")
     settings, _sizes = ARMS[arm]
     config = RunConfig(dataset="fashion-mnist", batch_size=batch, seed=0, **settings)
     stacked_models = members or cell_models(config, data)
     probe = build_member(config, data, 0)
-    if not all(size >= 1 for size in split):
-        raise ValueError(f"split: each stack size must be >= 1, got {list(split)}")
     split = [size for size in split if size < stacked_models]  # (a stack that small already: nothing to split)
-    # name -> (engine, models, models a stack)
+    # variant -> (engine class, models, models a stack)
     kinds = {"alone": (OneAtATime, ONE_AT_A_TIME_MODELS, ONE_AT_A_TIME_MODELS),
              "stacked": (stacked_engine(probe), stacked_models, stacked_models)}
     if vmap:
@@ -395,9 +395,12 @@ def measure(arm: str, batch: int, data, rounds: int, seconds: float, members: in
         kinds["compiled"] = kinds["stacked"]
     for size in split:
         kinds[_split_name(size)] = (stacked_engine(probe), stacked_models, size)
+    # variant -> ([(engine, its shuffles) for each stack], models)
     engines = {name: (_stacks(kind, config, data, k, size), k) for name, (kind, k, size) in kinds.items()}
+    [(stacked, stacked_orders)] = engines["stacked"][0]
     if compiled:
-        compile_forward(engines["compiled"][0][0][0])
+        [(compiled_engine, _orders)] = engines["compiled"][0]
+        compile_forward(compiled_engine)
         _time_stacks(engines["compiled"][0], batch, 1, 0)  # (the compilation: not timed)
     # Steps per measurement: about ``seconds`` of the slowest variant, from the last of WARM_UP
     # warm-up steps each, and at least 2 (the first steps of a large cell allocate and fault in
@@ -414,7 +417,7 @@ def measure(arm: str, batch: int, data, rounds: int, seconds: float, members: in
     parameter_bytes = stacked_models * sum(p.numel() * p.element_size() for p in probe.parameters())
     passes = memory_timers(parameter_bytes)
     timers = {**libraries, **({"conv": conv_timer(config, data)} if flops["conv"] else {}), **passes}
-    calls = kernel_calls(*engines["stacked"][0][0], batch)
+    calls = kernel_calls(stacked, stacked_orders, batch)
     per_model = {name: [] for name in engines}
     rates = {kind: [] for kind in timers}
     kernels = []
@@ -440,7 +443,7 @@ def measure(arm: str, batch: int, data, rounds: int, seconds: float, members: in
                   for name, times in per_model.items()}
     target = None if members else SPEEDUP_TARGETS.get(batch, 1.0)  # the targets are for the default ensembles
     row = {
-        "arm": arm, "batch_size": batch, "engine": engines["stacked"][0][0][0].__class__.__name__,
+        "arm": arm, "batch_size": batch, "engine": stacked.__class__.__name__,
         "stacked_models": stacked_models, "steps_per_round": steps, "rounds": rounds,
         "alone_ms_per_model_step": 1e3 * median["alone"],
         "stacked_ms_per_model_step": 1e3 * median["stacked"],
