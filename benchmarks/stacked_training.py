@@ -27,15 +27,18 @@ step is the bare loop (forward, ``zero_grad``, ``backward``, ``torch.optim`` ste
 its products torch's (``nn.Linear``), so where the stacked engine multiplies on oneDNN the speed-up
 holds that change of library too (``--plain`` times the stacked engine on torch's products).
 ``--members K ...`` times K stacked models instead, a row per K (how the gain grows with K).
-``--split K ...`` also times the same stacked models as stacks of at most K models, trained one
-after the other for the same steps (as a sweep's worker trains the ensembles that a smaller
-``--ensemble-memory`` makes), in the same rounds; the row's ``split`` has, for each K below its
-stacked models, the time per model-step, the median over rounds of the paired ratio one stack ÷
-the smaller stacks (above 1: the smaller stacks ran faster) and the time over the floor. A smaller
-stack pays its step's fixed cost (Python, dispatch) over fewer models, and may keep its parameters
-and activations in caches that the whole stack's overflow. Each
+``--split K ...`` also times the same stacked models as ⌈models/K⌉ stacks of nearly equal size (at
+most K models each), trained one after the other for the same steps, as a sweep's worker trains the
+ensembles that a smaller ``--ensemble-memory`` makes (whose plan also cuts balanced pieces, of
+whole runs), in the same rounds; the row's ``split`` has, for each K below its stacked models
+(``split_left_out``: the others), the stacks' sizes, the time per model-step, the median over
+rounds of the paired ratio one stack ÷ the smaller stacks (above 1: the smaller stacks ran faster)
+and the time over the floor. A smaller stack pays its step's fixed cost (Python, dispatch) over
+fewer models, and may keep its parameters and activations in caches that the whole stack's
+overflow. Each
 round times one measurement of each variant (a fixed number of steps, about ``--seconds`` long),
-rounds interleaved so that the machine's drifts hit all; the speed-up is the median over rounds of
+rounds interleaved so that the machine's drifts hit all, in reversed order every other round (so
+that no variant always runs after the same one); the speed-up is the median over rounds of
 the paired ratio (one-at-a-time / stacked time per model-step) = the ratio of runs per hour.
 Speed-up targets: ≥ 5× at B ≤ 64, ≥ 2× at B = 128–256, ≥ 1× everywhere. The process keeps freed
 memory for reuse as the sweep's workers do (``sweep.keep_freed_memory``), for both variants.
@@ -170,9 +173,12 @@ def _time_steps(engine, orders, batch: int, steps: int, start: int) -> float:
 
 
 def _stacks(kind, config, data, models: int, size: int) -> list[tuple]:
-    """The first ``models`` of the cell's models as consecutive engines of at most ``size`` models
-    each, with their shuffles (as a sweep's ensembles of at most ``size`` models)."""
-    return [_engine(kind, config, data, min(size, models - first), first) for first in range(0, models, size)]
+    """The first ``models`` of the cell's models as n = ⌈models/size⌉ consecutive engines of nearly
+    equal size (the first models mod n hold one more), each with its shuffles: a sweep's ensembles
+    of at most ``size`` models."""
+    count = -(-models // size)
+    sizes = [models // count + (1 if i < models % count else 0) for i in range(count)]
+    return [_engine(kind, config, data, n, sum(sizes[:i])) for i, n in enumerate(sizes)]
 
 
 def _time_stacks(stacks: list[tuple], batch: int, steps: int, start: int) -> float:
@@ -370,20 +376,27 @@ def compile_forward(engine, backend="inductor") -> None:
     engine._batched_logits = torch.compile(engine._batched_logits, backend=backend, dynamic=False)
 
 
+def _split_name(size: int) -> str:
+    """The variant of the stacked models as stacks of at most ``size``."""
+    return f"stacks of {size}"
+
+
 def measure(arm: str, batch: int, data, rounds: int, seconds: float, members: int | None = None,
-            vmap: bool = False, plain: bool = False, compiled: bool = False, split: Sequence[int] = ()) -> dict:
+            vmap: bool = False, plain: bool = False, compiled: bool = False,
+            stack_sizes: Sequence[int] = ()) -> dict:
     """One row: ``members`` stacked models (default: as many as fit the default ensemble memory,
     at most the cell's 48) against one at a time (and the vmapped engine if ``vmap``, the stacked
     engine without the compiled passes if ``plain``, with its forward compiled by torch.compile if
     ``compiled``, and the same models as stacks of at most K, trained one after the other, for each
-    K in ``split`` below the stacked models: the row's ``split``)."""
-    if not all(size >= 1 for size in split):
-        raise ValueError(f"split: each stack size must be >= 1, got {list(split)}")
+    K in ``stack_sizes`` below the stacked models: the row's ``split``)."""
+    if not all(size >= 1 for size in stack_sizes):
+        raise ValueError(f"stack_sizes: each stack size must be >= 1, got {list(stack_sizes)}")
     settings, _sizes = ARMS[arm]
     config = RunConfig(dataset="fashion-mnist", batch_size=batch, seed=0, **settings)
     stacked_models = members or cell_models(config, data)
     probe = build_member(config, data, 0)
-    split = [size for size in split if size < stacked_models]  # (a stack that small already: nothing to split)
+    sizes = sorted(set(stack_sizes))
+    split, left_out = [k for k in sizes if k < stacked_models], [k for k in sizes if k >= stacked_models]
     # variant -> (engine class, models, models a stack)
     kinds = {"alone": (OneAtATime, ONE_AT_A_TIME_MODELS, ONE_AT_A_TIME_MODELS),
              "stacked": (stacked_engine(probe), stacked_models, stacked_models)}
@@ -422,7 +435,7 @@ def measure(arm: str, batch: int, data, rounds: int, seconds: float, members: in
     rates = {kind: [] for kind in timers}
     kernels = []
     for r in range(rounds):
-        for name, (stacks, k) in engines.items():
+        for name, (stacks, k) in list(engines.items())[:: 1 if r % 2 == 0 else -1]:
             with _variant_context(name):
                 per_model[name].append(_time_stacks(stacks, batch, steps, WARM_UP + r * steps) / (steps * k))
         for kind, (fn, done) in timers.items():  # in every round too: the floor sees the machine's drifts
@@ -480,19 +493,14 @@ def measure(arm: str, batch: int, data, rounds: int, seconds: float, members: in
             row[f"{name}_over_stacked"] = statistics.median(
                 v / s for v, s in zip(per_model[name], per_model["stacked"]))
             row[f"{name}_over_floor"] = over_floor[name]
-    row["split"] = []
+    row["split"], row["split_left_out"] = [], left_out
     for size in split:
         name = _split_name(size)
         paired = [s / t for s, t in zip(per_model["stacked"], per_model[name])]  # > 1: the smaller stacks ran faster
-        row["split"].append({"models_per_stack": size, "stacks": len(engines[name][0]),
+        row["split"].append({"max_models_per_stack": size, "stack_sizes": [len(o) for _e, o in engines[name][0]],
                              "ms_per_model_step": 1e3 * median[name], "speedup_over_stacked": statistics.median(paired),
                              "speedup_over_stacked_rounds": paired, "over_floor": over_floor[name]})
     return row
-
-
-def _split_name(size: int) -> str:
-    """The variant of the stacked models as stacks of at most ``size``."""
-    return f"stacks of {size}"
 
 
 COLUMNS = (("arm", "4", "arm"), ("B", ">5", "batch_size"), ("engine", "16", "engine"), ("K", ">3", "stacked_models"),
@@ -522,12 +530,17 @@ def format_row(row: dict) -> str:
 
 
 def format_split(row: dict) -> list[str]:
-    """A line for each stack size of the row's ``split``."""
-    return [f"  {row['arm']} B={row['batch_size']} as {s['stacks']} stacks of at most {s['models_per_stack']}: "
-            f"{s['ms_per_model_step']:.3f} ms a model-step, {s['speedup_over_stacked']:.2f}x as fast as one stack "
-            f"of {row['stacked_models']} (rounds {min(s['speedup_over_stacked_rounds']):.2f}-"
-            f"{max(s['speedup_over_stacked_rounds']):.2f}), {s['over_floor']:.2f}x the floor"
-            for s in row.get("split", [])]
+    """A line for each stack size of the row's ``split``, and one for those left out."""
+    lines = [f"  {row['arm']} B={row['batch_size']} as stacks of {'/'.join(map(str, s['stack_sizes']))}: "
+             f"{s['ms_per_model_step']:.3f} ms a model-step; one stack of {row['stacked_models']} over these, "
+             f"median of the rounds' paired ratios {s['speedup_over_stacked']:.2f} (rounds "
+             f"{min(s['speedup_over_stacked_rounds']):.2f}-{max(s['speedup_over_stacked_rounds']):.2f}); "
+             f"{s['over_floor']:.2f}x the floor"
+             for s in row.get("split", [])]
+    if row.get("split_left_out"):
+        lines.append(f"  {row['arm']} B={row['batch_size']}: stacks of at most "
+                     f"{', '.join(map(str, row['split_left_out']))} left out: the cell stacks {row['stacked_models']}")
+    return lines
 
 
 def format_table(rows: list[dict]) -> str:

@@ -230,37 +230,67 @@ def test_the_roof_is_the_larger_of_the_arithmetic_and_the_parameters_three_passe
 
 
 def test_the_split_variant_trains_the_stacks_models_as_smaller_stacks_one_after_the_other(digits):
-    # 5 models as stacks of 2, 2 and 1, each stepped 3 times in turn: the same models, lrs and
-    # batches as one stack of 5, so the same parameters, up to the order of summation inside a
-    # batched product of fewer matrices: float32 rounding (~1e-7 relative, as the benchmark trains),
-    # carried through three steps
+    # 7 models (seeds 0 and 1: the cell's models are seed-major, 6 learning rates a seed) as stacks of
+    # 3, 2 and 2 (balanced, as a sweep's plan cuts), each stepped 3 times in turn: the same nets, lrs
+    # and shuffles as one stack of 7, so
+    # the same parameters, up to the order of summation inside a batched product of fewer matrices:
+    # float32 rounding (~1e-7 relative, as the benchmark trains), carried through three steps
     config = RunConfig(dataset="digits", method="affine_like", depth=1, width=8, batch_size=8, seed=0)
     kind = stacked_engine(build_member(config, digits, 0))
-    whole = roofline._stacks(kind, config, digits, 5, 5)
-    split = roofline._stacks(kind, config, digits, 5, 2)
-    assert [len(orders) for _engine, orders in split] == [2, 2, 1] and len(whole) == 1
-    initial = {name: p.clone() for name, p in whole[0][0].params.items()}
-    for stacks in (whole, split):
+    [(whole, orders)] = roofline._stacks(kind, config, digits, 7, 7)
+    split = roofline._stacks(kind, config, digits, 7, 3)
+    assert [len(o) for _engine, o in split] == [3, 2, 2]
+    assert torch.equal(torch.cat([o for _engine, o in split]), orders)
+    assert not torch.equal(orders[5], orders[6])  # (the seed boundary: other shuffles)
+    for name, p in whole.params.items():
+        assert torch.equal(torch.cat([engine.params[name] for engine, _o in split]), p)
+    assert [lr for engine, _o in split for lr in engine.optimizer.lrs] == whole.optimizer.lrs
+    initial = {name: p.clone() for name, p in whole.params.items()}
+    for stacks in ([(whole, orders)], split):
         assert roofline._time_stacks(stacks, 8, 3, 0) > 0
-    for name, p in whole[0][0].params.items():
+    for name, p in whole.params.items():
         assert not torch.equal(p, initial[name])
-        torch.testing.assert_close(torch.cat([engine.params[name] for engine, _orders in split]), p,
+        torch.testing.assert_close(torch.cat([engine.params[name] for engine, _o in split]), p,
                                    rtol=1e-5, atol=1e-6)
 
 
-def test_the_split_rows_pair_the_smaller_stacks_with_the_one_stack_in_every_round(digits):
-    row = roofline.measure("mlp", 16, digits, rounds=2, seconds=0.01, members=3, split=[1, 2, 3])
-    assert [(s["models_per_stack"], s["stacks"]) for s in row["split"]] == [(1, 3), (2, 2)]  # (3: nothing to split)
-    for s in row["split"]:
-        assert len(s["speedup_over_stacked_rounds"]) == 2
-        assert s["speedup_over_stacked"] == pytest.approx(sum(s["speedup_over_stacked_rounds"]) / 2, rel=1e-12)
+def test_the_split_rows_pair_the_smaller_stacks_with_the_one_stack_round_by_round(digits, monkeypatch):
+    # a clock that charges a step of a stack of n models cost[n] seconds a model, times a factor
+    # that changes from round to round (a round's steps start at its own batch number): each
+    # round's paired ratio is then exactly one stack's cost over the smaller stacks' mean cost
+    cost = {8: 4e-3, 3: 3e-3, 2: 1e-3, 1: 2e-3}  # (8: one at a time, on 8 models)
+
+    calls = []
+
+    def clock(engine, orders, batch, steps, start):
+        calls.append((start, id(engine)))
+        return steps * len(orders) * cost[len(orders)] * (1 + start)
+
+    monkeypatch.setattr(roofline, "_time_steps", clock)
+    row = roofline.measure("mlp", 16, digits, rounds=3, seconds=0.01, members=3, stack_sizes=[2, 3, 2, 5, 1],
+                           vmap=True, plain=True)
+    assert [s["max_models_per_stack"] for s in row["split"]] == [1, 2] and row["split_left_out"] == [3, 5]
+    ones, twos = row["split"]
+    assert ones["stack_sizes"] == [1, 1, 1] and twos["stack_sizes"] == [2, 1]
+    for s, mean in ((ones, 2e-3), (twos, (2 * 1e-3 + 1 * 2e-3) / 3)):
+        assert s["speedup_over_stacked_rounds"] == pytest.approx([3e-3 / mean] * 3, rel=1e-12)
+        assert s["speedup_over_stacked"] == pytest.approx(3e-3 / mean, rel=1e-12)
+    # the per-model times, against the rounds' own factors (their median: the middle round's)
+    factors = sorted(1 + start for start in {roofline.WARM_UP + r * row["steps_per_round"] for r in range(3)})
+    assert twos["ms_per_model_step"] == pytest.approx(1e3 * 4e-3 / 3 * factors[1], rel=1e-12)
+    assert row["stacked_ms_per_model_step"] == pytest.approx(1e3 * 3e-3 * factors[1], rel=1e-12)
+    assert row["vmap_ms_per_model_step"] == row["plain_ms_per_model_step"] == row["stacked_ms_per_model_step"]
+    # over the floor: the one stack's, over the paired ratio (the same in every round)
+    assert twos["over_floor"] == pytest.approx(row["stacked_over_floor"] * (4e-3 / 3) / 3e-3, rel=1e-12)
+    # the variants' order, reversed every other round (a variant's stacks in their order either way)
+    rounds = [[engine for start, engine in calls if start == roofline.WARM_UP + r * row["steps_per_round"]]
+              for r in range(3)]
+    # (round 0: alone, stacked, vmap, plain, the 3 stacks of 1, the stacks of 2 and 1; round 1 from
+    # the stacks of 2 and 1, in that order, to alone)
+    first, second, third = rounds
+    assert len(first) == 9 and third == first and second[-1] == first[0] and second[:2] == first[-2:]
     lines = roofline.format_table([row]).splitlines()
-    assert len(lines) == 4 and lines[2].startswith("  mlp B=16 as 3 stacks of at most 1: ")
-    # one round: the ratio is the one stack's time over the smaller stacks' (above 1: they ran faster)
-    row = roofline.measure("mlp", 16, digits, rounds=1, seconds=0.01, members=3, split=[2])
-    (s,) = row["split"]
-    assert s["speedup_over_stacked"] == pytest.approx(row["stacked_ms_per_model_step"] / s["ms_per_model_step"],
-                                                      rel=1e-12)
-    assert s["over_floor"] == pytest.approx(s["ms_per_model_step"] / row["floor_ms_per_model_step"], rel=1e-12)
-    with pytest.raises(ValueError, match=r"split: each stack size must be >= 1, got \[0\]"):
-        roofline.measure("mlp", 16, digits, rounds=1, seconds=0.01, members=3, split=[0])
+    assert len(lines) == 5 and lines[2].startswith("  mlp B=16 as stacks of 1/1/1: ")
+    assert lines[4] == "  mlp B=16: stacks of at most 3, 5 left out: the cell stacks 3"
+    with pytest.raises(ValueError, match=r"stack_sizes: each stack size must be >= 1, got \[0\]"):
+        roofline.measure("mlp", 16, digits, rounds=1, seconds=0.01, members=3, stack_sizes=[0])
