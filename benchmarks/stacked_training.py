@@ -31,15 +31,16 @@ holds that change of library too (``--plain`` times the stacked engine on torch'
 most K models each), trained one after the other for the same steps, as a sweep's worker trains the
 ensembles that a smaller ``--ensemble-memory`` makes (whose plan also cuts balanced pieces, of
 whole runs), in the same rounds; the row's ``split`` has, for each K below its stacked models
-(``split_left_out``: the others), the stacks' sizes, the time per model-step, the median over
-rounds of the paired ratio one stack ÷ the smaller stacks (above 1: the smaller stacks ran faster)
-and the time over the floor. A smaller stack pays its step's fixed cost (Python, dispatch) over
-fewer models, and may keep its parameters and activations in caches that the whole stack's
-overflow. Each
-round times one measurement of each variant (a fixed number of steps, about ``--seconds`` long),
-rounds interleaved so that the machine's drifts hit all, in reversed order every other round (so
-that no variant always runs after the same one); the speed-up is the median over rounds of
-the paired ratio (one-at-a-time / stacked time per model-step) = the ratio of runs per hour.
+(``split_left_out``: the others; two K that cut the same stacks are each measured), the stacks'
+sizes, the time per model-step, the median over rounds of the paired ratio one stack ÷ the smaller
+stacks (above 1: the smaller stacks ran faster) and the time over the floor. A smaller stack pays
+its step's fixed cost (Python, dispatch) over fewer models, and may keep its parameters and
+activations in caches that the whole stack's overflow. Each round times one measurement of each
+variant (a fixed number of steps, about ``--seconds`` long), rounds interleaved so that the
+machine's drifts hit all, in reversed order every other round (so that no variant always runs after
+the same one; an even ``--rounds`` runs both orders equally); the speed-up is the median over
+rounds of the paired ratio (one-at-a-time / stacked time per model-step) = the ratio of runs per
+hour.
 Speed-up targets: ≥ 5× at B ≤ 64, ≥ 2× at B = 128–256, ≥ 1× everywhere. The process keeps freed
 memory for reuse as the sweep's workers do (``sweep.keep_freed_memory``), for both variants.
 
@@ -174,8 +175,8 @@ def _time_steps(engine, orders, batch: int, steps: int, start: int) -> float:
 
 def _stacks(kind, config, data, models: int, size: int) -> list[tuple]:
     """The first ``models`` of the cell's models as n = ⌈models/size⌉ consecutive engines of nearly
-    equal size (the first models mod n hold one more), each with its shuffles: a sweep's ensembles
-    of at most ``size`` models."""
+    equal size (the first (models mod n) engines hold one model more), each with its shuffles: a
+    sweep's ensembles of at most ``size`` models."""
     count = -(-models // size)
     sizes = [models // count + (1 if i < models % count else 0) for i in range(count)]
     return [_engine(kind, config, data, n, sum(sizes[:i])) for i, n in enumerate(sizes)]

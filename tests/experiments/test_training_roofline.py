@@ -231,7 +231,7 @@ def test_the_roof_is_the_larger_of_the_arithmetic_and_the_parameters_three_passe
 
 def test_the_split_variant_trains_the_stacks_models_as_smaller_stacks_one_after_the_other(digits):
     # 7 models (seeds 0 and 1: the cell's models are seed-major, 6 learning rates a seed) as stacks of
-    # 3, 2 and 2 (balanced, as a sweep's plan cuts), each stepped 3 times in turn: the same nets, lrs
+    # 3, 2 and 2 (nearly equal sizes, the larger first), each stepped 3 times in turn: the same nets, lrs
     # and shuffles as one stack of 7, so
     # the same parameters, up to the order of summation inside a batched product of fewer matrices:
     # float32 rounding (~1e-7 relative, as the benchmark trains), carried through three steps
@@ -285,12 +285,39 @@ def test_the_split_rows_pair_the_smaller_stacks_with_the_one_stack_round_by_roun
     # the variants' order, reversed every other round (a variant's stacks in their order either way)
     rounds = [[engine for start, engine in calls if start == roofline.WARM_UP + r * row["steps_per_round"]]
               for r in range(3)]
-    # (round 0: alone, stacked, vmap, plain, the 3 stacks of 1, the stacks of 2 and 1; round 1 from
-    # the stacks of 2 and 1, in that order, to alone)
+    # round 0: alone, stacked, vmap, plain, the 3 stacks of 1, the stacks of 2 and 1; round 1 the
+    # variants in reverse, each variant's stacks in their own order
     first, second, third = rounds
-    assert len(first) == 9 and third == first and second[-1] == first[0] and second[:2] == first[-2:]
+    variants = [first[0:1], first[1:2], first[2:3], first[3:4], first[4:7], first[7:9]]
+    assert len(first) == 9 and second == [engine for stacks in variants[::-1] for engine in stacks]
+    assert third == first
     lines = roofline.format_table([row]).splitlines()
     assert len(lines) == 5 and lines[2].startswith("  mlp B=16 as stacks of 1/1/1: ")
     assert lines[4] == "  mlp B=16: stacks of at most 3, 5 left out: the cell stacks 3"
     with pytest.raises(ValueError, match=r"stack_sizes: each stack size must be >= 1, got \[0\]"):
         roofline.measure("mlp", 16, digits, rounds=1, seconds=0.01, members=3, stack_sizes=[0])
+
+
+def test_the_compiled_variant_compiles_its_own_engine_and_not_the_one_stacks(digits, monkeypatch):
+    compiled, replayed, timed = [], [], set()
+    monkeypatch.setattr(roofline, "compile_forward", compiled.append)
+    monkeypatch.setattr(roofline, "kernel_calls", lambda engine, orders, batch: replayed.append(engine) or [])
+
+    def clock(engine, orders, batch, steps, start):
+        timed.add(id(engine))
+        return 1e-3 * steps
+
+    monkeypatch.setattr(roofline, "_time_steps", clock)
+    row = roofline.measure("mlp", 16, digits, rounds=1, seconds=0.01, members=3, compiled=True, stack_sizes=[2])
+    [engine], [stacked] = compiled, replayed
+    assert engine is not stacked and id(engine) in timed and len(engine.optimizer.lrs) == 3
+    assert row["compiled_ms_per_model_step"] == row["stacked_ms_per_model_step"]
+
+
+@pytest.mark.parametrize("sizes", [["0"], ["48"], ["12", "-1"]])
+def test_the_command_refuses_a_split_outside_a_cells_models_in_one_line(sizes, capsys):
+    with pytest.raises(SystemExit) as stop:
+        roofline.main(["--split", *sizes])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        f"--split: each K must be in 1..47 (fewer than a cell's models), got [{', '.join(sizes)}]")
