@@ -121,14 +121,25 @@ def test_module_without_parameters_is_rejected():
 
 
 def test_fit_above_floor_uses_only_points_above_rounding():
-    """A clean η³ law that hits a flat rounding floor: the fit over the points above it is 3."""
+    """A clean η³ law that hits a flat rounding floor: the fit over the smallest points above it is 3."""
     lrs = np.logspace(-1, -4, 7)
     floor = 1e-9
     remainders = np.maximum(lrs**3, 3e-10)  # the last three are "rounding"
     slope, fitted = fit_above_floor(lrs, remainders, floor)
-    assert slope == pytest.approx(3, rel=1e-9) and len(fitted) == 4
+    assert slope == pytest.approx(3, rel=1e-9) and fitted == pytest.approx(sorted(lrs[1:4]), rel=1e-12)
     assert fit_above_floor(lrs, np.full(7, 1e-12), floor) == (None, [])
     assert fit_above_floor(lrs, lrs**5, floor)[0] is None  # two points above (1e-5, 3e-8): too few to fit
+
+
+def test_fit_above_floor_reads_the_order_where_the_next_one_weighs_least():
+    """r = a η² + b η³ with b/a = 150 over η from 10⁻² to 10⁻⁵: its local slope is 2 + bη/(a + bη),
+    at most 2.015 over the three smallest η, while a fit over all seven reads above 2.1 (the case
+    residual_tanh met at one seed, b/a ≈ 130); a wrong first order, c η + a η², reads about 1."""
+    lrs = np.logspace(-2, -5, 7)
+    slope, fitted = fit_above_floor(lrs, 1.0 * lrs**2 + 150.0 * lrs**3, 0.0)
+    assert 2 < slope <= 2.015 and fitted == pytest.approx(sorted(lrs)[:3], rel=1e-12)
+    assert taylor_slope(lrs, 1.0 * lrs**2 + 150.0 * lrs**3) > 2.1
+    assert abs(fit_above_floor(lrs, 1e-3 * lrs + lrs**2, 0.0)[0] - 1) < 0.05
 
 
 def test_bad_arguments_are_rejected_before_the_forward():
