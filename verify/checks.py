@@ -10,13 +10,17 @@ Tolerances and the error each bounds (u = 2⁻⁵³ ≈ 1.1e-16, float64 unit ro
   its tolerance is TOL + 16 u ‖z‖∞/‖Δz‖∞, computed per check from the measured values.
 * linearity in θ (no O(η²) term): at η = 10 the remainder ‖finite − linear‖∞ / ‖finite‖∞ must be
   within the same rounding bound; a layer with a genuine η² term fails it by orders of magnitude.
-* Taylor order (layers not linear in θ): remainders ‖·‖∞ over three decades of η, each fitted
-  over the FIT_POINTS = 3 smallest η where it stands above the rounding floor F = 10³ u ‖z‖∞ of
-  the real step z(θ+Δθ) − z(θ) (below F the series is float64 noise, whatever its slope; the
-  smallest η above it are where the next order weighs least: a remainder a η² + b η³ has the
-  local slope 2 + bη/(a + bη), and over the whole window residual_tanh at one seed, a ≈ 169 and
-  b ≈ 2·10⁴, read 2.10 while its ratio to η² converged, against 2.003 over the three smallest η;
-  a first order that is wrong leaves c η there, slope 1):
+* Taylor order (layers not linear in θ): remainders ‖·‖∞ measured over three decades of η, each
+  slope fitted over the FIT_POINTS = 3 smallest η where the remainder stands above the rounding
+  floor F = 10³ u ‖z‖∞ of the real step z(θ+Δθ) − z(θ). Below F the series is float64 noise,
+  whatever its slope; above it a point carries at most about 10⁻³ of rounding relative to itself
+  (the real step's rounding is a few u ‖z‖∞), which moves a slope fitted over points half a decade
+  apart by about 10⁻³. The smallest η are where the next order weighs least and a wrong lower
+  order weighs most: a remainder a η² + b η³ has the local slope 2 + bη/(a + bη). Over the whole
+  window residual_tanh at one seed, with a ≈ 169 and b ≈ 2·10⁴, read 2.10 while its ratio to η²
+  converged, and over its three smallest η it reads 2.006. With r = c η + a η² + b η³ at those
+  a and b, a wrong first order reads below 1.9 from about c = 0.3 a η_min, where the whole-window
+  fit let c = 3 a η_min pass. A remainder that is not finite fails the check:
   - first order, finite − predict: the log-log slope must be 2 ± SLOPE_TOL (0.1), fitted over
     ≥ 3 such η (fewer: the layer is linear in θ at these η and should be declared so: fail);
   - with the O(η²) term (``predict_second_order``), finite − predict_second_order: if ≥ 3 η stand
@@ -231,6 +235,11 @@ def check_taylor(derivation: Derivation, sizes: Mapping[str, int], seed: int, lr
         first.append(float((measured.finite - derivation.predict(case, grad, lr)).abs().max()))
         if derivation.predict_second_order is not None:
             second.append(float((measured.finite - derivation.predict_second_order(case, grad, lr)).abs().max()))
+    nonfinite = sum(not math.isfinite(r) for r in (*first, *second))
+    if nonfinite:
+        return _result(derivation, "taylor", sizes, seed, list(lrs), SLOPE_TOL, False,
+                       {"nonfinite_remainders": float(nonfinite)}, math.inf,
+                       detail=f"{nonfinite} remainder(s) not finite: nothing to fit")
     slope, fitted = fit_above_floor(lrs, first, floor)
     if slope is None:
         errors = {"points_above_rounding": float(len(fitted))}

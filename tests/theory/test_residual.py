@@ -2,6 +2,7 @@
 affine block's η² term is exact, and what the affine-like correction leaves inside the block."""
 
 import dataclasses
+import math
 
 import pytest
 import sympy as sp
@@ -120,6 +121,10 @@ def test_affine_block_taylor_check_needs_the_exact_second_order(sizes):
 
     wrong = check_taylor(dataclasses.replace(d, predict_second_order=half), sizes, 0, lrs=d.taylor_lrs)
     assert not wrong.passed and abs(wrong.errors["slope_second_order"] - 2) <= SLOPE_TOL
+    # a second order that is not finite leaves no point above the floor: it fails, not "exact"
+    nan = check_taylor(dataclasses.replace(d, predict_second_order=lambda case, g, lr: half(case, g, lr) * math.nan),
+                       sizes, 0, lrs=d.taylor_lrs)
+    assert not nan.passed and nan.errors == {"nonfinite_remainders": len(d.taylor_lrs)}
 
 
 @settings(max_examples=10)
