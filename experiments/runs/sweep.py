@@ -126,9 +126,10 @@ def keep_freed_memory() -> None:
     unmaps them when freed, so the next allocation of that size faults in fresh zeroed pages. A
     stacked step allocates gradients and activations of K models (tens of MB) every step, and
     those page faults cost as much as the GEMMs: a 48×256×784 float32 ``bmm`` ran at 9 GFLOP/s into
-    fresh memory and at 18-19 GFLOP/s into reused memory (one thread, this machine). With
-    ``M_MMAP_THRESHOLD`` 1 GiB and ``M_TRIM_THRESHOLD`` 2 GiB the heap keeps them: the process's
-    resident memory stays at its peak instead. Changes no number. A no-op without glibc.
+    fresh memory and at 18-19 GFLOP/s into reused memory (one thread, on the project's 2-core
+    machine). With ``M_MMAP_THRESHOLD`` 1 GiB and ``M_TRIM_THRESHOLD`` 2 GiB the heap keeps them:
+    the process's resident memory stays at its peak instead. Changes no number. A no-op without
+    glibc.
     """
     try:
         mallopt = ctypes.CDLL(None).mallopt
