@@ -399,8 +399,9 @@ def measure(arm: str, batch: int, data, rounds: int, seconds: float, members: in
     sizes = sorted(set(stack_sizes))
     split, left_out = [k for k in sizes if k < stacked_models], [k for k in sizes if k >= stacked_models]
     # variant -> (engine class, models, models a stack)
+    engine_kind = stacked_engine(probe)
     kinds = {"alone": (OneAtATime, ONE_AT_A_TIME_MODELS, ONE_AT_A_TIME_MODELS),
-             "stacked": (stacked_engine(probe), stacked_models, stacked_models)}
+             "stacked": (engine_kind, stacked_models, stacked_models)}
     if vmap:
         kinds["vmap"] = (StackedEnsemble, stacked_models, stacked_models)
     if plain:
@@ -408,7 +409,7 @@ def measure(arm: str, batch: int, data, rounds: int, seconds: float, members: in
     if compiled:
         kinds["compiled"] = kinds["stacked"]
     for size in split:
-        kinds[_split_name(size)] = (stacked_engine(probe), stacked_models, size)
+        kinds[_split_name(size)] = (engine_kind, stacked_models, size)
     # variant -> ([(engine, its shuffles) for each stack], models)
     engines = {name: (_stacks(kind, config, data, k, size), k) for name, (kind, k, size) in kinds.items()}
     [(stacked, stacked_orders)] = engines["stacked"][0]
@@ -442,7 +443,10 @@ def measure(arm: str, batch: int, data, rounds: int, seconds: float, members: in
         for kind, (fn, done) in timers.items():  # in every round too: the floor sees the machine's drifts
             rates[kind].append(done / _median_seconds(fn))
         kernels.append(_median_seconds(lambda: replay(calls)) / stacked_models)
-    ratios = [a / s for a, s in zip(per_model["alone"], per_model["stacked"])]
+    def paired(over: str, under: str) -> list[float]:  # each round's time of ``over`` / that of ``under``
+        return [a / b for a, b in zip(per_model[over], per_model[under])]
+
+    ratios = paired("alone", "stacked")
     gemm_rates = [max(rates[library][r] for library in libraries) for r in range(rounds)]
     floors = [flops["gemm"] / gemm_rates[r] + (flops["conv"] / rates["conv"][r] if "conv" in rates else 0.0)
               for r in range(rounds)]
@@ -487,20 +491,20 @@ def measure(arm: str, batch: int, data, rounds: int, seconds: float, members: in
     row["roof_met"] = row["stacked_over_roof"] <= FLOOR_TARGET
     if vmap:
         row["vmap_ms_per_model_step"] = 1e3 * median["vmap"]
-        row["vmap_over_stacked"] = statistics.median(v / s for v, s in zip(per_model["vmap"], per_model["stacked"]))
+        row["vmap_over_stacked"] = statistics.median(paired("vmap", "stacked"))
     for name in ("plain", "compiled"):
         if name in per_model:
             row[f"{name}_ms_per_model_step"] = 1e3 * median[name]
-            row[f"{name}_over_stacked"] = statistics.median(
-                v / s for v, s in zip(per_model[name], per_model["stacked"]))
+            row[f"{name}_over_stacked"] = statistics.median(paired(name, "stacked"))
             row[f"{name}_over_floor"] = over_floor[name]
     row["split"], row["split_left_out"] = [], left_out
     for size in split:
         name = _split_name(size)
-        paired = [s / t for s, t in zip(per_model["stacked"], per_model[name])]  # > 1: the smaller stacks ran faster
+        speedups = paired("stacked", name)  # > 1: the smaller stacks ran faster
         row["split"].append({"max_models_per_stack": size, "stack_sizes": [len(o) for _e, o in engines[name][0]],
-                             "ms_per_model_step": 1e3 * median[name], "speedup_over_stacked": statistics.median(paired),
-                             "speedup_over_stacked_rounds": paired, "over_floor": over_floor[name]})
+                             "ms_per_model_step": 1e3 * median[name],
+                             "speedup_over_stacked": statistics.median(speedups),
+                             "speedup_over_stacked_rounds": speedups, "over_floor": over_floor[name]})
     return row
 
 
@@ -544,11 +548,16 @@ def format_split(row: dict) -> list[str]:
     return lines
 
 
+def row_lines(row: dict) -> list[str]:
+    """A row's line of the table and its ``split`` lines."""
+    return [format_row(row), *format_split(row)]
+
+
 def format_table(rows: list[dict]) -> str:
     """The rows as a fixed-width text table (— where a value does not apply), each followed by its
     ``split`` lines."""
     header = " ".join(format(title, spec.split(".")[0].rstrip("df")) for title, spec, _key in COLUMNS)
-    return "\n".join([header, *(line for row in rows for line in (format_row(row), *format_split(row)))])
+    return "\n".join([header, *(line for row in rows for line in row_lines(row))])
 
 
 CHECK_SETTINGS = dict(dataset="fashion-mnist", method="affine", depth=3, width=128, activation="tanh",
@@ -636,7 +645,7 @@ def main(argv=None) -> int:
         for batch, members in itertools.product(args.batch_sizes or ARMS[arm][1], args.members or [None]):
             rows.append(measure(arm, batch, data, args.rounds, args.seconds, members, args.vmap, args.plain,
                                 args.compiled, args.split))
-            print("\n".join([format_row(rows[-1]), *format_split(rows[-1])]), flush=True)
+            print("\n".join(row_lines(rows[-1])), flush=True)
     checks = []
     for batch in args.checks:
         geometric = None
